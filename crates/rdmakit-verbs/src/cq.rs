@@ -1,0 +1,283 @@
+//! Completion queues: polling, blocking waits and async waits.
+
+use std::collections::HashMap;
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::device::{Context, CtxBackend};
+use crate::error::{Error, Result};
+use crate::inflight::Inflight;
+use crate::soft::cq::SoftCq;
+use crate::wc::WorkCompletion;
+
+/// A completion queue (`struct ibv_cq` with its completion channel).
+///
+/// Polling is thread-safe. Completions come back with the `wr_id` the user gave; reaping a
+/// completion is what releases the buffers of its work request.
+///
+/// Waiting: [`poll`](Self::poll) never blocks; [`wait`](Self::wait) blocks the thread on
+/// the completion channel (verbs) or eventfd (soft NIC); [`next`](Self::next) awaits it on
+/// tokio.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+pub(crate) struct CqInner {
+    pub(crate) ctx: Context,
+    pub(crate) backend: CqBackend,
+    /// QPs whose completions land here. The lock also serialises polling, so completions
+    /// are translated in the order the provider produced them.
+    pub(crate) qps: Mutex<HashMap<u32, Arc<Inflight>>>,
+    capacity: u32,
+    #[cfg(feature = "async")]
+    async_fd: std::sync::OnceLock<tokio::io::unix::AsyncFd<RawFdHandle>>,
+}
+
+pub(crate) enum CqBackend {
+    Soft(Arc<SoftCq>),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Cq),
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue").field("capacity", &self.inner.capacity).finish()
+    }
+}
+
+impl CqBackend {
+    fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        match self {
+            CqBackend::Soft(cq) => cq.poll(out),
+            #[cfg(feature = "verbs")]
+            CqBackend::Verbs(cq) => cq.poll(out),
+        }
+    }
+
+    fn req_notify(&self) -> Result<()> {
+        match self {
+            CqBackend::Soft(cq) => cq.req_notify(),
+            #[cfg(feature = "verbs")]
+            CqBackend::Verbs(cq) => cq.req_notify(),
+        }
+    }
+
+    fn fd(&self) -> Result<RawFd> {
+        match self {
+            CqBackend::Soft(cq) => cq.fd(),
+            #[cfg(feature = "verbs")]
+            CqBackend::Verbs(cq) => Ok(cq.fd()),
+        }
+    }
+
+    /// Consumes the channel's pending events (`ibv_get_cq_event` + `ibv_ack_cq_events`).
+    fn take_events(&self) {
+        match self {
+            CqBackend::Soft(cq) => {
+                cq.take_event();
+            }
+            #[cfg(feature = "verbs")]
+            CqBackend::Verbs(cq) => cq.take_events(),
+        }
+    }
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(ctx: &Context, cqe: u32) -> Result<CompletionQueue> {
+        let max = ctx.attr().max_cqe;
+        if cqe == 0 || cqe > max {
+            return Err(Error::InvalidArgument(format!("CQ size {cqe} must be 1..={max} on {}", ctx.name())));
+        }
+        let (backend, capacity) = match &ctx.inner.backend {
+            CtxBackend::Soft(_) => (CqBackend::Soft(Arc::new(SoftCq::new(cqe))), cqe),
+            #[cfg(feature = "verbs")]
+            CtxBackend::Verbs(c) => {
+                let cq = c.create_cq(cqe)?;
+                let cap = cq.capacity();
+                (CqBackend::Verbs(cq), cap)
+            }
+        };
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx: ctx.clone(),
+                backend,
+                qps: Mutex::new(HashMap::new()),
+                capacity,
+                #[cfg(feature = "async")]
+                async_fd: std::sync::OnceLock::new(),
+            }),
+        })
+    }
+
+    /// How many completions the queue holds (the provider may round the request up).
+    pub fn capacity(&self) -> u32 {
+        self.inner.capacity
+    }
+
+    /// The device.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Moves up to `out.len()` completions into `out` and returns how many. Never blocks.
+    ///
+    /// Completions of a QP that was already destroyed are discarded.
+    ///
+    /// # Errors
+    /// [`Error::CqOverrun`] once the queue has overrun (completions were lost); the error
+    /// is sticky. Other provider failures as [`Error::Os`].
+    #[doc(alias = "ibv_poll_cq")]
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let qps = self.inner.qps.lock().expect("cq registry lock");
+        let n = self.inner.backend.poll(out)?;
+        let mut kept = 0;
+        for i in 0..n {
+            let mut wc = out[i];
+            let known = qps.get(&wc.qp_num).is_some_and(|inf| inf.complete(&mut wc));
+            if known {
+                out[kept] = wc;
+                kept += 1;
+            } else {
+                tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Polls one completion.
+    pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
+        let mut wc = [WorkCompletion::default()];
+        Ok((self.poll(&mut wc)? == 1).then_some(wc[0]))
+    }
+
+    /// Blocks the thread until a completion arrives or `timeout` passes, sleeping on the
+    /// completion channel (no busy polling).
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<WorkCompletion> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(wc) = self.poll_one()? {
+                return Ok(wc);
+            }
+            self.inner.backend.req_notify()?;
+            // A completion may have landed between the poll and arming.
+            if let Some(wc) = self.poll_one()? {
+                return Ok(wc);
+            }
+            let ms = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::Timeout(timeout.unwrap_or_default()));
+                    }
+                    left.as_millis().clamp(1, i32::MAX as u128) as i32
+                }
+            };
+            let mut pfd = libc::pollfd { fd: self.inner.backend.fd()?, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd on the stack, count 1.
+            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(Error::Os { call: "poll", source: e });
+                }
+            }
+            self.inner.backend.take_events();
+        }
+    }
+
+    /// Busy-polls until a completion arrives or `timeout` passes. Lowest latency; burns a
+    /// core.
+    pub fn spin(&self, timeout: Duration) -> Result<WorkCompletion> {
+        let start = Instant::now();
+        loop {
+            if let Some(wc) = self.poll_one()? {
+                return Ok(wc);
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout(timeout));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Awaits the next completion on tokio, woken by the completion channel (verbs) or
+    /// eventfd (soft NIC).
+    ///
+    /// The first call registers the channel with the runtime it runs on; later calls must
+    /// run on the same runtime.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a completion is only taken from the queue in the same step that
+    /// returns it, so dropping the future loses nothing.
+    #[cfg(feature = "async")]
+    pub async fn next(&self) -> Result<WorkCompletion> {
+        let afd = self.async_fd()?;
+        loop {
+            if let Some(wc) = self.poll_one()? {
+                return Ok(wc);
+            }
+            self.inner.backend.req_notify()?;
+            if let Some(wc) = self.poll_one()? {
+                return Ok(wc);
+            }
+            let mut guard = afd
+                .readable()
+                .await
+                .map_err(|source| Error::Os { call: "AsyncFd::readable", source })?;
+            self.inner.backend.take_events();
+            guard.clear_ready();
+        }
+    }
+
+    #[cfg(feature = "async")]
+    fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<RawFdHandle>> {
+        if let Some(a) = self.inner.async_fd.get() {
+            return Ok(a);
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::InvalidArgument("CompletionQueue::next needs a tokio runtime".into()));
+        }
+        let fd = self.inner.backend.fd()?;
+        // SAFETY: the fd belongs to this CQ's provider object (completion channel or
+        // eventfd), which closes it only when `CqInner` drops; `CqInner`'s `Drop` drops the
+        // `AsyncFd` first, and a leaked `CqInner` leaks both. So the fd stays open and the
+        // same for the `AsyncFd`'s whole life.
+        let afd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(RawFdHandle(fd), tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })?;
+        // A racing caller may have set it first; theirs wins and ours deregisters on drop.
+        let _ = self.inner.async_fd.set(afd);
+        Ok(self.inner.async_fd.get().expect("just set"))
+    }
+
+    pub(crate) fn register(&self, qpn: u32, inflight: Arc<Inflight>) {
+        self.inner.qps.lock().expect("cq registry lock").insert(qpn, inflight);
+    }
+
+    pub(crate) fn unregister(&self, qpn: u32) {
+        self.inner.qps.lock().expect("cq registry lock").remove(&qpn);
+    }
+}
+
+/// The channel fd as `AsyncFd` sees it; the CQ's provider object owns and closes it.
+#[cfg(feature = "async")]
+pub(crate) struct RawFdHandle(RawFd);
+
+#[cfg(feature = "async")]
+impl std::os::fd::AsRawFd for RawFdHandle {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        // Deregister the fd from the reactor before the provider closes it.
+        #[cfg(feature = "async")]
+        drop(self.async_fd.take());
+    }
+}

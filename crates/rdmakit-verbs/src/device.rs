@@ -1,0 +1,201 @@
+//! Devices: listing, opening (by name, by provider, or the environment's choice).
+
+use std::sync::Arc;
+
+use crate::cq::CompletionQueue;
+use crate::dm::DeviceMemory;
+use crate::error::{Error, Result};
+use crate::pd::ProtectionDomain;
+use crate::soft::{self, SoftConfig, SoftDevice};
+use crate::types::{DeviceAttr, ProviderKind};
+
+/// Environment variable choosing the provider: `soft`, `verbs` or `auto` (default).
+pub const PROVIDER_ENV: &str = "RDMAKIT_PROVIDER";
+/// Environment variable naming the device to open (e.g. `mlx5_0`, `rxe0`, `soft0`).
+pub const DEVICE_ENV: &str = "RDMAKIT_DEVICE";
+
+/// A device that can be opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device name.
+    pub name: String,
+    /// Provider behind it.
+    pub provider: ProviderKind,
+}
+
+/// Lists the devices of both providers: every verbs device rdma-core reports (none on a
+/// machine without RDMA support: that is not an error) and the soft NIC's `soft0`.
+pub fn devices() -> Vec<DeviceInfo> {
+    let mut v = Vec::new();
+    #[cfg(feature = "verbs")]
+    if let Ok(names) = crate::rdma::device_names() {
+        v.extend(names.into_iter().map(|name| DeviceInfo { name, provider: ProviderKind::Verbs }));
+    }
+    v.push(DeviceInfo { name: soft::DEFAULT_NAME.into(), provider: ProviderKind::Soft });
+    v
+}
+
+/// Why no verbs device can be used here, or `None` if at least one exists.
+///
+/// Tests and tools print this when they skip the verbs provider.
+pub fn verbs_unavailable_reason() -> Option<String> {
+    #[cfg(feature = "verbs")]
+    {
+        match crate::rdma::device_names() {
+            Ok(names) if !names.is_empty() => None,
+            Ok(_) => Some("rdma-core reports no verbs devices".into()),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+    #[cfg(not(feature = "verbs"))]
+    {
+        Some("rdmakit was built without the `verbs` feature".into())
+    }
+}
+
+/// An open device: the root of every other object (`struct ibv_context`).
+///
+/// Cloning is cheap (an `Arc`). Children keep their parent alive, so objects can be dropped
+/// in any order.
+///
+/// # Examples
+/// ```
+/// use rdmakit_verbs::{Context, ProviderKind};
+/// let ctx = Context::open_soft();
+/// assert_eq!(ctx.provider(), ProviderKind::Soft);
+/// println!("{} can hold {} bytes of device memory", ctx.name(), ctx.attr().max_dm_size);
+/// ```
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) backend: CtxBackend,
+    pub(crate) attr: DeviceAttr,
+}
+
+pub(crate) enum CtxBackend {
+    Soft(Arc<SoftDevice>),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Context),
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("name", &self.inner.attr.name)
+            .field("provider", &self.inner.attr.provider)
+            .finish()
+    }
+}
+
+impl Context {
+    /// Opens the device the environment asks for.
+    ///
+    /// `RDMAKIT_PROVIDER=soft` opens the soft NIC; `verbs` opens a verbs device (an error
+    /// if there is none); unset or `auto` opens a verbs device if one exists, else the soft
+    /// NIC. `RDMAKIT_DEVICE` names the device.
+    pub fn open_default() -> Result<Context> {
+        let provider = std::env::var(PROVIDER_ENV).unwrap_or_default();
+        let device = std::env::var(DEVICE_ENV).ok().filter(|d| !d.is_empty());
+        match provider.as_str() {
+            "soft" => match device {
+                Some(name) => Context::open(&name),
+                None => Ok(Context::open_soft()),
+            },
+            "verbs" => Context::open_verbs(device.as_deref()),
+            "" | "auto" => {
+                if let Some(name) = device {
+                    return Context::open(&name);
+                }
+                match Context::open_verbs(None) {
+                    Err(e @ (Error::NoDevice { .. } | Error::ProviderUnavailable(_))) => {
+                        tracing::debug!(reason = %e, "no verbs device; using the soft NIC");
+                        Ok(Context::open_soft())
+                    }
+                    other => other,
+                }
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "{PROVIDER_ENV}={other:?}: expected `soft`, `verbs` or `auto`"
+            ))),
+        }
+    }
+
+    /// Opens a device by name: `soft0` is the soft NIC, anything else a verbs device.
+    pub fn open(name: &str) -> Result<Context> {
+        if name == soft::DEFAULT_NAME {
+            return Ok(Context::open_soft());
+        }
+        Context::open_verbs(Some(name))
+    }
+
+    /// Opens the process-wide soft NIC `soft0` (default [`SoftConfig`]).
+    pub fn open_soft() -> Context {
+        Context::from_soft(SoftDevice::default_device())
+    }
+
+    /// Creates a new, independent soft NIC device with its own settings (for example a
+    /// different device-memory capacity). It can connect to every other soft device in
+    /// the process.
+    pub fn open_soft_with(config: SoftConfig) -> Result<Context> {
+        Ok(Context::from_soft(SoftDevice::new_device(config)?))
+    }
+
+    fn from_soft(dev: Arc<SoftDevice>) -> Context {
+        let attr = dev.attr();
+        Context { inner: Arc::new(ContextInner { backend: CtxBackend::Soft(dev), attr }) }
+    }
+
+    /// Opens a verbs device by name, or the first one.
+    pub fn open_verbs(name: Option<&str>) -> Result<Context> {
+        #[cfg(feature = "verbs")]
+        {
+            let ctx = crate::rdma::Context::open(name)?;
+            let attr = ctx.query()?;
+            Ok(Context { inner: Arc::new(ContextInner { backend: CtxBackend::Verbs(ctx), attr }) })
+        }
+        #[cfg(not(feature = "verbs"))]
+        {
+            let _ = name;
+            Err(Error::ProviderUnavailable("verbs"))
+        }
+    }
+
+    /// The device's attributes.
+    pub fn attr(&self) -> &DeviceAttr {
+        &self.inner.attr
+    }
+
+    /// Device name.
+    pub fn name(&self) -> &str {
+        &self.inner.attr.name
+    }
+
+    /// Which provider runs this device.
+    pub fn provider(&self) -> ProviderKind {
+        self.inner.attr.provider
+    }
+
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    #[doc(alias = "ibv_alloc_pd")]
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        ProtectionDomain::new(self)
+    }
+
+    /// Creates a completion queue with room for at least `cqe` completions
+    /// (`ibv_create_cq`, with a completion channel for async waiting).
+    #[doc(alias = "ibv_create_cq")]
+    pub fn create_cq(&self, cqe: u32) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, cqe)
+    }
+
+    /// Allocates `len` bytes of device memory (`ibv_alloc_dm`). Fails cleanly with
+    /// [`Error::DeviceMemoryExhausted`] or [`Error::Unsupported`] when the device has too
+    /// little or none (rxe has none).
+    #[doc(alias = "ibv_alloc_dm")]
+    pub fn alloc_dm(&self, len: u64) -> Result<DeviceMemory> {
+        DeviceMemory::new(self, len)
+    }
+}

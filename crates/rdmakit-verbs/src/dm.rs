@@ -1,0 +1,119 @@
+//! Device memory (`ibv_alloc_dm`): bytes on the NIC itself (mlx5 MEMIC), reachable by the
+//! CPU only through copy calls, and by the NIC without a PCIe round trip.
+
+use std::sync::Arc;
+
+use crate::device::{Context, CtxBackend};
+use crate::error::{Error, Result};
+use crate::soft::dm::SoftDm;
+
+/// An allocation of device memory. Freed when the last handle (and every memory region
+/// registered on it) is dropped.
+///
+/// # Examples
+/// ```
+/// use rdmakit_verbs::{AccessFlags, Context};
+/// let ctx = Context::open_soft();
+/// let dm = ctx.alloc_dm(64)?;
+/// dm.copy_to(0, &42u64.to_ne_bytes())?;
+/// let mr = ctx.alloc_pd()?.register_dm(&dm, 0, 64, AccessFlags::ALL_REMOTE)?;
+/// assert_eq!(mr.addr(), 0); // zero-based
+/// assert_eq!(mr.read_u64(0)?, 42);
+/// # Ok::<(), rdmakit_verbs::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct DeviceMemory {
+    pub(crate) inner: Arc<DmInner>,
+}
+
+pub(crate) struct DmInner {
+    pub(crate) ctx: Context,
+    pub(crate) len: u64,
+    pub(crate) backend: DmBackend,
+}
+
+pub(crate) enum DmBackend {
+    Soft(Arc<SoftDm>),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Dm),
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory").field("len", &self.inner.len).finish()
+    }
+}
+
+impl DeviceMemory {
+    pub(crate) fn new(ctx: &Context, len: u64) -> Result<DeviceMemory> {
+        let max = ctx.attr().max_dm_size;
+        if max == 0 {
+            return Err(Error::Unsupported(format!("{} has no device memory (max_dm_size = 0)", ctx.name())));
+        }
+        if len == 0 {
+            return Err(Error::InvalidArgument("device memory length must be non-zero".into()));
+        }
+        if len > max {
+            return Err(Error::DeviceMemoryExhausted { requested: len, available: max, capacity: max });
+        }
+        let backend = match &ctx.inner.backend {
+            CtxBackend::Soft(dev) => DmBackend::Soft(Arc::new(SoftDm::alloc(dev, len)?)),
+            #[cfg(feature = "verbs")]
+            CtxBackend::Verbs(c) => DmBackend::Verbs(c.alloc_dm(len, max)?),
+        };
+        Ok(DeviceMemory { inner: Arc::new(DmInner { ctx: ctx.clone(), len, backend }) })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Always false: allocations have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<()> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.inner.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what: "device memory",
+                offset,
+                len: len as u64,
+                size: self.inner.len,
+            }),
+        }
+    }
+
+    /// Copies `data` into device memory at `offset` (`ibv_memcpy_to_dm`).
+    #[doc(alias = "ibv_memcpy_to_dm")]
+    pub fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        match &self.inner.backend {
+            DmBackend::Soft(dm) => {
+                // SAFETY: in bounds of the allocation (checked), which `dm` keeps alive; DM
+                // bytes are only accessed through `shared_mem`.
+                unsafe { crate::shared_mem::copy(data.as_ptr(), dm.ptr().add(offset as usize), data.len()) };
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            DmBackend::Verbs(dm) => dm.copy_to(offset, data),
+        }
+    }
+
+    /// Copies from device memory at `offset` into `out` (`ibv_memcpy_from_dm`).
+    #[doc(alias = "ibv_memcpy_from_dm")]
+    pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        match &self.inner.backend {
+            DmBackend::Soft(dm) => {
+                // SAFETY: as in `copy_to`.
+                unsafe { crate::shared_mem::copy(dm.ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            DmBackend::Verbs(dm) => dm.copy_from(offset, out),
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! Typed errors. Verbs has three failure channels, all mapped here once:
+//! a NULL return with `errno` (`ibv_reg_mr`), an errno returned directly (`ibv_post_send`,
+//! `ibv_modify_qp`), and a work completion whose status is not `IBV_WC_SUCCESS`.
+
+use std::fmt;
+use std::io;
+
+use crate::qp::QpState;
+use crate::wc::WcOpcode;
+
+/// A work completion status, `enum ibv_wc_status`, as a transparent newtype.
+///
+/// Unknown values (a newer provider, a vendor extension) are kept as they are, never
+/// turned into a panic; [`WcStatus::name`] gives the verbs spelling.
+#[doc(alias = "ibv_wc_status")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct WcStatus(pub u32);
+
+macro_rules! wc_statuses {
+    ($($(#[$doc:meta])* $name:ident = $val:expr, $cname:literal;)*) => {
+        impl WcStatus {
+            $( $(#[$doc])* #[doc(alias = $cname)] pub const $name: WcStatus = WcStatus($val); )*
+
+            /// The verbs name of this status (`"IBV_WC_REM_ACCESS_ERR"`), or `None` if the
+            /// value is not one libibverbs defines.
+            pub fn name(self) -> Option<&'static str> {
+                match self.0 {
+                    $( $val => Some($cname), )*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+wc_statuses! {
+    /// The operation completed successfully.
+    SUCCESS = 0, "IBV_WC_SUCCESS";
+    /// Local length error: a receive buffer too small for the incoming message.
+    LOC_LEN_ERR = 1, "IBV_WC_LOC_LEN_ERR";
+    /// Local QP operation error: an internal consistency error, e.g. inline data too long.
+    LOC_QP_OP_ERR = 2, "IBV_WC_LOC_QP_OP_ERR";
+    /// Local EE context operation error (RD only).
+    LOC_EEC_OP_ERR = 3, "IBV_WC_LOC_EEC_OP_ERR";
+    /// Local protection error: a local buffer's lkey, bounds or access flags do not allow
+    /// the operation.
+    LOC_PROT_ERR = 4, "IBV_WC_LOC_PROT_ERR";
+    /// Work request flushed: the QP was in the error state.
+    WR_FLUSH_ERR = 5, "IBV_WC_WR_FLUSH_ERR";
+    /// Memory window bind error.
+    MW_BIND_ERR = 6, "IBV_WC_MW_BIND_ERR";
+    /// Bad response from the responder.
+    BAD_RESP_ERR = 7, "IBV_WC_BAD_RESP_ERR";
+    /// Local access error (a protection error on an incoming RDMA write with immediate).
+    LOC_ACCESS_ERR = 8, "IBV_WC_LOC_ACCESS_ERR";
+    /// Remote invalid request: the responder rejected the request (e.g. a message longer
+    /// than its receive buffer, a misaligned atomic).
+    REM_INV_REQ_ERR = 9, "IBV_WC_REM_INV_REQ_ERR";
+    /// Remote access error: bad rkey, out-of-bounds address or missing remote access flag.
+    REM_ACCESS_ERR = 10, "IBV_WC_REM_ACCESS_ERR";
+    /// Remote operation error: the responder could not complete the operation.
+    REM_OP_ERR = 11, "IBV_WC_REM_OP_ERR";
+    /// Transport retry counter exceeded: the peer did not answer (dead, or QP gone).
+    RETRY_EXC_ERR = 12, "IBV_WC_RETRY_EXC_ERR";
+    /// RNR retry counter exceeded: the peer had no receive posted for too long.
+    RNR_RETRY_EXC_ERR = 13, "IBV_WC_RNR_RETRY_EXC_ERR";
+    /// Local RDD violation (RD only).
+    LOC_RDD_VIOL_ERR = 14, "IBV_WC_LOC_RDD_VIOL_ERR";
+    /// Remote invalid RD request.
+    REM_INV_RD_REQ_ERR = 15, "IBV_WC_REM_INV_RD_REQ_ERR";
+    /// Remote aborted.
+    REM_ABORT_ERR = 16, "IBV_WC_REM_ABORT_ERR";
+    /// Invalid EE context number.
+    INV_EECN_ERR = 17, "IBV_WC_INV_EECN_ERR";
+    /// Invalid EE context state.
+    INV_EEC_STATE_ERR = 18, "IBV_WC_INV_EEC_STATE_ERR";
+    /// Fatal error.
+    FATAL_ERR = 19, "IBV_WC_FATAL_ERR";
+    /// Response timeout.
+    RESP_TIMEOUT_ERR = 20, "IBV_WC_RESP_TIMEOUT_ERR";
+    /// General error.
+    GENERAL_ERR = 21, "IBV_WC_GENERAL_ERR";
+    /// Tag matching error.
+    TM_ERR = 22, "IBV_WC_TM_ERR";
+    /// Tag matching rendezvous incomplete.
+    TM_RNDV_INCOMPLETE = 23, "IBV_WC_TM_RNDV_INCOMPLETE";
+}
+
+impl WcStatus {
+    /// True for `IBV_WC_SUCCESS`.
+    pub fn is_success(self) -> bool {
+        self == WcStatus::SUCCESS
+    }
+}
+
+impl fmt::Debug for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => f.write_str(n),
+            None => write!(f, "WcStatus({})", self.0),
+        }
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Every error rdmakit's verbs layer returns.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No device of the requested provider exists on this machine. This is a normal
+    /// condition (no RDMA NIC, no `rdma_rxe`), not a bug.
+    #[error("no RDMA device available ({provider}): {reason}")]
+    NoDevice {
+        /// Provider that was asked.
+        provider: &'static str,
+        /// Why, e.g. "ibv_get_device_list: Function not implemented (os error 38)".
+        reason: String,
+    },
+    /// A device with this name does not exist.
+    #[error("RDMA device `{0}` not found")]
+    DeviceNotFound(String),
+    /// The provider was not compiled in (the `verbs` cargo feature is off).
+    #[error("provider `{0}` is not built into this binary")]
+    ProviderUnavailable(&'static str),
+    /// A verbs call (or its soft twin) failed with an OS error.
+    #[error("{call} failed: {source}")]
+    Os {
+        /// The C function, e.g. `"ibv_reg_mr"`.
+        call: &'static str,
+        /// The errno it reported.
+        #[source]
+        source: io::Error,
+    },
+    /// An argument was rejected before reaching the device.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A local offset/length pair does not fit in its region.
+    #[error("range {offset}..{offset}+{len} is out of bounds of a {size}-byte {what}")]
+    OutOfBounds {
+        /// What was indexed ("memory region", "device memory", ...).
+        what: &'static str,
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Size of the object.
+        size: u64,
+    },
+    /// A work request completed with an error status.
+    #[error("work request {wr_id:#x} ({opcode:?}) completed with {status}")]
+    Completion {
+        /// Verbs status of the completion.
+        status: WcStatus,
+        /// The user's `wr_id`.
+        wr_id: u64,
+        /// The operation, when the provider reports it (not for flushed requests).
+        opcode: WcOpcode,
+    },
+    /// The send or receive queue has no free slot (`max_send_wr`/`max_recv_wr` requests
+    /// are outstanding; unsignalled requests are reclaimed only by a later signalled one).
+    #[error("{queue} queue full: {depth} work requests outstanding")]
+    QueueFull {
+        /// "send" or "receive".
+        queue: &'static str,
+        /// The queue's depth.
+        depth: u32,
+    },
+    /// Posting a list of work requests stopped part-way: `posted` of them were posted (and
+    /// will complete), the rest were not.
+    #[error("post failed after {posted} work requests were posted: {source}")]
+    Post {
+        /// How many work requests from the start of the list were accepted.
+        posted: usize,
+        /// Why the next one was refused.
+        #[source]
+        source: Box<Error>,
+    },
+    /// More completions arrived than the completion queue can hold; completions were lost,
+    /// the CQ is in error and the QPs attached to it were moved to the error state.
+    #[error("completion queue overrun (capacity {capacity}); completions were lost")]
+    CqOverrun {
+        /// The CQ's capacity.
+        capacity: u32,
+    },
+    /// The operation is not allowed in the QP's current state.
+    #[error("queue pair {qp_num:#x} is in state {state:?}; cannot {op}")]
+    QpState {
+        /// QP number.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+        /// What was attempted.
+        op: &'static str,
+    },
+    /// Device memory could not be allocated.
+    #[error("device memory exhausted: {requested} bytes requested, {available} of {capacity} free")]
+    DeviceMemoryExhausted {
+        /// Requested length.
+        requested: u64,
+        /// Largest free block at the time.
+        available: u64,
+        /// Total device memory.
+        capacity: u64,
+    },
+    /// The device or provider does not support the feature.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// A waiting call gave up.
+    #[error("timed out after {0:?}")]
+    Timeout(std::time::Duration),
+    /// An object is still used by outstanding work (e.g. `into_inner` on a region that a
+    /// work request still references).
+    #[error("{0} is still in use by outstanding work requests")]
+    Busy(&'static str),
+    /// A descriptor received from a peer could not be decoded.
+    #[error("malformed {what}: {reason}")]
+    Malformed {
+        /// What was being decoded.
+        what: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl Error {
+    /// The last OS error, attributed to `call`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn last_os(call: &'static str) -> Error {
+        Error::Os { call, source: io::Error::last_os_error() }
+    }
+
+    /// An errno value returned directly by `call`.
+    pub(crate) fn errno(call: &'static str, errno: i32) -> Error {
+        Error::Os { call, source: io::Error::from_raw_os_error(errno) }
+    }
+
+    /// The verbs status, if this error is a failed work completion.
+    pub fn wc_status(&self) -> Option<WcStatus> {
+        match self {
+            Error::Completion { status, .. } => Some(*status),
+            Error::Post { source, .. } => source.wc_status(),
+            _ => None,
+        }
+    }
+
+    /// The OS errno, if this error carries one.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Os { source, .. } => source.raw_os_error(),
+            Error::Post { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// `Result` with rdmakit's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_status_is_kept_not_panicking() {
+        let s = WcStatus(4242);
+        assert_eq!(s.name(), None);
+        assert_eq!(format!("{s:?}"), "WcStatus(4242)");
+        assert_eq!(WcStatus::REM_ACCESS_ERR.name(), Some("IBV_WC_REM_ACCESS_ERR"));
+        assert_eq!(WcStatus(10), WcStatus::REM_ACCESS_ERR);
+    }
+
+    #[test]
+    fn errors_carry_context() {
+        let e = Error::Completion {
+            status: WcStatus::REM_ACCESS_ERR,
+            wr_id: 7,
+            opcode: WcOpcode::RDMA_WRITE,
+        };
+        assert_eq!(e.wc_status(), Some(WcStatus::REM_ACCESS_ERR));
+        let msg = e.to_string();
+        assert!(msg.contains("IBV_WC_REM_ACCESS_ERR") && msg.contains("0x7"), "{msg}");
+        let p = Error::Post { posted: 2, source: Box::new(Error::errno("ibv_post_send", 12)) };
+        assert_eq!(p.raw_os_error(), Some(12));
+    }
+}

@@ -1,0 +1,153 @@
+//! The in-flight table: what keeps buffers alive while the NIC may touch them.
+//!
+//! Every posted work request gets a slot holding a clone of its local memory region and
+//! the user's `wr_id`; the provider sees only a sequence number. The slot is released when
+//! the completion is reaped from the CQ (success, error or flush), or when the QP is
+//! destroyed (after which the NIC no longer touches its buffers). Dropping or leaking any
+//! user-side object therefore never frees memory under the NIC.
+//!
+//! Send and receive queues complete in order on an RC QP, so each queue is a FIFO:
+//! a completion for sequence number `s` also retires the unsignalled requests before it.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::wc::WorkCompletion;
+
+/// Bit 63 of the provider-visible `wr_id` marks receive requests.
+const RECV_BIT: u64 = 1 << 63;
+
+struct Slot {
+    seq: u64,
+    user_wr_id: u64,
+    /// Keeps the local buffer registered and allocated until the request completes.
+    _mr: Option<MemoryRegion>,
+}
+
+pub(crate) struct Queues {
+    send: VecDeque<Slot>,
+    recv: VecDeque<Slot>,
+    next_seq: u64,
+    max_send: u32,
+    max_recv: u32,
+}
+
+pub(crate) struct Inflight {
+    pub(crate) q: Mutex<Queues>,
+}
+
+impl Inflight {
+    pub fn new(max_send: u32, max_recv: u32) -> Inflight {
+        Inflight {
+            q: Mutex::new(Queues {
+                send: VecDeque::with_capacity(max_send as usize),
+                recv: VecDeque::with_capacity(max_recv as usize),
+                next_seq: 1,
+                max_send,
+                max_recv,
+            }),
+        }
+    }
+
+    /// Maps a completion's provider `wr_id` back to the user's and releases the slots it
+    /// retires. Returns false if no slot matched (a completion of a destroyed QP).
+    pub fn complete(&self, wc: &mut WorkCompletion) -> bool {
+        let mut q = self.q.lock().expect("inflight lock");
+        let recv = wc.wr_id & RECV_BIT != 0;
+        let seq = wc.wr_id & !RECV_BIT;
+        let fifo = if recv { &mut q.recv } else { &mut q.send };
+        while let Some(front) = fifo.front() {
+            if front.seq > seq {
+                break;
+            }
+            let slot = fifo.pop_front().expect("front exists");
+            if slot.seq == seq {
+                wc.wr_id = slot.user_wr_id;
+                return true;
+            }
+            // An earlier unsignalled request, retired by this later completion.
+        }
+        false
+    }
+
+    /// Number of outstanding (send, receive) requests.
+    pub fn outstanding(&self) -> (usize, usize) {
+        let q = self.q.lock().expect("inflight lock");
+        (q.send.len(), q.recv.len())
+    }
+}
+
+impl Queues {
+    /// Reserves a send slot; returns the provider `wr_id`.
+    pub fn push_send(&mut self, user_wr_id: u64, mr: Option<MemoryRegion>) -> Result<u64> {
+        if self.send.len() >= self.max_send as usize {
+            return Err(Error::QueueFull { queue: "send", depth: self.max_send });
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.send.push_back(Slot { seq, user_wr_id, _mr: mr });
+        Ok(seq)
+    }
+
+    /// Reserves a receive slot; returns the provider `wr_id`.
+    pub fn push_recv(&mut self, user_wr_id: u64, mr: Option<MemoryRegion>) -> Result<u64> {
+        if self.recv.len() >= self.max_recv as usize {
+            return Err(Error::QueueFull { queue: "receive", depth: self.max_recv });
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.recv.push_back(Slot { seq, user_wr_id, _mr: mr });
+        Ok(seq | RECV_BIT)
+    }
+
+    /// Drops the newest `n` send slots (requests the provider refused).
+    pub fn unpush_send(&mut self, n: usize) {
+        let keep = self.send.len().saturating_sub(n);
+        self.send.truncate(keep);
+    }
+
+    /// Drops the newest `n` receive slots.
+    pub fn unpush_recv(&mut self, n: usize) {
+        let keep = self.recv.len().saturating_sub(n);
+        self.recv.truncate(keep);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signalled_completion_retires_earlier_unsignalled() {
+        let inf = Inflight::new(8, 8);
+        let ids: Vec<u64> = {
+            let mut q = inf.q.lock().unwrap();
+            (0..3).map(|i| q.push_send(100 + i, None).unwrap()).collect()
+        };
+        let mut wc = WorkCompletion { wr_id: ids[2], ..Default::default() };
+        assert!(inf.complete(&mut wc));
+        assert_eq!(wc.wr_id, 102);
+        assert_eq!(inf.outstanding(), (0, 0));
+    }
+
+    #[test]
+    fn queue_depth_is_enforced_and_recv_is_separate() {
+        let inf = Inflight::new(2, 1);
+        let mut q = inf.q.lock().unwrap();
+        q.push_send(1, None).unwrap();
+        q.push_send(2, None).unwrap();
+        assert!(matches!(q.push_send(3, None), Err(Error::QueueFull { queue: "send", depth: 2 })));
+        let r = q.push_recv(9, None).unwrap();
+        assert!(q.push_recv(10, None).is_err());
+        q.unpush_send(1);
+        assert_eq!(q.send.len(), 1);
+        drop(q);
+        let mut wc = WorkCompletion { wr_id: r, ..Default::default() };
+        assert!(inf.complete(&mut wc));
+        assert_eq!(wc.wr_id, 9);
+        let mut stray = WorkCompletion { wr_id: 999, ..Default::default() };
+        assert!(!inf.complete(&mut stray));
+    }
+}

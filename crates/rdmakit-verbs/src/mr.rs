@@ -1,0 +1,526 @@
+//! Memory regions: registered bytes the NIC may read and write.
+//!
+//! A region *owns* its memory (allocated by rdmakit, or a `Vec<u8>` given to it), is
+//! byte-only, and never hands out `&[u8]`/`&mut [u8]` in safe code: the NIC or a peer may
+//! write it at any moment, so the CPU reads and writes it with copies ([`read_at`],
+//! [`write_at`]) that are sound under concurrent access. Work requests hold a clone of the
+//! region until their completion is reaped, so the memory outlives every request that
+//! references it, whatever the application drops or leaks.
+//!
+//! [`read_at`]: MemoryRegion::read_at
+//! [`write_at`]: MemoryRegion::write_at
+
+use std::alloc::Layout;
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::device::CtxBackend;
+use crate::dm::{DeviceMemory, DmBackend};
+use crate::error::{Error, Result};
+use crate::pd::{PdBackend, ProtectionDomain};
+use crate::shared_mem;
+use crate::types::{AccessFlags, RemoteRegion};
+
+/// Bytes owned by a memory region.
+pub(crate) struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    owner: Owner,
+}
+
+enum Owner {
+    Alloc(Layout),
+    Vec { cap: usize },
+}
+
+// SAFETY: the buffer is plain heap memory owned by this value; its bytes are accessed only
+// through `shared_mem` (byte-wise atomic) or by the NIC, never through references, so
+// sharing and sending it across threads is sound.
+unsafe impl Send for HostBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    fn alloc(len: usize) -> Result<HostBuffer> {
+        let layout = Layout::from_size_align(len.max(1), 4096)
+            .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| Error::Os {
+            call: "alloc",
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        Ok(HostBuffer { ptr, len, owner: Owner::Alloc(layout) })
+    }
+
+    fn from_vec(v: Vec<u8>) -> HostBuffer {
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let (len, cap) = (v.len(), v.capacity());
+        let ptr = NonNull::new(v.as_mut_ptr()).expect("Vec pointer is non-null");
+        HostBuffer { ptr, len, owner: Owner::Vec { cap } }
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        let me = std::mem::ManuallyDrop::new(self);
+        match me.owner {
+            // SAFETY: these are exactly the parts `from_vec` took apart, and `me` will not
+            // be dropped, so the vector is reassembled once.
+            Owner::Vec { cap } => unsafe { Vec::from_raw_parts(me.ptr.as_ptr(), me.len, cap) },
+            Owner::Alloc(layout) => {
+                let mut v = vec![0u8; me.len];
+                // SAFETY: `me.ptr` is valid for `len` bytes; `v` is private.
+                unsafe { shared_mem::copy(me.ptr.as_ptr(), v.as_mut_ptr(), me.len) };
+                // SAFETY: allocated in `alloc` with this layout, freed once here.
+                unsafe { std::alloc::dealloc(me.ptr.as_ptr(), layout) };
+                v
+            }
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        match self.owner {
+            // SAFETY: allocated in `alloc` with this layout; dropped once.
+            Owner::Alloc(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
+            // SAFETY: the parts of a `Vec<u8>` taken apart in `from_vec`.
+            Owner::Vec { cap } => drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap) }),
+        }
+    }
+}
+
+/// Where a region's bytes live.
+pub(crate) enum MrMemory {
+    Host(Arc<HostBuffer>),
+    Device { dm: DeviceMemory, offset: u64 },
+    /// Exported by another driver (GPU); no CPU access.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    DmaBuf,
+}
+
+pub(crate) enum MrBackend {
+    Soft { device: Arc<crate::soft::SoftDevice>, key: u32 },
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Mr),
+}
+
+pub(crate) struct MrInner {
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) mem: MrMemory,
+    // Dropped before `mem` (field order): deregistration precedes freeing the memory.
+    pub(crate) backend: MrBackend,
+    pub(crate) access: AccessFlags,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        match &self.backend {
+            MrBackend::Soft { device, key } => {
+                device.mrs.deregister(*key);
+            }
+            #[cfg(feature = "verbs")]
+            MrBackend::Verbs(_) => {} // `rdma::Mr`'s own Drop calls ibv_dereg_mr.
+        }
+    }
+}
+
+/// A registered memory region (`struct ibv_mr`).
+///
+/// Cloning is cheap and shares the registration; it is deregistered when the last clone,
+/// including those held by in-flight work requests, is dropped.
+#[derive(Clone)]
+pub struct MemoryRegion {
+    pub(crate) inner: Arc<MrInner>,
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.inner.addr))
+            .field("len", &self.inner.len)
+            .field("lkey", &format_args!("{:#x}", self.inner.lkey))
+            .field("rkey", &format_args!("{:#x}", self.inner.rkey))
+            .field("access", &self.inner.access)
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    pub(crate) fn alloc(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
+        }
+        MemoryRegion::register_host(pd, HostBuffer::alloc(len)?, access)
+    }
+
+    pub(crate) fn from_vec(pd: &ProtectionDomain, v: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
+        if v.is_empty() {
+            return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
+        }
+        MemoryRegion::register_host(pd, HostBuffer::from_vec(v), access)
+    }
+
+    fn register_host(pd: &ProtectionDomain, buf: HostBuffer, access: AccessFlags) -> Result<MemoryRegion> {
+        access.validate()?;
+        if access.contains(AccessFlags::ZERO_BASED) {
+            return Err(Error::InvalidArgument("ZERO_BASED applies to device memory regions".into()));
+        }
+        let buf = Arc::new(buf);
+        let (ptr, len) = (buf.ptr(), buf.len);
+        let addr = ptr as u64;
+        let (backend, lkey, rkey) = match &pd.inner.backend {
+            PdBackend::Soft(pd_id) => {
+                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                let CtxBackend::Soft(device) = &pd.inner.ctx.inner.backend else {
+                    unreachable!("soft PD on a soft context")
+                };
+                let keep: Arc<dyn Any + Send + Sync> = buf.clone();
+                // SAFETY: `ptr` is valid for `len` bytes while `keep` (the buffer) lives, and
+                // rdmakit accesses registered memory only through `shared_mem`.
+                let key = unsafe { device.mrs.register(*pd_id, addr, len as u64, access, ptr, keep) };
+                (MrBackend::Soft { device: device.clone(), key }, key, key)
+            }
+            #[cfg(feature = "verbs")]
+            PdBackend::Verbs(vpd) => {
+                // SAFETY: the buffer outlives the registration: `MrInner` drops `backend`
+                // (deregistering) before `mem`, and holds `mem` (an `Arc` of the buffer).
+                let mr = unsafe { vpd.reg_mr(ptr, len, access)? };
+                let (l, r) = (mr.lkey(), mr.rkey());
+                (MrBackend::Verbs(mr), l, r)
+            }
+        };
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner {
+                pd: pd.clone(),
+                mem: MrMemory::Host(buf),
+                backend,
+                access,
+                addr,
+                len: len as u64,
+                lkey,
+                rkey,
+            }),
+        })
+    }
+
+    pub(crate) fn from_dm(
+        pd: &ProtectionDomain,
+        dm: &DeviceMemory,
+        offset: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        access.validate()?;
+        if len == 0 || offset.checked_add(len).is_none_or(|e| e > dm.len()) {
+            return Err(Error::OutOfBounds { what: "device memory", offset, len, size: dm.len() });
+        }
+        if !Arc::ptr_eq(&pd.inner.ctx.inner, &dm.inner.ctx.inner) {
+            return Err(Error::InvalidArgument("device memory and PD are on different devices".into()));
+        }
+        let access = access | AccessFlags::ZERO_BASED;
+        let (backend, lkey, rkey) = match (&pd.inner.backend, &dm.inner.backend) {
+            (PdBackend::Soft(pd_id), DmBackend::Soft(sdm)) => {
+                let ptr = sdm.ptr().wrapping_add(offset as usize);
+                let keep: Arc<dyn Any + Send + Sync> = sdm.clone();
+                // SAFETY: `ptr..ptr+len` lies inside the DM allocation (checked above), which
+                // `keep` holds; DM bytes are accessed only through `shared_mem`.
+                let key = unsafe { sdm.device.mrs.register(*pd_id, 0, len, access, ptr, keep) };
+                (MrBackend::Soft { device: sdm.device.clone(), key }, key, key)
+            }
+            #[cfg(feature = "verbs")]
+            (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
+                let mr = vpd.reg_dm_mr(vdm, offset, len, access)?;
+                let (l, r) = (mr.lkey(), mr.rkey());
+                (MrBackend::Verbs(mr), l, r)
+            }
+            #[cfg(feature = "verbs")]
+            _ => unreachable!("PD and DM share a context, so a provider"),
+        };
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner {
+                pd: pd.clone(),
+                mem: MrMemory::Device { dm: dm.clone(), offset },
+                backend,
+                access,
+                addr: 0,
+                len,
+                lkey,
+                rkey,
+            }),
+        })
+    }
+
+    /// # Safety
+    /// See [`ProtectionDomain::register_dmabuf`].
+    pub(crate) unsafe fn from_dmabuf(
+        pd: &ProtectionDomain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        access.validate()?;
+        match &pd.inner.backend {
+            PdBackend::Soft(_) => {
+                let _ = (fd, offset, len, iova);
+                Err(Error::Unsupported("dma-buf registration needs the verbs provider".into()))
+            }
+            #[cfg(feature = "verbs")]
+            PdBackend::Verbs(vpd) => {
+                use std::os::fd::AsRawFd;
+                // SAFETY: forwarded contract.
+                let mr = unsafe { vpd.reg_dmabuf_mr(offset, len, iova, fd.as_raw_fd(), access)? };
+                let (lkey, rkey) = (mr.lkey(), mr.rkey());
+                Ok(MemoryRegion {
+                    inner: Arc::new(MrInner {
+                        pd: pd.clone(),
+                        mem: MrMemory::DmaBuf,
+                        backend: MrBackend::Verbs(mr),
+                        access,
+                        addr: iova,
+                        len: len as u64,
+                        lkey,
+                        rkey,
+                    }),
+                })
+            }
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len as usize
+    }
+
+    /// Always false: regions have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The address the NIC uses for byte 0: the virtual address, or 0 for zero-based
+    /// (device memory) regions.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey
+    }
+
+    /// The access the region was registered with.
+    pub fn access(&self) -> AccessFlags {
+        self.inner.access
+    }
+
+    /// The protection domain it belongs to.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// True if this region lives in device memory.
+    pub fn is_device_memory(&self) -> bool {
+        matches!(self.inner.mem, MrMemory::Device { .. })
+    }
+
+    /// The descriptor to give peers.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion { addr: self.inner.addr, len: self.inner.len, rkey: self.inner.rkey }
+    }
+
+    /// The local part `offset..offset + len`, for use in a work request.
+    pub fn slice(&self, offset: u64, len: u32) -> Result<LocalSlice> {
+        self.check(offset, u64::from(len))?;
+        Ok(LocalSlice { mr: self.clone(), offset, len })
+    }
+
+    /// The whole region as a local slice (regions over 4 GiB need [`slice`](Self::slice)).
+    pub fn local(&self) -> Result<LocalSlice> {
+        let len = u32::try_from(self.inner.len).map_err(|_| {
+            Error::InvalidArgument("a work request moves at most 4 GiB; use slice()".into())
+        })?;
+        self.slice(0, len)
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.inner.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what: "memory region",
+                offset,
+                len,
+                size: self.inner.len,
+            }),
+        }
+    }
+
+    /// Copies `data` into the region at `offset`.
+    ///
+    /// Sound even while the NIC or a peer accesses the region (bytes may then interleave).
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len() as u64)?;
+        match &self.inner.mem {
+            // SAFETY: in bounds (checked); the buffer lives as long as `self`; copies into
+            // registered memory are byte-wise atomic; `data` is a private borrow.
+            MrMemory::Host(b) => unsafe {
+                shared_mem::copy(data.as_ptr(), b.ptr().add(offset as usize), data.len());
+                Ok(())
+            },
+            MrMemory::Device { dm, offset: base } => dm.copy_to(base + offset, data),
+            MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
+        }
+    }
+
+    /// Copies `out.len()` bytes from the region at `offset` into `out`.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len() as u64)?;
+        match &self.inner.mem {
+            // SAFETY: as in `write_at`, in the other direction.
+            MrMemory::Host(b) => unsafe {
+                shared_mem::copy(b.ptr().add(offset as usize), out.as_mut_ptr(), out.len());
+                Ok(())
+            },
+            MrMemory::Device { dm, offset: base } => dm.copy_from(base + offset, out),
+            MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
+        }
+    }
+
+    /// Reads a native-endian `u64` at `offset` (e.g. an atomic's result).
+    pub fn read_u64(&self, offset: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read_at(offset, &mut b)?;
+        Ok(u64::from_ne_bytes(b))
+    }
+
+    /// Writes a native-endian `u64` at `offset` (e.g. an atomic target's initial value).
+    pub fn write_u64(&self, offset: u64, v: u64) -> Result<()> {
+        self.write_at(offset, &v.to_ne_bytes())
+    }
+
+    /// Sets every byte to `byte`.
+    pub fn fill(&self, byte: u8) -> Result<()> {
+        match &self.inner.mem {
+            // SAFETY: the whole buffer, which lives as long as `self`.
+            MrMemory::Host(b) => unsafe {
+                shared_mem::fill(b.ptr(), byte, self.len());
+                Ok(())
+            },
+            _ => self.write_at(0, &vec![byte; self.len()]),
+        }
+    }
+
+    /// Copies the whole region out.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len()];
+        self.read_at(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Deregisters the region and gives its bytes back, if nothing else (a clone, an
+    /// in-flight work request) still holds it; otherwise returns the region unchanged.
+    pub fn try_into_vec(self) -> std::result::Result<Vec<u8>, MemoryRegion> {
+        let MrMemory::Host(buf) = &self.inner.mem else { return Err(self) };
+        // No `Weak` to a region is ever made, so a count of 1 cannot grow behind our back.
+        if Arc::strong_count(&self.inner) != 1 {
+            return Err(self);
+        }
+        let buf = buf.clone();
+        drop(self); // the last handle: deregisters
+        match Arc::try_unwrap(buf) {
+            Ok(buf) => Ok(buf.into_vec()),
+            // An operation of the soft NIC that looked the key up just before deregistration
+            // may hold the buffer for the length of one copy. Copy out rather than wait.
+            Err(buf) => {
+                let mut v = vec![0u8; buf.len];
+                // SAFETY: the buffer is alive (we hold an Arc) and `v` is private.
+                unsafe { shared_mem::copy(buf.ptr(), v.as_mut_ptr(), buf.len) };
+                Ok(v)
+            }
+        }
+    }
+
+    /// A shared slice over the region's bytes, for zero-copy reads.
+    ///
+    /// Returns `None` for device-memory and dma-buf regions.
+    ///
+    /// # Safety
+    /// For the lifetime of the returned slice, nothing may write the region: no posted or
+    /// future work request may write it (RDMA read or atomic into it, receives), no peer
+    /// may write it (do not advertise an rkey with remote write/atomic access, or make sure
+    /// the protocol forbids it), and no other thread may call `write_at`/`fill`.
+    pub unsafe fn as_slice(&self) -> Option<&[u8]> {
+        match &self.inner.mem {
+            // SAFETY: valid for `len` bytes while `self` lives; no writer per the contract.
+            MrMemory::Host(b) => Some(unsafe { std::slice::from_raw_parts(b.ptr(), self.len()) }),
+            _ => None,
+        }
+    }
+
+    /// An exclusive slice over the region's bytes, for zero-copy writes.
+    ///
+    /// Returns `None` for device-memory and dma-buf regions.
+    ///
+    /// # Safety
+    /// For the lifetime of the returned slice, nothing else may read or write the region:
+    /// no posted work request may reference it, no peer may access it remotely, and no
+    /// other reference from `as_slice`/`as_mut_slice` may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> Option<&mut [u8]> {
+        match &self.inner.mem {
+            // SAFETY: valid for `len` bytes; exclusive per the contract.
+            MrMemory::Host(b) => Some(unsafe { std::slice::from_raw_parts_mut(b.ptr(), self.len()) }),
+            _ => None,
+        }
+    }
+}
+
+/// A bounds-checked local part of a memory region, as a work request's buffer.
+///
+/// Holds a clone of the region, which the queue pair keeps until the request completes.
+#[derive(Clone, Debug)]
+pub struct LocalSlice {
+    pub(crate) mr: MemoryRegion,
+    pub(crate) offset: u64,
+    pub(crate) len: u32,
+}
+
+impl LocalSlice {
+    /// Length in bytes.
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    /// True if zero bytes long.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Offset in the region.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The region.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+
+    pub(crate) fn sge(&self) -> crate::raw::Sge {
+        crate::raw::Sge { addr: self.mr.inner.addr + self.offset, len: self.len, lkey: self.mr.inner.lkey }
+    }
+}

@@ -1,0 +1,129 @@
+//! Protection domains: the scope in which keys and QPs must agree.
+
+use std::sync::Arc;
+
+use crate::cq::CompletionQueue;
+use crate::device::{Context, CtxBackend};
+use crate::dm::DeviceMemory;
+use crate::error::Result;
+use crate::mr::MemoryRegion;
+use crate::qp::QueuePair;
+use crate::types::{AccessFlags, QpCaps};
+
+/// A protection domain (`struct ibv_pd`). Memory regions and QPs of one PD can work
+/// together; a key from another PD is refused by the NIC.
+#[derive(Clone)]
+pub struct ProtectionDomain {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+pub(crate) struct PdInner {
+    pub(crate) ctx: Context,
+    pub(crate) backend: PdBackend,
+}
+
+pub(crate) enum PdBackend {
+    Soft(u64),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Pd),
+}
+
+impl std::fmt::Debug for ProtectionDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProtectionDomain").field("device", &self.inner.ctx.name()).finish()
+    }
+}
+
+impl ProtectionDomain {
+    pub(crate) fn new(ctx: &Context) -> Result<ProtectionDomain> {
+        let backend = match &ctx.inner.backend {
+            CtxBackend::Soft(dev) => PdBackend::Soft(dev.alloc_pd()),
+            #[cfg(feature = "verbs")]
+            CtxBackend::Verbs(c) => PdBackend::Verbs(c.alloc_pd()?),
+        };
+        Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), backend }) })
+    }
+
+    /// The device this PD belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Allocates `len` zeroed, page-aligned bytes and registers them (`ibv_reg_mr`).
+    ///
+    /// # Examples
+    /// ```
+    /// use rdmakit_verbs::{AccessFlags, Context};
+    /// let pd = Context::open_soft().alloc_pd()?;
+    /// let mr = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
+    /// mr.write_at(0, b"hello")?;
+    /// let mut back = [0u8; 5];
+    /// mr.read_at(0, &mut back)?;
+    /// assert_eq!(&back, b"hello");
+    /// # Ok::<(), rdmakit_verbs::Error>(())
+    /// ```
+    #[doc(alias = "ibv_reg_mr")]
+    pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::alloc(self, len, access)
+    }
+
+    /// Registers a vector the region takes ownership of. Get it back with
+    /// [`MemoryRegion::try_into_vec`] once no work request uses it.
+    #[doc(alias = "ibv_reg_mr")]
+    pub fn register(&self, bytes: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::from_vec(self, bytes, access)
+    }
+
+    /// Registers `len` bytes of device memory from `offset`, zero-based
+    /// (`ibv_reg_dm_mr` with `IBV_ACCESS_ZERO_BASED`): peers address it from 0.
+    #[doc(alias = "ibv_reg_dm_mr")]
+    pub fn register_dm(
+        &self,
+        dm: &DeviceMemory,
+        offset: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        MemoryRegion::from_dm(self, dm, offset, len, access)
+    }
+
+    /// Registers a dma-buf (`ibv_reg_dmabuf_mr`), typically GPU memory exported by its
+    /// driver, so the NIC reads and writes it directly (GPUDirect RDMA).
+    ///
+    /// The region has no CPU access through rdmakit: its copy methods return
+    /// [`Error::Unsupported`](crate::Error::Unsupported). Only the verbs provider supports
+    /// it; the soft NIC returns `Unsupported`.
+    ///
+    /// **Untested here**: no machine rdmakit is tested on has a GPU and an RDMA NIC; the call
+    /// follows `ibv_reg_dmabuf_mr(3)` and is compiled and linked against rdma-core.
+    ///
+    /// # Safety
+    /// `fd` must be a dma-buf file descriptor covering `offset..offset + len`, and the
+    /// memory it exports must stay allocated until the region is dropped and every work
+    /// request using it has completed. The caller must not access that memory through
+    /// other means in ways that race with the NIC.
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: forwarded contract.
+        unsafe { MemoryRegion::from_dmabuf(self, fd, offset, len, iova, access) }
+    }
+
+    /// Creates an RC queue pair (`ibv_create_qp`) in state RESET; connect it with
+    /// [`QueuePair::connect`].
+    #[doc(alias = "ibv_create_qp")]
+    pub fn create_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<QueuePair> {
+        QueuePair::new(self, send_cq, recv_cq, caps)
+    }
+}

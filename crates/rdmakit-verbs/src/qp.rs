@@ -1,0 +1,383 @@
+//! RC queue pairs: the state machine, connection by endpoint exchange, and posting.
+
+use std::sync::Arc;
+
+pub use crate::types::QpState;
+
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::inflight::Inflight;
+use crate::pd::{PdBackend, ProtectionDomain};
+use crate::raw::RawSendWr;
+use crate::soft::qp::SoftQp;
+use crate::types::{ConnectOptions, Endpoint, QpCaps};
+use crate::wr::{RecvWr, SendWr};
+
+/// A reliable-connected queue pair (`struct ibv_qp`, `IBV_QPT_RC`).
+///
+/// Posting is thread-safe. Each posted request holds its local buffer until its completion
+/// is reaped (or the QP is destroyed), so no buffer can be freed under the NIC.
+///
+/// Dropping the last handle moves the QP to the error state and destroys it; then the
+/// buffers of requests that never completed are released.
+///
+/// # Examples
+/// ```
+/// use rdmakit_verbs::*;
+/// let ctx = Context::open_soft();
+/// let pd = ctx.alloc_pd()?;
+/// let cq = ctx.create_cq(16)?;
+/// let a = pd.create_qp(&cq, &cq, QpCaps::default())?;
+/// let b = pd.create_qp(&cq, &cq, QpCaps::default())?;
+/// a.connect(&b.endpoint()?, &ConnectOptions::default())?;
+/// b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+///
+/// let src = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
+/// let dst = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
+/// src.write_at(0, b"rdmakit!")?;
+/// a.post_send(SendWr::write(src.local()?, dst.remote().slice(0, 8)?).wr_id(1))?;
+/// let wc = cq.wait(None)?.ok()?;
+/// assert_eq!(wc.wr_id, 1);
+/// assert_eq!(dst.to_vec()?, b"rdmakit!");
+/// # Ok::<(), Error>(())
+/// ```
+#[derive(Clone)]
+pub struct QueuePair {
+    pub(crate) inner: Arc<QpInner>,
+}
+
+pub(crate) struct QpInner {
+    pd: ProtectionDomain,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    backend: QpBackend,
+    inflight: Arc<Inflight>,
+    caps: QpCaps,
+    qpn: u32,
+    psn: u32,
+}
+
+pub(crate) enum QpBackend {
+    Soft(Arc<SoftQp>),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::rdma::Qp),
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qp_num", &format_args!("{:#x}", self.inner.qpn))
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl QueuePair {
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<QueuePair> {
+        for cq in [send_cq, recv_cq] {
+            if !Arc::ptr_eq(&cq.inner.ctx.inner, &pd.inner.ctx.inner) {
+                return Err(Error::InvalidArgument("CQ and PD belong to different devices".into()));
+            }
+        }
+        let (backend, caps) = match &pd.inner.backend {
+            PdBackend::Soft(pd_id) => {
+                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                let crate::device::CtxBackend::Soft(dev) = &pd.inner.ctx.inner.backend else {
+                    unreachable!("soft PD on a soft device")
+                };
+                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                let (crate::cq::CqBackend::Soft(scq), crate::cq::CqBackend::Soft(rcq)) =
+                    (&send_cq.inner.backend, &recv_cq.inner.backend)
+                else {
+                    unreachable!("soft CQs on a soft device")
+                };
+                let qp = SoftQp::create(dev, *pd_id, scq.clone(), rcq.clone(), caps)?;
+                (QpBackend::Soft(qp), caps)
+            }
+            #[cfg(feature = "verbs")]
+            PdBackend::Verbs(vpd) => {
+                let (crate::cq::CqBackend::Verbs(scq), crate::cq::CqBackend::Verbs(rcq)) =
+                    (&send_cq.inner.backend, &recv_cq.inner.backend)
+                else {
+                    unreachable!("verbs CQs on a verbs device")
+                };
+                let qp = vpd.create_qp(scq, rcq, caps)?;
+                let caps = qp.caps();
+                (QpBackend::Verbs(qp), caps)
+            }
+        };
+        let qpn = match &backend {
+            QpBackend::Soft(q) => q.qpn(),
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.qpn(),
+        };
+        let inflight = Arc::new(Inflight::new(caps.max_send_wr, caps.max_recv_wr));
+        send_cq.register(qpn, inflight.clone());
+        recv_cq.register(qpn, inflight.clone());
+        Ok(QueuePair {
+            inner: Arc::new(QpInner {
+                pd: pd.clone(),
+                send_cq: send_cq.clone(),
+                recv_cq: recv_cq.clone(),
+                backend,
+                inflight,
+                caps,
+                qpn,
+                psn: initial_psn(qpn),
+            }),
+        })
+    }
+
+    /// QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.inner.qpn
+    }
+
+    /// The queue sizes the provider granted.
+    pub fn caps(&self) -> QpCaps {
+        self.inner.caps
+    }
+
+    /// The protection domain.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// The send completion queue.
+    pub fn send_cq(&self) -> &CompletionQueue {
+        &self.inner.send_cq
+    }
+
+    /// The receive completion queue.
+    pub fn recv_cq(&self) -> &CompletionQueue {
+        &self.inner.recv_cq
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        match &self.inner.backend {
+            QpBackend::Soft(q) => q.state(),
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.state(),
+        }
+    }
+
+    /// Outstanding (send, receive) requests whose completions were not reaped yet.
+    pub fn outstanding(&self) -> (usize, usize) {
+        self.inner.inflight.outstanding()
+    }
+
+    /// What a peer needs to connect to this QP, using the default GID choice.
+    pub fn endpoint(&self) -> Result<Endpoint> {
+        self.endpoint_with(&ConnectOptions::default())
+    }
+
+    /// What a peer needs to connect to this QP, with the port and GID index of `opts`.
+    pub fn endpoint_with(&self, opts: &ConnectOptions) -> Result<Endpoint> {
+        match &self.inner.backend {
+            QpBackend::Soft(q) => {
+                let _ = opts;
+                Ok(q.endpoint(self.inner.psn))
+            }
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.endpoint(opts, self.inner.psn),
+        }
+    }
+
+    /// RESET → INIT, granting peers `opts.access`. Post receives after this and before
+    /// the peer starts sending. [`connect`](Self::connect) does it when needed.
+    #[doc(alias = "ibv_modify_qp")]
+    pub fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
+        match &self.inner.backend {
+            QpBackend::Soft(q) => q.modify_to_init(opts.access),
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.modify_to_init(opts),
+        }
+    }
+
+    /// Connects to `remote`: (RESET →) INIT → RTR → RTS.
+    ///
+    /// # Errors
+    /// [`Error::QpState`] if the QP is past INIT; provider errors for unreachable or
+    /// mismatched endpoints (a soft QP cannot connect to a verbs endpoint).
+    pub fn connect(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+        if self.state() == QpState::Reset {
+            self.modify_to_init(opts)?;
+        }
+        match &self.inner.backend {
+            QpBackend::Soft(q) => {
+                q.modify_to_rtr(remote, opts)?;
+                q.modify_to_rts()
+            }
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => {
+                q.modify_to_rtr(remote, opts)?;
+                q.modify_to_rts(opts, self.inner.psn)
+            }
+        }
+    }
+
+    /// Moves the QP to the error state: outstanding and later requests complete with
+    /// `WR_FLUSH_ERR`.
+    pub fn modify_to_error(&self) -> Result<()> {
+        match &self.inner.backend {
+            QpBackend::Soft(q) => {
+                q.modify_to_err();
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.modify_to_err(),
+        }
+    }
+
+    fn check_same_device(&self, wr_local: Option<&crate::mr::LocalSlice>) -> Result<()> {
+        if let Some(l) = wr_local {
+            if !Arc::ptr_eq(&l.mr.inner.pd.inner.ctx.inner, &self.inner.pd.inner.ctx.inner) {
+                return Err(Error::InvalidArgument(
+                    "the local buffer is registered on another device".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts one send-queue request (`ibv_post_send`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a request that cannot be valid (length mismatch,
+    /// inline too long, a buffer from another device); [`Error::QueueFull`];
+    /// [`Error::QpState`] before RTS. Failures the NIC detects (keys, bounds, access,
+    /// a dead peer) arrive as error completions instead.
+    #[doc(alias = "ibv_post_send")]
+    pub fn post_send(&self, wr: SendWr<'_>) -> Result<()> {
+        self.check_same_device(wr.local.as_ref())?;
+        let mut raw = wr.to_raw(self.inner.caps.max_inline_data)?;
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        raw.wr_id = q.push_send(wr.wr_id, wr.local.map(|l| l.mr))?;
+        // The slot is pushed and the lock held across the post, so slots stay in posting
+        // order and a completion polled on another thread always finds its slot.
+        match self.post_raw_send(std::slice::from_ref(&raw)) {
+            Ok(()) => Ok(()),
+            Err((_, e)) => {
+                q.unpush_send(1);
+                Err(e)
+            }
+        }
+    }
+
+    /// Posts several send-queue requests with one provider call.
+    ///
+    /// # Errors
+    /// [`Error::Post`] with the number that were posted (those will complete) when the
+    /// provider refuses one part-way; the same errors as [`post_send`](Self::post_send)
+    /// before anything is posted.
+    pub fn post_send_batch<'a>(&self, wrs: impl IntoIterator<Item = SendWr<'a>>) -> Result<()> {
+        let wrs: Vec<SendWr<'a>> = wrs.into_iter().collect();
+        let mut raws: Vec<RawSendWr<'a>> = Vec::with_capacity(wrs.len());
+        for wr in &wrs {
+            self.check_same_device(wr.local.as_ref())?;
+            raws.push(wr.to_raw(self.inner.caps.max_inline_data)?);
+        }
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        for (i, (raw, wr)) in raws.iter_mut().zip(wrs).enumerate() {
+            match q.push_send(wr.wr_id, wr.local.map(|l| l.mr)) {
+                Ok(id) => raw.wr_id = id,
+                Err(e) => {
+                    q.unpush_send(i);
+                    return Err(e);
+                }
+            }
+        }
+        match self.post_raw_send(&raws) {
+            Ok(()) => Ok(()),
+            Err((posted, e)) => {
+                q.unpush_send(raws.len() - posted);
+                Err(if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } })
+            }
+        }
+    }
+
+    fn post_raw_send(&self, raws: &[RawSendWr<'_>]) -> std::result::Result<(), (usize, Error)> {
+        match &self.inner.backend {
+            QpBackend::Soft(q) => q.post_send(raws),
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.post_send(raws),
+        }
+    }
+
+    /// Posts one receive (`ibv_post_recv`).
+    #[doc(alias = "ibv_post_recv")]
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        self.post_recv_batch(std::iter::once(wr))
+    }
+
+    /// Posts several receives with one provider call.
+    pub fn post_recv_batch(&self, wrs: impl IntoIterator<Item = RecvWr>) -> Result<()> {
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut raws = Vec::new();
+        for wr in wrs {
+            if let Err(e) = self.check_same_device(wr.local.as_ref()) {
+                q.unpush_recv(raws.len());
+                return Err(e);
+            }
+            let mut raw = wr.to_raw();
+            match q.push_recv(wr.wr_id, wr.local.map(|l| l.mr)) {
+                Ok(id) => raw.wr_id = id,
+                Err(e) => {
+                    q.unpush_recv(raws.len());
+                    return Err(e);
+                }
+            }
+            raws.push(raw);
+        }
+        let r = match &self.inner.backend {
+            QpBackend::Soft(qp) => qp.post_recv(&raws),
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(qp) => qp.post_recv(&raws),
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err((posted, e)) => {
+                q.unpush_recv(raws.len() - posted);
+                Err(if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } })
+            }
+        }
+    }
+}
+
+impl Drop for QpInner {
+    fn drop(&mut self) {
+        let destroyed = match &self.backend {
+            QpBackend::Soft(q) => {
+                q.modify_to_err();
+                q.destroy();
+                true
+            }
+            #[cfg(feature = "verbs")]
+            QpBackend::Verbs(q) => q.destroy(),
+        };
+        if destroyed {
+            // The NIC no longer touches this QP's buffers: release them.
+            self.send_cq.unregister(self.qpn);
+            self.recv_cq.unregister(self.qpn);
+        } else {
+            // The provider refused to destroy the QP, so the NIC may still use its buffers:
+            // keep them alive forever rather than risk a use-after-free.
+            tracing::error!(qp_num = self.qpn, "ibv_destroy_qp failed; leaking its in-flight buffers");
+            std::mem::forget(self.inflight.clone());
+        }
+    }
+}
+
+/// A 24-bit initial PSN, different per QP and per run.
+fn initial_psn(qpn: u32) -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(qpn);
+    (h.finish() as u32) & 0x00ff_ffff
+}

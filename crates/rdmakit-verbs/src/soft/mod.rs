@@ -1,0 +1,193 @@
+//! The soft NIC: a user-space RDMA device written in Rust.
+//!
+//! It is the provider rdmakit falls back to when no verbs device exists, and the one its
+//! tests always run. It enforces what a real HCA enforces — key validity, protection
+//! domains, access flags, bounds, atomic alignment, QP states, CQ capacity, RC ordering —
+//! and reports violations with the same completion statuses as libibverbs.
+//!
+//! Structure, one file per NIC object:
+//! - [`mr`]: the device's key table (memory regions, lkey = rkey as on mlx5);
+//! - [`dm`]: device memory (on-chip memory emulation: zero-based, copy access only);
+//! - [`cq`]: completion queues with a capacity and an eventfd for wake-ups;
+//! - [`qp`]: RC queue pairs: the requester executes the send queue in order, the responder
+//!   side applies one-sided operations to its own memory without the application's help;
+//! - [`engine`]: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
+//!
+//! Devices in one process reach each other through the in-process fabric (a registry keyed
+//! by GID). The seam for other wires is [`qp::Link`].
+
+pub(crate) mod cq;
+pub(crate) mod dm;
+mod engine;
+pub(crate) mod mr;
+pub(crate) mod qp;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock, Weak};
+
+use crate::error::{Error, Result};
+use crate::types::{DeviceAttr, ProviderKind};
+
+/// PCI-style vendor id the soft NIC reports: "SOFT".
+pub const SOFT_VENDOR_ID: u32 = 0x534f_4654;
+
+/// Settings of a soft NIC device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SoftConfig {
+    /// Device memory capacity in bytes (`max_dm_size`). ConnectX-6 has 256 KiB.
+    pub dm_capacity: u64,
+    /// Most outstanding work requests per queue.
+    pub max_qp_wr: u32,
+    /// Most entries per completion queue.
+    pub max_cqe: u32,
+    /// Largest inline payload.
+    pub max_inline_data: u32,
+}
+
+impl Default for SoftConfig {
+    fn default() -> Self {
+        SoftConfig {
+            dm_capacity: 256 * 1024,
+            max_qp_wr: 16 * 1024,
+            max_cqe: 4 * 1024 * 1024,
+            max_inline_data: qp::MAX_INLINE as u32,
+        }
+    }
+}
+
+/// One soft NIC device. Shared by every context opened on it.
+pub(crate) struct SoftDevice {
+    name: String,
+    gid: [u8; 16],
+    config: SoftConfig,
+    pub(crate) mrs: mr::KeyTable,
+    qps: Mutex<HashMap<u32, Weak<qp::SoftQp>>>,
+    next_qpn: AtomicU32,
+    next_pd: AtomicU64,
+    pub(crate) dm: dm::DmPool,
+}
+
+/// The in-process fabric: every live soft device by GID.
+static FABRIC: LazyLock<RwLock<HashMap<[u8; 16], Weak<SoftDevice>>>> =
+    LazyLock::new(|| RwLock::new(HashMap::new()));
+static DEVICE_SEQ: AtomicU32 = AtomicU32::new(1);
+static DEFAULT_DEVICE: OnceLock<Arc<SoftDevice>> = OnceLock::new();
+
+/// Name of the process-wide default soft device.
+pub const DEFAULT_NAME: &str = "soft0";
+
+impl SoftDevice {
+    /// The process-wide `soft0` device (default configuration).
+    pub(crate) fn default_device() -> Arc<SoftDevice> {
+        DEFAULT_DEVICE
+            .get_or_init(|| SoftDevice::create(0, SoftConfig::default()))
+            .clone()
+    }
+
+    /// A new, independent device (`softN`) on the in-process fabric.
+    pub(crate) fn new_device(config: SoftConfig) -> Result<Arc<SoftDevice>> {
+        if config.max_qp_wr == 0 || config.max_cqe == 0 {
+            return Err(Error::InvalidArgument("soft NIC queue limits must be non-zero".into()));
+        }
+        if config.max_inline_data as usize > qp::MAX_INLINE {
+            return Err(Error::InvalidArgument(format!(
+                "max_inline_data {} exceeds the soft NIC's {}",
+                config.max_inline_data,
+                qp::MAX_INLINE
+            )));
+        }
+        Ok(SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config))
+    }
+
+    /// Device `index` is named `soft<index>`; index 0 is the default device.
+    fn create(index: u32, config: SoftConfig) -> Arc<SoftDevice> {
+        let name = format!("soft{index}");
+        // A link-local style GID: fe80::<pid>:<device index>. Unique per process and device.
+        let mut gid = [0u8; 16];
+        gid[0] = 0xfe;
+        gid[1] = 0x80;
+        gid[8..12].copy_from_slice(&std::process::id().to_be_bytes());
+        gid[12..16].copy_from_slice(&index.to_be_bytes());
+        let dev = Arc::new(SoftDevice {
+            name,
+            gid,
+            dm: dm::DmPool::new(config.dm_capacity),
+            config,
+            mrs: mr::KeyTable::new(index),
+            qps: Mutex::new(HashMap::new()),
+            // QP numbers are 24-bit; start away from 0 like real devices.
+            next_qpn: AtomicU32::new(0x11),
+            next_pd: AtomicU64::new(1),
+        });
+        FABRIC.write().expect("fabric lock").insert(gid, Arc::downgrade(&dev));
+        dev
+    }
+
+    /// Finds a live device by GID on the in-process fabric.
+    pub(crate) fn by_gid(gid: &[u8; 16]) -> Option<Arc<SoftDevice>> {
+        FABRIC.read().expect("fabric lock").get(gid).and_then(Weak::upgrade)
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn gid(&self) -> [u8; 16] {
+        self.gid
+    }
+
+    pub(crate) fn config(&self) -> &SoftConfig {
+        &self.config
+    }
+
+    pub(crate) fn attr(&self) -> DeviceAttr {
+        DeviceAttr {
+            name: self.name.clone(),
+            provider: ProviderKind::Soft,
+            fw_ver: concat!("rdmakit-soft ", env!("CARGO_PKG_VERSION")).to_owned(),
+            vendor_id: SOFT_VENDOR_ID,
+            max_mr_size: u64::from(u32::MAX),
+            max_qp_wr: self.config.max_qp_wr,
+            max_cqe: self.config.max_cqe,
+            max_sge: 1,
+            max_qp_rd_atom: 16,
+            atomic_cap: 1,
+            max_dm_size: self.config.dm_capacity,
+            phys_port_cnt: 1,
+        }
+    }
+
+    pub(crate) fn alloc_pd(&self) -> u64 {
+        self.next_pd.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn alloc_qpn(&self) -> u32 {
+        loop {
+            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
+            if n > 1 {
+                return n;
+            }
+        }
+    }
+
+    fn register_qp(&self, qp: &Arc<qp::SoftQp>) {
+        self.qps.lock().expect("qp table").insert(qp.qpn(), Arc::downgrade(qp));
+    }
+
+    fn unregister_qp(&self, qpn: u32) {
+        self.qps.lock().expect("qp table").remove(&qpn);
+    }
+
+    pub(crate) fn find_qp(&self, qpn: u32) -> Option<Arc<qp::SoftQp>> {
+        self.qps.lock().expect("qp table").get(&qpn).and_then(Weak::upgrade)
+    }
+}
+
+impl Drop for SoftDevice {
+    fn drop(&mut self) {
+        if let Ok(mut f) = FABRIC.write() {
+            f.remove(&self.gid);
+        }
+    }
+}

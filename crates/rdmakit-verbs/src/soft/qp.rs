@@ -1,0 +1,767 @@
+//! Soft RC queue pairs.
+//!
+//! The requester side executes its send queue strictly in order under the send-queue lock
+//! (RC ordering). Each request is carried to the peer QP over a [`Link`] and applied by the
+//! peer's *responder* code, which checks the peer's keys, protection domain, access flags,
+//! bounds and receive queue, then touches the peer's memory: the peer application does
+//! nothing, as with a real NIC. The result comes back as a completion on the requester's
+//! send CQ (and, for sends and writes with immediate, on the responder's receive CQ).
+//!
+//! A request the responder cannot take yet (no receive posted: RNR; peer gone or not
+//! connected: no response) stays at the head of the send queue and blocks the ones behind
+//! it, retried by the timer engine and by the peer's next `post_recv`, until its retry
+//! budget from [`ConnectOptions`] runs out and it fails with `RNR_RETRY_EXC_ERR` or
+//! `RETRY_EXC_ERR`, moving the QP to the error state.
+//!
+//! Lock order (deadlock freedom): a thread holds at most one send-queue lock, and may take
+//! receive-queue locks and CQ locks under it; receive-queue holders take only CQ locks.
+//! Work that would need a second send-queue lock (flushing a peer that went to error) is
+//! deferred until the first is released.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use super::SoftDevice;
+use super::cq::SoftCq;
+use super::engine;
+use super::mr::Fault;
+use crate::error::{Error, Result, WcStatus};
+use crate::raw::{RawOp, RawRecvWr, RawSendWr, Sge};
+use crate::shared_mem;
+use crate::types::{AccessFlags, ConnectOptions, Endpoint, ProviderKind, QpCaps, QpState};
+use crate::wc::{WcOpcode, WorkCompletion};
+
+/// Largest inline payload the soft NIC accepts.
+pub(crate) const MAX_INLINE: usize = 256;
+
+const RESET: u8 = 0;
+const INIT: u8 = 1;
+const RTR: u8 = 2;
+const RTS: u8 = 3;
+const ERR: u8 = 4;
+
+fn state_of(s: u8) -> QpState {
+    match s {
+        RESET => QpState::Reset,
+        INIT => QpState::Init,
+        RTR => QpState::ReadyToReceive,
+        RTS => QpState::ReadyToSend,
+        _ => QpState::Error,
+    }
+}
+
+/// How a requester reaches its responder. Today: a QP in this process. The wire to
+/// another process plugs in here.
+pub(crate) enum Link {
+    Local { gid: [u8; 16], qpn: u32, peer: Weak<SoftQp> },
+}
+
+impl Link {
+    fn peer(&mut self) -> Option<Arc<SoftQp>> {
+        match self {
+            Link::Local { gid, qpn, peer } => {
+                if let Some(p) = peer.upgrade() {
+                    return Some(p);
+                }
+                // Not there at RTR time (or gone): look again; a destroyed QP stays gone.
+                let p = SoftDevice::by_gid(gid)?.find_qp(*qpn)?;
+                *peer = Arc::downgrade(&p);
+                Some(p)
+            }
+        }
+    }
+}
+
+/// A send request kept because it could not run yet.
+struct Pending {
+    wr_id: u64,
+    op: RawOp,
+    sge: Option<Sge>,
+    inline: Option<Box<[u8]>>,
+    remote_addr: u64,
+    rkey: u32,
+    signaled: bool,
+}
+
+impl Pending {
+    fn from_raw(wr: &RawSendWr<'_>) -> Pending {
+        Pending {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            sge: wr.sge,
+            inline: wr.inline.map(Box::from),
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            signaled: wr.signaled,
+        }
+    }
+
+    fn view(&self) -> RawSendWr<'_> {
+        RawSendWr {
+            wr_id: self.wr_id,
+            op: self.op,
+            sge: self.sge,
+            inline: self.inline.as_deref(),
+            remote_addr: self.remote_addr,
+            rkey: self.rkey,
+            signaled: self.signaled,
+            fence: false,
+            solicited: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RetryKind {
+    Rnr,
+    Transport,
+}
+
+struct Retry {
+    kind: RetryKind,
+    /// `None`: retry forever (rnr_retry = 7, timeout = 0).
+    deadline: Option<Instant>,
+}
+
+struct Sq {
+    pending: VecDeque<Pending>,
+    link: Option<Link>,
+    opts: ConnectOptions,
+    retry: Option<Retry>,
+}
+
+struct Rq {
+    posted: VecDeque<RawRecvWr>,
+    /// Requesters that got an RNR NAK from us; kicked when a receive is posted.
+    rnr_waiters: Vec<Weak<SoftQp>>,
+}
+
+/// What one execution attempt of a send request gave.
+enum Outcome {
+    Done(WcStatus, u32),
+    Rnr,
+    NoResponse,
+}
+
+/// Work to do after the send-queue lock is released.
+#[derive(Default)]
+struct Deferred {
+    kick: Vec<Arc<SoftQp>>,
+}
+
+pub(crate) struct SoftQp {
+    qpn: u32,
+    device: Arc<SoftDevice>,
+    pd: u64,
+    send_cq: Arc<SoftCq>,
+    recv_cq: Arc<SoftCq>,
+    caps: QpCaps,
+    state: AtomicU8,
+    /// Remote access this QP grants as a responder (`IBV_QP_ACCESS_FLAGS`).
+    access: AtomicU32,
+    remote_qpn: AtomicU32,
+    remote_gid: Mutex<[u8; 16]>,
+    sq: Mutex<Sq>,
+    rq: Mutex<Rq>,
+    me: Weak<SoftQp>,
+}
+
+impl SoftQp {
+    pub fn create(
+        device: &Arc<SoftDevice>,
+        pd: u64,
+        send_cq: Arc<SoftCq>,
+        recv_cq: Arc<SoftCq>,
+        caps: QpCaps,
+    ) -> Result<Arc<SoftQp>> {
+        let cfg = device.config();
+        if caps.max_send_wr == 0 || caps.max_send_wr > cfg.max_qp_wr || caps.max_recv_wr > cfg.max_qp_wr {
+            return Err(Error::InvalidArgument(format!(
+                "queue depths send {} / recv {} must be 1..={} on {}",
+                caps.max_send_wr,
+                caps.max_recv_wr,
+                cfg.max_qp_wr,
+                device.name()
+            )));
+        }
+        if caps.max_send_sge > 1 || caps.max_recv_sge > 1 {
+            return Err(Error::Unsupported("the soft NIC takes one SGE per work request".into()));
+        }
+        if caps.max_inline_data > cfg.max_inline_data {
+            return Err(Error::InvalidArgument(format!(
+                "max_inline_data {} exceeds the device's {}",
+                caps.max_inline_data, cfg.max_inline_data
+            )));
+        }
+        let qp = Arc::new_cyclic(|me| SoftQp {
+            qpn: device.alloc_qpn(),
+            device: device.clone(),
+            pd,
+            send_cq,
+            recv_cq,
+            caps,
+            state: AtomicU8::new(RESET),
+            access: AtomicU32::new(0),
+            remote_qpn: AtomicU32::new(0),
+            remote_gid: Mutex::new([0; 16]),
+            sq: Mutex::new(Sq {
+                pending: VecDeque::new(),
+                link: None,
+                opts: ConnectOptions::default(),
+                retry: None,
+            }),
+            rq: Mutex::new(Rq { posted: VecDeque::new(), rnr_waiters: Vec::new() }),
+            me: me.clone(),
+        });
+        device.register_qp(&qp);
+        Ok(qp)
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    pub fn state(&self) -> QpState {
+        state_of(self.state.load(Ordering::Acquire))
+    }
+
+    pub fn endpoint(&self, psn: u32) -> Endpoint {
+        Endpoint {
+            provider: ProviderKind::Soft,
+            lid: 0,
+            gid: self.device.gid(),
+            qp_num: self.qpn,
+            psn,
+        }
+    }
+
+    fn bad_transition(&self, to: &'static str) -> Error {
+        Error::QpState { qp_num: self.qpn, state: self.state(), op: to }
+    }
+
+    /// RESET → INIT.
+    pub fn modify_to_init(&self, access: AccessFlags) -> Result<()> {
+        access.validate()?;
+        match self.state.load(Ordering::Acquire) {
+            RESET | INIT => {
+                self.access.store(access.bits(), Ordering::Release);
+                self.state.store(INIT, Ordering::Release);
+                Ok(())
+            }
+            _ => Err(self.bad_transition("move to INIT")),
+        }
+    }
+
+    /// INIT → RTR, aimed at `remote`.
+    pub fn modify_to_rtr(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+        if remote.provider != ProviderKind::Soft {
+            return Err(Error::InvalidArgument(format!(
+                "cannot connect a soft QP to a {} endpoint",
+                remote.provider
+            )));
+        }
+        let mut sq = self.sq.lock().expect("sq lock");
+        if self.state.load(Ordering::Acquire) != INIT {
+            return Err(self.bad_transition("move to RTR"));
+        }
+        let peer = SoftDevice::by_gid(&remote.gid)
+            .and_then(|d| d.find_qp(remote.qp_num))
+            .map(|p| Arc::downgrade(&p))
+            .unwrap_or_default();
+        sq.link = Some(Link::Local { gid: remote.gid, qpn: remote.qp_num, peer });
+        sq.opts = *opts;
+        *self.remote_gid.lock().expect("gid lock") = remote.gid;
+        self.remote_qpn.store(remote.qp_num, Ordering::Release);
+        self.state.store(RTR, Ordering::Release);
+        Ok(())
+    }
+
+    /// RTR → RTS.
+    pub fn modify_to_rts(&self) -> Result<()> {
+        match self.state.compare_exchange(RTR, RTS, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(self.bad_transition("move to RTS")),
+        }
+    }
+
+    /// Any state → ERR: outstanding requests flush.
+    pub fn modify_to_err(&self) {
+        let mut d = Deferred::default();
+        {
+            let mut sq = self.sq.lock().expect("sq lock");
+            self.enter_error(&mut sq, &mut d);
+        }
+        run_deferred(d);
+    }
+
+    /// Called by the safe layer when the QP object is destroyed.
+    pub fn destroy(&self) {
+        self.state.store(ERR, Ordering::Release);
+        self.device.unregister_qp(self.qpn);
+        {
+            let mut sq = self.sq.lock().expect("sq lock");
+            sq.pending.clear();
+            sq.link = None;
+        }
+        self.rq.lock().expect("rq lock").posted.clear();
+        self.send_cq.remove_qp(self.qpn);
+        self.recv_cq.remove_qp(self.qpn);
+    }
+
+    /// Posts send requests. On refusal returns how many were posted and why.
+    pub fn post_send(&self, wrs: &[RawSendWr<'_>]) -> std::result::Result<(), (usize, Error)> {
+        let st = self.state.load(Ordering::Acquire);
+        if st != RTS && st != ERR {
+            return Err((0, self.bad_transition("post a send request")));
+        }
+        let mut d = Deferred::default();
+        let mut sq = self.sq.lock().expect("sq lock");
+        if st == ERR {
+            // Flush what is queued first, so flush completions keep posting order.
+            self.progress(&mut sq, &mut d);
+        }
+        let mut result = Ok(());
+        for (i, wr) in wrs.iter().enumerate() {
+            if let Some(data) = wr.inline {
+                if data.len() > self.caps.max_inline_data as usize {
+                    result = Err((
+                        i,
+                        Error::errno("ibv_post_send", libc::EINVAL)
+                            .context_inline(data.len(), self.caps.max_inline_data),
+                    ));
+                    break;
+                }
+            }
+            if self.state.load(Ordering::Acquire) == ERR {
+                self.complete_send(wr, WcStatus::WR_FLUSH_ERR, 0, true);
+                continue;
+            }
+            if sq.pending.is_empty() && sq.retry.is_none() {
+                // Fast path: nothing ahead of it, run it now (no copy of the request).
+                match self.run_head(&mut sq, wr, &mut d) {
+                    Step::Completed | Step::Failed => {}
+                    Step::Blocked => sq.pending.push_back(Pending::from_raw(wr)),
+                }
+            } else {
+                sq.pending.push_back(Pending::from_raw(wr));
+            }
+        }
+        drop(sq);
+        run_deferred(d);
+        result
+    }
+
+    /// Posts receive requests.
+    pub fn post_recv(&self, wrs: &[RawRecvWr]) -> std::result::Result<(), (usize, Error)> {
+        let st = self.state.load(Ordering::Acquire);
+        if st == RESET {
+            return Err((0, self.bad_transition("post a receive request")));
+        }
+        let waiters = {
+            let mut rq = self.rq.lock().expect("rq lock");
+            for wr in wrs {
+                if self.state.load(Ordering::Acquire) == ERR {
+                    self.complete_recv(wr.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
+                } else {
+                    rq.posted.push_back(*wr);
+                }
+            }
+            std::mem::take(&mut rq.rnr_waiters)
+        };
+        // A requester waiting on our RNR NAK can go now.
+        for w in waiters {
+            if let Some(qp) = w.upgrade() {
+                qp.kick();
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-runs the send queue (after a timer or a peer's receive).
+    pub fn on_timer(&self) {
+        self.kick();
+    }
+
+    fn kick(&self) {
+        let mut d = Deferred::default();
+        {
+            let mut sq = self.sq.lock().expect("sq lock");
+            self.progress(&mut sq, &mut d);
+        }
+        run_deferred(d);
+    }
+
+    /// Runs pending requests from the head until one blocks or the queue is empty.
+    fn progress(&self, sq: &mut MutexGuard<'_, Sq>, d: &mut Deferred) {
+        while let Some(head) = sq.pending.pop_front() {
+            if self.state.load(Ordering::Acquire) == ERR {
+                self.complete_send(&head.view(), WcStatus::WR_FLUSH_ERR, 0, true);
+                continue;
+            }
+            match self.run_head(sq, &head.view(), d) {
+                Step::Completed | Step::Failed => {}
+                Step::Blocked => {
+                    sq.pending.push_front(head);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Executes the request at the head of the send queue and handles its outcome.
+    fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
+        let outcome = match sq.link.as_mut() {
+            Some(link) => self.execute(wr, link, d),
+            None => Outcome::NoResponse,
+        };
+        let (kind, exceeded) = match outcome {
+            Outcome::Done(status, len) => {
+                sq.retry = None;
+                let delivered = self.complete_send(wr, status, len, false);
+                if status.is_success() && delivered {
+                    return Step::Completed;
+                }
+                self.enter_error(sq, d);
+                return Step::Failed;
+            }
+            Outcome::Rnr => (RetryKind::Rnr, WcStatus::RNR_RETRY_EXC_ERR),
+            Outcome::NoResponse => (RetryKind::Transport, WcStatus::RETRY_EXC_ERR),
+        };
+        if self.keep_retrying(sq, kind) {
+            return Step::Blocked;
+        }
+        sq.retry = None;
+        self.complete_send(wr, exceeded, 0, true);
+        self.enter_error(sq, d);
+        Step::Failed
+    }
+
+    /// Starts or continues a retry wait; false once the budget is spent.
+    fn keep_retrying(&self, sq: &mut Sq, kind: RetryKind) -> bool {
+        let now = Instant::now();
+        let (budget, interval) = match kind {
+            RetryKind::Rnr => {
+                let one = ConnectOptions { rnr_retry: 0, ..sq.opts }.rnr_budget();
+                (sq.opts.rnr_budget(), one.unwrap_or(Duration::from_millis(1)))
+            }
+            RetryKind::Transport => {
+                let one = ConnectOptions { retry_cnt: 0, ..sq.opts }.transport_budget();
+                (sq.opts.transport_budget(), one.unwrap_or(Duration::from_secs(1)))
+            }
+        };
+        match &sq.retry {
+            Some(r) if r.kind == kind => {
+                if r.deadline.is_some_and(|dl| now >= dl) {
+                    return false;
+                }
+            }
+            _ => sq.retry = Some(Retry { kind, deadline: budget.map(|b| now + b) }),
+        }
+        let next = now + interval;
+        let at = match sq.retry.as_ref().and_then(|r| r.deadline) {
+            Some(dl) => next.min(dl),
+            None => next,
+        };
+        engine::schedule(at, self.me.clone());
+        true
+    }
+
+    /// Moves to ERR and flushes both queues. The caller holds our send-queue lock.
+    fn enter_error(&self, sq: &mut Sq, d: &mut Deferred) {
+        self.state.store(ERR, Ordering::Release);
+        sq.retry = None;
+        while let Some(p) = sq.pending.pop_front() {
+            self.complete_send(&p.view(), WcStatus::WR_FLUSH_ERR, 0, true);
+        }
+        let waiters = self.flush_rq();
+        d.kick.extend(waiters.iter().filter_map(Weak::upgrade));
+    }
+
+    /// Flushes posted receives; returns the requesters that were waiting on us.
+    fn flush_rq(&self) -> Vec<Weak<SoftQp>> {
+        let mut rq = self.rq.lock().expect("rq lock");
+        while let Some(r) = rq.posted.pop_front() {
+            self.complete_recv(r.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
+        }
+        std::mem::take(&mut rq.rnr_waiters)
+    }
+
+    /// Responder-side fatal error (as IB's class A/C errors): the responder QP goes to ERR.
+    /// Its send queue is flushed after the requester's lock is released.
+    fn responder_error(&self, d: &mut Deferred) {
+        self.state.store(ERR, Ordering::Release);
+        let _ = self.flush_rq();
+        if let Some(me) = self.me.upgrade() {
+            d.kick.push(me);
+        }
+    }
+
+    /// Reports a send completion; returns false if the CQ overran.
+    fn complete_send(&self, wr: &RawSendWr<'_>, status: WcStatus, len: u32, force: bool) -> bool {
+        if !(wr.signaled || force || !status.is_success()) {
+            return true;
+        }
+        let opcode = match wr.op {
+            RawOp::Write { .. } => WcOpcode::RDMA_WRITE,
+            RawOp::Read => WcOpcode::RDMA_READ,
+            RawOp::Send { .. } => WcOpcode::SEND,
+            RawOp::FetchAdd { .. } => WcOpcode::FETCH_ADD,
+            RawOp::CompareSwap { .. } => WcOpcode::COMP_SWAP,
+        };
+        let ok = self.send_cq.push(WorkCompletion {
+            wr_id: wr.wr_id,
+            status,
+            opcode,
+            byte_len: len,
+            imm: None,
+            qp_num: self.qpn,
+            vendor_err: 0,
+        });
+        if !ok {
+            self.state.store(ERR, Ordering::Release);
+        }
+        ok
+    }
+
+    fn complete_recv(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>) {
+        let ok = self.recv_cq.push(WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: len,
+            imm,
+            qp_num: self.qpn,
+            vendor_err: 0,
+        });
+        if !ok {
+            self.state.store(ERR, Ordering::Release);
+        }
+    }
+
+    // ---- requester ----
+
+    fn execute(&self, wr: &RawSendWr<'_>, link: &mut Link, d: &mut Deferred) -> Outcome {
+        let len = wr.len();
+        let writes_local = matches!(
+            wr.op,
+            RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }
+        );
+        if matches!(wr.op, RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) && len != 8 {
+            return Outcome::Done(WcStatus::LOC_LEN_ERR, 0);
+        }
+        // Local buffer: inline bytes, or an lkey checked like the HCA checks it.
+        let (local_ptr, _local_entry) = match (wr.inline, wr.sge) {
+            (Some(data), _) if !writes_local => (data.as_ptr() as *mut u8, None),
+            (Some(_), _) => return Outcome::Done(WcStatus::LOC_QP_OP_ERR, 0),
+            (None, Some(sge)) if sge.len > 0 => {
+                let need = if writes_local { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
+                let Some(entry) = self.device.mrs.lookup(sge.lkey) else {
+                    return Outcome::Done(WcStatus::LOC_PROT_ERR, 0);
+                };
+                match entry.check(self.pd, sge.addr, u64::from(sge.len), need) {
+                    Ok(p) => (p, Some(entry)),
+                    Err(_) => return Outcome::Done(WcStatus::LOC_PROT_ERR, 0),
+                }
+            }
+            _ => (std::ptr::null_mut(), None),
+        };
+        let Some(peer) = link.peer() else { return Outcome::NoResponse };
+        if !peer.accepts_from(self) {
+            return Outcome::NoResponse;
+        }
+        match wr.op {
+            RawOp::Write { imm } => peer.respond_write(self, local_ptr, len, wr.remote_addr, wr.rkey, imm, d),
+            RawOp::Read => peer.respond_read(local_ptr, len, wr.remote_addr, wr.rkey, d),
+            RawOp::Send { imm } => peer.respond_send(self, local_ptr, len, imm, d),
+            RawOp::FetchAdd { add } => {
+                peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| c.fetch_add(add, Ordering::SeqCst))
+            }
+            RawOp::CompareSwap { compare, swap } => {
+                peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
+                    match c.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                        Ok(v) | Err(v) => v,
+                    }
+                })
+            }
+        }
+    }
+
+    // ---- responder ----
+
+    /// A connected responder takes packets only from its own remote QP, in RTR or RTS.
+    fn accepts_from(&self, from: &SoftQp) -> bool {
+        let st = self.state.load(Ordering::Acquire);
+        (st == RTR || st == RTS)
+            && self.remote_qpn.load(Ordering::Acquire) == from.qpn
+            && *self.remote_gid.lock().expect("gid lock") == from.device.gid()
+    }
+
+    /// Resolves a remote target: QP-level then region-level permission, bounds.
+    fn target(&self, addr: u64, rkey: u32, len: u32, need: AccessFlags) -> std::result::Result<(*mut u8, Option<Arc<super::mr::MrEntry>>), WcStatus> {
+        let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
+        if !qp_access.contains(need) {
+            return Err(WcStatus::REM_INV_REQ_ERR);
+        }
+        if len == 0 {
+            // Zero-length RDMA operations carry no key check (IB spec).
+            return Ok((std::ptr::null_mut(), None));
+        }
+        let entry = self.device.mrs.lookup(rkey).ok_or(WcStatus::REM_ACCESS_ERR)?;
+        match entry.check(self.pd, addr, u64::from(len), need) {
+            Ok(p) => Ok((p, Some(entry))),
+            Err(Fault::Key | Fault::Pd | Fault::Bounds | Fault::Access) => Err(WcStatus::REM_ACCESS_ERR),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn respond_write(&self, from: &SoftQp, src: *mut u8, len: u32, addr: u64, rkey: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
+        let (dst, _entry) = match self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE) {
+            Ok(t) => t,
+            Err(status) => {
+                self.responder_error(d);
+                return Outcome::Done(status, 0);
+            }
+        };
+        let recv = if imm.is_some() {
+            match self.take_recv(from) {
+                Some(r) => Some(r),
+                None => return Outcome::Rnr,
+            }
+        } else {
+            None
+        };
+        // SAFETY: `src` was checked against the requester's registration (or is inline data
+        // borrowed for this call) and `dst` against ours, both for `len` bytes; the entries
+        // held in this frame keep both alive. Registered memory is only accessed atomically.
+        unsafe { shared_mem::copy(src, dst, len as usize) };
+        if let Some(r) = recv {
+            self.complete_recv(r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
+        }
+        Outcome::Done(WcStatus::SUCCESS, len)
+    }
+
+    fn respond_read(&self, dst: *mut u8, len: u32, addr: u64, rkey: u32, d: &mut Deferred) -> Outcome {
+        match self.target(addr, rkey, len, AccessFlags::REMOTE_READ) {
+            Ok((src, _entry)) => {
+                // SAFETY: as in `respond_write`, with the roles swapped.
+                unsafe { shared_mem::copy(src, dst, len as usize) };
+                Outcome::Done(WcStatus::SUCCESS, len)
+            }
+            Err(status) => {
+                self.responder_error(d);
+                Outcome::Done(status, 0)
+            }
+        }
+    }
+
+    fn respond_send(&self, from: &SoftQp, src: *mut u8, len: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
+        let Some(recv) = self.take_recv(from) else { return Outcome::Rnr };
+        let opcode = WcOpcode::RECV;
+        let cap = recv.sge.map_or(0, |s| s.len);
+        if len > cap {
+            self.complete_recv(recv.wr_id, WcStatus::LOC_LEN_ERR, opcode, len, None);
+            self.responder_error(d);
+            return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
+        }
+        let mut _entry = None;
+        if len > 0 {
+            let sge = recv.sge.expect("len <= cap implies an sge");
+            let dst = self
+                .device
+                .mrs
+                .lookup(sge.lkey)
+                .ok_or(Fault::Key)
+                .and_then(|e| e.check(self.pd, sge.addr, u64::from(len), AccessFlags::LOCAL_WRITE).map(|p| (p, e)));
+            match dst {
+                Ok((dst, e)) => {
+                    _entry = Some(e);
+                    // SAFETY: as in `respond_write`; `dst` was checked for `len` bytes.
+                    unsafe { shared_mem::copy(src, dst, len as usize) };
+                }
+                Err(_) => {
+                    self.complete_recv(recv.wr_id, WcStatus::LOC_PROT_ERR, opcode, 0, None);
+                    self.responder_error(d);
+                    return Outcome::Done(WcStatus::REM_OP_ERR, 0);
+                }
+            }
+        }
+        self.complete_recv(recv.wr_id, WcStatus::SUCCESS, opcode, len, imm);
+        Outcome::Done(WcStatus::SUCCESS, len)
+    }
+
+    fn respond_atomic(
+        &self,
+        result: *mut u8,
+        addr: u64,
+        rkey: u32,
+        d: &mut Deferred,
+        op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64,
+    ) -> Outcome {
+        if addr % 8 != 0 {
+            self.responder_error(d);
+            return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
+        }
+        match self.target(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
+            Ok((cell, _entry)) => {
+                // SAFETY: `cell` is 8 bytes inside a live registration (checked above); its
+                // NIC address is 8-aligned, and registrations map addresses to memory with
+                // at least 8-byte-aligned bases (page-aligned buffers, 64-B DM blocks), so
+                // the pointer is 8-aligned. All accesses to registered memory are atomic.
+                let old = op(unsafe { shared_mem::atomic_u64(cell) });
+                let bytes = old.to_ne_bytes();
+                // SAFETY: `result` is the requester's checked 8-byte local buffer.
+                unsafe { shared_mem::copy(bytes.as_ptr(), result, 8) };
+                Outcome::Done(WcStatus::SUCCESS, 8)
+            }
+            Err(status) => {
+                self.responder_error(d);
+                Outcome::Done(status, 0)
+            }
+        }
+    }
+
+    /// Takes the next posted receive, or registers `from` for a kick and returns `None`.
+    fn take_recv(&self, from: &SoftQp) -> Option<RawRecvWr> {
+        let mut rq = self.rq.lock().expect("rq lock");
+        let r = rq.posted.pop_front();
+        if r.is_none() && !rq.rnr_waiters.iter().any(|w| std::ptr::eq(w.as_ptr(), from)) {
+            rq.rnr_waiters.push(from.me.clone());
+        }
+        r
+    }
+}
+
+enum Step {
+    Completed,
+    Blocked,
+    Failed,
+}
+
+fn run_deferred(mut d: Deferred) {
+    // Each kick may defer more (a chain of QPs going to error); run until quiet.
+    while let Some(qp) = d.kick.pop() {
+        let mut more = Deferred::default();
+        {
+            let mut sq = qp.sq.lock().expect("sq lock");
+            qp.progress(&mut sq, &mut more);
+        }
+        d.kick.append(&mut more.kick);
+    }
+}
+
+impl Error {
+    fn context_inline(self, len: usize, max: u32) -> Error {
+        match self {
+            Error::Os { call, source } => Error::Os {
+                call,
+                source: std::io::Error::new(
+                    source.kind(),
+                    format!("inline payload of {len} bytes exceeds max_inline_data {max} ({source})"),
+                ),
+            },
+            e => e,
+        }
+    }
+}

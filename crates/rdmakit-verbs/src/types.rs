@@ -1,0 +1,451 @@
+//! Plain data shared by both providers: access flags, device attributes, descriptors that
+//! peers exchange out of band.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+bitflags::bitflags! {
+    /// Memory region and QP access rights, `enum ibv_access_flags`.
+    ///
+    /// Verbs rule, enforced by both providers: `REMOTE_WRITE` and `REMOTE_ATOMIC` require
+    /// `LOCAL_WRITE`.
+    #[doc(alias = "ibv_access_flags")]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct AccessFlags: u32 {
+        /// The local NIC may write the region (needed for RDMA read and atomic results,
+        /// and for receives).
+        #[doc(alias = "IBV_ACCESS_LOCAL_WRITE")]
+        const LOCAL_WRITE = 1;
+        /// Peers may RDMA-write the region.
+        #[doc(alias = "IBV_ACCESS_REMOTE_WRITE")]
+        const REMOTE_WRITE = 2;
+        /// Peers may RDMA-read the region.
+        #[doc(alias = "IBV_ACCESS_REMOTE_READ")]
+        const REMOTE_READ = 4;
+        /// Peers may run atomics on the region.
+        #[doc(alias = "IBV_ACCESS_REMOTE_ATOMIC")]
+        const REMOTE_ATOMIC = 8;
+        /// Remote addresses start at 0 instead of the virtual address (device memory).
+        #[doc(alias = "IBV_ACCESS_ZERO_BASED")]
+        const ZERO_BASED = 32;
+        /// Relaxed PCIe ordering may be used.
+        #[doc(alias = "IBV_ACCESS_RELAXED_ORDERING")]
+        const RELAXED_ORDERING = 1 << 20;
+    }
+}
+
+impl AccessFlags {
+    /// Everything a peer may need: local write, remote write, read and atomic.
+    pub const ALL_REMOTE: AccessFlags = AccessFlags::LOCAL_WRITE
+        .union(AccessFlags::REMOTE_WRITE)
+        .union(AccessFlags::REMOTE_READ)
+        .union(AccessFlags::REMOTE_ATOMIC);
+
+    /// Checks the verbs rule that remote write/atomic access needs local write.
+    pub(crate) fn validate(self) -> Result<()> {
+        if self.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+            && !self.contains(AccessFlags::LOCAL_WRITE)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "access {self:?}: REMOTE_WRITE and REMOTE_ATOMIC require LOCAL_WRITE"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Which implementation is behind a [`Context`](crate::Context).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProviderKind {
+    /// rdmakit's software NIC: in-process, no hardware needed.
+    Soft,
+    /// rdma-core's libibverbs (real HCAs, or Soft-RoCE `rdma_rxe`).
+    Verbs,
+}
+
+impl ProviderKind {
+    /// `"soft"` or `"verbs"`, the spelling `RDMAKIT_PROVIDER` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Soft => "soft",
+            ProviderKind::Verbs => "verbs",
+        }
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the device can do (`ibv_query_device(_ex)`), the fields rdmakit uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceAttr {
+    /// Device name, e.g. `mlx5_0`, `rxe0`, `soft0`.
+    pub name: String,
+    /// Which provider runs it.
+    pub provider: ProviderKind,
+    /// Firmware version string.
+    pub fw_ver: String,
+    /// PCI vendor id (`0xffffff` for rxe, `0x534f4654` "SOFT" for the soft NIC).
+    pub vendor_id: u32,
+    /// Largest memory region.
+    pub max_mr_size: u64,
+    /// Most outstanding work requests per queue.
+    pub max_qp_wr: u32,
+    /// Most entries per completion queue.
+    pub max_cqe: u32,
+    /// Most scatter/gather entries per work request.
+    pub max_sge: u32,
+    /// Most outstanding RDMA reads/atomics a QP may have as responder.
+    pub max_qp_rd_atom: u32,
+    /// Atomic support: 0 none, 1 HCA-atomic, 2 global.
+    pub atomic_cap: u32,
+    /// Device memory available for `ibv_alloc_dm` (0: none).
+    pub max_dm_size: u64,
+    /// Number of physical ports.
+    pub phys_port_cnt: u8,
+}
+
+/// Queue pair state, `enum ibv_qp_state`.
+#[doc(alias = "ibv_qp_state")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Just created; nothing can be posted.
+    Reset,
+    /// Initialised; receives may be posted.
+    Init,
+    /// Ready to receive.
+    ReadyToReceive,
+    /// Ready to send: fully connected.
+    ReadyToSend,
+    /// Send queue drain.
+    SendQueueDrain,
+    /// Send queue error.
+    SendQueueError,
+    /// Error: every outstanding and newly posted request completes with `WR_FLUSH_ERR`.
+    Error,
+    /// A value the provider reported that rdmakit does not know.
+    Unknown(u32),
+}
+
+/// Path MTU, `enum ibv_mtu`.
+#[doc(alias = "ibv_mtu")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mtu {
+    /// 256 bytes.
+    Mtu256 = 1,
+    /// 512 bytes.
+    Mtu512 = 2,
+    /// 1024 bytes.
+    Mtu1024 = 3,
+    /// 2048 bytes.
+    Mtu2048 = 4,
+    /// 4096 bytes.
+    Mtu4096 = 5,
+}
+
+impl Mtu {
+    /// The MTU in bytes.
+    pub fn bytes(self) -> u32 {
+        128 << (self as u32)
+    }
+
+    /// From the verbs enum value.
+    pub fn from_raw(v: u32) -> Option<Mtu> {
+        Some(match v {
+            1 => Mtu::Mtu256,
+            2 => Mtu::Mtu512,
+            3 => Mtu::Mtu1024,
+            4 => Mtu::Mtu2048,
+            5 => Mtu::Mtu4096,
+            _ => return None,
+        })
+    }
+}
+
+/// Sizes of a queue pair's queues, given at creation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Outstanding send work requests.
+    pub max_send_wr: u32,
+    /// Outstanding receive work requests.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send request (rdmakit posts one).
+    pub max_send_sge: u32,
+    /// Scatter/gather entries per receive request (rdmakit posts one).
+    pub max_recv_sge: u32,
+    /// Largest inline payload; the provider may raise it.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// How to take a QP from RESET to RTS against a peer (the `ibv_modify_qp` attributes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// Port number (1-based).
+    pub port_num: u8,
+    /// GID index for RoCE. `None` picks an IPv4-mapped RoCE v2 GID if the port has one,
+    /// else index 0 (the `RDMAKIT_GID_INDEX` environment variable overrides `None`).
+    pub gid_index: Option<u8>,
+    /// Path MTU; `None` uses the port's active MTU.
+    pub mtu: Option<Mtu>,
+    /// Remote access the QP allows peers (`IBV_QP_ACCESS_FLAGS`).
+    pub access: AccessFlags,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout (0: infinite).
+    pub timeout: u8,
+    /// Transport retries before `RETRY_EXC_ERR` (0–7).
+    pub retry_cnt: u8,
+    /// RNR retries before `RNR_RETRY_EXC_ERR` (0–6, 7 means infinite).
+    pub rnr_retry: u8,
+    /// Minimum RNR NAK timer exponent (verbs encoding, 1–31; 12 is 0.64 ms).
+    pub min_rnr_timer: u8,
+    /// Outstanding RDMA reads/atomics as initiator; clipped to the device limit.
+    pub max_rd_atomic: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            port_num: 1,
+            gid_index: None,
+            mtu: None,
+            access: AccessFlags::ALL_REMOTE,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 16,
+        }
+    }
+}
+
+impl ConnectOptions {
+    /// The transport timeout budget: (retry_cnt + 1) × 4.096 µs × 2^timeout, or `None`
+    /// for an infinite timeout.
+    pub fn transport_budget(&self) -> Option<std::time::Duration> {
+        if self.timeout == 0 {
+            return None;
+        }
+        let one = 4096u64 << self.timeout.min(31); // nanoseconds
+        Some(std::time::Duration::from_nanos(one * (u64::from(self.retry_cnt.min(7)) + 1)))
+    }
+
+    /// The RNR budget: (rnr_retry + 1) × the min RNR timer, `None` if infinite (7).
+    pub fn rnr_budget(&self) -> Option<std::time::Duration> {
+        if self.rnr_retry >= 7 {
+            return None;
+        }
+        // IB spec table of RNR NAK timer values, in microseconds (index 0 = 655.36 ms).
+        const RNR_US: [u64; 32] = [
+            655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920,
+            2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920, 122880,
+            163840, 245760, 327680, 491520,
+        ];
+        let t = RNR_US[usize::from(self.min_rnr_timer.min(31))];
+        Some(std::time::Duration::from_micros(t * (u64::from(self.rnr_retry) + 1)))
+    }
+}
+
+/// What a peer needs to connect an RC QP to this one, exchanged out of band (a socket, a
+/// file, rdma_cm private data). Encodes to a fixed 32-byte little-endian record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// Which provider the QP lives on; soft and verbs QPs cannot connect to each other.
+    pub provider: ProviderKind,
+    /// Port LID (InfiniBand); 0 on RoCE and the soft NIC.
+    pub lid: u16,
+    /// GID (RoCE address; on the soft NIC it names the device).
+    pub gid: [u8; 16],
+    /// QP number.
+    pub qp_num: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+}
+
+const ENDPOINT_MAGIC: [u8; 3] = *b"RKE";
+
+impl Endpoint {
+    /// Encoded length.
+    pub const ENCODED_LEN: usize = 32;
+
+    /// Encodes to bytes for an out-of-band exchange.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        b[..3].copy_from_slice(&ENDPOINT_MAGIC);
+        b[3] = match self.provider {
+            ProviderKind::Soft => 1,
+            ProviderKind::Verbs => 2,
+        };
+        b[4..6].copy_from_slice(&self.lid.to_le_bytes());
+        b[8..24].copy_from_slice(&self.gid);
+        b[24..28].copy_from_slice(&self.qp_num.to_le_bytes());
+        b[28..32].copy_from_slice(&self.psn.to_le_bytes());
+        b
+    }
+
+    /// Decodes what [`encode`](Self::encode) produced; anything else is a typed error.
+    pub fn decode(b: &[u8]) -> Result<Endpoint> {
+        let bad = |reason: &str| Error::Malformed { what: "endpoint", reason: reason.into() };
+        if b.len() != Self::ENCODED_LEN {
+            return Err(bad(&format!("{} bytes, expected {}", b.len(), Self::ENCODED_LEN)));
+        }
+        if b[..3] != ENDPOINT_MAGIC {
+            return Err(bad("bad magic"));
+        }
+        let provider = match b[3] {
+            1 => ProviderKind::Soft,
+            2 => ProviderKind::Verbs,
+            p => return Err(bad(&format!("unknown provider tag {p}"))),
+        };
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[8..24]);
+        let le32 = |r: std::ops::Range<usize>| u32::from_le_bytes(b[r].try_into().expect("4"));
+        Ok(Endpoint {
+            provider,
+            lid: u16::from_le_bytes([b[4], b[5]]),
+            gid,
+            qp_num: le32(24..28),
+            psn: le32(28..32) & 0x00ff_ffff,
+        })
+    }
+}
+
+/// A remote memory region as its owner advertises it: address, length and rkey.
+///
+/// Send it to peers (see [`encode`](Self::encode)); they target it with
+/// [`RemoteRegion::slice`]. It is plain data: holding one keeps nothing alive, and using a
+/// stale one gives the peer a `REM_ACCESS_ERR`, never local undefined behaviour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Address the owner's NIC translates (a virtual address, or 0 for zero-based regions).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+impl RemoteRegion {
+    /// Encoded length.
+    pub const ENCODED_LEN: usize = 20;
+
+    /// The part `offset..offset + len`, checked against this descriptor.
+    pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
+        match offset.checked_add(u64::from(len)) {
+            Some(end) if end <= self.len => Ok(RemoteSlice {
+                addr: self.addr + offset,
+                len,
+                rkey: self.rkey,
+            }),
+            _ => Err(Error::OutOfBounds {
+                what: "remote region",
+                offset,
+                len: u64::from(len),
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Encodes as 20 little-endian bytes: addr, len, rkey.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..20].copy_from_slice(&self.rkey.to_le_bytes());
+        b
+    }
+
+    /// Decodes what [`encode`](Self::encode) produced.
+    pub fn decode(b: &[u8]) -> Result<RemoteRegion> {
+        if b.len() != Self::ENCODED_LEN {
+            return Err(Error::Malformed {
+                what: "remote region",
+                reason: format!("{} bytes, expected {}", b.len(), Self::ENCODED_LEN),
+            });
+        }
+        Ok(RemoteRegion {
+            addr: u64::from_le_bytes(b[..8].try_into().expect("8")),
+            len: u64::from_le_bytes(b[8..16].try_into().expect("8")),
+            rkey: u32::from_le_bytes(b[16..20].try_into().expect("4")),
+        })
+    }
+}
+
+/// A remote target of one work request: address, length and rkey.
+///
+/// Built from a [`RemoteRegion`] (bounds-checked against the descriptor) or raw with
+/// [`RemoteSlice::new`]; a wrong address or key is the remote NIC's to reject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteSlice {
+    /// Remote address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u32,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+impl RemoteSlice {
+    /// A raw remote target. Safe: the remote NIC validates it.
+    pub fn new(addr: u64, len: u32, rkey: u32) -> RemoteSlice {
+        RemoteSlice { addr, len, rkey }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_round_trip_and_rejects_garbage() {
+        let e = Endpoint {
+            provider: ProviderKind::Verbs,
+            lid: 3,
+            gid: [7; 16],
+            qp_num: 0x11,
+            psn: 0x123456,
+        };
+        assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
+        assert!(Endpoint::decode(&[0u8; 32]).is_err());
+        assert!(Endpoint::decode(&e.encode()[..31]).is_err());
+        let mut b = e.encode();
+        b[3] = 9;
+        assert!(matches!(Endpoint::decode(&b), Err(Error::Malformed { .. })));
+    }
+
+    #[test]
+    fn remote_region_round_trip_and_bounds() {
+        let r = RemoteRegion { addr: 0x1000, len: 64, rkey: 42 };
+        assert_eq!(RemoteRegion::decode(&r.encode()).unwrap(), r);
+        assert_eq!(r.slice(56, 8).unwrap().addr, 0x1038);
+        assert!(r.slice(57, 8).is_err());
+        assert!(r.slice(u64::MAX, 8).is_err());
+        assert!(RemoteRegion::decode(&[1, 2]).is_err());
+    }
+
+    #[test]
+    fn access_rule_and_budgets() {
+        assert!(AccessFlags::REMOTE_WRITE.validate().is_err());
+        assert!(AccessFlags::ALL_REMOTE.validate().is_ok());
+        assert!(AccessFlags::REMOTE_READ.validate().is_ok());
+        let o = ConnectOptions { timeout: 10, retry_cnt: 1, ..Default::default() };
+        assert_eq!(o.transport_budget().unwrap().as_nanos(), 2 * 4096 * 1024);
+        assert_eq!(ConnectOptions::default().rnr_budget(), None);
+        assert_eq!(Mtu::Mtu4096.bytes(), 4096);
+    }
+}

@@ -1,0 +1,32 @@
+//! rdmakit: safe RDMA abstractions over rdma-core and a software NIC.
+//!
+//! This facade re-exports the member crates:
+//! - [`verbs`] (`rdmakit-verbs`): devices, protection domains, memory regions, completion
+//!   queues, RC queue pairs, work requests, device memory, over two providers (rdma-core
+//!   and the soft NIC). Its items are also re-exported at the top level.
+//!
+//! ```
+//! let ctx = rdmakit::Context::open_soft();
+//! assert_eq!(ctx.provider(), rdmakit::ProviderKind::Soft);
+//! ```
+
+pub use rdmakit_verbs as verbs;
+pub use rdmakit_verbs::*;
+
+/// What this build of rdmakit was compiled with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuildInfo {
+    /// The `verbs` provider (rdma-core) is compiled in.
+    pub verbs: bool,
+    /// rdma-core's libibverbs version found at build time, if any.
+    pub rdma_core_version: Option<&'static str>,
+    /// libmlx5 (mlx5 direct verbs) was present at build time.
+    pub mlx5dv: bool,
+}
+
+/// How this build was configured (see the top-level `build.rs`).
+pub const BUILD: BuildInfo = BuildInfo {
+    verbs: cfg!(feature = "verbs"),
+    rdma_core_version: option_env!("RDMAKIT_RDMA_CORE_VERSION"),
+    mlx5dv: cfg!(rdmakit_mlx5dv),
+};
