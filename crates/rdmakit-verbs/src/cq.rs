@@ -24,12 +24,13 @@ pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
 }
 
+/// Fields drop in order: the provider object before the parent it needs.
 pub(crate) struct CqInner {
-    pub(crate) ctx: Context,
     pub(crate) backend: CqBackend,
     /// QPs whose completions land here. The lock also serialises polling, so completions
     /// are translated in the order the provider produced them.
     pub(crate) qps: Mutex<HashMap<u32, Arc<Inflight>>>,
+    pub(crate) ctx: Context,
     capacity: u32,
     #[cfg(feature = "async")]
     async_fd: std::sync::OnceLock<tokio::io::unix::AsyncFd<RawFdHandle>>,
@@ -101,9 +102,9 @@ impl CompletionQueue {
         };
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
-                ctx: ctx.clone(),
                 backend,
                 qps: Mutex::new(HashMap::new()),
+                ctx: ctx.clone(),
                 capacity,
                 #[cfg(feature = "async")]
                 async_fd: std::sync::OnceLock::new(),
@@ -223,10 +224,8 @@ impl CompletionQueue {
             if let Some(wc) = self.poll_one()? {
                 return Ok(wc);
             }
-            let mut guard = afd
-                .readable()
-                .await
-                .map_err(|source| Error::Os { call: "AsyncFd::readable", source })?;
+            let mut guard =
+                afd.readable().await.map_err(|source| Error::Os { call: "AsyncFd::readable", source })?;
             self.inner.backend.take_events();
             guard.clear_ready();
         }

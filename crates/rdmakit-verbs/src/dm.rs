@@ -26,10 +26,11 @@ pub struct DeviceMemory {
     pub(crate) inner: Arc<DmInner>,
 }
 
+/// Fields drop in order: the provider object before the parent it needs.
 pub(crate) struct DmInner {
+    pub(crate) backend: DmBackend,
     pub(crate) ctx: Context,
     pub(crate) len: u64,
-    pub(crate) backend: DmBackend,
 }
 
 pub(crate) enum DmBackend {
@@ -61,7 +62,7 @@ impl DeviceMemory {
             #[cfg(feature = "verbs")]
             CtxBackend::Verbs(c) => DmBackend::Verbs(c.alloc_dm(len, max)?),
         };
-        Ok(DeviceMemory { inner: Arc::new(DmInner { ctx: ctx.clone(), len, backend }) })
+        Ok(DeviceMemory { inner: Arc::new(DmInner { backend, ctx: ctx.clone(), len }) })
     }
 
     /// Length in bytes.
@@ -109,7 +110,9 @@ impl DeviceMemory {
         match &self.inner.backend {
             DmBackend::Soft(dm) => {
                 // SAFETY: as in `copy_to`.
-                unsafe { crate::shared_mem::copy(dm.ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+                unsafe {
+                    crate::shared_mem::copy(dm.ptr().add(offset as usize), out.as_mut_ptr(), out.len())
+                };
                 Ok(())
             }
             #[cfg(feature = "verbs")]

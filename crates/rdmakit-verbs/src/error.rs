@@ -277,11 +277,8 @@ mod tests {
 
     #[test]
     fn errors_carry_context() {
-        let e = Error::Completion {
-            status: WcStatus::REM_ACCESS_ERR,
-            wr_id: 7,
-            opcode: WcOpcode::RDMA_WRITE,
-        };
+        let e =
+            Error::Completion { status: WcStatus::REM_ACCESS_ERR, wr_id: 7, opcode: WcOpcode::RDMA_WRITE };
         assert_eq!(e.wc_status(), Some(WcStatus::REM_ACCESS_ERR));
         let msg = e.to_string();
         assert!(msg.contains("IBV_WC_REM_ACCESS_ERR") && msg.contains("0x7"), "{msg}");

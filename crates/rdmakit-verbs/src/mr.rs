@@ -97,23 +97,30 @@ impl Drop for HostBuffer {
 /// Where a region's bytes live.
 pub(crate) enum MrMemory {
     Host(Arc<HostBuffer>),
-    Device { dm: DeviceMemory, offset: u64 },
+    Device {
+        dm: DeviceMemory,
+        offset: u64,
+    },
     /// Exported by another driver (GPU); no CPU access.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     DmaBuf,
 }
 
 pub(crate) enum MrBackend {
-    Soft { device: Arc<crate::soft::SoftDevice>, key: u32 },
+    Soft {
+        device: Arc<crate::soft::SoftDevice>,
+        key: u32,
+    },
     #[cfg(feature = "verbs")]
     Verbs(crate::rdma::Mr),
 }
 
+/// Fields drop in order: deregistration (`backend`) before the memory (`mem`) before the
+/// PD (`pd`).
 pub(crate) struct MrInner {
-    pub(crate) pd: ProtectionDomain,
-    pub(crate) mem: MrMemory,
-    // Dropped before `mem` (field order): deregistration precedes freeing the memory.
     pub(crate) backend: MrBackend,
+    pub(crate) mem: MrMemory,
+    pub(crate) pd: ProtectionDomain,
     pub(crate) access: AccessFlags,
     pub(crate) addr: u64,
     pub(crate) len: u64,
@@ -128,7 +135,17 @@ impl Drop for MrInner {
                 device.mrs.deregister(*key);
             }
             #[cfg(feature = "verbs")]
-            MrBackend::Verbs(_) => {} // `rdma::Mr`'s own Drop calls ibv_dereg_mr.
+            MrBackend::Verbs(mr) => {
+                if !mr.deregister() {
+                    // The NIC may still write this memory: never free it.
+                    tracing::error!(lkey = self.lkey, "ibv_dereg_mr failed; leaking the region's memory");
+                    match &self.mem {
+                        MrMemory::Host(b) => std::mem::forget(b.clone()),
+                        MrMemory::Device { dm, .. } => std::mem::forget(dm.clone()),
+                        MrMemory::DmaBuf => {}
+                    }
+                }
+            }
         }
     }
 }
@@ -200,9 +217,9 @@ impl MemoryRegion {
         };
         Ok(MemoryRegion {
             inner: Arc::new(MrInner {
-                pd: pd.clone(),
-                mem: MrMemory::Host(buf),
                 backend,
+                mem: MrMemory::Host(buf),
+                pd: pd.clone(),
                 access,
                 addr,
                 len: len as u64,
@@ -247,9 +264,9 @@ impl MemoryRegion {
         };
         Ok(MemoryRegion {
             inner: Arc::new(MrInner {
-                pd: pd.clone(),
-                mem: MrMemory::Device { dm: dm.clone(), offset },
                 backend,
+                mem: MrMemory::Device { dm: dm.clone(), offset },
+                pd: pd.clone(),
                 access,
                 addr: 0,
                 len,
@@ -283,9 +300,9 @@ impl MemoryRegion {
                 let (lkey, rkey) = (mr.lkey(), mr.rkey());
                 Ok(MemoryRegion {
                     inner: Arc::new(MrInner {
-                        pd: pd.clone(),
-                        mem: MrMemory::DmaBuf,
                         backend: MrBackend::Verbs(mr),
+                        mem: MrMemory::DmaBuf,
+                        pd: pd.clone(),
                         access,
                         addr: iova,
                         len: len as u64,
@@ -351,21 +368,15 @@ impl MemoryRegion {
 
     /// The whole region as a local slice (regions over 4 GiB need [`slice`](Self::slice)).
     pub fn local(&self) -> Result<LocalSlice> {
-        let len = u32::try_from(self.inner.len).map_err(|_| {
-            Error::InvalidArgument("a work request moves at most 4 GiB; use slice()".into())
-        })?;
+        let len = u32::try_from(self.inner.len)
+            .map_err(|_| Error::InvalidArgument("a work request moves at most 4 GiB; use slice()".into()))?;
         self.slice(0, len)
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.inner.len => Ok(()),
-            _ => Err(Error::OutOfBounds {
-                what: "memory region",
-                offset,
-                len,
-                size: self.inner.len,
-            }),
+            _ => Err(Error::OutOfBounds { what: "memory region", offset, len, size: self.inner.len }),
         }
     }
 

@@ -17,9 +17,10 @@ pub struct ProtectionDomain {
     pub(crate) inner: Arc<PdInner>,
 }
 
+/// Fields drop in order: the provider object before the parent it needs.
 pub(crate) struct PdInner {
-    pub(crate) ctx: Context,
     pub(crate) backend: PdBackend,
+    pub(crate) ctx: Context,
 }
 
 pub(crate) enum PdBackend {

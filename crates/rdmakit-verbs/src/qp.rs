@@ -46,12 +46,14 @@ pub struct QueuePair {
     pub(crate) inner: Arc<QpInner>,
 }
 
+/// Fields drop in order (after `Drop` destroyed the QP): the provider object, then the
+/// in-flight buffers, then the parents.
 pub(crate) struct QpInner {
-    pd: ProtectionDomain,
-    send_cq: CompletionQueue,
-    recv_cq: CompletionQueue,
     backend: QpBackend,
     inflight: Arc<Inflight>,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    pd: ProtectionDomain,
     caps: QpCaps,
     qpn: u32,
     psn: u32,
@@ -121,11 +123,11 @@ impl QueuePair {
         recv_cq.register(qpn, inflight.clone());
         Ok(QueuePair {
             inner: Arc::new(QpInner {
-                pd: pd.clone(),
-                send_cq: send_cq.clone(),
-                recv_cq: recv_cq.clone(),
                 backend,
                 inflight,
+                send_cq: send_cq.clone(),
+                recv_cq: recv_cq.clone(),
+                pd: pd.clone(),
                 caps,
                 qpn,
                 psn: initial_psn(qpn),

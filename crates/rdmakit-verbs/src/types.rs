@@ -184,13 +184,7 @@ pub struct QpCaps {
 
 impl Default for QpCaps {
     fn default() -> Self {
-        QpCaps {
-            max_send_wr: 128,
-            max_recv_wr: 128,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        }
+        QpCaps { max_send_wr: 128, max_recv_wr: 128, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 }
     }
 }
 
@@ -252,9 +246,8 @@ impl ConnectOptions {
         }
         // IB spec table of RNR NAK timer values, in microseconds (index 0 = 655.36 ms).
         const RNR_US: [u64; 32] = [
-            655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920,
-            2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920, 122880,
-            163840, 245760, 327680, 491520,
+            655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840, 5120,
+            7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920, 122880, 163840, 245760, 327680, 491520,
         ];
         let t = RNR_US[usize::from(self.min_rnr_timer.min(31))];
         Some(std::time::Duration::from_micros(t * (u64::from(self.rnr_retry) + 1)))
@@ -347,17 +340,12 @@ impl RemoteRegion {
     /// The part `offset..offset + len`, checked against this descriptor.
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
         match offset.checked_add(u64::from(len)) {
-            Some(end) if end <= self.len => Ok(RemoteSlice {
-                addr: self.addr + offset,
-                len,
-                rkey: self.rkey,
-            }),
-            _ => Err(Error::OutOfBounds {
-                what: "remote region",
-                offset,
-                len: u64::from(len),
-                size: self.len,
-            }),
+            Some(end) if end <= self.len => {
+                Ok(RemoteSlice { addr: self.addr + offset, len, rkey: self.rkey })
+            }
+            _ => {
+                Err(Error::OutOfBounds { what: "remote region", offset, len: u64::from(len), size: self.len })
+            }
         }
     }
 
@@ -413,13 +401,7 @@ mod tests {
 
     #[test]
     fn endpoint_round_trip_and_rejects_garbage() {
-        let e = Endpoint {
-            provider: ProviderKind::Verbs,
-            lid: 3,
-            gid: [7; 16],
-            qp_num: 0x11,
-            psn: 0x123456,
-        };
+        let e = Endpoint { provider: ProviderKind::Verbs, lid: 3, gid: [7; 16], qp_num: 0x11, psn: 0x123456 };
         assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
         assert!(Endpoint::decode(&[0u8; 32]).is_err());
         assert!(Endpoint::decode(&e.encode()[..31]).is_err());

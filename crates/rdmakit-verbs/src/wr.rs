@@ -47,7 +47,12 @@ pub struct SendWr<'a> {
 }
 
 impl<'a> SendWr<'a> {
-    fn new(kind: Kind, local: Option<LocalSlice>, inline: Option<&'a [u8]>, remote: Option<RemoteSlice>) -> Self {
+    fn new(
+        kind: Kind,
+        local: Option<LocalSlice>,
+        inline: Option<&'a [u8]>,
+        remote: Option<RemoteSlice>,
+    ) -> Self {
         SendWr {
             wr_id: 0,
             kind,
@@ -172,7 +177,10 @@ impl<'a> SendWr<'a> {
                 return bad("inline data is only for writes and sends".into());
             }
             if d.len() > max_inline as usize {
-                return bad(format!("inline payload of {} bytes exceeds max_inline_data {max_inline}", d.len()));
+                return bad(format!(
+                    "inline payload of {} bytes exceeds max_inline_data {max_inline}",
+                    d.len()
+                ));
             }
         }
         if self.imm.is_some() && !matches!(self.kind, Kind::Write | Kind::Send) {
@@ -205,7 +213,11 @@ impl<'a> SendWr<'a> {
         Ok(RawSendWr {
             wr_id: 0,
             op,
-            sge: if self.inline.is_none() && len > 0 { self.local.as_ref().map(LocalSlice::sge) } else { None },
+            sge: if self.inline.is_none() && len > 0 {
+                self.local.as_ref().map(LocalSlice::sge)
+            } else {
+                None
+            },
             inline: self.inline,
             remote_addr,
             rkey,

@@ -40,10 +40,8 @@ struct Engine {
 fn engine() -> &'static Engine {
     static ENGINE: OnceLock<&'static Engine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let e: &'static Engine = Box::leak(Box::new(Engine {
-            timers: Mutex::new((BinaryHeap::new(), 0)),
-            wake: Condvar::new(),
-        }));
+        let e: &'static Engine =
+            Box::leak(Box::new(Engine { timers: Mutex::new((BinaryHeap::new(), 0)), wake: Condvar::new() }));
         std::thread::Builder::new()
             .name("rdmakit-soft-timers".into())
             .spawn(move || run(e))

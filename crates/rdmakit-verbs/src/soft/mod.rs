@@ -80,9 +80,7 @@ pub const DEFAULT_NAME: &str = "soft0";
 impl SoftDevice {
     /// The process-wide `soft0` device (default configuration).
     pub(crate) fn default_device() -> Arc<SoftDevice> {
-        DEFAULT_DEVICE
-            .get_or_init(|| SoftDevice::create(0, SoftConfig::default()))
-            .clone()
+        DEFAULT_DEVICE.get_or_init(|| SoftDevice::create(0, SoftConfig::default())).clone()
     }
 
     /// A new, independent device (`softN`) on the in-process fabric.

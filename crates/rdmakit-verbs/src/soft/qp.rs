@@ -228,13 +228,7 @@ impl SoftQp {
     }
 
     pub fn endpoint(&self, psn: u32) -> Endpoint {
-        Endpoint {
-            provider: ProviderKind::Soft,
-            lid: 0,
-            gid: self.device.gid(),
-            qp_num: self.qpn,
-            psn,
-        }
+        Endpoint { provider: ProviderKind::Soft, lid: 0, gid: self.device.gid(), qp_num: self.qpn, psn }
     }
 
     fn bad_transition(&self, to: &'static str) -> Error {
@@ -544,10 +538,7 @@ impl SoftQp {
 
     fn execute(&self, wr: &RawSendWr<'_>, link: &mut Link, d: &mut Deferred) -> Outcome {
         let len = wr.len();
-        let writes_local = matches!(
-            wr.op,
-            RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }
-        );
+        let writes_local = matches!(wr.op, RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. });
         if matches!(wr.op, RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) && len != 8 {
             return Outcome::Done(WcStatus::LOC_LEN_ERR, 0);
         }
@@ -575,9 +566,9 @@ impl SoftQp {
             RawOp::Write { imm } => peer.respond_write(self, local_ptr, len, wr.remote_addr, wr.rkey, imm, d),
             RawOp::Read => peer.respond_read(local_ptr, len, wr.remote_addr, wr.rkey, d),
             RawOp::Send { imm } => peer.respond_send(self, local_ptr, len, imm, d),
-            RawOp::FetchAdd { add } => {
-                peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| c.fetch_add(add, Ordering::SeqCst))
-            }
+            RawOp::FetchAdd { add } => peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
+                c.fetch_add(add, Ordering::SeqCst)
+            }),
             RawOp::CompareSwap { compare, swap } => {
                 peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
                     match c.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
@@ -599,7 +590,13 @@ impl SoftQp {
     }
 
     /// Resolves a remote target: QP-level then region-level permission, bounds.
-    fn target(&self, addr: u64, rkey: u32, len: u32, need: AccessFlags) -> std::result::Result<(*mut u8, Option<Arc<super::mr::MrEntry>>), WcStatus> {
+    fn target(
+        &self,
+        addr: u64,
+        rkey: u32,
+        len: u32,
+        need: AccessFlags,
+    ) -> std::result::Result<(*mut u8, Option<Arc<super::mr::MrEntry>>), WcStatus> {
         let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
         if !qp_access.contains(need) {
             return Err(WcStatus::REM_INV_REQ_ERR);
@@ -616,7 +613,16 @@ impl SoftQp {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn respond_write(&self, from: &SoftQp, src: *mut u8, len: u32, addr: u64, rkey: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
+    fn respond_write(
+        &self,
+        from: &SoftQp,
+        src: *mut u8,
+        len: u32,
+        addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        d: &mut Deferred,
+    ) -> Outcome {
         let (dst, _entry) = match self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE) {
             Ok(t) => t,
             Err(status) => {
@@ -656,7 +662,14 @@ impl SoftQp {
         }
     }
 
-    fn respond_send(&self, from: &SoftQp, src: *mut u8, len: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
+    fn respond_send(
+        &self,
+        from: &SoftQp,
+        src: *mut u8,
+        len: u32,
+        imm: Option<u32>,
+        d: &mut Deferred,
+    ) -> Outcome {
         let Some(recv) = self.take_recv(from) else { return Outcome::Rnr };
         let opcode = WcOpcode::RECV;
         let cap = recv.sge.map_or(0, |s| s.len);
@@ -668,12 +681,9 @@ impl SoftQp {
         let mut _entry = None;
         if len > 0 {
             let sge = recv.sge.expect("len <= cap implies an sge");
-            let dst = self
-                .device
-                .mrs
-                .lookup(sge.lkey)
-                .ok_or(Fault::Key)
-                .and_then(|e| e.check(self.pd, sge.addr, u64::from(len), AccessFlags::LOCAL_WRITE).map(|p| (p, e)));
+            let dst = self.device.mrs.lookup(sge.lkey).ok_or(Fault::Key).and_then(|e| {
+                e.check(self.pd, sge.addr, u64::from(len), AccessFlags::LOCAL_WRITE).map(|p| (p, e))
+            });
             match dst {
                 Ok((dst, e)) => {
                     _entry = Some(e);

@@ -1,0 +1,118 @@
+//! Return conventions of libibverbs, mapped once, and request/state conversions.
+
+use std::ptr::NonNull;
+
+use rdmakit_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::raw::{RawOp, RawSendWr};
+use crate::types::QpState;
+
+/// NULL + errno (`ibv_reg_mr`, `ibv_create_qp`, ...).
+pub(super) fn nonnull<T>(call: &'static str, p: *mut T) -> Result<NonNull<T>> {
+    NonNull::new(p).ok_or_else(|| Error::last_os(call))
+}
+
+/// An errno returned directly, 0 on success (`ibv_modify_qp`, `ibv_post_send`, ...). Some
+/// providers return -1 and set errno instead; both are handled.
+pub(super) fn errno_ret(call: &'static str, rc: i32) -> Result<()> {
+    match rc {
+        0 => Ok(()),
+        -1 => Err(Error::last_os(call)),
+        e => Err(Error::errno(call, e.abs())),
+    }
+}
+
+/// Sets `O_NONBLOCK` on a descriptor owned by rdma-core (async fd, completion channel).
+///
+/// # Safety
+/// `fd` must be an open descriptor.
+pub(super) unsafe fn set_nonblocking(fd: i32) -> Result<()> {
+    // SAFETY: fcntl on an open descriptor (caller's contract).
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(Error::last_os("fcntl(O_NONBLOCK)"));
+    }
+    Ok(())
+}
+
+pub(super) fn qp_state(s: u32) -> QpState {
+    use sys::ibv_qp_state as q;
+    match s {
+        q::IBV_QPS_RESET => QpState::Reset,
+        q::IBV_QPS_INIT => QpState::Init,
+        q::IBV_QPS_RTR => QpState::ReadyToReceive,
+        q::IBV_QPS_RTS => QpState::ReadyToSend,
+        q::IBV_QPS_SQD => QpState::SendQueueDrain,
+        q::IBV_QPS_SQE => QpState::SendQueueError,
+        q::IBV_QPS_ERR => QpState::Error,
+        other => QpState::Unknown(other),
+    }
+}
+
+/// Fills one `ibv_send_wr` (zeroed by the caller) and its SGE from the provider-neutral
+/// request. The caller links `sg_list` and `next`.
+pub(super) fn fill_send_wr(wr: &mut sys::ibv_send_wr, sge: &mut sys::ibv_sge, raw: &RawSendWr<'_>) {
+    use sys::ibv_send_flags as f;
+    use sys::ibv_wr_opcode as o;
+    wr.wr_id = raw.wr_id;
+    let mut flags = 0;
+    if raw.signaled {
+        flags |= f::IBV_SEND_SIGNALED.0;
+    }
+    if raw.fence {
+        flags |= f::IBV_SEND_FENCE.0;
+    }
+    if raw.solicited {
+        flags |= f::IBV_SEND_SOLICITED.0;
+    }
+    match (raw.inline, raw.sge) {
+        (Some(data), _) => {
+            flags |= f::IBV_SEND_INLINE.0;
+            *sge = sys::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
+            wr.num_sge = i32::from(!data.is_empty());
+        }
+        (None, Some(s)) => {
+            *sge = sys::ibv_sge { addr: s.addr, length: s.len, lkey: s.lkey };
+            wr.num_sge = 1;
+        }
+        (None, None) => wr.num_sge = 0,
+    }
+    wr.send_flags = flags;
+    let imm = |wr: &mut sys::ibv_send_wr, v: u32| wr.imm_data_invalidated_rkey_union.imm_data = v.to_be();
+    match raw.op {
+        RawOp::Write { imm: i } => {
+            wr.opcode = if i.is_some() { o::IBV_WR_RDMA_WRITE_WITH_IMM } else { o::IBV_WR_RDMA_WRITE };
+            if let Some(v) = i {
+                imm(wr, v);
+            }
+            wr.wr.rdma.remote_addr = raw.remote_addr;
+            wr.wr.rdma.rkey = raw.rkey;
+        }
+        RawOp::Read => {
+            wr.opcode = o::IBV_WR_RDMA_READ;
+            wr.wr.rdma.remote_addr = raw.remote_addr;
+            wr.wr.rdma.rkey = raw.rkey;
+        }
+        RawOp::Send { imm: i } => {
+            wr.opcode = if i.is_some() { o::IBV_WR_SEND_WITH_IMM } else { o::IBV_WR_SEND };
+            if let Some(v) = i {
+                imm(wr, v);
+            }
+        }
+        RawOp::FetchAdd { add } => {
+            wr.opcode = o::IBV_WR_ATOMIC_FETCH_AND_ADD;
+            wr.wr.atomic.remote_addr = raw.remote_addr;
+            wr.wr.atomic.rkey = raw.rkey;
+            wr.wr.atomic.compare_add = add;
+        }
+        RawOp::CompareSwap { compare, swap } => {
+            wr.opcode = o::IBV_WR_ATOMIC_CMP_AND_SWP;
+            wr.wr.atomic.remote_addr = raw.remote_addr;
+            wr.wr.atomic.rkey = raw.rkey;
+            wr.wr.atomic.compare_add = compare;
+            wr.wr.atomic.swap = swap;
+        }
+    }
+}
