@@ -193,6 +193,12 @@ impl<'a> SendWr<'a> {
                 if len != 8 || r.len != 8 {
                     return bad(format!("atomics move 8 bytes (local {len}, remote {})", r.len));
                 }
+                // The IB spec requires 8-byte aligned atomic targets. Providers differ in how
+                // they refuse one (rxe: EINVAL at post; mlx5: a remote error completion), so
+                // refuse it here, the same everywhere.
+                if r.addr % 8 != 0 {
+                    return bad(format!("atomic target {:#x} is not 8-byte aligned", r.addr));
+                }
                 (r.addr, r.rkey)
             }
             (_, Some(r)) => {
