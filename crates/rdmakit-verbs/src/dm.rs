@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::device::{Context, CtxBackend};
 use crate::error::{Error, Result};
+use crate::shared_mem::{Dst, Src, copy};
 use crate::soft::dm::SoftDm;
 
 /// An allocation of device memory. Freed when the last handle (and every memory region
@@ -95,7 +96,9 @@ impl DeviceMemory {
             DmBackend::Soft(dm) => {
                 // SAFETY: in bounds of the allocation (checked), which `dm` keeps alive; DM
                 // bytes are only accessed through `shared_mem`.
-                unsafe { crate::shared_mem::copy(data.as_ptr(), dm.ptr().add(offset as usize), data.len()) };
+                unsafe {
+                    copy(Src::Private(data.as_ptr()), Dst::Shared(dm.ptr().add(offset as usize)), data.len())
+                };
                 Ok(())
             }
             #[cfg(feature = "verbs")]
@@ -111,7 +114,11 @@ impl DeviceMemory {
             DmBackend::Soft(dm) => {
                 // SAFETY: as in `copy_to`.
                 unsafe {
-                    crate::shared_mem::copy(dm.ptr().add(offset as usize), out.as_mut_ptr(), out.len())
+                    copy(
+                        Src::Shared(dm.ptr().add(offset as usize)),
+                        Dst::Private(out.as_mut_ptr()),
+                        out.len(),
+                    )
                 };
                 Ok(())
             }

@@ -19,7 +19,7 @@ use crate::device::CtxBackend;
 use crate::dm::{DeviceMemory, DmBackend};
 use crate::error::{Error, Result};
 use crate::pd::{PdBackend, ProtectionDomain};
-use crate::shared_mem;
+use crate::shared_mem::{self, Dst, Src};
 use crate::types::{AccessFlags, RemoteRegion};
 
 /// Bytes owned by a memory region.
@@ -42,8 +42,10 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
+    /// Page-aligned and padded to a multiple of 8 bytes (the `shared_mem` padding
+    /// invariant).
     fn alloc(len: usize) -> Result<HostBuffer> {
-        let layout = Layout::from_size_align(len.max(1), 4096)
+        let layout = Layout::from_size_align(len.max(1).next_multiple_of(8), 4096)
             .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -54,11 +56,23 @@ impl HostBuffer {
         Ok(HostBuffer { ptr, len, owner: Owner::Alloc(layout) })
     }
 
-    fn from_vec(v: Vec<u8>) -> HostBuffer {
+    /// Takes the vector as it is if it meets the `shared_mem` padding invariant (8-aligned,
+    /// capacity padded to a multiple of 8), else copies it into a buffer that does.
+    fn from_vec(mut v: Vec<u8>) -> Result<HostBuffer> {
+        let padded = v.len().next_multiple_of(8);
+        if v.capacity() < padded {
+            v.reserve_exact(padded - v.len());
+        }
+        if v.as_ptr() as usize % 8 != 0 || v.capacity() % 8 != 0 {
+            let b = HostBuffer::alloc(v.len())?;
+            // SAFETY: `b` is fresh and not yet shared; `v` is ours; `len` bytes each.
+            unsafe { shared_mem::copy(Src::Private(v.as_ptr()), Dst::Shared(b.ptr()), v.len()) };
+            return Ok(b);
+        }
         let mut v = std::mem::ManuallyDrop::new(v);
         let (len, cap) = (v.len(), v.capacity());
         let ptr = NonNull::new(v.as_mut_ptr()).expect("Vec pointer is non-null");
-        HostBuffer { ptr, len, owner: Owner::Vec { cap } }
+        Ok(HostBuffer { ptr, len, owner: Owner::Vec { cap } })
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -74,7 +88,9 @@ impl HostBuffer {
             Owner::Alloc(layout) => {
                 let mut v = vec![0u8; me.len];
                 // SAFETY: `me.ptr` is valid for `len` bytes; `v` is private.
-                unsafe { shared_mem::copy(me.ptr.as_ptr(), v.as_mut_ptr(), me.len) };
+                unsafe {
+                    shared_mem::copy(Src::Shared(me.ptr.as_ptr()), Dst::Private(v.as_mut_ptr()), me.len)
+                };
                 // SAFETY: allocated in `alloc` with this layout, freed once here.
                 unsafe { std::alloc::dealloc(me.ptr.as_ptr(), layout) };
                 v
@@ -183,7 +199,7 @@ impl MemoryRegion {
         if v.is_empty() {
             return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
         }
-        MemoryRegion::register_host(pd, HostBuffer::from_vec(v), access)
+        MemoryRegion::register_host(pd, HostBuffer::from_vec(v)?, access)
     }
 
     fn register_host(pd: &ProtectionDomain, buf: HostBuffer, access: AccessFlags) -> Result<MemoryRegion> {
@@ -389,7 +405,11 @@ impl MemoryRegion {
             // SAFETY: in bounds (checked); the buffer lives as long as `self`; copies into
             // registered memory are byte-wise atomic; `data` is a private borrow.
             MrMemory::Host(b) => unsafe {
-                shared_mem::copy(data.as_ptr(), b.ptr().add(offset as usize), data.len());
+                shared_mem::copy(
+                    Src::Private(data.as_ptr()),
+                    Dst::Shared(b.ptr().add(offset as usize)),
+                    data.len(),
+                );
                 Ok(())
             },
             MrMemory::Device { dm, offset: base } => dm.copy_to(base + offset, data),
@@ -403,7 +423,11 @@ impl MemoryRegion {
         match &self.inner.mem {
             // SAFETY: as in `write_at`, in the other direction.
             MrMemory::Host(b) => unsafe {
-                shared_mem::copy(b.ptr().add(offset as usize), out.as_mut_ptr(), out.len());
+                shared_mem::copy(
+                    Src::Shared(b.ptr().add(offset as usize)),
+                    Dst::Private(out.as_mut_ptr()),
+                    out.len(),
+                );
                 Ok(())
             },
             MrMemory::Device { dm, offset: base } => dm.copy_from(base + offset, out),
@@ -442,7 +466,8 @@ impl MemoryRegion {
         Ok(v)
     }
 
-    /// Deregisters the region and gives its bytes back, if nothing else (a clone, an
+    /// Deregisters the region and gives its bytes back (the original vector when it was
+    /// registered from one and met the alignment rules, else a copy), if nothing else (a clone, an
     /// in-flight work request) still holds it; otherwise returns the region unchanged.
     pub fn try_into_vec(self) -> std::result::Result<Vec<u8>, MemoryRegion> {
         let MrMemory::Host(buf) = &self.inner.mem else { return Err(self) };
@@ -459,7 +484,7 @@ impl MemoryRegion {
             Err(buf) => {
                 let mut v = vec![0u8; buf.len];
                 // SAFETY: the buffer is alive (we hold an Arc) and `v` is private.
-                unsafe { shared_mem::copy(buf.ptr(), v.as_mut_ptr(), buf.len) };
+                unsafe { shared_mem::copy(Src::Shared(buf.ptr()), Dst::Private(v.as_mut_ptr()), buf.len) };
                 Ok(v)
             }
         }

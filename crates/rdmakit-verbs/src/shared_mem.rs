@@ -8,22 +8,71 @@
 //! read or written as a relaxed atomic, so a racing access yields torn data, never undefined
 //! behaviour.
 //!
-//! On x86-64 the bulk is done with `rep movsb` in inline assembly, which the hardware defines
-//! as exactly that (byte-granular, each access atomic at its own size) and which runs at
-//! `memcpy` speed on CPUs with ERMSB/FSRM. Elsewhere, and under Miri (which cannot run inline
-//! assembly), an aligned `AtomicU64` loop with `AtomicU8` edges is used.
+//! On x86-64 the copy is `rep movsb` in inline assembly, which the hardware defines as
+//! exactly that (byte-granular, each access atomic) and which runs at `memcpy` speed on CPUs
+//! with ERMSB/FSRM. Elsewhere (aarch64 DPUs) and under Miri, which cannot run assembly, every
+//! access to shared memory is an aligned `AtomicU64` operation (partial words merged by
+//! compare-exchange), so copies never race mixed-size with the NIC's 8-byte atomics.
+//!
+//! That needs the *padding invariant*: registered memory lies in an allocation that starts
+//! 8-byte aligned and whose size is a multiple of 8, so every aligned word touching a
+//! region is inside its allocation. `mr::HostBuffer` and `soft::dm::DmPool` ensure it.
 
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Copies `len` bytes from `src` to `dst`, either or both of which may be concurrently
-/// accessed by other threads (or a device) through atomic or byte-wise atomic accesses.
+/// The source of a copy: registered memory that others may access concurrently, or the
+/// caller's own bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Src {
+    /// Registered memory (see the module's padding invariant).
+    Shared(*const u8),
+    /// Memory only this thread accesses during the copy (a `&[u8]`, a stack buffer).
+    Private(*const u8),
+}
+
+/// The destination of a copy; see [`Src`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Dst {
+    /// Registered memory (see the module's padding invariant).
+    Shared(*mut u8),
+    /// Memory only this thread accesses during the copy.
+    Private(*mut u8),
+}
+
+impl Src {
+    #[cfg_attr(not(all(target_arch = "x86_64", not(miri))), allow(dead_code))]
+    fn ptr(self) -> *const u8 {
+        match self {
+            Src::Shared(p) | Src::Private(p) => p,
+        }
+    }
+
+    fn add(self, n: usize) -> Src {
+        match self {
+            Src::Shared(p) => Src::Shared(p.wrapping_add(n)),
+            Src::Private(p) => Src::Private(p.wrapping_add(n)),
+        }
+    }
+}
+
+impl Dst {
+    fn ptr(self) -> *mut u8 {
+        match self {
+            Dst::Shared(p) | Dst::Private(p) => p,
+        }
+    }
+}
+
+/// Copies `len` bytes from `src` to `dst`.
 ///
 /// # Safety
-/// `src` must be valid for reads and `dst` valid for writes of `len` bytes for the whole
-/// call, and the two ranges must not overlap. Neither range may be concurrently accessed
-/// through non-atomic Rust references (`&[u8]`/`&mut [u8]`) by other threads.
+/// `src` must be valid for reads and `dst` for writes of `len` bytes for the whole call,
+/// and the ranges must not overlap. `Private` memory must not be accessed by anyone else
+/// during the call. `Shared` memory must satisfy the padding invariant: it lies in an
+/// allocation that starts 8-byte aligned and whose size is a multiple of 8, and others
+/// access it only atomically (through this module or [`atomic_u64`]).
 #[inline]
-pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
     if len == 0 {
         return;
     }
@@ -37,8 +86,8 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
             std::arch::asm!(
                 "rep movsb",
                 inout("rcx") len => _,
-                inout("rdi") dst => _,
-                inout("rsi") src => _,
+                inout("rdi") dst.ptr() => _,
+                inout("rsi") src.ptr() => _,
                 options(nostack, preserves_flags)
             );
         }
@@ -46,68 +95,87 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(not(all(target_arch = "x86_64", not(miri))))]
     {
         // SAFETY: forwarded contract.
-        unsafe { copy_atomic_loop(src, dst, len) }
+        unsafe { copy_words(src, dst, len) }
     }
 }
 
-/// Portable byte-wise atomic copy: `AtomicU64` for the 8-aligned middle when both sides
-/// share an alignment, `AtomicU8` otherwise.
+/// Portable copy in which every access to shared memory is an aligned `AtomicU64`
+/// operation, so it never races mixed-size with the NIC's 8-byte atomics.
 ///
 /// # Safety
 /// As for [`copy`].
 #[cfg_attr(all(target_arch = "x86_64", not(miri), not(test)), allow(dead_code))]
-unsafe fn copy_atomic_loop(src: *const u8, dst: *mut u8, len: usize) {
-    let mut i = 0usize;
-    let same_phase = (src as usize) % 8 == (dst as usize) % 8;
-    if same_phase {
-        // Head: bytes until `src + i` is 8-aligned.
-        while i < len && (src as usize + i) % 8 != 0 {
-            // SAFETY: `i < len`, so both pointers are in range; byte atomics need no
-            // alignment.
-            unsafe { copy_byte(src.add(i), dst.add(i)) };
-            i += 1;
-        }
-        while i + 8 <= len {
-            // SAFETY: both addresses are 8-aligned (same phase, head consumed) and in range;
-            // the memory is only accessed atomically by others per the contract.
-            unsafe {
-                let s = AtomicU64::from_ptr(src.add(i) as *mut u64);
-                let d = AtomicU64::from_ptr(dst.add(i) as *mut u64);
-                d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
-            i += 8;
-        }
-    }
+unsafe fn copy_words(src: Src, dst: Dst, len: usize) {
+    let mut i = 0;
     while i < len {
-        // SAFETY: `i < len`; byte atomics need no alignment.
-        unsafe { copy_byte(src.add(i), dst.add(i)) };
-        i += 1;
+        let d = dst.ptr().wrapping_add(i);
+        let off = d as usize % 8;
+        let n = (8 - off).min(len - i);
+        let mut word = [0u8; 8];
+        // SAFETY: `i + n <= len`, so the source bytes are in range.
+        unsafe { gather(src.add(i), &mut word[off..off + n]) };
+        match dst {
+            Dst::Private(_) => {
+                // SAFETY: `d .. d + n` is in range and private to this call.
+                unsafe { std::ptr::copy_nonoverlapping(word.as_ptr().add(off), d, n) }
+            }
+            Dst::Shared(_) => {
+                let base = d.wrapping_sub(off);
+                // SAFETY: `base` is the 8-aligned word holding `d`; by the padding invariant it
+                // lies inside the shared allocation; all other accesses are atomic.
+                let cell = unsafe { atomic_u64(base) };
+                if n == 8 {
+                    cell.store(u64::from_ne_bytes(word), Ordering::Relaxed);
+                } else {
+                    // Merge our bytes into the word, keeping the others' bytes.
+                    let _ = cell.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                        let mut w = cur.to_ne_bytes();
+                        w[off..off + n].copy_from_slice(&word[off..off + n]);
+                        Some(u64::from_ne_bytes(w))
+                    });
+                }
+            }
+        }
+        i += n;
     }
 }
 
-/// # Safety
-/// Both pointers valid for one byte; accesses by others are atomic.
-#[inline]
-unsafe fn copy_byte(src: *const u8, dst: *mut u8) {
-    // SAFETY: forwarded contract; `AtomicU8` has alignment 1.
-    unsafe {
-        let s = AtomicU8::from_ptr(src as *mut u8);
-        let d = AtomicU8::from_ptr(dst);
-        d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
-
-/// Fills `len` bytes at `dst` with `byte`, byte-wise atomically.
+/// Reads `out.len()` (at most 8) bytes starting at `src`.
 ///
 /// # Safety
-/// `dst` valid for writes of `len` bytes; other accesses to it are atomic.
+/// As for [`copy`], for `out.len()` bytes of `src`.
+unsafe fn gather(src: Src, out: &mut [u8]) {
+    match src {
+        // SAFETY: in range and private (caller's contract); `out` is a separate local.
+        Src::Private(p) => unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) },
+        Src::Shared(p) => {
+            let off = p as usize % 8;
+            let base = p.wrapping_sub(off);
+            // The bytes span at most two aligned words.
+            let mut two = [0u8; 16];
+            let words = if off + out.len() > 8 { 2 } else { 1 };
+            for w in 0..words {
+                // SAFETY: each word overlaps the requested range, so by the padding invariant
+                // it lies inside the shared allocation; accesses to it are atomic.
+                let v = unsafe { atomic_u64(base.wrapping_add(8 * w) as *mut u8) }.load(Ordering::Relaxed);
+                two[8 * w..8 * w + 8].copy_from_slice(&v.to_ne_bytes());
+            }
+            out.copy_from_slice(&two[off..off + out.len()]);
+        }
+    }
+}
+
+/// Fills `len` bytes of shared memory at `dst` with `byte`.
+///
+/// # Safety
+/// As for [`copy`] with a `Shared` destination.
 pub(crate) unsafe fn fill(dst: *mut u8, byte: u8, len: usize) {
     let chunk = [byte; 256];
     let mut done = 0;
     while done < len {
         let n = (len - done).min(chunk.len());
         // SAFETY: `chunk` is a private stack array; `dst + done .. + n` is in range.
-        unsafe { copy(chunk.as_ptr(), dst.add(done), n) };
+        unsafe { copy(Src::Private(chunk.as_ptr()), Dst::Shared(dst.add(done)), n) };
         done += n;
     }
 }
@@ -120,26 +188,48 @@ pub(crate) unsafe fn fill(dst: *mut u8, byte: u8, len: usize) {
 pub(crate) unsafe fn atomic_u64<'a>(ptr: *mut u8) -> &'a AtomicU64 {
     debug_assert_eq!(ptr as usize % 8, 0);
     // SAFETY: forwarded contract.
-    unsafe { AtomicU64::from_ptr(ptr as *mut u64) }
+    unsafe { AtomicU64::from_ptr(ptr.cast::<u64>()) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// An 8-aligned, 8-padded buffer standing in for registered memory.
+    fn shared(len: usize) -> Vec<AtomicU64> {
+        (0..len.div_ceil(8) + 2).map(|_| AtomicU64::new(0)).collect()
+    }
+
+    fn bytes(words: &[AtomicU64]) -> Vec<u8> {
+        words.iter().flat_map(|w| w.load(Ordering::Relaxed).to_ne_bytes()).collect()
+    }
+
     fn check(len: usize, soff: usize, doff: usize) {
-        let src: Vec<u8> = (0..len + 16).map(|i| (i * 7 + 3) as u8).collect();
-        let mut dst = vec![0u8; len + 16];
-        let mut dst2 = vec![0u8; len + 16];
-        // SAFETY: private vectors, in range, disjoint.
+        let data: Vec<u8> = (0..len + 16).map(|i| (i * 7 + 3) as u8).collect();
+        // private -> shared, with both implementations
+        let (a, b) = (shared(len + 16), shared(len + 16));
+        let ap = a.as_ptr().cast::<u8>() as *mut u8;
+        let bp = b.as_ptr().cast::<u8>() as *mut u8;
+        // SAFETY: in range; `a`/`b` are only accessed atomically; `data` is private.
         unsafe {
-            copy(src.as_ptr().add(soff), dst.as_mut_ptr().add(doff), len);
-            copy_atomic_loop(src.as_ptr().add(soff), dst2.as_mut_ptr().add(doff), len);
+            copy(Src::Private(data.as_ptr().add(soff)), Dst::Shared(ap.add(doff)), len);
+            copy_words(Src::Private(data.as_ptr().add(soff)), Dst::Shared(bp.add(doff)), len);
         }
-        assert_eq!(&dst[doff..doff + len], &src[soff..soff + len]);
-        assert_eq!(dst, dst2);
-        assert!(dst[..doff].iter().all(|&b| b == 0));
-        assert!(dst[doff + len..].iter().all(|&b| b == 0));
+        let (ga, gb) = (bytes(&a), bytes(&b));
+        assert_eq!(ga, gb);
+        assert_eq!(&ga[doff..doff + len], &data[soff..soff + len]);
+        assert!(ga[..doff].iter().chain(&ga[doff + len..]).all(|&x| x == 0));
+        // shared -> shared (different phases) and shared -> private
+        let c = shared(len + 16);
+        let cp = c.as_ptr().cast::<u8>() as *mut u8;
+        let mut out = vec![0u8; len + 16];
+        // SAFETY: as above.
+        unsafe {
+            copy_words(Src::Shared(ap.add(doff)), Dst::Shared(cp.add(soff)), len);
+            copy_words(Src::Shared(cp.add(soff)), Dst::Private(out.as_mut_ptr().add(doff)), len);
+        }
+        assert_eq!(&bytes(&c)[soff..soff + len], &data[soff..soff + len]);
+        assert_eq!(&out[doff..doff + len], &data[soff..soff + len]);
     }
 
     #[test]
@@ -155,32 +245,38 @@ mod tests {
 
     #[test]
     fn fill_sets_exactly_the_range() {
-        let mut v = vec![1u8; 600];
-        // SAFETY: private vector, in range.
-        unsafe { fill(v.as_mut_ptr().add(3), 0xab, 590) };
-        assert_eq!(v[2], 1);
-        assert!(v[3..593].iter().all(|&b| b == 0xab));
-        assert_eq!(v[593], 1);
+        let v = shared(600);
+        let p = v.as_ptr().cast::<u8>() as *mut u8;
+        // SAFETY: in range; only atomic accesses.
+        unsafe { fill(p.add(3), 0xab, 590) };
+        let b = bytes(&v);
+        assert_eq!(b[2], 0);
+        assert!(b[3..593].iter().all(|&x| x == 0xab));
+        assert_eq!(b[593], 0);
     }
 
     #[test]
-    fn concurrent_atomic_access_is_not_a_race() {
-        // Under Miri this checks the claim of the module: a reader copying while a writer
-        // stores atomically is race-free (it may observe torn data, never UB).
-        let cells: Vec<AtomicU64> = (0..16).map(|_| AtomicU64::new(0)).collect();
-        let base = cells.as_ptr() as usize;
+    fn concurrent_atomics_and_copies_do_not_race() {
+        // Under Miri this checks the module's claim: copies of shared memory running while
+        // another thread does 8-byte atomics on it (as the NIC does) are race-free, also
+        // at unaligned offsets.
+        let cells = shared(128);
         std::thread::scope(|s| {
             s.spawn(|| {
                 for round in 1..20u64 {
                     for c in &cells {
-                        c.store(round, Ordering::Relaxed);
+                        c.fetch_add(round, Ordering::Relaxed);
                     }
                 }
             });
-            let mut out = [0u8; 128];
-            for _ in 0..20 {
-                // SAFETY: `cells` lives for the scope; other accesses are atomic.
-                unsafe { copy(base as *const u8, out.as_mut_ptr(), 128) };
+            let mut out = [0u8; 64];
+            let p = cells.as_ptr().cast::<u8>() as *mut u8;
+            for i in 0..20 {
+                // SAFETY: `cells` outlives the scope; all shared accesses are atomic.
+                unsafe {
+                    copy(Src::Shared(p.add(i % 8)), Dst::Private(out.as_mut_ptr()), 60);
+                    copy(Src::Private(out.as_ptr()), Dst::Shared(p.add(64 + i % 5)), 50);
+                }
             }
         });
     }

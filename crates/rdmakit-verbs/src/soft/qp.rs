@@ -29,7 +29,7 @@ use super::engine;
 use super::mr::Fault;
 use crate::error::{Error, Result, WcStatus};
 use crate::raw::{RawOp, RawRecvWr, RawSendWr, Sge};
-use crate::shared_mem;
+use crate::shared_mem::{self, Dst, Src};
 use crate::types::{AccessFlags, ConnectOptions, Endpoint, ProviderKind, QpCaps, QpState};
 use crate::wc::{WcOpcode, WorkCompletion};
 
@@ -543,8 +543,9 @@ impl SoftQp {
             return Outcome::Done(WcStatus::LOC_LEN_ERR, 0);
         }
         // Local buffer: inline bytes, or an lkey checked like the HCA checks it.
-        let (local_ptr, _local_entry) = match (wr.inline, wr.sge) {
-            (Some(data), _) if !writes_local => (data.as_ptr() as *mut u8, None),
+        // Local memory is `Shared` (registered) except inline data, which is the caller's.
+        let (local_ptr, local_inline, _local_entry) = match (wr.inline, wr.sge) {
+            (Some(data), _) if !writes_local => (data.as_ptr() as *mut u8, true, None),
             (Some(_), _) => return Outcome::Done(WcStatus::LOC_QP_OP_ERR, 0),
             (None, Some(sge)) if sge.len > 0 => {
                 let need = if writes_local { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
@@ -552,20 +553,21 @@ impl SoftQp {
                     return Outcome::Done(WcStatus::LOC_PROT_ERR, 0);
                 };
                 match entry.check(self.pd, sge.addr, u64::from(sge.len), need) {
-                    Ok(p) => (p, Some(entry)),
+                    Ok(p) => (p, false, Some(entry)),
                     Err(_) => return Outcome::Done(WcStatus::LOC_PROT_ERR, 0),
                 }
             }
-            _ => (std::ptr::null_mut(), None),
+            _ => (std::ptr::null_mut(), false, None),
         };
+        let src = if local_inline { Src::Private(local_ptr) } else { Src::Shared(local_ptr) };
         let Some(peer) = link.peer() else { return Outcome::NoResponse };
         if !peer.accepts_from(self) {
             return Outcome::NoResponse;
         }
         match wr.op {
-            RawOp::Write { imm } => peer.respond_write(self, local_ptr, len, wr.remote_addr, wr.rkey, imm, d),
+            RawOp::Write { imm } => peer.respond_write(self, src, len, wr.remote_addr, wr.rkey, imm, d),
             RawOp::Read => peer.respond_read(local_ptr, len, wr.remote_addr, wr.rkey, d),
-            RawOp::Send { imm } => peer.respond_send(self, local_ptr, len, imm, d),
+            RawOp::Send { imm } => peer.respond_send(self, src, len, imm, d),
             RawOp::FetchAdd { add } => peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
                 c.fetch_add(add, Ordering::SeqCst)
             }),
@@ -616,7 +618,7 @@ impl SoftQp {
     fn respond_write(
         &self,
         from: &SoftQp,
-        src: *mut u8,
+        src: Src,
         len: u32,
         addr: u64,
         rkey: u32,
@@ -641,7 +643,7 @@ impl SoftQp {
         // SAFETY: `src` was checked against the requester's registration (or is inline data
         // borrowed for this call) and `dst` against ours, both for `len` bytes; the entries
         // held in this frame keep both alive. Registered memory is only accessed atomically.
-        unsafe { shared_mem::copy(src, dst, len as usize) };
+        unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
         if let Some(r) = recv {
             self.complete_recv(r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
         }
@@ -652,7 +654,7 @@ impl SoftQp {
         match self.target(addr, rkey, len, AccessFlags::REMOTE_READ) {
             Ok((src, _entry)) => {
                 // SAFETY: as in `respond_write`, with the roles swapped.
-                unsafe { shared_mem::copy(src, dst, len as usize) };
+                unsafe { shared_mem::copy(Src::Shared(src), Dst::Shared(dst), len as usize) };
                 Outcome::Done(WcStatus::SUCCESS, len)
             }
             Err(status) => {
@@ -662,14 +664,7 @@ impl SoftQp {
         }
     }
 
-    fn respond_send(
-        &self,
-        from: &SoftQp,
-        src: *mut u8,
-        len: u32,
-        imm: Option<u32>,
-        d: &mut Deferred,
-    ) -> Outcome {
+    fn respond_send(&self, from: &SoftQp, src: Src, len: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
         let Some(recv) = self.take_recv(from) else { return Outcome::Rnr };
         let opcode = WcOpcode::RECV;
         let cap = recv.sge.map_or(0, |s| s.len);
@@ -688,7 +683,7 @@ impl SoftQp {
                 Ok((dst, e)) => {
                     _entry = Some(e);
                     // SAFETY: as in `respond_write`; `dst` was checked for `len` bytes.
-                    unsafe { shared_mem::copy(src, dst, len as usize) };
+                    unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
                 }
                 Err(_) => {
                     self.complete_recv(recv.wr_id, WcStatus::LOC_PROT_ERR, opcode, 0, None);
@@ -722,7 +717,7 @@ impl SoftQp {
                 let old = op(unsafe { shared_mem::atomic_u64(cell) });
                 let bytes = old.to_ne_bytes();
                 // SAFETY: `result` is the requester's checked 8-byte local buffer.
-                unsafe { shared_mem::copy(bytes.as_ptr(), result, 8) };
+                unsafe { shared_mem::copy(Src::Private(bytes.as_ptr()), Dst::Shared(result), 8) };
                 Outcome::Done(WcStatus::SUCCESS, 8)
             }
             Err(status) => {
