@@ -12,8 +12,8 @@
 #
 # Why TCG: on these machines /dev/kvm is PVM (kvm_pvm, no vmx/svm in
 # /proc/cpuinfo). A stock kernel cannot use it: QEMU aborts with -cpu host, and
-# with other CPU models the guest stalls or crawls. Software emulation (TCG)
-# boots in about 2 s. KVM is used only where the CPU shows vmx/svm and /dev/kvm
+# with other CPU models the guest stalls or crawls. Under software emulation
+# (TCG) the kernel reaches /init in about 2 s. KVM is used only where the CPU shows vmx/svm and /dev/kvm
 # is usable (that path is untested).
 #
 # How: the initramfs holds a static busybox, the 9p/overlay/virtio modules and
@@ -68,7 +68,8 @@ readonly GUEST_NET=24
 readonly GUEST_MTU=9000
 # Loaded from the initramfs (with dependencies) before the host fs is mounted.
 readonly INITRD_MODULES="virtio_pci virtio_console 9pnet_virtio 9p overlay dummy rdma_rxe ib_uverbs rdma_ucm"
-# command that must exist : Debian package providing it
+# marker (command, file, or librxe) : Debian package providing it.
+# Needed to boot the VM and use rxe0 at all:
 readonly HOST_NEEDS="
 qemu-system-x86_64:qemu-system-x86
 depmod:kmod
@@ -76,12 +77,16 @@ modprobe:kmod
 ip:iproute2
 rdma:iproute2
 xz:xz-utils
+librxe:ibverbs-providers
+"
+# Needed to build rdmakit and for scripts/rxe-selftest.sh (installed by --setup
+# as root; a non-root caller only gets a warning):
+readonly HOST_WANTS="
 ibv_devinfo:ibverbs-utils
 rping:rdmacm-utils
 ib_write_bw:perftest
 /usr/include/infiniband/verbs.h:libibverbs-dev
 /usr/include/rdma/rdma_cma.h:librdmacm-dev
-librxe:ibverbs-providers
 "
 
 verbose=${RDMAKIT_RXE_VERBOSE:-0}
@@ -98,10 +103,10 @@ usage() {
 
 # ====================================================================== host setup
 
-# Prints the Debian packages whose marker (command, file, or librxe) is missing.
+# missing_packages LIST: prints the packages of LIST whose marker is missing.
 missing_packages() {
     local line what pkg out=""
-    for line in $HOST_NEEDS; do
+    for line in $1; do
         what=${line%%:*} pkg=${line#*:}
         case $what in
             librxe) compgen -G '/usr/lib/*/libibverbs/librxe-rdmav*.so' >/dev/null && continue ;;
@@ -123,20 +128,27 @@ apt_update() {
 }
 
 install_packages() {
-    local pkgs
-    pkgs=$(missing_packages)
-    [ -n "$pkgs" ] || return 0
-    if [ "$(id -u)" != 0 ]; then
-        fail "missing packages: $pkgs (run as root, or: sudo apt-get install --no-install-recommends $pkgs)"
+    local need want log
+    need=$(missing_packages "$HOST_NEEDS") want=$(missing_packages "$HOST_WANTS")
+    [ -n "$need$want" ] || return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        if [ -n "$need" ]; then
+            fail "missing packages: $need (as root: apt-get install --no-install-recommends $need $want)"
+        fi
+        say "warning: $want not installed (needed to build rdmakit and for rxe-selftest.sh)"
+        return 0
     fi
-    command -v apt-get >/dev/null || fail "missing packages: $pkgs, and there is no apt-get"
     apt_update
-    say "installing: $pkgs"
+    say "installing: $need $want"
+    log=$(mktemp "${TMPDIR:-/tmp}/rdmakit-rxe-apt.XXXXXX")
     # shellcheck disable=SC2086
-    DEBIAN_FRONTEND=noninteractive timeout 1200 apt-get install -y -qq --no-install-recommends $pkgs >&2 \
-        || fail "apt-get install $pkgs failed"
-    pkgs=$(missing_packages)
-    [ -z "$pkgs" ] || fail "still missing after install: $pkgs"
+    if ! DEBIAN_FRONTEND=noninteractive timeout 1200 apt-get install -y -q --no-install-recommends $need $want > "$log" 2>&1; then
+        tail -n 30 "$log" >&2
+        fail "apt-get install failed (full log: $log)"
+    fi
+    rm -f "$log"
+    need=$(missing_packages "$HOST_NEEDS$HOST_WANTS")
+    [ -z "$need" ] || fail "still missing after install: $need"
 }
 
 # fetch_deb PACKAGE DIR: download PACKAGE's .deb (no install) and unpack it to $CACHE/DIR.
@@ -315,7 +327,7 @@ build_initramfs() { # out
     guest_stage2 > "$d/stage2"
     chmod 755 "$d/init" "$d/stage2"
     : > "$d/modules/order"
-    for m in $(awk '$1 == "insmod" { print $2 }' <<< "$deps"); do
+    while read -r m; do
         local base=${m##*/}
         base=${base%.xz} base=${base%.zst} base=${base%.gz}
         if grep -qxF "$base" "$d/modules/order"; then continue; fi
@@ -328,7 +340,7 @@ build_initramfs() { # out
         esac
         echo "$base" >> "$d/modules/order"
         n=$((n + 1))
-    done
+    done < <(awk '$1 == "insmod" { print $2 }' <<< "$deps")
     grep -qx 'rdma_rxe.ko' "$d/modules/order" || { rm -rf "$d"; fail "kernel $KVER: rdma_rxe module not found"; }
     (cd "$d" && find . | "$BUSYBOX" cpio -o -H newc 2>/dev/null) > "$out.tmp" \
         || { rm -rf "$d" "$out.tmp"; fail "cpio failed"; }
@@ -347,7 +359,7 @@ load_cache_state() {
         [ -n "$mods" ] || return 1
         [ -d "$mods" ] && break
     done
-    KVER=$(ls "$mods" | sort -V | tail -n 1)
+    KVER=$(find "$mods" -mindepth 1 -maxdepth 1 -type d -printf '%f\n' | sort -V | tail -n 1)
     [ -n "$KVER" ] || return 1
     MODDIR=$mods/$KVER
     BUSYBOX=$CACHE/busybox/bin/busybox
@@ -367,7 +379,9 @@ setup() {
         note "cache ready (kernel $KVER)"
         return 0
     fi
-    mkdir -p "$CACHE" 2>/dev/null && [ -w "$CACHE" ] || fail "cannot write $CACHE (run --setup as root or set RDMAKIT_RXE_CACHE)"
+    if ! { mkdir -p "$CACHE" 2>/dev/null && [ -w "$CACHE" ]; }; then
+        fail "cannot write $CACHE (run --setup as root or set RDMAKIT_RXE_CACHE)"
+    fi
     exec {lockfd}>"$CACHE/.lock"
     flock "$lockfd"
     if ! load_cache_state; then
@@ -426,7 +440,7 @@ check() {
     local arch pkgs how accel mem avail
     arch=$(uname -m)
     if [ "$arch" != x86_64 ]; then echo "$PROG: no: host is $arch, only x86_64 is supported"; return 1; fi
-    pkgs=$(missing_packages)
+    pkgs=$(missing_packages "$HOST_NEEDS")
     if [ -z "$pkgs" ]; then
         how="qemu $(qemu-system-x86_64 --version | awk 'NR == 1 { print $4 }') present"
     elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -467,12 +481,15 @@ run_vm() {
     cpus=${RDMAKIT_RXE_CPUS:-$(nproc)}
     if [ -z "${RDMAKIT_RXE_CPUS:-}" ] && [ "$cpus" -gt 4 ]; then cpus=4; fi
     mem=${RDMAKIT_RXE_MEM:-2048}
+    # (with 64 MiB the guest hangs silently before printing anything)
+    if ! [[ $mem =~ ^[0-9]+$ ]] || [ "$mem" -lt 256 ]; then say "RDMAKIT_RXE_MEM must be at least 256 (MiB)"; exit 2; fi
+    [[ $cpus =~ ^[1-9][0-9]*$ ]] || { say "RDMAKIT_RXE_CPUS must be a positive number"; exit 2; }
     timeout_s=${RDMAKIT_RXE_TIMEOUT:-1800}
     [[ $timeout_s =~ ^[0-9]+$ ]] || { say "RDMAKIT_RXE_TIMEOUT must be a number of seconds"; exit 2; }
 
     t0=$(now)
     job=$(mktemp -d "${TMPDIR:-/tmp}/rdmakit-rxe.XXXXXX")
-    JOB=$job QEMU_PID= OUT_PID= ERR_PID=
+    JOB=$job QEMU_PID='' OUT_PID='' ERR_PID=
     trap cleanup EXIT
     trap 'exit 130' INT
     trap 'exit 143' TERM
@@ -515,6 +532,7 @@ run_vm() {
 
     local loglevel=1
     if [ "$verbose" = 1 ]; then loglevel=7; fi
+    # shellcheck disable=SC2054  # the commas belong to qemu's option syntax
     local qemu=(qemu-system-x86_64 -nodefaults -no-user-config -display none -no-reboot
         -machine "$machine" -cpu "$cpu" -smp "$cpus" -m "$mem"
         -kernel "$KIMG" -initrd "$INITRD"
@@ -556,7 +574,7 @@ run_vm() {
     done
     kill ${OUT_PID:+"$OUT_PID"} "$ERR_PID" 2>/dev/null || true
     wait ${OUT_PID:+"$OUT_PID"} "$ERR_PID" 2>/dev/null || true
-    OUT_PID= ERR_PID=
+    OUT_PID='' ERR_PID=''
 
     if [ "$verbose" = 1 ]; then
         say "VM wall time $(since "$t0") s (qemu exit $qrc)"
@@ -576,6 +594,7 @@ run_vm() {
     exit 125
 }
 
+# shellcheck disable=SC2317  # called from the EXIT trap
 cleanup() {
     local p
     for p in ${QEMU_PID:-} ${OUT_PID:-} ${ERR_PID:-}; do kill "$p" 2>/dev/null || true; done
