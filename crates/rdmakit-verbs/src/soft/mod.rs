@@ -6,15 +6,15 @@
 //! and reports violations with the same completion statuses as libibverbs.
 //!
 //! Structure, one file per NIC object:
-//! - [`mr`]: the device's key table (memory regions, lkey = rkey as on mlx5);
-//! - [`dm`]: device memory (on-chip memory emulation: zero-based, copy access only);
-//! - [`cq`]: completion queues with a capacity and an eventfd for wake-ups;
-//! - [`qp`]: RC queue pairs: the requester executes the send queue in order, the responder
+//! - `mr`: the device's key table (memory regions, lkey = rkey as on mlx5);
+//! - `dm`: device memory (on-chip memory emulation: zero-based, copy access only);
+//! - `cq`: completion queues with a capacity and an eventfd for wake-ups;
+//! - `qp`: RC queue pairs: the requester executes the send queue in order, the responder
 //!   side applies one-sided operations to its own memory without the application's help;
-//! - [`engine`]: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
+//! - `engine`: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
 //!
 //! Devices in one process reach each other through the in-process fabric (a registry keyed
-//! by GID). The seam for other wires is [`qp::Link`].
+//! by GID). The seam for other wires is `qp::Link`.
 
 pub(crate) mod cq;
 pub(crate) mod dm;
