@@ -153,17 +153,22 @@ impl CompletionQueue {
         Ok((self.poll(&mut wc)? == 1).then_some(wc[0]))
     }
 
+    /// Polls one completion; if there is none, arms the channel so the next one signals
+    /// it, and polls again (one may have landed between the poll and arming).
+    fn poll_or_arm(&self) -> Result<Option<WorkCompletion>> {
+        if let Some(wc) = self.poll_one()? {
+            return Ok(Some(wc));
+        }
+        self.inner.backend.req_notify()?;
+        self.poll_one()
+    }
+
     /// Blocks the thread until a completion arrives or `timeout` passes, sleeping on the
     /// completion channel (no busy polling).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<WorkCompletion> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            if let Some(wc) = self.poll_one()? {
-                return Ok(wc);
-            }
-            self.inner.backend.req_notify()?;
-            // A completion may have landed between the poll and arming.
-            if let Some(wc) = self.poll_one()? {
+            if let Some(wc) = self.poll_or_arm()? {
                 return Ok(wc);
             }
             let ms = match deadline {
@@ -217,11 +222,7 @@ impl CompletionQueue {
     pub async fn next(&self) -> Result<WorkCompletion> {
         let afd = self.async_fd()?;
         loop {
-            if let Some(wc) = self.poll_one()? {
-                return Ok(wc);
-            }
-            self.inner.backend.req_notify()?;
-            if let Some(wc) = self.poll_one()? {
+            if let Some(wc) = self.poll_or_arm()? {
                 return Ok(wc);
             }
             let mut guard =

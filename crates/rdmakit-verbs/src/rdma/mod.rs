@@ -775,12 +775,7 @@ impl Qp {
             // data that ibv_post_send copies before returning.
             let rc = unsafe { sys::ibv_post_send(self.ptr(), wrs_ptr, &mut bad) };
             if rc != 0 {
-                let idx = if bad.is_null() {
-                    0
-                } else {
-                    (bad as usize - wrs_ptr as usize) / size_of::<sys::ibv_send_wr>()
-                };
-                return Err((posted + idx.min(n), Error::errno("ibv_post_send", rc)));
+                return Err((posted + bad_index(bad, wrs_ptr, n), Error::errno("ibv_post_send", rc)));
             }
             posted += n;
         }
@@ -811,17 +806,21 @@ impl Qp {
             // layer's in-flight table.
             let rc = unsafe { sys::ibv_post_recv(self.ptr(), wrs_ptr, &mut bad) };
             if rc != 0 {
-                let idx = if bad.is_null() {
-                    0
-                } else {
-                    (bad as usize - wrs_ptr as usize) / size_of::<sys::ibv_recv_wr>()
-                };
-                return Err((posted + idx.min(n), Error::errno("ibv_post_recv", rc)));
+                return Err((posted + bad_index(bad, wrs_ptr, n), Error::errno("ibv_post_recv", rc)));
             }
             posted += n;
         }
         Ok(())
     }
+}
+
+/// Index of `bad` (the first request a provider refused) in the list at `base` of `n`
+/// requests; pointer arithmetic on addresses only, nothing is dereferenced.
+fn bad_index<T>(bad: *mut T, base: *mut T, n: usize) -> usize {
+    if bad.is_null() {
+        return 0;
+    }
+    ((bad as usize).saturating_sub(base as usize) / size_of::<T>()).min(n)
 }
 
 impl Drop for Qp {
