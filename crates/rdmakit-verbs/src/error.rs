@@ -211,6 +211,19 @@ pub enum Error {
     /// The device or provider does not support the feature.
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The connection manager refused the connection (`RDMA_CM_EVENT_REJECTED`): the peer
+    /// application rejected it, or no one listens at the address, or the peer's CM could
+    /// not accept the parameters.
+    #[error("connection rejected: {reason}")]
+    ConnectionRejected {
+        /// The event name and status (on InfiniBand and RoCE the CM reject reason, e.g.
+        /// 8 = invalid service ID: nothing listens on that port; 28 = rejected by the
+        /// peer application).
+        reason: String,
+        /// The private data carried by the reject (on InfiniBand and RoCE padded with
+        /// zeros to the reject message's fixed size).
+        private_data: Vec<u8>,
+    },
     /// A waiting call gave up.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),
