@@ -6,6 +6,7 @@
 //! negative count. Everything here trusts the safe layer for buffer lifetimes (see the
 //! `# Safety` sections); it adds no checks the NIC makes itself.
 
+pub(crate) mod cm;
 mod conv;
 
 use std::collections::HashSet;

@@ -14,15 +14,25 @@
 //! - `engine`: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
 //!
 //! Devices in one process reach each other through the in-process fabric (a registry keyed
-//! by GID). The seam for other wires is `qp::Link`.
+//! by GID); devices in other processes or hosts through TCP (`tcp`: each device opens a
+//! port, `RDMAKIT_SOFT_ADDR`, when it first hands out an endpoint). The seam between the
+//! two is `qp::Link`.
 
 pub(crate) mod cq;
 pub(crate) mod dm;
 mod engine;
 pub(crate) mod mr;
 pub(crate) mod qp;
+mod tcp;
+/// The soft NIC's TCP wire format. Public for fuzzing (`fuzz/`); not a stable API.
+#[doc(hidden)]
+#[allow(missing_docs)]
+pub mod wire;
+
+pub use tcp::SOFT_ADDR_ENV;
 
 use std::collections::HashMap;
+use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock, Weak};
 
@@ -63,6 +73,10 @@ pub(crate) struct SoftDevice {
     config: SoftConfig,
     pub(crate) mrs: mr::KeyTable,
     qps: Mutex<HashMap<u32, Weak<qp::SoftQp>>>,
+    /// Where the device listens for other processes (its IPv4 address is in the GID).
+    addr: SocketAddrV4,
+    /// The TCP port, once listening (0 if listening failed).
+    port: OnceLock<u16>,
     next_qpn: AtomicU32,
     next_pd: AtomicU64,
     pub(crate) dm: dm::DmPool,
@@ -101,10 +115,13 @@ impl SoftDevice {
     /// Device `index` is named `soft<index>`; index 0 is the default device.
     fn create(index: u32, config: SoftConfig) -> Arc<SoftDevice> {
         let name = format!("soft{index}");
-        // A link-local style GID: fe80::<pid>:<device index>. Unique per process and device.
+        // GID: fe80:0000:<IPv4 of the port>:<pid>:<device index>. Unique per host, process
+        // and device; peers in other processes reach the device at that IPv4 address.
+        let addr = tcp::configured_addr();
         let mut gid = [0u8; 16];
         gid[0] = 0xfe;
         gid[1] = 0x80;
+        gid[4..8].copy_from_slice(&addr.ip().octets());
         gid[8..12].copy_from_slice(&std::process::id().to_be_bytes());
         gid[12..16].copy_from_slice(&index.to_be_bytes());
         let dev = Arc::new(SoftDevice {
@@ -114,6 +131,8 @@ impl SoftDevice {
             config,
             mrs: mr::KeyTable::new(index),
             qps: Mutex::new(HashMap::new()),
+            addr,
+            port: OnceLock::new(),
             // QP numbers are 24-bit; start away from 0 like real devices.
             next_qpn: AtomicU32::new(0x11),
             next_pd: AtomicU64::new(1),
@@ -154,6 +173,18 @@ impl SoftDevice {
             max_dm_size: self.config.dm_capacity,
             phys_port_cnt: 1,
         }
+    }
+
+    /// The device's TCP port, opening it on first use; 0 if it cannot listen (then only
+    /// QPs in this process can reach it).
+    pub(crate) fn port(self: &Arc<Self>) -> u16 {
+        *self.port.get_or_init(|| match tcp::listen(self, self.addr) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(addr = %self.addr, error = %e, "soft NIC: cannot listen; in-process peers only");
+                0
+            }
+        })
     }
 
     pub(crate) fn alloc_pd(&self) -> u64 {

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 use super::SoftDevice;
 use super::cq::SoftCq;
 use super::engine;
-use super::mr::Fault;
+use super::mr::{Fault, MrEntry};
+use super::tcp::TcpLink;
+use super::wire::{self, Frame};
 use crate::error::{Error, Result, WcStatus};
 use crate::raw::{RawOp, RawRecvWr, RawSendWr, Sge};
 use crate::shared_mem::{self, Dst, Src};
@@ -52,26 +54,57 @@ fn state_of(s: u8) -> QpState {
     }
 }
 
-/// How a requester reaches its responder. Today: a QP in this process. The wire to
-/// another process plugs in here.
+/// How a requester reaches its responder: a QP in this process (requests run at once), or
+/// a QP of another process over TCP (requests are sent, answered later, in order).
 pub(crate) enum Link {
     Local { gid: [u8; 16], qpn: u32, peer: Weak<SoftQp> },
+    Tcp(TcpLink),
 }
 
 impl Link {
-    fn peer(&mut self) -> Option<Arc<SoftQp>> {
-        match self {
-            Link::Local { gid, qpn, peer } => {
-                if let Some(p) = peer.upgrade() {
-                    return Some(p);
-                }
-                // Not there at RTR time (or gone): look again; a destroyed QP stays gone.
-                let p = SoftDevice::by_gid(gid)?.find_qp(*qpn)?;
-                *peer = Arc::downgrade(&p);
-                Some(p)
-            }
+    fn local_peer(gid: &[u8; 16], qpn: u32, peer: &mut Weak<SoftQp>) -> Option<Arc<SoftQp>> {
+        if let Some(p) = peer.upgrade() {
+            return Some(p);
         }
+        // Not there at RTR time (or gone): look again; a destroyed QP stays gone.
+        let p = SoftDevice::by_gid(gid)?.find_qp(qpn)?;
+        *peer = Arc::downgrade(&p);
+        Some(p)
     }
+}
+
+/// Who sent a request, as the responder sees it.
+pub(crate) struct Requester<'a> {
+    gid: [u8; 16],
+    qpn: u32,
+    /// An in-process requester to kick when a receive is posted after an RNR.
+    waiter: Option<&'a Weak<SoftQp>>,
+}
+
+impl Requester<'static> {
+    /// A requester in another process.
+    pub fn remote(gid: [u8; 16], qpn: u32) -> Self {
+        Requester { gid, qpn, waiter: None }
+    }
+}
+
+/// The local end of a sent read or atomic: where its response data goes.
+struct LocalTarget {
+    ptr: *mut u8,
+    len: u32,
+    _entry: Arc<MrEntry>,
+}
+
+// SAFETY: `_entry` keeps the registration's memory alive and `ptr` points into it; the bytes
+// are only written through `shared_mem`, which is sound from any thread.
+unsafe impl Send for LocalTarget {}
+
+/// A request sent over TCP and not yet answered.
+struct Sent {
+    p: Pending,
+    psn: u32,
+    at: Instant,
+    target: Option<LocalTarget>,
 }
 
 /// A send request kept because it could not run yet.
@@ -127,6 +160,9 @@ struct Retry {
 
 struct Sq {
     pending: VecDeque<Pending>,
+    /// Sent over TCP, awaiting their responses (oldest first).
+    sent: VecDeque<Sent>,
+    next_psn: u32,
     link: Option<Link>,
     opts: ConnectOptions,
     retry: Option<Retry>,
@@ -208,6 +244,8 @@ impl SoftQp {
             remote_gid: Mutex::new([0; 16]),
             sq: Mutex::new(Sq {
                 pending: VecDeque::new(),
+                sent: VecDeque::new(),
+                next_psn: 0,
                 link: None,
                 opts: ConnectOptions::default(),
                 retry: None,
@@ -227,8 +265,15 @@ impl SoftQp {
         state_of(self.state.load(Ordering::Acquire))
     }
 
+    pub fn device(&self) -> &Arc<SoftDevice> {
+        &self.device
+    }
+
+    /// The endpoint peers connect to; `lid` carries the device's TCP port so that QPs of
+    /// other processes can reach it.
     pub fn endpoint(&self, psn: u32) -> Endpoint {
-        Endpoint { provider: ProviderKind::Soft, lid: 0, gid: self.device.gid(), qp_num: self.qpn, psn }
+        let lid = self.device.port();
+        Endpoint { provider: ProviderKind::Soft, lid, gid: self.device.gid(), qp_num: self.qpn, psn }
     }
 
     fn bad_transition(&self, to: &'static str) -> Error {
@@ -256,15 +301,27 @@ impl SoftQp {
                 remote.provider
             )));
         }
+        if self.state.load(Ordering::Acquire) != INIT {
+            return Err(self.bad_transition("move to RTR"));
+        }
+        let link = match SoftDevice::by_gid(&remote.gid) {
+            // A device of this process: direct.
+            Some(dev) => {
+                let peer = dev.find_qp(remote.qp_num).map(|p| Arc::downgrade(&p)).unwrap_or_default();
+                Link::Local { gid: remote.gid, qpn: remote.qp_num, peer }
+            }
+            // Another process: over TCP to the address in the GID and the port in the LID.
+            None => {
+                let ip = std::net::Ipv4Addr::new(remote.gid[4], remote.gid[5], remote.gid[6], remote.gid[7]);
+                let me = self.me.upgrade().expect("a QP being modified is alive");
+                Link::Tcp(TcpLink::connect(&me, std::net::SocketAddr::from((ip, remote.lid)), remote.qp_num))
+            }
+        };
         let mut sq = self.sq.lock().expect("sq lock");
         if self.state.load(Ordering::Acquire) != INIT {
             return Err(self.bad_transition("move to RTR"));
         }
-        let peer = SoftDevice::by_gid(&remote.gid)
-            .and_then(|d| d.find_qp(remote.qp_num))
-            .map(|p| Arc::downgrade(&p))
-            .unwrap_or_default();
-        sq.link = Some(Link::Local { gid: remote.gid, qpn: remote.qp_num, peer });
+        sq.link = Some(link);
         sq.opts = *opts;
         *self.remote_gid.lock().expect("gid lock") = remote.gid;
         self.remote_qpn.store(remote.qp_num, Ordering::Release);
@@ -337,6 +394,7 @@ impl SoftQp {
                 match self.run_head(&mut sq, wr, &mut d) {
                     Step::Completed | Step::Failed => {}
                     Step::Blocked => sq.pending.push_back(Pending::from_raw(wr)),
+                    Step::Sent(psn, target) => self.push_sent(&mut sq, Pending::from_raw(wr), psn, target),
                 }
             } else {
                 sq.pending.push_back(Pending::from_raw(wr));
@@ -389,6 +447,11 @@ impl SoftQp {
 
     /// Runs pending requests from the head until one blocks or the queue is empty.
     fn progress(&self, sq: &mut MutexGuard<'_, Sq>, d: &mut Deferred) {
+        if self.sent_timed_out(sq) {
+            let s = sq.sent.pop_front().expect("timed out, so not empty");
+            self.complete_send(&s.p.view(), WcStatus::RETRY_EXC_ERR, 0, true);
+            self.enter_error(sq, d);
+        }
         while let Some(head) = sq.pending.pop_front() {
             if self.state.load(Ordering::Acquire) == ERR {
                 self.complete_send(&head.view(), WcStatus::WR_FLUSH_ERR, 0, true);
@@ -396,6 +459,7 @@ impl SoftQp {
             }
             match self.run_head(sq, &head.view(), d) {
                 Step::Completed | Step::Failed => {}
+                Step::Sent(psn, target) => self.push_sent(sq, head, psn, target),
                 Step::Blocked => {
                     sq.pending.push_front(head);
                     return;
@@ -404,11 +468,52 @@ impl SoftQp {
         }
     }
 
+    /// Records a request sent over TCP; arms the transport timer for the oldest one.
+    fn push_sent(&self, sq: &mut Sq, p: Pending, psn: u32, target: Option<LocalTarget>) {
+        let now = Instant::now();
+        if sq.sent.is_empty() {
+            self.arm_transport_timer(sq, now);
+        }
+        sq.sent.push_back(Sent { p, psn, at: now, target });
+    }
+
+    fn arm_transport_timer(&self, sq: &Sq, from: Instant) {
+        if let Some(budget) = sq.opts.transport_budget() {
+            engine::schedule(from + budget, self.me.clone());
+        }
+    }
+
+    /// True if the oldest unanswered request has used up the transport retry budget (the
+    /// peer died, hangs, or the link broke). Re-arms the timer otherwise.
+    fn sent_timed_out(&self, sq: &Sq) -> bool {
+        let Some(front) = sq.sent.front() else { return false };
+        let Some(budget) = sq.opts.transport_budget() else { return false };
+        if front.at.elapsed() >= budget {
+            return true;
+        }
+        self.arm_transport_timer(sq, front.at);
+        false
+    }
+
     /// Executes the request at the head of the send queue and handles its outcome.
     fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
         let outcome = match sq.link.as_mut() {
-            Some(link) => self.execute(wr, link, d),
-            None => Outcome::NoResponse,
+            Some(Link::Tcp(link)) if !link.is_dead() => match self.remote_request(wr, sq.next_psn) {
+                Ok((frame, target)) => {
+                    if link.send(frame) {
+                        let psn = sq.next_psn;
+                        sq.next_psn = psn.wrapping_add(1);
+                        return Step::Sent(psn, target);
+                    }
+                    Outcome::NoResponse
+                }
+                Err(status) => Outcome::Done(status, 0),
+            },
+            Some(Link::Tcp(_)) | None => Outcome::NoResponse,
+            Some(Link::Local { gid, qpn, peer }) => match Link::local_peer(gid, *qpn, peer) {
+                Some(peer) => self.execute(wr, &peer, d),
+                None => Outcome::NoResponse,
+            },
         };
         let (kind, exceeded) = match outcome {
             Outcome::Done(status, len) => {
@@ -466,6 +571,9 @@ impl SoftQp {
     fn enter_error(&self, sq: &mut Sq, d: &mut Deferred) {
         self.state.store(ERR, Ordering::Release);
         sq.retry = None;
+        while let Some(s) = sq.sent.pop_front() {
+            self.complete_send(&s.p.view(), WcStatus::WR_FLUSH_ERR, 0, true);
+        }
         while let Some(p) = sq.pending.pop_front() {
             self.complete_send(&p.view(), WcStatus::WR_FLUSH_ERR, 0, true);
         }
@@ -494,6 +602,11 @@ impl SoftQp {
 
     /// Reports a send completion; returns false if the CQ overran.
     fn complete_send(&self, wr: &RawSendWr<'_>, status: WcStatus, len: u32, force: bool) -> bool {
+        if !status.is_success() {
+            // An RC requester error moves the QP to ERR; do it before the completion is
+            // visible, so whoever reaps it sees the new state.
+            self.state.store(ERR, Ordering::Release);
+        }
         if !(wr.signaled || force || !status.is_success()) {
             return true;
         }
@@ -536,59 +649,217 @@ impl SoftQp {
 
     // ---- requester ----
 
-    fn execute(&self, wr: &RawSendWr<'_>, link: &mut Link, d: &mut Deferred) -> Outcome {
-        let len = wr.len();
+    /// Checks the request's local buffer as the HCA does (lkey, PD, bounds, access).
+    /// Returns the bytes as a copy source (inline data is the caller's, so `Private`) and,
+    /// for a registered buffer, its pointer and the entry keeping it alive.
+    fn resolve_local(&self, wr: &RawSendWr<'_>) -> std::result::Result<LocalBuf, WcStatus> {
         let writes_local = matches!(wr.op, RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. });
-        if matches!(wr.op, RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) && len != 8 {
-            return Outcome::Done(WcStatus::LOC_LEN_ERR, 0);
+        if matches!(wr.op, RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) && wr.len() != 8 {
+            return Err(WcStatus::LOC_LEN_ERR);
         }
-        // Local buffer: inline bytes, or an lkey checked like the HCA checks it.
-        // Local memory is `Shared` (registered) except inline data, which is the caller's.
-        let (local_ptr, local_inline, _local_entry) = match (wr.inline, wr.sge) {
-            (Some(data), _) if !writes_local => (data.as_ptr() as *mut u8, true, None),
-            (Some(_), _) => return Outcome::Done(WcStatus::LOC_QP_OP_ERR, 0),
+        match (wr.inline, wr.sge) {
+            (Some(data), _) if !writes_local => {
+                Ok(LocalBuf { src: Src::Private(data.as_ptr()), ptr: std::ptr::null_mut(), entry: None })
+            }
+            (Some(_), _) => Err(WcStatus::LOC_QP_OP_ERR),
             (None, Some(sge)) if sge.len > 0 => {
                 let need = if writes_local { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
-                let Some(entry) = self.device.mrs.lookup(sge.lkey) else {
-                    return Outcome::Done(WcStatus::LOC_PROT_ERR, 0);
-                };
-                match entry.check(self.pd, sge.addr, u64::from(sge.len), need) {
-                    Ok(p) => (p, false, Some(entry)),
-                    Err(_) => return Outcome::Done(WcStatus::LOC_PROT_ERR, 0),
-                }
+                let entry = self.device.mrs.lookup(sge.lkey).ok_or(WcStatus::LOC_PROT_ERR)?;
+                let p = entry
+                    .check(self.pd, sge.addr, u64::from(sge.len), need)
+                    .map_err(|_| WcStatus::LOC_PROT_ERR)?;
+                Ok(LocalBuf { src: Src::Shared(p), ptr: p, entry: Some(entry) })
             }
-            _ => (std::ptr::null_mut(), false, None),
+            _ => Ok(LocalBuf { src: Src::Private(std::ptr::null()), ptr: std::ptr::null_mut(), entry: None }),
+        }
+    }
+
+    /// Runs a request against a responder QP of this process.
+    fn execute(&self, wr: &RawSendWr<'_>, peer: &SoftQp, d: &mut Deferred) -> Outcome {
+        let len = wr.len();
+        let local = match self.resolve_local(wr) {
+            Ok(l) => l,
+            Err(status) => return Outcome::Done(status, 0),
         };
-        let src = if local_inline { Src::Private(local_ptr) } else { Src::Shared(local_ptr) };
-        let Some(peer) = link.peer() else { return Outcome::NoResponse };
-        if !peer.accepts_from(self) {
+        let me = Requester { gid: self.device.gid(), qpn: self.qpn, waiter: Some(&self.me) };
+        if !peer.accepts_from(&me) {
             return Outcome::NoResponse;
         }
+        let (src, dst) = (local.src, Dst::Shared(local.ptr));
         match wr.op {
-            RawOp::Write { imm } => peer.respond_write(self, src, len, wr.remote_addr, wr.rkey, imm, d),
-            RawOp::Read => peer.respond_read(local_ptr, len, wr.remote_addr, wr.rkey, d),
-            RawOp::Send { imm } => peer.respond_send(self, src, len, imm, d),
-            RawOp::FetchAdd { add } => peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
-                c.fetch_add(add, Ordering::SeqCst)
-            }),
+            RawOp::Write { imm } => peer.respond_write(&me, src, len, wr.remote_addr, wr.rkey, imm, d),
+            RawOp::Read => peer.respond_read(dst, len, wr.remote_addr, wr.rkey, d),
+            RawOp::Send { imm } => peer.respond_send(&me, src, len, imm, d),
+            op => peer.respond_atomic(dst, wr.remote_addr, wr.rkey, op, d),
+        }
+    }
+
+    /// Builds the frame for a request to a responder in another process.
+    fn remote_request(
+        &self,
+        wr: &RawSendWr<'_>,
+        psn: u32,
+    ) -> std::result::Result<(Frame, Option<LocalTarget>), WcStatus> {
+        let len = wr.len();
+        if len > wire::MAX_MESSAGE {
+            return Err(WcStatus::LOC_LEN_ERR);
+        }
+        let local = self.resolve_local(wr)?;
+        let payload = || {
+            let mut data = vec![0u8; len as usize];
+            // SAFETY: `local.src` is valid for `len` bytes (checked registration, kept alive by
+            // `local.entry`, or inline data borrowed for this call); `data` is ours.
+            unsafe { shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize) };
+            data
+        };
+        let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, _entry: e });
+        let (addr, rkey) = (wr.remote_addr, wr.rkey);
+        Ok(match wr.op {
+            RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data: payload() }, None),
+            RawOp::Send { imm } => (Frame::Send { psn, imm, data: payload() }, None),
+            RawOp::Read => (Frame::Read { psn, addr, rkey, len }, target()),
+            RawOp::FetchAdd { add } => (Frame::FetchAdd { psn, addr, rkey, add }, target()),
             RawOp::CompareSwap { compare, swap } => {
-                peer.respond_atomic(local_ptr, wr.remote_addr, wr.rkey, d, |c| {
-                    match c.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
-                        Ok(v) | Err(v) => v,
+                (Frame::CmpSwap { psn, addr, rkey, compare, swap }, target())
+            }
+        })
+    }
+
+    /// A response from the remote responder (called by the link's reader thread).
+    pub fn on_remote_response(&self, f: Frame) {
+        let mut d = Deferred::default();
+        {
+            let mut sq = self.sq.lock().expect("sq lock");
+            let psn = match &f {
+                Frame::Ack { psn, .. } | Frame::RnrNak { psn } => *psn,
+                _ => return,
+            };
+            if sq.sent.front().is_none_or(|s| s.psn != psn) {
+                // Not the oldest outstanding request: a confused or hostile peer.
+                tracing::error!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
+                return;
+            }
+            match f {
+                Frame::Ack { status, data, .. } => {
+                    let s = sq.sent.pop_front().expect("checked above");
+                    sq.retry = None;
+                    let mut status = WcStatus(status);
+                    let mut len = 0;
+                    if status.is_success() {
+                        match (&s.target, s.p.op) {
+                            (Some(t), RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) => {
+                                if data.len() == t.len as usize {
+                                    // SAFETY: `t.ptr` is the checked local buffer of `t.len`
+                                    // bytes, kept alive by `t._entry`; `data` is ours.
+                                    unsafe {
+                                        shared_mem::copy(
+                                            Src::Private(data.as_ptr()),
+                                            Dst::Shared(t.ptr),
+                                            data.len(),
+                                        )
+                                    };
+                                    len = t.len;
+                                } else {
+                                    status = WcStatus::BAD_RESP_ERR;
+                                }
+                            }
+                            (None, RawOp::Read) if data.is_empty() => {}
+                            _ => len = s.p.view().len(),
+                        }
                     }
-                })
+                    let delivered = self.complete_send(&s.p.view(), status, len, false);
+                    if !status.is_success() || !delivered {
+                        self.enter_error(&mut sq, &mut d);
+                    } else if sq.retry.is_none() && !sq.pending.is_empty() {
+                        self.progress(&mut sq, &mut d);
+                    }
+                }
+                Frame::RnrNak { .. } => {
+                    // Go back N: the responder dropped everything after the NAKed request;
+                    // it all returns to the head of the queue, in order, with the same PSNs.
+                    while let Some(s) = sq.sent.pop_back() {
+                        sq.pending.push_front(s.p);
+                    }
+                    sq.next_psn = psn;
+                    if !self.keep_retrying(&mut sq, RetryKind::Rnr) {
+                        let head = sq.pending.pop_front().expect("the NAKed request");
+                        sq.retry = None;
+                        self.complete_send(&head.view(), WcStatus::RNR_RETRY_EXC_ERR, 0, true);
+                        self.enter_error(&mut sq, &mut d);
+                    }
+                }
+                _ => {}
             }
         }
+        run_deferred(d);
     }
 
     // ---- responder ----
 
+    /// A request from a QP of another process (called by the device's connection
+    /// thread). Returns the response, or `None` to drop the request silently, as a NIC
+    /// drops packets for a QP that is not connected to their sender.
+    pub fn serve_remote(&self, from: &Requester<'_>, f: Frame) -> Option<Frame> {
+        if !self.accepts_from(from) {
+            return None;
+        }
+        let mut d = Deferred::default();
+        let (psn, outcome, data) = match f {
+            Frame::Write { psn, addr, rkey, imm, data } => {
+                let len = data.len() as u32;
+                (
+                    psn,
+                    self.respond_write(from, Src::Private(data.as_ptr()), len, addr, rkey, imm, &mut d),
+                    Vec::new(),
+                )
+            }
+            Frame::Send { psn, imm, data } => (
+                psn,
+                self.respond_send(from, Src::Private(data.as_ptr()), data.len() as u32, imm, &mut d),
+                Vec::new(),
+            ),
+            Frame::Read { psn, len, .. } if len > wire::MAX_MESSAGE => {
+                (psn, Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0), Vec::new())
+            }
+            Frame::Read { psn, addr, rkey, len } => {
+                let mut buf = vec![0u8; len as usize];
+                (psn, self.respond_read(Dst::Private(buf.as_mut_ptr()), len, addr, rkey, &mut d), buf)
+            }
+            Frame::FetchAdd { psn, addr, rkey, add } => {
+                let mut buf = vec![0u8; 8];
+                let out = self.respond_atomic(
+                    Dst::Private(buf.as_mut_ptr()),
+                    addr,
+                    rkey,
+                    RawOp::FetchAdd { add },
+                    &mut d,
+                );
+                (psn, out, buf)
+            }
+            Frame::CmpSwap { psn, addr, rkey, compare, swap } => {
+                let mut buf = vec![0u8; 8];
+                let op = RawOp::CompareSwap { compare, swap };
+                (psn, self.respond_atomic(Dst::Private(buf.as_mut_ptr()), addr, rkey, op, &mut d), buf)
+            }
+            _ => return None,
+        };
+        run_deferred(d);
+        Some(match outcome {
+            Outcome::Done(status, _) => {
+                let data = if status.is_success() { data } else { Vec::new() };
+                Frame::Ack { psn, status: status.0, data }
+            }
+            Outcome::Rnr => Frame::RnrNak { psn },
+            Outcome::NoResponse => return None,
+        })
+    }
+
     /// A connected responder takes packets only from its own remote QP, in RTR or RTS.
-    fn accepts_from(&self, from: &SoftQp) -> bool {
+    fn accepts_from(&self, from: &Requester<'_>) -> bool {
         let st = self.state.load(Ordering::Acquire);
         (st == RTR || st == RTS)
             && self.remote_qpn.load(Ordering::Acquire) == from.qpn
-            && *self.remote_gid.lock().expect("gid lock") == from.device.gid()
+            && *self.remote_gid.lock().expect("gid lock") == from.gid
     }
 
     /// Resolves a remote target: QP-level then region-level permission, bounds.
@@ -598,7 +869,7 @@ impl SoftQp {
         rkey: u32,
         len: u32,
         need: AccessFlags,
-    ) -> std::result::Result<(*mut u8, Option<Arc<super::mr::MrEntry>>), WcStatus> {
+    ) -> std::result::Result<(*mut u8, Option<Arc<MrEntry>>), WcStatus> {
         let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
         if !qp_access.contains(need) {
             return Err(WcStatus::REM_INV_REQ_ERR);
@@ -617,7 +888,7 @@ impl SoftQp {
     #[allow(clippy::too_many_arguments)]
     fn respond_write(
         &self,
-        from: &SoftQp,
+        from: &Requester<'_>,
         src: Src,
         len: u32,
         addr: u64,
@@ -640,9 +911,10 @@ impl SoftQp {
         } else {
             None
         };
-        // SAFETY: `src` was checked against the requester's registration (or is inline data
-        // borrowed for this call) and `dst` against ours, both for `len` bytes; the entries
-        // held in this frame keep both alive. Registered memory is only accessed atomically.
+        // SAFETY: `src` is valid for `len` bytes (a checked registration of the requester
+        // kept alive by its caller, inline data, or a received frame) and `dst` was checked
+        // against our registration, kept alive by `_entry`. Registered memory is only
+        // accessed through `shared_mem`.
         unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
         if let Some(r) = recv {
             self.complete_recv(r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
@@ -650,11 +922,12 @@ impl SoftQp {
         Outcome::Done(WcStatus::SUCCESS, len)
     }
 
-    fn respond_read(&self, dst: *mut u8, len: u32, addr: u64, rkey: u32, d: &mut Deferred) -> Outcome {
+    fn respond_read(&self, dst: Dst, len: u32, addr: u64, rkey: u32, d: &mut Deferred) -> Outcome {
         match self.target(addr, rkey, len, AccessFlags::REMOTE_READ) {
             Ok((src, _entry)) => {
-                // SAFETY: as in `respond_write`, with the roles swapped.
-                unsafe { shared_mem::copy(Src::Shared(src), Dst::Shared(dst), len as usize) };
+                // SAFETY: as in `respond_write`, with the roles swapped; `dst` is the
+                // requester's checked buffer or a response buffer of `len` bytes.
+                unsafe { shared_mem::copy(Src::Shared(src), dst, len as usize) };
                 Outcome::Done(WcStatus::SUCCESS, len)
             }
             Err(status) => {
@@ -664,7 +937,14 @@ impl SoftQp {
         }
     }
 
-    fn respond_send(&self, from: &SoftQp, src: Src, len: u32, imm: Option<u32>, d: &mut Deferred) -> Outcome {
+    fn respond_send(
+        &self,
+        from: &Requester<'_>,
+        src: Src,
+        len: u32,
+        imm: Option<u32>,
+        d: &mut Deferred,
+    ) -> Outcome {
         let Some(recv) = self.take_recv(from) else { return Outcome::Rnr };
         let opcode = WcOpcode::RECV;
         let cap = recv.sge.map_or(0, |s| s.len);
@@ -696,52 +976,68 @@ impl SoftQp {
         Outcome::Done(WcStatus::SUCCESS, len)
     }
 
-    fn respond_atomic(
-        &self,
-        result: *mut u8,
-        addr: u64,
-        rkey: u32,
-        d: &mut Deferred,
-        op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64,
-    ) -> Outcome {
-        if addr % 8 != 0 {
-            self.responder_error(d);
-            return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
-        }
-        match self.target(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
-            Ok((cell, _entry)) => {
-                // SAFETY: `cell` is 8 bytes inside a live registration (checked above); its
-                // NIC address is 8-aligned, and registrations map addresses to memory with
-                // at least 8-byte-aligned bases (page-aligned buffers, 64-B DM blocks), so
-                // the pointer is 8-aligned. All accesses to registered memory are atomic.
-                let old = op(unsafe { shared_mem::atomic_u64(cell) });
-                let bytes = old.to_ne_bytes();
-                // SAFETY: `result` is the requester's checked 8-byte local buffer.
-                unsafe { shared_mem::copy(Src::Private(bytes.as_ptr()), Dst::Shared(result), 8) };
-                Outcome::Done(WcStatus::SUCCESS, 8)
+    /// Fetch-and-add or compare-and-swap on our memory; the original value goes to
+    /// `result` (8 bytes).
+    fn respond_atomic(&self, result: Dst, addr: u64, rkey: u32, op: RawOp, d: &mut Deferred) -> Outcome {
+        let cell = match self.target(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
+            // The NIC address and the host pointer must both be 8-aligned (a device-memory
+            // region registered at an odd offset has aligned addresses but not pointers).
+            Ok((cell, entry)) if addr % 8 == 0 && cell as usize % 8 == 0 => (cell, entry),
+            Ok(_) => {
+                self.responder_error(d);
+                return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
             }
             Err(status) => {
                 self.responder_error(d);
-                Outcome::Done(status, 0)
+                return Outcome::Done(status, 0);
             }
-        }
+        };
+        // SAFETY: `cell.0` is 8 bytes inside a live registration (checked; `cell.1` keeps it
+        // alive) and 8-aligned (checked); all accesses to registered memory are atomic.
+        let word = unsafe { shared_mem::atomic_u64(cell.0) };
+        let old = match op {
+            RawOp::FetchAdd { add } => word.fetch_add(add, Ordering::SeqCst),
+            RawOp::CompareSwap { compare, swap } => {
+                match word.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                    Ok(v) | Err(v) => v,
+                }
+            }
+            _ => unreachable!("respond_atomic is called for atomics only"),
+        };
+        let bytes = old.to_ne_bytes();
+        // SAFETY: `result` is the requester's checked 8-byte local buffer or an 8-byte
+        // response buffer; `bytes` is ours.
+        unsafe { shared_mem::copy(Src::Private(bytes.as_ptr()), result, 8) };
+        Outcome::Done(WcStatus::SUCCESS, 8)
     }
 
-    /// Takes the next posted receive, or registers `from` for a kick and returns `None`.
-    fn take_recv(&self, from: &SoftQp) -> Option<RawRecvWr> {
+    /// Takes the next posted receive, or registers an in-process `from` for a kick and
+    /// returns `None`.
+    fn take_recv(&self, from: &Requester<'_>) -> Option<RawRecvWr> {
         let mut rq = self.rq.lock().expect("rq lock");
         let r = rq.posted.pop_front();
-        if r.is_none() && !rq.rnr_waiters.iter().any(|w| std::ptr::eq(w.as_ptr(), from)) {
-            rq.rnr_waiters.push(from.me.clone());
+        if let (None, Some(w)) = (&r, from.waiter) {
+            if !rq.rnr_waiters.iter().any(|x| x.ptr_eq(w)) {
+                rq.rnr_waiters.push(w.clone());
+            }
         }
         r
     }
+}
+
+/// A request's local buffer, resolved.
+struct LocalBuf {
+    src: Src,
+    ptr: *mut u8,
+    entry: Option<Arc<MrEntry>>,
 }
 
 enum Step {
     Completed,
     Blocked,
     Failed,
+    /// Sent over TCP with this PSN; the response completes it.
+    Sent(u32, Option<LocalTarget>),
 }
 
 fn run_deferred(mut d: Deferred) {

@@ -1,0 +1,349 @@
+//! The soft NIC's wire format between processes: length-prefixed frames over TCP.
+//!
+//! Every frame is `magic "RK" | version 1 | kind | payload length (u32 LE) | payload`. The
+//! decoder is total: any byte string gives a frame or a [`WireError`], never a panic, and
+//! never allocates more than the declared length (itself capped by [`MAX_PAYLOAD`]). A peer
+//! sending garbage gets its connection dropped with an error logged.
+
+use std::fmt;
+
+/// Frame header length.
+pub const HEADER: usize = 8;
+/// Largest payload accepted: bounds the memory a peer can make us allocate.
+pub const MAX_PAYLOAD: u32 = 64 << 20;
+/// Largest message the soft NIC moves between processes (one frame's data).
+pub const MAX_MESSAGE: u32 = MAX_PAYLOAD - 64;
+
+const MAGIC: [u8; 2] = *b"RK";
+const VERSION: u8 = 1;
+
+/// One frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// First frame of a connection: requester QP `src` on device `src_gid` talks to QP
+    /// `dst_qpn` of the accepting device.
+    Hello { src_gid: [u8; 16], src_qpn: u32, dst_qpn: u32 },
+    /// Answer to `Hello`: 0 accepted, 1 no such QP.
+    HelloAck { status: u8 },
+    /// RDMA write (optionally with immediate).
+    Write { psn: u32, addr: u64, rkey: u32, imm: Option<u32>, data: Vec<u8> },
+    /// RDMA read of `len` bytes.
+    Read { psn: u32, addr: u64, rkey: u32, len: u32 },
+    /// Send (optionally with immediate).
+    Send { psn: u32, imm: Option<u32>, data: Vec<u8> },
+    /// Fetch-and-add.
+    FetchAdd { psn: u32, addr: u64, rkey: u32, add: u64 },
+    /// Compare-and-swap.
+    CmpSwap { psn: u32, addr: u64, rkey: u32, compare: u64, swap: u64 },
+    /// Response: the request `psn` completed with `status` (a `WcStatus` value); `data` is
+    /// the read data or the atomic's original value.
+    Ack { psn: u32, status: u32, data: Vec<u8> },
+    /// Response: no receive was posted for request `psn`; it and the requests after it
+    /// were dropped and must be sent again.
+    RnrNak { psn: u32 },
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireError {
+    /// Fewer bytes than the header or the declared payload; more may come.
+    Incomplete { need: usize },
+    /// Not an rdmakit frame (bad magic or version).
+    BadHeader,
+    /// A payload longer than [`MAX_PAYLOAD`].
+    TooLong(u32),
+    /// An unknown frame kind.
+    UnknownKind(u8),
+    /// A payload whose length does not match its kind.
+    BadLength { kind: u8, len: usize },
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::Incomplete { need } => write!(f, "incomplete frame: {need} more bytes needed"),
+            WireError::BadHeader => f.write_str("bad frame header (magic or version)"),
+            WireError::TooLong(n) => write!(f, "frame payload of {n} bytes exceeds {MAX_PAYLOAD}"),
+            WireError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+            WireError::BadLength { kind, len } => write!(f, "frame kind {kind} with a {len}-byte payload"),
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+mod kind {
+    pub const HELLO: u8 = 1;
+    pub const HELLO_ACK: u8 = 2;
+    pub const WRITE: u8 = 10;
+    pub const READ: u8 = 11;
+    pub const SEND: u8 = 12;
+    pub const FETCH_ADD: u8 = 13;
+    pub const CMP_SWAP: u8 = 14;
+    pub const ACK: u8 = 20;
+    pub const RNR_NAK: u8 = 21;
+}
+
+/// Parses a header: the kind and the payload length.
+pub fn decode_header(h: &[u8]) -> Result<(u8, u32), WireError> {
+    if h.len() < HEADER {
+        return Err(WireError::Incomplete { need: HEADER - h.len() });
+    }
+    if h[..2] != MAGIC || h[2] != VERSION {
+        return Err(WireError::BadHeader);
+    }
+    let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+    if len > MAX_PAYLOAD {
+        return Err(WireError::TooLong(len));
+    }
+    Ok((h[3], len))
+}
+
+/// Decodes one frame from the start of `buf`; returns it and the bytes it used.
+pub fn decode(buf: &[u8]) -> Result<(Frame, usize), WireError> {
+    let (k, len) = decode_header(buf)?;
+    let total = HEADER + len as usize;
+    if buf.len() < total {
+        return Err(WireError::Incomplete { need: total - buf.len() });
+    }
+    Ok((decode_payload(k, &buf[HEADER..total])?, total))
+}
+
+/// A little-endian reader over a payload that never reads past its end.
+struct Rd<'a>(&'a [u8]);
+
+impl Rd<'_> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (head, rest) = self.0.split_first_chunk::<N>()?;
+        self.0 = rest;
+        Some(*head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take::<1>().map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take().map(u64::from_le_bytes)
+    }
+    fn imm(&mut self) -> Option<Option<u32>> {
+        let flag = self.u8()?;
+        let v = self.u32()?;
+        match flag {
+            0 => Some(None),
+            1 => Some(Some(v)),
+            _ => None,
+        }
+    }
+    fn rest(self) -> Vec<u8> {
+        self.0.to_vec()
+    }
+    fn end(&self) -> Option<()> {
+        self.0.is_empty().then_some(())
+    }
+}
+
+/// Decodes a payload of kind `k`.
+pub fn decode_payload(k: u8, p: &[u8]) -> Result<Frame, WireError> {
+    let bad = || WireError::BadLength { kind: k, len: p.len() };
+    let mut r = Rd(p);
+    let frame = match k {
+        kind::HELLO => {
+            let src_gid = r.take::<16>().ok_or_else(bad)?;
+            let src_qpn = r.u32().ok_or_else(bad)?;
+            let dst_qpn = r.u32().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::Hello { src_gid, src_qpn, dst_qpn }
+        }
+        kind::HELLO_ACK => {
+            let status = r.u8().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::HelloAck { status }
+        }
+        kind::WRITE => {
+            let (psn, addr, rkey) =
+                (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            let imm = r.imm().ok_or_else(bad)?;
+            Frame::Write { psn, addr, rkey, imm, data: r.rest() }
+        }
+        kind::READ => {
+            let (psn, addr, rkey) =
+                (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            let len = r.u32().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::Read { psn, addr, rkey, len }
+        }
+        kind::SEND => {
+            let psn = r.u32().ok_or_else(bad)?;
+            let imm = r.imm().ok_or_else(bad)?;
+            Frame::Send { psn, imm, data: r.rest() }
+        }
+        kind::FETCH_ADD => {
+            let (psn, addr, rkey) =
+                (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            let add = r.u64().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::FetchAdd { psn, addr, rkey, add }
+        }
+        kind::CMP_SWAP => {
+            let (psn, addr, rkey) =
+                (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            let (compare, swap) = (r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?);
+            r.end().ok_or_else(bad)?;
+            Frame::CmpSwap { psn, addr, rkey, compare, swap }
+        }
+        kind::ACK => {
+            let (psn, status) = (r.u32().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            Frame::Ack { psn, status, data: r.rest() }
+        }
+        kind::RNR_NAK => {
+            let psn = r.u32().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::RnrNak { psn }
+        }
+        other => return Err(WireError::UnknownKind(other)),
+    };
+    Ok(frame)
+}
+
+/// Appends the encoding of `f` to `out`.
+pub fn encode(f: &Frame, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(0); // kind, set below
+    out.extend_from_slice(&[0; 4]); // length, set below
+    let put_imm = |out: &mut Vec<u8>, imm: &Option<u32>| {
+        out.push(u8::from(imm.is_some()));
+        out.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
+    };
+    let k = match f {
+        Frame::Hello { src_gid, src_qpn, dst_qpn } => {
+            out.extend_from_slice(src_gid);
+            out.extend_from_slice(&src_qpn.to_le_bytes());
+            out.extend_from_slice(&dst_qpn.to_le_bytes());
+            kind::HELLO
+        }
+        Frame::HelloAck { status } => {
+            out.push(*status);
+            kind::HELLO_ACK
+        }
+        Frame::Write { psn, addr, rkey, imm, data } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&rkey.to_le_bytes());
+            put_imm(out, imm);
+            out.extend_from_slice(data);
+            kind::WRITE
+        }
+        Frame::Read { psn, addr, rkey, len } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&rkey.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+            kind::READ
+        }
+        Frame::Send { psn, imm, data } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            put_imm(out, imm);
+            out.extend_from_slice(data);
+            kind::SEND
+        }
+        Frame::FetchAdd { psn, addr, rkey, add } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&rkey.to_le_bytes());
+            out.extend_from_slice(&add.to_le_bytes());
+            kind::FETCH_ADD
+        }
+        Frame::CmpSwap { psn, addr, rkey, compare, swap } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&rkey.to_le_bytes());
+            out.extend_from_slice(&compare.to_le_bytes());
+            out.extend_from_slice(&swap.to_le_bytes());
+            kind::CMP_SWAP
+        }
+        Frame::Ack { psn, status, data } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            out.extend_from_slice(&status.to_le_bytes());
+            out.extend_from_slice(data);
+            kind::ACK
+        }
+        Frame::RnrNak { psn } => {
+            out.extend_from_slice(&psn.to_le_bytes());
+            kind::RNR_NAK
+        }
+    };
+    let len = (out.len() - start - HEADER) as u32;
+    out[start + 3] = k;
+    out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn frame() -> impl Strategy<Value = Frame> {
+        let data = proptest::collection::vec(any::<u8>(), 0..64);
+        let imm = proptest::option::of(any::<u32>());
+        prop_oneof![
+            (any::<[u8; 16]>(), any::<u32>(), any::<u32>())
+                .prop_map(|(src_gid, src_qpn, dst_qpn)| Frame::Hello { src_gid, src_qpn, dst_qpn }),
+            any::<u8>().prop_map(|status| Frame::HelloAck { status }),
+            (any::<u32>(), any::<u64>(), any::<u32>(), imm.clone(), data.clone())
+                .prop_map(|(psn, addr, rkey, imm, data)| Frame::Write { psn, addr, rkey, imm, data }),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<u32>())
+                .prop_map(|(psn, addr, rkey, len)| Frame::Read { psn, addr, rkey, len }),
+            (any::<u32>(), imm, data.clone()).prop_map(|(psn, imm, data)| Frame::Send { psn, imm, data }),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<u64>())
+                .prop_map(|(psn, addr, rkey, add)| Frame::FetchAdd { psn, addr, rkey, add }),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+                |(psn, addr, rkey, compare, swap)| Frame::CmpSwap { psn, addr, rkey, compare, swap }
+            ),
+            (any::<u32>(), any::<u32>(), data).prop_map(|(psn, status, data)| Frame::Ack {
+                psn,
+                status,
+                data
+            }),
+            any::<u32>().prop_map(|psn| Frame::RnrNak { psn }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trips(f in frame()) {
+            let mut buf = Vec::new();
+            encode(&f, &mut buf);
+            let (g, used) = decode(&buf).unwrap();
+            prop_assert_eq!(g, f);
+            prop_assert_eq!(used, buf.len());
+            // Every strict prefix is incomplete, never an error or a panic.
+            for cut in 0..buf.len() {
+                let is_incomplete = matches!(decode(&buf[..cut]), Err(WireError::Incomplete { .. }));
+                prop_assert!(is_incomplete);
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let _ = decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn rejects_hostile_headers() {
+        assert_eq!(decode(b"XX\x01\x0a\0\0\0\0"), Err(WireError::BadHeader));
+        assert_eq!(decode(b"RK\x02\x0a\0\0\0\0"), Err(WireError::BadHeader));
+        assert_eq!(decode(b"RK\x01\x0a\xff\xff\xff\xff"), Err(WireError::TooLong(u32::MAX)));
+        assert_eq!(decode(b"RK\x01\x63\0\0\0\0"), Err(WireError::UnknownKind(0x63)));
+        assert_eq!(decode(b"RK\x01\x0b\x01\0\0\0\0"), Err(WireError::BadLength { kind: 11, len: 1 }));
+        // An immediate flag that is neither 0 nor 1.
+        let mut buf = Vec::new();
+        encode(&Frame::Send { psn: 1, imm: None, data: vec![] }, &mut buf);
+        buf[HEADER + 4] = 7;
+        assert!(matches!(decode(&buf), Err(WireError::BadLength { .. })));
+    }
+}

@@ -1,0 +1,313 @@
+//! The soft NIC across processes: this test binary re-runs itself as a passive peer
+//! process (`peer_process`, selected by `RDMAKIT_TEST_PEER=1`) that publishes an endpoint
+//! and two regions, then only sleeps. Everything the client does to it is served by the
+//! peer's soft NIC progress engine, over TCP.
+//!
+//! `RDMAKIT_SOFT_ADDR` picks the address both sides listen on (loopback by default; the
+//! network-namespace test sets the veth addresses).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdmakit::*;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
+}
+
+/// Short transport budget so dead-peer tests finish fast: 4.096 µs × 2^12 × 4 ≈ 67 ms.
+fn opts() -> ConnectOptions {
+    ConnectOptions { timeout: 12, retry_cnt: 3, ..ConnectOptions::default() }
+}
+
+/// The peer process. Prints `EP <endpoint> MR <region> RX <region>`, reads the client's
+/// endpoint, connects, posts a receive into RX after `RDMAKIT_TEST_RECV_DELAY_MS`, prints
+/// `READY`, then idles until its stdin closes.
+#[test]
+fn peer_process() {
+    if std::env::var("RDMAKIT_TEST_PEER").as_deref() != Ok("1") {
+        return; // only meaningful as the child of the tests below
+    }
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let mr = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
+    let rx = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+    for i in 0..1024u64 {
+        mr.write_u64(i * 8, i).unwrap();
+    }
+    qp.modify_to_init(&opts()).unwrap();
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "EP {} MR {} RX {}",
+        hex(&qp.endpoint().unwrap().encode()),
+        hex(&mr.remote().encode()),
+        hex(&rx.remote().encode())
+    )
+    .unwrap();
+    out.flush().unwrap();
+    let mut line = String::new();
+    let mut stdin = BufReader::new(std::io::stdin());
+    stdin.read_line(&mut line).unwrap();
+    let peer = Endpoint::decode(&unhex(line.trim().strip_prefix("EP ").unwrap())).unwrap();
+    qp.connect(&peer, &opts()).unwrap();
+    writeln!(out, "CONNECTED").unwrap();
+    out.flush().unwrap();
+    let delay = std::env::var("RDMAKIT_TEST_RECV_DELAY_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    std::thread::sleep(Duration::from_millis(delay));
+    qp.post_recv(RecvWr::new(rx.local().unwrap())).unwrap();
+    writeln!(out, "READY").unwrap();
+    out.flush().unwrap();
+    // Idle: the NIC does the work. Exit when the client closes our stdin.
+    let _ = stdin.read_line(&mut line);
+    drop((mr, rx));
+}
+
+struct Peer {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    ep: Endpoint,
+    mr: RemoteRegion,
+    rx: RemoteRegion,
+}
+
+fn spawn_peer(recv_delay_ms: u64) -> Peer {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process", "--nocapture", "--test-threads=1"])
+        .env("RDMAKIT_TEST_PEER", "1")
+        .env("RDMAKIT_TEST_RECV_DELAY_MS", recv_delay_ms.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the peer process");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    // libtest may print "test peer_process ... " on the same line, before our output.
+    let mut line = String::new();
+    let at = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "peer exited before publishing its endpoint");
+        if let Some(at) = line.find("EP ") {
+            break at;
+        }
+    };
+    let f: Vec<&str> = line[at..].split_whitespace().collect();
+    let ep = Endpoint::decode(&unhex(f[1])).unwrap();
+    assert_ne!(ep.lid, 0, "the peer's soft device is not listening");
+    Peer {
+        child,
+        out,
+        ep,
+        mr: RemoteRegion::decode(&unhex(f[3])).unwrap(),
+        rx: RemoteRegion::decode(&unhex(f[5])).unwrap(),
+    }
+}
+
+impl Peer {
+    fn connect(&mut self, qp: &QueuePair) {
+        qp.connect(&self.ep, &opts()).unwrap();
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "EP {}", hex(&qp.endpoint().unwrap().encode())).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn wait_ready(&mut self) {
+        self.wait_for("READY");
+    }
+
+    fn wait_for(&mut self, what: &str) {
+        let mut line = String::new();
+        while !line.contains(what) {
+            line.clear();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "peer exited");
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait(cq: &CompletionQueue) -> WorkCompletion {
+    cq.wait(Some(Duration::from_secs(20))).expect("completion")
+}
+
+struct Local {
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+fn local() -> Local {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    Local { pd, cq, qp }
+}
+
+#[test]
+fn one_sided_and_two_sided_ops_across_processes() {
+    let mut peer = spawn_peer(0);
+    let l = local();
+    peer.connect(&l.qp);
+    peer.wait_ready();
+    let buf = l.pd.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+
+    // Read the peer's pattern, 1 MiB in one request.
+    l.qp.post_send(SendWr::read(buf.local().unwrap(), peer.mr.slice(0, 1 << 20).unwrap()).wr_id(1)).unwrap();
+    let wc = wait(&l.cq).ok().unwrap();
+    assert_eq!((wc.wr_id, wc.byte_len), (1, 1 << 20));
+    assert_eq!(buf.read_u64(8 * 1000).unwrap(), 1000);
+
+    // Write, then read back.
+    buf.write_at(0, b"across processes").unwrap();
+    let t = peer.mr.slice(4096, 16).unwrap();
+    l.qp.post_send(SendWr::write(buf.slice(0, 16).unwrap(), t).wr_id(2)).unwrap();
+    l.qp.post_send(SendWr::read(buf.slice(100, 16).unwrap(), t).wr_id(3)).unwrap();
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 2);
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 3);
+    let mut got = [0u8; 16];
+    buf.read_at(100, &mut got).unwrap();
+    assert_eq!(&got, b"across processes");
+
+    // Atomics.
+    let c = peer.mr.slice(8 * 7, 8).unwrap();
+    l.qp.post_send(SendWr::fetch_add(buf.slice(200, 8).unwrap(), c, 10)).unwrap();
+    wait(&l.cq).ok().unwrap();
+    assert_eq!(buf.read_u64(200).unwrap(), 7);
+    l.qp.post_send(SendWr::compare_swap(buf.slice(208, 8).unwrap(), c, 17, 99)).unwrap();
+    wait(&l.cq).ok().unwrap();
+    assert_eq!(buf.read_u64(208).unwrap(), 17);
+
+    // A send lands in the receive the peer posted; read it back to check.
+    buf.write_at(300, b"a message").unwrap();
+    l.qp.post_send(SendWr::send(buf.slice(300, 9).unwrap()).with_imm(5)).unwrap();
+    wait(&l.cq).ok().unwrap();
+    l.qp.post_send(SendWr::read(buf.slice(400, 9).unwrap(), peer.rx.slice(0, 9).unwrap())).unwrap();
+    wait(&l.cq).ok().unwrap();
+    let mut m = [0u8; 9];
+    buf.read_at(400, &mut m).unwrap();
+    assert_eq!(&m, b"a message");
+
+    // A pipeline of 100 small writes (the queue holds 128), unsignalled but the last.
+    for i in 0..100u32 {
+        let wr = SendWr::write(buf.slice(0, 8).unwrap(), peer.mr.slice(8192 + 8 * u64::from(i), 8).unwrap());
+        l.qp.post_send(if i == 99 { wr.wr_id(99) } else { wr.unsignaled() }).unwrap();
+    }
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 99);
+    assert_eq!(l.qp.outstanding(), (0, 0));
+
+    // A bad rkey is refused by the peer's NIC.
+    let bad = RemoteSlice::new(peer.mr.addr, 8, peer.mr.rkey ^ 0x100);
+    l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), bad)).unwrap();
+    assert_eq!(wait(&l.cq).status, WcStatus::REM_ACCESS_ERR);
+    assert_eq!(l.qp.state(), QpState::Error);
+}
+
+#[test]
+fn send_waits_for_a_late_receive_across_processes() {
+    // The peer posts its receive 300 ms after connecting: the send gets RNR NAKs and is
+    // retried (infinite RNR retries) until it lands.
+    let mut peer = spawn_peer(300);
+    let l = local();
+    peer.connect(&l.qp);
+    peer.wait_for("CONNECTED");
+    let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    buf.write_at(0, b"late").unwrap();
+    l.qp.post_send(SendWr::send(buf.slice(0, 4).unwrap()).wr_id(1)).unwrap();
+    l.qp.post_send(SendWr::write(buf.slice(0, 4).unwrap(), peer.mr.slice(0, 4).unwrap()).wr_id(2)).unwrap();
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 1);
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 2);
+    peer.wait_ready();
+}
+
+#[test]
+fn killed_peer_gives_retry_exceeded_within_the_budget() {
+    let mut peer = spawn_peer(0);
+    let l = local();
+    peer.connect(&l.qp);
+    peer.wait_ready();
+    let buf = l.pd.alloc_mr(1 << 16, AccessFlags::LOCAL_WRITE).unwrap();
+    let t = peer.mr.slice(0, 1 << 16).unwrap();
+    l.qp.post_send(SendWr::write(buf.local().unwrap(), t)).unwrap();
+    wait(&l.cq).ok().unwrap();
+
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    let start = Instant::now();
+    for i in 0..4 {
+        l.qp.post_send(SendWr::write(buf.local().unwrap(), t).wr_id(i)).unwrap();
+    }
+    let first = wait(&l.cq);
+    let took = start.elapsed();
+    assert_eq!((first.wr_id, first.status), (0, WcStatus::RETRY_EXC_ERR));
+    for i in 1..4 {
+        let wc = wait(&l.cq);
+        assert_eq!((wc.wr_id, wc.status), (i, WcStatus::WR_FLUSH_ERR));
+    }
+    assert_eq!(l.qp.state(), QpState::Error);
+    // Budget ≈ 67 ms; allow generous scheduling slack, but it must be bounded.
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_eq!(l.qp.outstanding(), (0, 0));
+
+    // Nothing else in the process broke: a fresh in-process pair works.
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(8).unwrap();
+    let (a, b) = (
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+    );
+    a.connect(&b.endpoint().unwrap(), &opts()).unwrap();
+    b.connect(&a.endpoint().unwrap(), &opts()).unwrap();
+    let m = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    a.post_send(SendWr::write(m.local().unwrap(), m.remote().slice(0, 8).unwrap())).unwrap();
+    wait(&cq).ok().unwrap();
+}
+
+#[test]
+fn hostile_bytes_on_the_port_are_dropped() {
+    use std::net::TcpStream;
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(8).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let ep = qp.endpoint().unwrap();
+    let addr = (std::net::Ipv4Addr::new(ep.gid[4], ep.gid[5], ep.gid[6], ep.gid[7]), ep.lid);
+    let mut read_before_hello = b"RK\x01\x0b\x18\x00\x00\x00".to_vec();
+    read_before_hello.extend_from_slice(&[0u8; 24]); // a well-formed Read, but no Hello first
+    let junk: [&[u8]; 4] = [
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"RK\x01\x0a\xff\xff\xff\x7f",     // a 2 GiB frame
+        b"RK\x01\x01\x04\x00\x00\x00abcd", // a Hello far too short
+        &read_before_hello,
+    ];
+    for j in junk {
+        let start = Instant::now();
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(j).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut b = [0u8; 16];
+        // The device closes the connection (read returns 0 or an error), never answers.
+        let n = std::io::Read::read(&mut s, &mut b).unwrap_or(0);
+        assert_eq!(n, 0);
+        assert!(start.elapsed() < Duration::from_secs(4), "the device did not drop the connection");
+    }
+    // The device still works.
+    let qp2 = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    qp.connect(&qp2.endpoint().unwrap(), &opts()).unwrap();
+    qp2.connect(&qp.endpoint().unwrap(), &opts()).unwrap();
+    let m = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    qp.post_send(SendWr::write(m.local().unwrap(), m.remote().slice(0, 8).unwrap())).unwrap();
+    wait(&cq).ok().unwrap();
+}
