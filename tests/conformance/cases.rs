@@ -49,6 +49,8 @@ pub const ALL: &[Case] = &[
     Case { name: "dm_alloc_past_capacity_fails_cleanly", needs: Needs::DeviceMemory, run: dm_capacity },
     Case { name: "dm_copy_round_trip_and_remote_access", needs: Needs::DeviceMemory, run: dm_round_trip },
     case("random_ops_match_memory_model", crate::model::random_ops_match_model),
+    Case { name: "cm_connect_accept_write_disconnect", needs: Needs::CmAddress, run: cm_round_trip },
+    Case { name: "cm_refused_and_limits", needs: Needs::CmAddress, run: cm_refused_and_limits },
 ];
 
 fn register_deregister(env: &Env) -> Result<(), Failed> {
@@ -645,5 +647,75 @@ fn dm_round_trip(env: &Env) -> Result<(), Failed> {
     p.a.post_send(SendWr::fetch_add(res.local()?, mr.remote().slice(512, 8)?, 1))?;
     wait_ok(&p.cq_a)?;
     check_eq!((res.read_u64(0)?, mr.read_u64(512)?), (9, 10));
+    Ok(())
+}
+
+fn cm_round_trip(env: &Env) -> Result<(), Failed> {
+    use rdmakit::cm;
+    let ip = crate::fixture::cm_ip(env.provider).ok_or("no address")?;
+    let listener = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
+    let addr = listener.local_addr()?;
+    let pd = env.ctx.alloc_pd()?;
+    let opts = cm::CmOptions { connect: env.opts(), ..cm::CmOptions::default() };
+    let target = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
+    let server = std::thread::spawn({
+        let (pd, target) = (pd.clone(), target.clone());
+        move || -> Result<Vec<u8>, String> {
+            let conn = listener
+                .accept_timeout(&pd, &opts, &target.remote().encode(), Some(Duration::from_secs(20)))
+                .map_err(|e| e.to_string())?;
+            let request_data = conn.peer_private_data().to_vec();
+            // Wait for the client's write, then its disconnect.
+            if !conn.wait_disconnected(Duration::from_secs(20)).map_err(|e| e.to_string())? {
+                return Err("no disconnect seen".into());
+            }
+            Ok(request_data)
+        }
+    });
+    let conn = cm::connect(&pd, addr, &opts, b"client-hello")?;
+    let region = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN])?;
+    check_eq!(region, target.remote());
+    let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    src.write_at(0, b"written through an rdma_cm connection")?;
+    conn.qp().post_send(SendWr::write(src.slice(0, 37)?, region.slice(100, 37)?).wr_id(1))?;
+    check_eq!(wait_ok(conn.cq())?.wr_id, 1);
+    let mut got = [0u8; 37];
+    target.read_at(100, &mut got)?;
+    check!(&got == b"written through an rdma_cm connection", "data differs");
+    conn.disconnect()?;
+    check_eq!(conn.qp().state(), QpState::Error);
+    let request_data = server.join().map_err(|_| "server panicked")??;
+    // Verbs pads private data with zeros to the CM field size; soft delivers it exactly.
+    check!(request_data.starts_with(b"client-hello"), "request data {request_data:?}");
+    check!(request_data[12..].iter().all(|&b| b == 0), "padding not zero");
+    Ok(())
+}
+
+fn cm_refused_and_limits(env: &Env) -> Result<(), Failed> {
+    use rdmakit::cm;
+    let ip = crate::fixture::cm_ip(env.provider).ok_or("no address")?;
+    let pd = env.ctx.alloc_pd()?;
+    let opts =
+        cm::CmOptions { connect: env.opts(), timeout: Duration::from_secs(5), ..cm::CmOptions::default() };
+    // Nothing listens on this port (bound then dropped).
+    let port = {
+        let l = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
+        l.local_addr()?.port()
+    };
+    let start = std::time::Instant::now();
+    match cm::connect(&pd, std::net::SocketAddr::new(ip, port), &opts, &[]) {
+        Err(Error::ConnectionRejected { .. }) => {}
+        other => return Err(format!("connect to a closed port gave {other:?}").into()),
+    }
+    check!(start.elapsed() < Duration::from_secs(5), "refusal took {:?}", start.elapsed());
+    match cm::connect(&pd, std::net::SocketAddr::new(ip, port), &opts, &[0u8; 57]) {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("57 bytes of private data gave {other:?}").into()),
+    }
+    let l = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
+    match l.accept_timeout(&pd, &opts, &[], Some(Duration::from_millis(200))) {
+        Err(Error::Timeout(_)) => {}
+        other => return Err(format!("accept with no request gave {other:?}").into()),
+    }
     Ok(())
 }

@@ -13,6 +13,20 @@ pub const WAIT: Duration = Duration::from_secs(20);
 pub enum Needs {
     Nothing,
     DeviceMemory,
+    /// An IP address of the device for connection management (rdma_cm on verbs).
+    CmAddress,
+}
+
+/// The IP to listen on for connection cases: loopback on the soft NIC; on verbs an address
+/// of the device, from `RDMAKIT_CM_IP` or the rxe VM's `RDMAKIT_RXE_IP` (rdma_cm does not
+/// work over `lo` with rxe).
+pub fn cm_ip(provider: ProviderKind) -> Option<std::net::IpAddr> {
+    match provider {
+        ProviderKind::Soft => Some(std::net::Ipv4Addr::LOCALHOST.into()),
+        ProviderKind::Verbs => ["RDMAKIT_CM_IP", "RDMAKIT_RXE_IP"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().and_then(|s| s.parse().ok())),
+    }
 }
 
 pub fn verbs_skip_reason() -> Option<String> {
@@ -28,6 +42,9 @@ pub fn requirement_unmet(provider: ProviderKind, needs: Needs) -> Option<String>
             (ctx.attr().max_dm_size == 0)
                 .then(|| format!("{} has no device memory (max_dm_size = 0)", ctx.name()))
         }
+        Needs::CmAddress => cm_ip(provider)
+            .is_none()
+            .then(|| "no IP address for rdma_cm: set RDMAKIT_CM_IP to an address of the device".into()),
     }
 }
 

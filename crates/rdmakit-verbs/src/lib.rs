@@ -45,6 +45,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cm;
 mod cq;
 mod device;
 mod dm;

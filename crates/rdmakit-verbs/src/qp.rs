@@ -135,6 +135,15 @@ impl QueuePair {
         })
     }
 
+    /// The rdma-core QP behind this one, if it is a verbs QP.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs_qp(&self) -> Option<&crate::rdma::Qp> {
+        match &self.inner.backend {
+            QpBackend::Verbs(q) => Some(q),
+            QpBackend::Soft(_) => None,
+        }
+    }
+
     /// QP number.
     pub fn qp_num(&self) -> u32 {
         self.inner.qpn

@@ -15,9 +15,6 @@
 //! padded with zeros (56 bytes in a connect request, 196 in a reply, 148 in a reject);
 //! framing the length is up to the caller.
 
-// The connection layer that calls this module is written separately.
-#![allow(dead_code)]
-
 use std::ffi::CStr;
 use std::io;
 use std::mem::MaybeUninit;
