@@ -256,6 +256,10 @@ fn killed_peer_gives_retry_exceeded_within_the_budget() {
         assert_eq!((wc.wr_id, wc.status), (i, WcStatus::WR_FLUSH_ERR));
     }
     assert_eq!(l.qp.state(), QpState::Error);
+    eprintln!(
+        "killed peer detected after {took:?} (transport budget {:?})",
+        opts().transport_budget().unwrap()
+    );
     // Budget ≈ 67 ms; allow generous scheduling slack, but it must be bounded.
     assert!(took < Duration::from_secs(5), "took {took:?}");
     assert_eq!(l.qp.outstanding(), (0, 0));
