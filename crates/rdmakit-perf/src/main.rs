@@ -1,0 +1,217 @@
+//! `rdmakit-perf`: perftest-style benchmarks for rdmakit.
+//!
+//! With no arguments it runs a short suite on the soft NIC in loopback and prints one
+//! table. Each subcommand runs one test, in loopback (both sides in this process), as a
+//! server (`--server ADDR`) or as a client (`--connect ADDR`), on the soft NIC or on a
+//! verbs device (`--provider`, `--device`, `--gid-index`). Output uses perftest's column
+//! layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or JSON
+//! lines with `--json`.
+
+mod measure;
+mod report;
+mod rig;
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use rdmakit_verbs::*;
+
+use crate::rig::{Params, Placement, Test};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rdmakit-perf",
+    version,
+    about = "perftest-style RDMA benchmarks on rdmakit (soft NIC or rdma-core)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// RDMA write bandwidth (window of outstanding writes).
+    WriteBw(Opts),
+    /// RDMA write latency (ping-pong; half the round trip).
+    WriteLat(Opts),
+    /// RDMA read bandwidth.
+    ReadBw(Opts),
+    /// RDMA read latency (full round trip).
+    ReadLat(Opts),
+    /// Send bandwidth into posted receives.
+    SendBw(Opts),
+    /// Fetch-and-add latency (full round trip).
+    AtomicLat(Opts),
+    /// Fetch-and-add message rate (window of outstanding atomics).
+    AtomicBw(Opts),
+    /// The default suite on the soft NIC in loopback (what no arguments runs).
+    Suite {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+struct Opts {
+    /// Message size in bytes.
+    #[arg(short, long, default_value_t = 65536)]
+    size: u32,
+    /// Iterations.
+    #[arg(short = 'n', long, default_value_t = 5000)]
+    iters: u32,
+    /// Outstanding operations (bandwidth tests).
+    #[arg(short, long, default_value_t = 16)]
+    window: u32,
+    /// Where the atomic target lives (on the server in client/server mode).
+    #[arg(long, value_enum, default_value_t = Placement::Host)]
+    placement: Placement,
+    /// `soft`, `verbs` or `auto`.
+    #[arg(long, default_value = "soft")]
+    provider: String,
+    /// Device name (e.g. `mlx5_0`, `rxe0`).
+    #[arg(long)]
+    device: Option<String>,
+    /// RoCE GID index.
+    #[arg(long)]
+    gid_index: Option<u8>,
+    /// Serve one client at this address (IP:port).
+    #[arg(long, conflicts_with = "connect")]
+    server: Option<SocketAddr>,
+    /// Connect to a server at this address (IP:port).
+    #[arg(long)]
+    connect: Option<SocketAddr>,
+    /// Print one JSON object per result.
+    #[arg(long)]
+    json: bool,
+}
+
+fn open(o: &Opts) -> Result<Context> {
+    match o.provider.as_str() {
+        "soft" => match &o.device {
+            Some(d) => Context::open(d),
+            None => Ok(Context::open_soft()),
+        },
+        "verbs" => Context::open_verbs(o.device.as_deref()),
+        "auto" => Context::open_default(),
+        other => Err(Error::InvalidArgument(format!("--provider {other}: expected soft, verbs or auto"))),
+    }
+}
+
+fn progress(iters: u32) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(u64::from(iters));
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {per_sec}").expect("template"));
+    bar
+}
+
+fn validate(test: Test, o: &Opts) -> Result<Params> {
+    if o.size == 0 || o.size > rig::MAX_SIZE {
+        return Err(Error::InvalidArgument(format!("--size must be 1..={}", rig::MAX_SIZE)));
+    }
+    if o.iters == 0 {
+        return Err(Error::InvalidArgument("--iters must be at least 1".into()));
+    }
+    let size = if matches!(test, Test::AtomicLat | Test::AtomicBw) { 8 } else { o.size };
+    Ok(Params { test, size, iters: o.iters, window: o.window.clamp(1, 64), placement: o.placement })
+}
+
+fn one(test: Test, o: &Opts) -> Result<()> {
+    let ctx = open(o)?;
+    let copts = ConnectOptions { gid_index: o.gid_index, ..ConnectOptions::default() };
+    let out = report::Out::new(o.json);
+    if let Some(addr) = o.server {
+        let listener = cm::Listener::bind(&ctx, addr)?;
+        eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
+        let (p, side) = rig::server(&ctx, &listener, &copts, o.placement)?;
+        eprintln!("rdmakit-perf: client asked for {} of {} bytes x {}", p.test.name(), p.size, p.iters);
+        measure::serve(&side, &p)?;
+        // One-sided tests need nothing from us: wait for the client to finish.
+        if let Some(c) = &side.conn {
+            c.wait_disconnected(std::time::Duration::from_secs(3600))?;
+        }
+        return Ok(());
+    }
+    let p = validate(test, o)?;
+    let bar = progress(p.iters);
+    let m = if let Some(addr) = o.connect {
+        let side = rig::client(&ctx, addr, &p, &copts)?;
+        measure::run(&side, &p, &bar)?
+    } else {
+        let (a, b) = rig::loopback(&ctx, &p, &copts)?;
+        std::thread::scope(|s| {
+            let server = s.spawn(|| measure::serve(&b, &p));
+            let m = measure::run(&a, &p, &bar);
+            let served = server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?;
+            served.and(m)
+        })?
+    };
+    bar.finish_and_clear();
+    out.header(p.test);
+    out.row(&ctx, &p, &m);
+    Ok(())
+}
+
+/// The default suite: small and short, on the soft NIC in loopback.
+fn suite(json: bool) -> Result<()> {
+    let ctx = Context::open_soft();
+    let out = report::Out::new(json);
+    let plan: [(Test, u32, u32, Placement); 9] = [
+        (Test::WriteLat, 8, 20_000, Placement::Host),
+        (Test::ReadLat, 8, 20_000, Placement::Host),
+        (Test::AtomicLat, 8, 20_000, Placement::Host),
+        (Test::AtomicLat, 8, 20_000, Placement::Memic),
+        (Test::WriteBw, 65536, 20_000, Placement::Host),
+        (Test::WriteBw, 1 << 20, 2_000, Placement::Host),
+        (Test::ReadBw, 65536, 20_000, Placement::Host),
+        (Test::SendBw, 4096, 50_000, Placement::Host),
+        (Test::AtomicBw, 8, 200_000, Placement::Host),
+    ];
+    if !json {
+        println!(
+            "rdmakit-perf suite on {} ({} provider, loopback in one process)",
+            ctx.name(),
+            ctx.provider()
+        );
+    }
+    out.suite_header();
+    for (test, size, iters, placement) in plan {
+        let p = Params { test, size, iters, window: 16, placement };
+        let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
+        let m = std::thread::scope(|s| {
+            let server = s.spawn(|| measure::serve(&b, &p));
+            let m = measure::run(&a, &p, &ProgressBar::hidden());
+            server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?.and(m)
+        })?;
+        out.suite_row(&ctx, &p, &m);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match &cli.cmd {
+        None => suite(false),
+        Some(Cmd::Suite { json }) => suite(*json),
+        Some(Cmd::WriteBw(o)) => one(Test::WriteBw, o),
+        Some(Cmd::WriteLat(o)) => one(Test::WriteLat, o),
+        Some(Cmd::ReadBw(o)) => one(Test::ReadBw, o),
+        Some(Cmd::ReadLat(o)) => one(Test::ReadLat, o),
+        Some(Cmd::SendBw(o)) => one(Test::SendBw, o),
+        Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
+        Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rdmakit-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! The `rdmakit-perf` binary as a user runs it.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rdmakit-perf");
+
+#[test]
+fn default_suite_prints_one_json_line_per_test() {
+    let out = Command::new(BIN).args(["suite", "--json"]).output().expect("run rdmakit-perf");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 9);
+    for l in &lines {
+        assert_eq!(l["provider"], "soft");
+        let measured = l.get("t_typical").or_else(|| l.get("bw_average_mb_per_sec")).and_then(|v| v.as_f64());
+        assert!(measured.is_some_and(|v| v > 0.0), "{l}");
+    }
+    assert!(lines.iter().any(|l| l["test"] == "atomic-lat" && l["placement"] == "memic"));
+}
+
+#[test]
+fn client_and_server_in_two_processes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut server = Command::new(BIN)
+        .args(["write-bw", "--server", &addr, "-n", "200"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("server");
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new(BIN)
+        .args(["write-bw", "--connect", &addr, "-n", "200", "-s", "4096", "--json"])
+        .output()
+        .expect("client");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (v["test"].as_str(), v["bytes"].as_u64(), v["iterations"].as_u64()),
+        (Some("write-bw"), Some(4096), Some(200))
+    );
+    assert!(v["bw_average_mb_per_sec"].as_f64().unwrap() > 0.0);
+    // The server exits once the client disconnects.
+    let status = server.wait().unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let out = Command::new(BIN).args(["write-bw", "-s", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--size"));
+    let out = Command::new(BIN).args(["read-lat", "--provider", "nope"]).output().unwrap();
+    assert!(!out.status.success());
+    let out = Command::new(BIN).args(["read-lat", "--connect", "127.0.0.1:1", "-n", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rdmakit-perf:"));
+}
