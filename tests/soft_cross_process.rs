@@ -78,8 +78,30 @@ struct Peer {
     rx: RemoteRegion,
 }
 
+/// The command that runs the peer: this test binary, behind the whitespace-separated
+/// prefix in `RDMAKIT_TEST_PEER_WRAP` if set (e.g. `ip netns exec rdmakit-b`, to run the
+/// peer in another network namespace). `RDMAKIT_TEST_PEER_SOFT_ADDR`, if set, is the
+/// peer's `RDMAKIT_SOFT_ADDR`; otherwise it inherits ours.
+fn peer_command() -> Command {
+    let exe = std::env::current_exe().unwrap();
+    let wrap = std::env::var("RDMAKIT_TEST_PEER_WRAP").unwrap_or_default();
+    let mut prefix = wrap.split_whitespace();
+    let mut cmd = match prefix.next() {
+        Some(program) => {
+            let mut c = Command::new(program);
+            c.args(prefix).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    if let Ok(addr) = std::env::var("RDMAKIT_TEST_PEER_SOFT_ADDR") {
+        cmd.env("RDMAKIT_SOFT_ADDR", addr);
+    }
+    cmd
+}
+
 fn spawn_peer(recv_delay_ms: u64) -> Peer {
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let mut child = peer_command()
         .args(["--exact", "peer_process", "--nocapture", "--test-threads=1"])
         .env("RDMAKIT_TEST_PEER", "1")
         .env("RDMAKIT_TEST_RECV_DELAY_MS", recv_delay_ms.to_string())
