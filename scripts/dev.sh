@@ -61,10 +61,10 @@ step() { # step NAME CMD...: run a check, count it, keep going so every failure 
 }
 skip() { skipped=$((skipped + 1)); warn "SKIPPED: $1"; }
 
-conformance_bin() {
-    # The path of the conformance test binary cargo just built (JSON message stream).
-    cargo test --test conformance --no-run --message-format=json 2>/dev/null |
-        sed -n 's/.*"executable":"\([^"]*conformance[^"]*\)".*/\1/p' | tail -n 1
+test_bin() { # test_bin NAME CARGO-ARGS...: the path of a test binary cargo just built
+    local name=$1; shift
+    cargo test "$@" --no-run --message-format=json 2>/dev/null |
+        sed -n "s/.*\"executable\":\"\([^\"]*${name}[^\"]*\)\".*/\1/p" | tail -n 1
 }
 
 rxe_tier() {
@@ -76,11 +76,14 @@ rxe_tier() {
         return
     fi
     echo "$why"
-    local bin
-    bin=$(conformance_bin)
-    [ -n "$bin" ] || { warn "conformance binary not found"; return 1; }
-    # The suite's verbs cases on rdma-core against rxe0, inside the VM.
-    RDMAKIT_PROVIDER=verbs RDMAKIT_GID_INDEX=1 scripts/rxe-vm.sh "$bin" verbs::
+    local bin lib
+    bin=$(test_bin conformance --test conformance)
+    lib=$(test_bin rdmakit_verbs -p rdmakit-verbs --lib)
+    [ -n "$bin" ] && [ -n "$lib" ] || { warn "test binaries not found"; return 1; }
+    # The suite's verbs cases on rdma-core against rxe0, inside the VM; then the rdma_cm
+    # backend's own tests, which only print "skipped" outside it.
+    RDMAKIT_PROVIDER=verbs RDMAKIT_GID_INDEX=1 scripts/rxe-vm.sh "$bin" verbs:: &&
+        scripts/rxe-vm.sh "$lib" rdma::cm
 }
 
 miri_tier() {

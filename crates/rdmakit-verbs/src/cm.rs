@@ -83,7 +83,7 @@ impl Default for CmOptions {
     }
 }
 
-fn check_private_data(data: &[u8]) -> Result<()> {
+pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
     if data.len() > MAX_PRIVATE_DATA {
         return Err(Error::InvalidArgument(format!(
             "private data is {} bytes; at most {MAX_PRIVATE_DATA} are allowed",

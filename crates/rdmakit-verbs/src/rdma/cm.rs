@@ -10,7 +10,7 @@
 //! block past its timeout. Events are copied out and acknowledged at once, so destroying an
 //! id never waits for an unacknowledged event.
 //!
-//! Private data: at most [`MAX_PRIVATE_DATA`] bytes are accepted. On InfiniBand and RoCE
+//! Private data: at most [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes are accepted. On InfiniBand and RoCE
 //! the CM messages have fixed-size private data fields, so what the peer receives is
 //! padded with zeros (56 bytes in a connect request, 196 in a reply, 148 in a reject);
 //! framing the length is up to the caller.
@@ -32,10 +32,6 @@ use super::conv::{self, errno_ret};
 use crate::error::{Error, Result};
 use crate::types::{AccessFlags, ConnectOptions};
 
-/// The most private data a connect request can carry (92 bytes in an IB CM REQ, minus the
-/// 36-byte rdma_cm header). The same limit is applied to accept and reject.
-pub(crate) const MAX_PRIVATE_DATA: usize = 56;
-
 /// `IBV_LINK_LAYER_INFINIBAND`.
 const LINK_LAYER_INFINIBAND: u8 = 1;
 
@@ -43,15 +39,7 @@ const LINK_LAYER_INFINIBAND: u8 = 1;
 /// InfiniBand ports before `ibv_modify_qp` (see `ucma_modify_qp_rtr`), and so do we.
 const ROCE_RESERVED_MASK: u32 = 0x00e0_0000;
 
-fn check_private_data(data: &[u8]) -> Result<()> {
-    if data.len() > MAX_PRIVATE_DATA {
-        return Err(Error::InvalidArgument(format!(
-            "rdma_cm private data is {} bytes; at most {MAX_PRIVATE_DATA} are allowed",
-            data.len()
-        )));
-    }
-    Ok(())
-}
+use crate::cm::check_private_data;
 
 /// The last OS error of a librdmacm call (they return -1 and set errno). `ENODEV` (no
 /// RDMA in the kernel, or no device for the address) becomes [`Error::NoDevice`].
@@ -717,7 +705,7 @@ impl CmRequest {
         }
     }
 
-    /// `rdma_reject` with `private_data`. Over [`MAX_PRIVATE_DATA`] bytes: `InvalidArgument`,
+    /// `rdma_reject` with `private_data`. Over [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes: `InvalidArgument`,
     /// and the request (consumed) is rejected without private data.
     pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
         check_private_data(private_data)?;
@@ -902,6 +890,7 @@ mod tests {
     //! the rxe VM (`scripts/rxe-vm.sh <test binary> rdma::cm`, which sets
     //! `RDMAKIT_RXE_IP`) and print "skipped" elsewhere.
 
+    use crate::cm::MAX_PRIVATE_DATA;
     use std::net::IpAddr;
     use std::thread;
 
