@@ -130,7 +130,7 @@ test)
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace
     step "cross-process soft NIC across two network namespaces" netns_tier
-    step "soft-only build (no rdma-core)" cargo check -p rdmakit-verbs --no-default-features --all-targets
+    step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
     step "Miri on the soft NIC" miri_tier

@@ -26,13 +26,15 @@ pub struct DeviceInfo {
 /// Lists the devices of both providers: every verbs device rdma-core reports (none on a
 /// machine without RDMA support: that is not an error) and the soft NIC's `soft0`.
 pub fn devices() -> Vec<DeviceInfo> {
-    let mut v = Vec::new();
     #[cfg(feature = "verbs")]
-    if let Ok(names) = crate::rdma::device_names() {
-        v.extend(names.into_iter().map(|name| DeviceInfo { name, provider: ProviderKind::Verbs }));
-    }
-    v.push(DeviceInfo { name: soft::DEFAULT_NAME.into(), provider: ProviderKind::Soft });
-    v
+    let verbs = crate::rdma::device_names().unwrap_or_default();
+    #[cfg(not(feature = "verbs"))]
+    let verbs: Vec<String> = Vec::new();
+    verbs
+        .into_iter()
+        .map(|name| DeviceInfo { name, provider: ProviderKind::Verbs })
+        .chain(std::iter::once(DeviceInfo { name: soft::DEFAULT_NAME.into(), provider: ProviderKind::Soft }))
+        .collect()
 }
 
 /// Why no verbs device can be used here, or `None` if at least one exists.
