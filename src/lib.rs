@@ -4,12 +4,15 @@
 //! - [`verbs`] (`rdmakit-verbs`): devices, protection domains, memory regions, completion
 //!   queues, RC queue pairs, work requests, device memory, over two providers (rdma-core
 //!   and the soft NIC). Its items are also re-exported at the top level.
+//! - [`memory`] (`rdmakit-memory`): NIC memory management; so far the allocator core of
+//!   asymmetric remote heaps ([`memory::heap`]).
 //!
 //! ```
 //! let ctx = rdmakit::Context::open_soft();
 //! assert_eq!(ctx.provider(), rdmakit::ProviderKind::Soft);
 //! ```
 
+pub use rdmakit_memory as memory;
 pub use rdmakit_verbs as verbs;
 pub use rdmakit_verbs::*;
 
