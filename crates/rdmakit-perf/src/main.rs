@@ -7,6 +7,7 @@
 //! layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or JSON
 //! lines with `--json`.
 
+mod contended;
 mod measure;
 mod report;
 mod rig;
@@ -48,6 +49,9 @@ enum Cmd {
     AtomicLat(Opts),
     /// Fetch-and-add message rate (window of outstanding atomics).
     AtomicBw(Opts),
+    /// N processes hammer one shared counter with fetch-and-add (total and per-process
+    /// rates, and a check of the final count).
+    FaddContended(Contention),
     /// The default suite on the soft NIC in loopback (what no arguments runs).
     Suite {
         /// Print JSON lines instead of a table.
@@ -90,16 +94,111 @@ struct Opts {
     json: bool,
 }
 
-fn open(o: &Opts) -> Result<Context> {
-    match o.provider.as_str() {
-        "soft" => match &o.device {
+#[derive(Args, Debug, Clone)]
+struct Contention {
+    /// Numbers of worker processes, one run each (e.g. `1,2,4,8`).
+    #[arg(long, value_delimiter = ',', default_values_t = [1u32, 2, 4, 8])]
+    procs: Vec<u32>,
+    /// Fetch-and-adds per process.
+    #[arg(short = 'n', long, default_value_t = 20_000)]
+    iters: u64,
+    /// Where the counter lives.
+    #[arg(long, value_enum, default_value_t = Placement::Host)]
+    placement: Placement,
+    /// `soft` or `verbs`.
+    #[arg(long, default_value = "soft")]
+    provider: String,
+    /// Device name.
+    #[arg(long)]
+    device: Option<String>,
+    /// RoCE GID index.
+    #[arg(long)]
+    gid_index: Option<u8>,
+    /// Address the coordinator listens on (an address of the device on verbs).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Internal: run as one worker connecting to this address.
+    #[arg(long, hide = true)]
+    worker: Option<SocketAddr>,
+    /// Internal: the worker sleeps on the completion channel instead of spinning.
+    #[arg(long, hide = true)]
+    sleep: bool,
+    /// Print one JSON object per run.
+    #[arg(long)]
+    json: bool,
+}
+
+fn open_provider(provider: &str, device: Option<&str>) -> Result<Context> {
+    match provider {
+        "soft" => match device {
             Some(d) => Context::open(d),
             None => Ok(Context::open_soft()),
         },
-        "verbs" => Context::open_verbs(o.device.as_deref()),
+        "verbs" => Context::open_verbs(device),
         "auto" => Context::open_default(),
         other => Err(Error::InvalidArgument(format!("--provider {other}: expected soft, verbs or auto"))),
     }
+}
+
+fn open(o: &Opts) -> Result<Context> {
+    open_provider(&o.provider, o.device.as_deref())
+}
+
+fn fadd_contended(c: &Contention) -> Result<()> {
+    let ctx = open_provider(&c.provider, c.device.as_deref())?;
+    let copts = ConnectOptions { gid_index: c.gid_index, ..ConnectOptions::default() };
+    if let Some(addr) = c.worker {
+        return contended::work(&ctx, addr, c.iters, copts, c.sleep);
+    }
+    let mut forward = vec!["--provider".to_owned(), c.provider.clone()];
+    if let Some(d) = &c.device {
+        forward.extend(["--device".to_owned(), d.clone()]);
+    }
+    if let Some(g) = c.gid_index {
+        forward.extend(["--gid-index".to_owned(), g.to_string()]);
+    }
+    if !c.json {
+        println!(
+            "fadd-contended on {} ({}), counter in {:?} memory, {} fetch-adds per process",
+            ctx.name(),
+            ctx.provider(),
+            c.placement,
+            c.iters
+        );
+        println!(
+            " {:>6} {:>14} {:>16} {:>16} {:>16} {:>12}",
+            "#procs", "total[Mops/s]", "per-proc min", "per-proc avg", "per-proc max", "counter"
+        );
+    }
+    for &n in &c.procs {
+        if n == 0 {
+            return Err(Error::InvalidArgument("--procs must be at least 1".into()));
+        }
+        let r = contended::coordinate(&ctx, c.listen, n, c.iters, c.placement, copts, &forward)?;
+        if r.counter != u64::from(n) * c.iters {
+            return Err(Error::InvalidArgument(format!(
+                "the counter ended at {}, expected {} x {} = {}: fetch-adds were lost",
+                r.counter,
+                n,
+                c.iters,
+                u64::from(n) * c.iters
+            )));
+        }
+        if c.json {
+            println!("{}", serde_json::to_string(&r).expect("serialisable"));
+        } else {
+            println!(
+                " {:>6} {:>14.4} {:>16.4} {:>16.4} {:>16.4} {:>12}",
+                r.procs,
+                r.total_mops,
+                r.per_proc_min_mops,
+                r.per_proc_avg_mops,
+                r.per_proc_max_mops,
+                r.counter
+            );
+        }
+    }
+    Ok(())
 }
 
 fn progress(iters: u32) -> ProgressBar {
@@ -206,6 +305,7 @@ fn main() -> ExitCode {
         Some(Cmd::SendBw(o)) => one(Test::SendBw, o),
         Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
         Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
+        Some(Cmd::FaddContended(c)) => fadd_contended(c),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -60,3 +60,20 @@ fn bad_arguments_are_errors_not_panics() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("rdmakit-perf:"));
 }
+
+#[test]
+fn contended_fetch_add_counts_exactly() {
+    let out = Command::new(BIN)
+        .args(["fadd-contended", "--procs", "1,3", "-n", "300", "--placement", "memic", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let runs: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(runs.len(), 2);
+    for (r, procs) in runs.iter().zip([1u64, 3]) {
+        assert_eq!(r["procs"].as_u64(), Some(procs));
+        assert_eq!(r["counter"].as_u64(), Some(procs * 300), "{r}");
+        assert!(r["per_proc_min_mops"].as_f64().unwrap() > 0.0);
+    }
+}
