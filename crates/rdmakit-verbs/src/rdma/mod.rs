@@ -187,7 +187,13 @@ impl Context {
         // SAFETY: open context, valid channel; no cq_context.
         let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel.as_ptr(), 0) };
         match nonnull("ibv_create_cq", cq) {
-            Ok(cq) => Ok(Cq { cq, channel, dev: self.dev.clone() }),
+            Ok(cq) => Ok(Cq {
+                cq,
+                channel,
+                dev: self.dev.clone(),
+                last_event_check: std::sync::atomic::AtomicU64::new(0),
+                created: std::time::Instant::now(),
+            }),
             Err(e) => {
                 // SAFETY: as above.
                 unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
@@ -416,6 +422,9 @@ pub(crate) struct Cq {
     cq: NonNull<sys::ibv_cq>,
     channel: NonNull<sys::ibv_comp_channel>,
     dev: Arc<Device>,
+    /// When the async event queue was last read for overruns (ns since `created`).
+    last_event_check: std::sync::atomic::AtomicU64,
+    created: std::time::Instant,
 }
 
 // SAFETY: ibv_poll_cq, ibv_req_notify_cq and channel reads are thread-safe in rdma-core
@@ -457,15 +466,23 @@ impl Cq {
                 break;
             }
         }
-        if done == 0 {
+        if done == 0 && self.event_check_due() {
             // An overrun is reported by an async event, not by poll: check for it when the
-            // queue looks empty (a lost completion would otherwise go unnoticed).
+            // queue looks empty (a lost completion would otherwise go unnoticed), at most
+            // once a millisecond so that a spinning poller does not make a syscall per spin.
             self.dev.drain_async_events();
             if self.dev.overrun.lock().expect("overrun set").contains(&(self.cq.as_ptr() as usize)) {
                 return Err(Error::CqOverrun { capacity: self.capacity() });
             }
         }
         Ok(done)
+    }
+
+    fn event_check_due(&self) -> bool {
+        let now = self.created.elapsed().as_nanos() as u64;
+        let last = self.last_event_check.load(Ordering::Relaxed);
+        now.saturating_sub(last) >= 1_000_000
+            && self.last_event_check.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 
     pub fn req_notify(&self) -> Result<()> {
