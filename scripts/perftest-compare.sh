@@ -4,6 +4,7 @@
 #
 #   scripts/perftest-compare.sh            build rdmakit-perf (release) and run everything
 #   RDMAKIT_COMPARE_ITERS=5000 ...         iterations per test (default 2000)
+#   RDMAKIT_COMPARE_RUNS=5 ...             runs per tool and test; the median is reported (default 3)
 #
 # Tests: ib_write_bw vs write-bw (64 KiB), ib_write_lat vs write-lat (8 B),
 # ib_read_lat vs read-lat (8 B), ib_atomic_lat vs atomic-lat (fetch-and-add).
@@ -27,6 +28,7 @@ dev=${RDMAKIT_RXE_DEV:-rxe0}
 gid=${RDMAKIT_RXE_GID_INDEX:-1}
 ip=${RDMAKIT_RXE_IP:?not inside the rxe VM}
 iters=${RDMAKIT_COMPARE_ITERS:-2000}
+runs=${RDMAKIT_COMPARE_RUNS:-3}
 port=7471
 
 # perftest: prints the result line (the first all-numeric line after its header).
@@ -54,6 +56,20 @@ json() { # json KEY LINE
     sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p" <<<"$2"
 }
 
+median() { # median: of the numbers on stdin
+    sort -g | awk '{v[NR] = $1} END {if (NR == 0) print 0; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'
+}
+
+# measure KIND TEST-ARGS...: median over $runs of perftest's column and rdmakit's JSON key.
+compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSON-KEY -- ARGS...
+    local name=$1 unit=$2 kind=$3 tool=$4 col=$5 test=$6 key=$7
+    shift 8
+    local p r i
+    p=$(for i in $(seq "$runs"); do perftest "$tool" "$@" | awk -v c="$col" '{print $c}'; done | median)
+    r=$(for i in $(seq "$runs"); do json "$key" "$(rdmakit "$test" "$@")"; done | median)
+    row "$name" "$unit" "$p" "$r" "$kind"
+}
+
 row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat)
     awk -v n="$1" -v u="$2" -v p="$3" -v r="$4" -v k="$5" 'BEGIN {
         ratio = (p > 0) ? r / p : 0
@@ -63,21 +79,9 @@ row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat)
     }'
 }
 
-echo "perftest vs rdmakit-perf on $dev (GID $gid, $ip), $iters iterations, same VM, same run"
+echo "perftest vs rdmakit-perf on $dev (GID $gid, $ip), $iters iterations, median of $runs runs each, same VM"
 printf '%-26s %-8s %12s %12s %8s  %s\n' test unit perftest rdmakit ratio goal
-
-p=$(perftest ib_write_bw -s 65536 -n "$iters")
-r=$(rdmakit write-bw -s 65536 -n "$iters" -w 16)
-row "write bandwidth 64 KiB" "MB/s" "$(awk '{print $4}' <<<"$p")" "$(json bw_average_mb_per_sec "$r")" bw
-
-p=$(perftest ib_write_lat -s 8 -n "$iters")
-r=$(rdmakit write-lat -s 8 -n "$iters")
-row "write latency 8 B" "usec" "$(awk '{print $5}' <<<"$p")" "$(json t_typical "$r")" lat
-
-p=$(perftest ib_read_lat -s 8 -n "$iters")
-r=$(rdmakit read-lat -s 8 -n "$iters")
-row "read latency 8 B" "usec" "$(awk '{print $5}' <<<"$p")" "$(json t_typical "$r")" lat
-
-p=$(perftest ib_atomic_lat -A FETCH_AND_ADD -n "$iters")
-r=$(rdmakit atomic-lat -n "$iters")
-row "fetch-and-add latency" "usec" "$(awk '{print $5}' <<<"$p")" "$(json t_typical "$r")" lat
+compare "write bandwidth 64 KiB" MB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
+compare "write latency 8 B" usec lat ib_write_lat 5 write-lat t_typical -- -s 8 -n "$iters"
+compare "read latency 8 B" usec lat ib_read_lat 5 read-lat t_typical -- -s 8 -n "$iters"
+compare "fetch-and-add latency" usec lat ib_atomic_lat 5 atomic-lat t_typical -- -n "$iters"
