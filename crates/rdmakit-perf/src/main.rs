@@ -60,6 +60,38 @@ enum Cmd {
     },
 }
 
+/// Which device to measure.
+#[derive(Args, Debug, Clone)]
+struct DeviceOpts {
+    /// `soft`, `verbs` or `auto`.
+    #[arg(long, default_value = "soft")]
+    provider: String,
+    /// Device name (e.g. `mlx5_0`, `rxe0`).
+    #[arg(long)]
+    device: Option<String>,
+    /// RoCE GID index.
+    #[arg(long)]
+    gid_index: Option<u8>,
+}
+
+impl DeviceOpts {
+    fn open(&self) -> Result<Context> {
+        match self.provider.as_str() {
+            "soft" => match &self.device {
+                Some(d) => Context::open(d),
+                None => Ok(Context::open_soft()),
+            },
+            "verbs" => Context::open_verbs(self.device.as_deref()),
+            "auto" => Context::open_default(),
+            other => Err(Error::InvalidArgument(format!("--provider {other}: expected soft, verbs or auto"))),
+        }
+    }
+
+    fn connect_options(&self) -> ConnectOptions {
+        ConnectOptions { gid_index: self.gid_index, ..ConnectOptions::default() }
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 struct Opts {
     /// Message size in bytes.
@@ -74,15 +106,8 @@ struct Opts {
     /// Where the atomic target lives (on the server in client/server mode).
     #[arg(long, value_enum, default_value_t = Placement::Host)]
     placement: Placement,
-    /// `soft`, `verbs` or `auto`.
-    #[arg(long, default_value = "soft")]
-    provider: String,
-    /// Device name (e.g. `mlx5_0`, `rxe0`).
-    #[arg(long)]
-    device: Option<String>,
-    /// RoCE GID index.
-    #[arg(long)]
-    gid_index: Option<u8>,
+    #[command(flatten)]
+    dev: DeviceOpts,
     /// Serve one client at this address (IP:port).
     #[arg(long, conflicts_with = "connect")]
     server: Option<SocketAddr>,
@@ -105,15 +130,8 @@ struct Contention {
     /// Where the counter lives.
     #[arg(long, value_enum, default_value_t = Placement::Host)]
     placement: Placement,
-    /// `soft` or `verbs`.
-    #[arg(long, default_value = "soft")]
-    provider: String,
-    /// Device name.
-    #[arg(long)]
-    device: Option<String>,
-    /// RoCE GID index.
-    #[arg(long)]
-    gid_index: Option<u8>,
+    #[command(flatten)]
+    dev: DeviceOpts,
     /// Address the coordinator listens on (an address of the device on verbs).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
@@ -128,33 +146,17 @@ struct Contention {
     json: bool,
 }
 
-fn open_provider(provider: &str, device: Option<&str>) -> Result<Context> {
-    match provider {
-        "soft" => match device {
-            Some(d) => Context::open(d),
-            None => Ok(Context::open_soft()),
-        },
-        "verbs" => Context::open_verbs(device),
-        "auto" => Context::open_default(),
-        other => Err(Error::InvalidArgument(format!("--provider {other}: expected soft, verbs or auto"))),
-    }
-}
-
-fn open(o: &Opts) -> Result<Context> {
-    open_provider(&o.provider, o.device.as_deref())
-}
-
 fn fadd_contended(c: &Contention) -> Result<()> {
-    let ctx = open_provider(&c.provider, c.device.as_deref())?;
-    let copts = ConnectOptions { gid_index: c.gid_index, ..ConnectOptions::default() };
+    let ctx = c.dev.open()?;
+    let copts = c.dev.connect_options();
     if let Some(addr) = c.worker {
         return contended::work(&ctx, addr, c.iters, copts, c.sleep);
     }
-    let mut forward = vec!["--provider".to_owned(), c.provider.clone()];
-    if let Some(d) = &c.device {
+    let mut forward = vec!["--provider".to_owned(), c.dev.provider.clone()];
+    if let Some(d) = &c.dev.device {
         forward.extend(["--device".to_owned(), d.clone()]);
     }
-    if let Some(g) = c.gid_index {
+    if let Some(g) = c.dev.gid_index {
         forward.extend(["--gid-index".to_owned(), g.to_string()]);
     }
     if !c.json {
@@ -222,8 +224,8 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
 }
 
 fn one(test: Test, o: &Opts) -> Result<()> {
-    let ctx = open(o)?;
-    let copts = ConnectOptions { gid_index: o.gid_index, ..ConnectOptions::default() };
+    let ctx = o.dev.open()?;
+    let copts = o.dev.connect_options();
     let out = report::Out::new(o.json);
     if let Some(addr) = o.server {
         let listener = cm::Listener::bind(&ctx, addr)?;

@@ -241,10 +241,8 @@ impl CompletionQueue {
             return Err(Error::InvalidArgument("CompletionQueue::next needs a tokio runtime".into()));
         }
         let fd = self.inner.backend.fd()?;
-        // SAFETY: the fd belongs to this CQ's provider object (completion channel or
-        // eventfd), which closes it only when `CqInner` drops; `CqInner`'s `Drop` drops the
-        // `AsyncFd` first, and a leaked `CqInner` leaks both. So the fd stays open and the
-        // same for the `AsyncFd`'s whole life.
+        // SAFETY: the fd is the CQ provider's (channel or eventfd), closed only when `CqInner`
+        // drops, whose `Drop` drops this `AsyncFd` first (a leak leaks both): it stays open.
         let afd = unsafe {
             tokio::io::unix::AsyncFd::register_with_interest(RawFdHandle(fd), tokio::io::Interest::READABLE)
         }

@@ -78,10 +78,9 @@ pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
     }
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     {
-        // SAFETY: the caller guarantees both ranges are valid for `len` bytes and disjoint.
-        // `rep movsb` copies forward (DF is clear per the ABI) with byte-granular accesses
-        // that the hardware performs atomically, which is the byte-wise atomic copy this
-        // module promises. It touches only rdi/rsi/rcx, declared as clobbered/in-out.
+        // SAFETY: both ranges are valid for `len` bytes and disjoint (caller); `rep movsb` copies
+        // forward (DF clear per the ABI), each byte access atomic in hardware — the byte-wise
+        // atomic copy promised — touching only rdi/rsi/rcx, declared in-out.
         unsafe {
             std::arch::asm!(
                 "rep movsb",

@@ -911,10 +911,9 @@ impl SoftQp {
         } else {
             None
         };
-        // SAFETY: `src` is valid for `len` bytes (a checked registration of the requester
-        // kept alive by its caller, inline data, or a received frame) and `dst` was checked
-        // against our registration, kept alive by `_entry`. Registered memory is only
-        // accessed through `shared_mem`.
+        // SAFETY: `src` is valid for `len` bytes (the requester's checked registration, inline
+        // data, or a received frame); `dst` was checked against our registration, which
+        // `_entry` keeps alive; registered memory is only accessed through `shared_mem`.
         unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
         if let Some(r) = recv {
             self.complete_recv(r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
