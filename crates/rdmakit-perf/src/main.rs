@@ -8,6 +8,7 @@
 //! lines with `--json`.
 
 mod contended;
+mod limits;
 mod measure;
 mod report;
 mod rig;
@@ -52,6 +53,13 @@ enum Cmd {
     /// N processes hammer one shared counter with fetch-and-add (total and per-process
     /// rates, and a check of the final count).
     FaddContended(Contention),
+    /// The soft NIC against this machine's limits: memcpy in-process, a raw TCP stream
+    /// across processes (ratios, goals 0.5x and 0.8x).
+    Limits {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The default suite on the soft NIC in loopback (what no arguments runs).
     Suite {
         /// Print JSON lines instead of a table.
@@ -259,6 +267,29 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     Ok(())
 }
 
+fn limits(json: bool) -> Result<()> {
+    let rows = limits::run()?;
+    if !json {
+        println!("the soft NIC against this machine's limits (MB/s = 2^20 bytes/s)");
+        println!(
+            " {:<32} {:>9} {:>12} {:>12} {:>7}  goal",
+            "comparison", "#bytes", "rdmakit", "limit", "ratio"
+        );
+    }
+    for r in &rows {
+        if json {
+            println!("{}", serde_json::to_string(r).expect("serialisable"));
+        } else {
+            let met = if r.ratio >= r.goal { "met" } else { "missed" };
+            println!(
+                " {:<32} {:>9} {:>12.1} {:>12.1} {:>7.3}  {met} (>= {})",
+                r.what, r.bytes, r.rdmakit_mb_per_sec, r.limit_mb_per_sec, r.ratio, r.goal
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The default suite: small and short, on the soft NIC in loopback.
 fn suite(json: bool) -> Result<()> {
     let ctx = Context::open_soft();
@@ -308,6 +339,7 @@ fn main() -> ExitCode {
         Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
         Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
+        Some(Cmd::Limits { json }) => limits(*json),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

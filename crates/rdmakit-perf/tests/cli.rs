@@ -77,3 +77,19 @@ fn contended_fetch_add_counts_exactly() {
         assert!(r["per_proc_min_mops"].as_f64().unwrap() > 0.0);
     }
 }
+
+#[test]
+fn limits_reports_both_comparisons() {
+    let out = Command::new(BIN).args(["limits", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert!(
+            r["rdmakit_mb_per_sec"].as_f64().unwrap() > 0.0 && r["limit_mb_per_sec"].as_f64().unwrap() > 0.0,
+            "{r}"
+        );
+    }
+    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("raw TCP")).count(), 2);
+}

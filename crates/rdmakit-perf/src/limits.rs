@@ -1,0 +1,150 @@
+//! `limits`: the soft NIC against the physical limits of this machine, in one run.
+//!
+//! - In-process: RDMA write bandwidth on the soft NIC versus `memcpy` of the same size
+//!   (the soft NIC moves bytes with one copy, so memcpy is its ceiling).
+//! - Across processes: RDMA write bandwidth between this process and a server process
+//!   over the soft NIC's TCP wire, versus a raw TCP stream over loopback moving the same
+//!   bytes in the same message size (the wire's ceiling). Goal: ≥ 0.8×.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use rdmakit_verbs::*;
+
+use crate::measure::{self, Measured};
+use crate::rig::{self, Params, Placement, Test};
+
+/// One comparison: rdmakit's figure, the limit's, both in MB/s (2^20).
+#[derive(serde::Serialize)]
+pub struct Limit {
+    pub what: &'static str,
+    pub bytes: u32,
+    pub rdmakit_mb_per_sec: f64,
+    pub limit_mb_per_sec: f64,
+    pub ratio: f64,
+    pub goal: f64,
+}
+
+const MB: f64 = (1u64 << 20) as f64;
+
+fn mb_per_sec(m: &Measured) -> f64 {
+    match m {
+        Measured::Bandwidth { bytes, secs, .. } => *bytes as f64 / secs.max(1e-9) / MB,
+        Measured::Latency(_) => 0.0,
+    }
+}
+
+/// `memcpy` over the same working set as the RDMA test: `slots` source and destination
+/// slots of `size` bytes, used in turn (a cache-hot single buffer would flatter memcpy).
+fn memcpy_mb_per_sec(size: usize, iters: u32, slots: usize) -> f64 {
+    let src = vec![0x5au8; size * slots];
+    let mut dst = vec![0u8; size * slots];
+    let start = Instant::now();
+    for i in 0..iters as usize {
+        let at = (i % slots) * size;
+        dst[at..at + size].copy_from_slice(std::hint::black_box(&src[at..at + size]));
+        std::hint::black_box(&mut dst);
+    }
+    (size as f64 * f64::from(iters)) / start.elapsed().as_secs_f64().max(1e-9) / MB
+}
+
+/// A raw TCP stream over loopback: `iters` messages of `size` bytes, and a 1-byte
+/// acknowledgement at the end, the receiver in another thread.
+fn tcp_mb_per_sec(size: usize, iters: u32) -> Result<f64> {
+    let io = |e: std::io::Error| Error::Os { call: "tcp baseline", source: e };
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let addr = l.local_addr().map_err(io)?;
+    let total = size as u64 * u64::from(iters);
+    let sink = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        let mut buf = vec![0u8; size.max(1 << 16)];
+        let mut got = 0u64;
+        while got < total {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n as u64;
+        }
+        s.write_all(&[1])
+    });
+    let mut s = TcpStream::connect(addr).map_err(io)?;
+    s.set_nodelay(true).map_err(io)?;
+    let msg = vec![0x5au8; size];
+    let start = Instant::now();
+    for _ in 0..iters {
+        s.write_all(&msg).map_err(io)?;
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).map_err(io)?;
+    let secs = start.elapsed().as_secs_f64();
+    sink.join().map_err(|_| Error::InvalidArgument("tcp sink panicked".into()))?.map_err(io)?;
+    Ok(total as f64 / secs.max(1e-9) / MB)
+}
+
+fn compare(what: &'static str, bytes: u32, ours: f64, limit: f64, goal: f64) -> Limit {
+    Limit {
+        what,
+        bytes,
+        rdmakit_mb_per_sec: ours,
+        limit_mb_per_sec: limit,
+        ratio: ours / limit.max(1e-9),
+        goal,
+    }
+}
+
+/// Runs both comparisons.
+pub fn run() -> Result<Vec<Limit>> {
+    let mut out = Vec::new();
+    // In-process: soft NIC write-bw (window 16) vs memcpy.
+    let ctx = Context::open_soft();
+    for (size, iters) in [(1u32 << 20, 2000u32), (65536, 20_000)] {
+        let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
+        let (a, _b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
+        let ours = mb_per_sec(&measure::run(&a, &p, &ProgressBar::hidden())?);
+        let slots = rig::buffer_len(&p) / (size as usize).max(64);
+        let limit = memcpy_mb_per_sec(size as usize, iters, slots);
+        out.push(compare("in-process write vs memcpy", size, ours, limit, 0.5));
+    }
+    // Across processes: soft NIC over TCP (a server process of this binary) vs raw TCP.
+    let exe = std::env::current_exe().map_err(|source| Error::Os { call: "current_exe", source })?;
+    for (size, iters) in [(65536u32, 4000u32), (1 << 20, 400)] {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|source| Error::Os { call: "pick a port", source })?
+            .port();
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let mut server = Command::new(&exe)
+            .args(["write-bw", "--server", &addr.to_string()])
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| Error::Os { call: "spawn server", source })?;
+        let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
+        let measured = (|| {
+            // The server needs a moment to listen.
+            let mut tries = 0;
+            let side = loop {
+                match rig::client(&ctx, addr, &p, &ConnectOptions::default()) {
+                    Ok(s) => break s,
+                    Err(_) if tries < 50 => {
+                        tries += 1;
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
+            measure::run(&side, &p, &ProgressBar::hidden())
+        })();
+        if measured.is_err() {
+            let _ = server.kill();
+        }
+        let _ = server.wait();
+        let ours = mb_per_sec(&measured?);
+        let limit = tcp_mb_per_sec(size as usize, iters)?;
+        out.push(compare("cross-process write vs raw TCP", size, ours, limit, 0.8));
+    }
+    Ok(out)
+}
