@@ -134,9 +134,15 @@ impl CompletionQueue {
         let qps = self.inner.qps.lock().expect("cq registry lock");
         let n = self.inner.backend.poll(out)?;
         let mut kept = 0;
+        // Completions come in runs of one QP: lock its in-flight table once per run.
+        let mut current: Option<(u32, std::sync::MutexGuard<'_, crate::inflight::Queues>)> = None;
         for i in 0..n {
             let mut wc = out[i];
-            let known = qps.get(&wc.qp_num).is_some_and(|inf| inf.complete(&mut wc));
+            if current.as_ref().is_none_or(|(qpn, _)| *qpn != wc.qp_num) {
+                drop(current.take()); // release the previous QP's lock before taking the next
+                current = qps.get(&wc.qp_num).map(|inf| (wc.qp_num, inf.lock()));
+            }
+            let known = current.as_mut().is_some_and(|(_, q)| q.complete(&mut wc));
             if known {
                 out[kept] = wc;
                 kept += 1;

@@ -51,13 +51,25 @@ impl Inflight {
         }
     }
 
+    /// Locks the table, for completing a run of completions under one lock.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.q.lock().expect("inflight lock")
+    }
+
+    /// Number of outstanding (send, receive) requests.
+    pub fn outstanding(&self) -> (usize, usize) {
+        let q = self.q.lock().expect("inflight lock");
+        (q.send.len(), q.recv.len())
+    }
+}
+
+impl Queues {
     /// Maps a completion's provider `wr_id` back to the user's and releases the slots it
     /// retires. Returns false if no slot matched (a completion of a destroyed QP).
-    pub fn complete(&self, wc: &mut WorkCompletion) -> bool {
-        let mut q = self.q.lock().expect("inflight lock");
+    pub fn complete(&mut self, wc: &mut WorkCompletion) -> bool {
         let recv = wc.wr_id & RECV_BIT != 0;
         let seq = wc.wr_id & !RECV_BIT;
-        let fifo = if recv { &mut q.recv } else { &mut q.send };
+        let fifo = if recv { &mut self.recv } else { &mut self.send };
         while let Some(front) = fifo.front() {
             if front.seq > seq {
                 break;
@@ -72,14 +84,6 @@ impl Inflight {
         false
     }
 
-    /// Number of outstanding (send, receive) requests.
-    pub fn outstanding(&self) -> (usize, usize) {
-        let q = self.q.lock().expect("inflight lock");
-        (q.send.len(), q.recv.len())
-    }
-}
-
-impl Queues {
     /// Reserves a send slot; returns the provider `wr_id`.
     pub fn push_send(&mut self, user_wr_id: u64, mr: Option<MemoryRegion>) -> Result<u64> {
         if self.send.len() >= self.max_send as usize {
@@ -127,7 +131,7 @@ mod tests {
             (0..3).map(|i| q.push_send(100 + i, None).unwrap()).collect()
         };
         let mut wc = WorkCompletion { wr_id: ids[2], ..Default::default() };
-        assert!(inf.complete(&mut wc));
+        assert!(inf.lock().complete(&mut wc));
         assert_eq!(wc.wr_id, 102);
         assert_eq!(inf.outstanding(), (0, 0));
     }
@@ -145,9 +149,9 @@ mod tests {
         assert_eq!(q.send.len(), 1);
         drop(q);
         let mut wc = WorkCompletion { wr_id: r, ..Default::default() };
-        assert!(inf.complete(&mut wc));
+        assert!(inf.lock().complete(&mut wc));
         assert_eq!(wc.wr_id, 9);
         let mut stray = WorkCompletion { wr_id: 999, ..Default::default() };
-        assert!(!inf.complete(&mut stray));
+        assert!(!inf.lock().complete(&mut stray));
     }
 }

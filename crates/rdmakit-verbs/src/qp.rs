@@ -272,13 +272,7 @@ impl QueuePair {
         raw.wr_id = q.push_send(wr.wr_id, wr.local.map(|l| l.mr))?;
         // The slot is pushed and the lock held across the post, so slots stay in posting
         // order and a completion polled on another thread always finds its slot.
-        match self.post_raw_send(std::slice::from_ref(&raw)) {
-            Ok(()) => Ok(()),
-            Err((_, e)) => {
-                q.unpush_send(1);
-                Err(e)
-            }
-        }
+        self.post_raw_send(&mut q, std::slice::from_ref(&raw))
     }
 
     /// Posts several send-queue requests with one provider call.
@@ -304,27 +298,31 @@ impl QueuePair {
                 }
             }
         }
-        match self.post_raw_send(&raws) {
-            Ok(()) => Ok(()),
-            Err((posted, e)) => {
-                q.unpush_send(raws.len() - posted);
-                Err(if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } })
-            }
-        }
+        self.post_raw_send(&mut q, &raws)
     }
 
-    fn post_raw_send(&self, raws: &[RawSendWr<'_>]) -> std::result::Result<(), (usize, Error)> {
-        match &self.inner.backend {
-            QpBackend::Soft(q) => q.post_send(raws),
+    /// Hands requests whose slots are pushed to the provider; drops the slots of those it
+    /// refused. The caller holds the in-flight lock across the call.
+    fn post_raw_send(&self, q: &mut crate::inflight::Queues, raws: &[RawSendWr<'_>]) -> Result<()> {
+        let r = match &self.inner.backend {
+            QpBackend::Soft(qp) => qp.post_send(raws),
             #[cfg(feature = "verbs")]
-            QpBackend::Verbs(q) => q.post_send(raws),
-        }
+            QpBackend::Verbs(qp) => qp.post_send(raws),
+        };
+        r.map_err(|(posted, e)| {
+            q.unpush_send(raws.len() - posted);
+            post_error(posted, e)
+        })
     }
 
     /// Posts one receive (`ibv_post_recv`).
     #[doc(alias = "ibv_post_recv")]
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        self.post_recv_batch(std::iter::once(wr))
+        self.check_same_device(wr.local.as_ref())?;
+        let mut raw = wr.to_raw();
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        raw.wr_id = q.push_recv(wr.wr_id, wr.local.map(|l| l.mr))?;
+        self.post_raw_recv(&mut q, std::slice::from_ref(&raw))
     }
 
     /// Posts several receives with one provider call.
@@ -346,18 +344,21 @@ impl QueuePair {
             }
             raws.push(raw);
         }
+        self.post_raw_recv(&mut q, &raws)
+    }
+
+    /// Hands receives whose slots are pushed to the provider; drops the slots of those it
+    /// refused. The caller holds the in-flight lock across the call.
+    fn post_raw_recv(&self, q: &mut crate::inflight::Queues, raws: &[crate::raw::RawRecvWr]) -> Result<()> {
         let r = match &self.inner.backend {
-            QpBackend::Soft(qp) => qp.post_recv(&raws),
+            QpBackend::Soft(qp) => qp.post_recv(raws),
             #[cfg(feature = "verbs")]
-            QpBackend::Verbs(qp) => qp.post_recv(&raws),
+            QpBackend::Verbs(qp) => qp.post_recv(raws),
         };
-        match r {
-            Ok(()) => Ok(()),
-            Err((posted, e)) => {
-                q.unpush_recv(raws.len() - posted);
-                Err(if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } })
-            }
-        }
+        r.map_err(|(posted, e)| {
+            q.unpush_recv(raws.len() - posted);
+            post_error(posted, e)
+        })
     }
 }
 
@@ -383,6 +384,11 @@ impl Drop for QpInner {
             std::mem::forget(self.inflight.clone());
         }
     }
+}
+
+/// A refusal after `posted` requests were accepted: the plain error if none were.
+fn post_error(posted: usize, e: Error) -> Error {
+    if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } }
 }
 
 /// A 24-bit initial PSN, different per QP and per run.

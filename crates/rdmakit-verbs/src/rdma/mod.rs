@@ -776,16 +776,23 @@ impl Qp {
         const CHUNK: usize = 16;
         let mut posted = 0;
         for chunk in raws.chunks(CHUNK) {
-            // SAFETY: all-zero ibv_send_wr / ibv_sge are valid values (null pointers, zeros).
-            let mut wrs: [sys::ibv_send_wr; CHUNK] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut sges: [sys::ibv_sge; CHUNK] = unsafe { std::mem::zeroed() };
+            // Only the `n` entries used are initialised (a single post writes one, not 16).
+            let mut wrs = [const { MaybeUninit::<sys::ibv_send_wr>::uninit() }; CHUNK];
+            let mut sges = [const { MaybeUninit::<sys::ibv_sge>::uninit() }; CHUNK];
             let n = chunk.len();
-            let wrs_ptr = wrs.as_mut_ptr();
+            let wrs_ptr = wrs.as_mut_ptr().cast::<sys::ibv_send_wr>();
+            let sges_ptr = sges.as_mut_ptr().cast::<sys::ibv_sge>();
             for (i, raw) in chunk.iter().enumerate() {
-                conv::fill_send_wr(&mut wrs[i], &mut sges[i], raw);
-                wrs[i].sg_list = &mut sges[i];
-                wrs[i].next = if i + 1 < n { wrs_ptr.wrapping_add(i + 1) } else { ptr::null_mut() };
+                // SAFETY: `i < n <= CHUNK`; all-zero ibv_send_wr / ibv_sge are valid values
+                // (null pointers, zeros), written before the references to them are made.
+                let (wr, sge) = unsafe {
+                    wrs_ptr.add(i).write(std::mem::zeroed());
+                    sges_ptr.add(i).write(std::mem::zeroed());
+                    (&mut *wrs_ptr.add(i), &mut *sges_ptr.add(i))
+                };
+                conv::fill_send_wr(wr, sge, raw);
+                wr.sg_list = sges_ptr.wrapping_add(i);
+                wr.next = if i + 1 < n { wrs_ptr.wrapping_add(i + 1) } else { ptr::null_mut() };
             }
             let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
             // SAFETY: valid QP; a well-formed list of `n` requests whose SGEs point into
@@ -804,20 +811,28 @@ impl Qp {
         const CHUNK: usize = 16;
         let mut posted = 0;
         for chunk in raws.chunks(CHUNK) {
-            // SAFETY: all-zero ibv_recv_wr / ibv_sge are valid values.
-            let mut wrs: [sys::ibv_recv_wr; CHUNK] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut sges: [sys::ibv_sge; CHUNK] = unsafe { std::mem::zeroed() };
+            // Only the `n` entries used are initialised.
+            let mut wrs = [const { MaybeUninit::<sys::ibv_recv_wr>::uninit() }; CHUNK];
+            let mut sges = [const { MaybeUninit::<sys::ibv_sge>::uninit() }; CHUNK];
             let n = chunk.len();
-            let wrs_ptr = wrs.as_mut_ptr();
+            let wrs_ptr = wrs.as_mut_ptr().cast::<sys::ibv_recv_wr>();
+            let sges_ptr = sges.as_mut_ptr().cast::<sys::ibv_sge>();
             for (i, raw) in chunk.iter().enumerate() {
-                wrs[i].wr_id = raw.wr_id;
-                if let Some(s) = raw.sge {
-                    sges[i] = sys::ibv_sge { addr: s.addr, length: s.len, lkey: s.lkey };
-                    wrs[i].sg_list = &mut sges[i];
-                    wrs[i].num_sge = 1;
-                }
-                wrs[i].next = if i + 1 < n { wrs_ptr.wrapping_add(i + 1) } else { ptr::null_mut() };
+                let (sg_list, num_sge) = match raw.sge {
+                    Some(s) => {
+                        // SAFETY: `i < n <= CHUNK`: in bounds of `sges`.
+                        unsafe {
+                            sges_ptr.add(i).write(sys::ibv_sge { addr: s.addr, length: s.len, lkey: s.lkey })
+                        };
+                        (sges_ptr.wrapping_add(i), 1)
+                    }
+                    None => (ptr::null_mut(), 0),
+                };
+                let next = if i + 1 < n { wrs_ptr.wrapping_add(i + 1) } else { ptr::null_mut() };
+                // SAFETY: `i < n <= CHUNK`: in bounds of `wrs`; every field is written.
+                unsafe {
+                    wrs_ptr.add(i).write(sys::ibv_recv_wr { wr_id: raw.wr_id, next, sg_list, num_sge })
+                };
             }
             let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
             // SAFETY: valid QP; SGEs point into registered memory kept alive by the safe
