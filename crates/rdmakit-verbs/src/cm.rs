@@ -438,11 +438,8 @@ fn wait_eof(s: &TcpStream, wait: Duration) -> Result<bool> {
     if !wait_readable(s.as_raw_fd(), wait)? {
         return Ok(false);
     }
-    let mut b = [0u8; 1];
-    match (&*s).read(&mut b) {
-        Ok(0) => Ok(true),
-        // The peer sends nothing after the handshake; treat stray bytes or errors as a
-        // broken bootstrap stream, which is a disconnect too.
-        Ok(_) | Err(_) => Ok(true),
-    }
+    // Readable means end-of-file: the peer sends nothing after the handshake, so stray
+    // bytes or a read error are a broken bootstrap stream, which is a disconnect too.
+    let _ = (&*s).read(&mut [0u8; 1]);
+    Ok(true)
 }

@@ -249,6 +249,7 @@ impl Error {
     }
 
     /// An errno value returned directly by `call`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn errno(call: &'static str, errno: i32) -> Error {
         Error::Os { call, source: io::Error::from_raw_os_error(errno) }
     }

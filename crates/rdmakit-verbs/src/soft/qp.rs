@@ -20,7 +20,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
@@ -193,12 +193,12 @@ pub(crate) struct SoftQp {
     pd: u64,
     send_cq: Arc<SoftCq>,
     recv_cq: Arc<SoftCq>,
-    caps: QpCaps,
     state: AtomicU8,
     /// Remote access this QP grants as a responder (`IBV_QP_ACCESS_FLAGS`).
     access: AtomicU32,
     remote_qpn: AtomicU32,
-    remote_gid: Mutex<[u8; 16]>,
+    /// Set once, at RTR.
+    remote_gid: OnceLock<[u8; 16]>,
     sq: Mutex<Sq>,
     rq: Mutex<Rq>,
     me: Weak<SoftQp>,
@@ -237,11 +237,10 @@ impl SoftQp {
             pd,
             send_cq,
             recv_cq,
-            caps,
             state: AtomicU8::new(RESET),
             access: AtomicU32::new(0),
             remote_qpn: AtomicU32::new(0),
-            remote_gid: Mutex::new([0; 16]),
+            remote_gid: OnceLock::new(),
             sq: Mutex::new(Sq {
                 pending: VecDeque::new(),
                 sent: VecDeque::new(),
@@ -323,7 +322,8 @@ impl SoftQp {
         }
         sq.link = Some(link);
         sq.opts = *opts;
-        *self.remote_gid.lock().expect("gid lock") = remote.gid;
+        // INIT -> RTR happens once (there is no way back to INIT), so this is the only set.
+        let _ = self.remote_gid.set(remote.gid);
         self.remote_qpn.store(remote.qp_num, Ordering::Release);
         self.state.store(RTR, Ordering::Release);
         Ok(())
@@ -373,18 +373,8 @@ impl SoftQp {
             // Flush what is queued first, so flush completions keep posting order.
             self.progress(&mut sq, &mut d);
         }
-        let mut result = Ok(());
-        for (i, wr) in wrs.iter().enumerate() {
-            if let Some(data) = wr.inline {
-                if data.len() > self.caps.max_inline_data as usize {
-                    result = Err((
-                        i,
-                        Error::errno("ibv_post_send", libc::EINVAL)
-                            .context_inline(data.len(), self.caps.max_inline_data),
-                    ));
-                    break;
-                }
-            }
+        // Inline length, lengths and alignment were checked by `SendWr::to_raw`.
+        for wr in wrs {
             if self.state.load(Ordering::Acquire) == ERR {
                 self.complete_send(wr, WcStatus::WR_FLUSH_ERR, 0, true);
                 continue;
@@ -402,7 +392,7 @@ impl SoftQp {
         }
         drop(sq);
         run_deferred(d);
-        result
+        Ok(())
     }
 
     /// Posts receive requests.
@@ -859,7 +849,7 @@ impl SoftQp {
         let st = self.state.load(Ordering::Acquire);
         (st == RTR || st == RTS)
             && self.remote_qpn.load(Ordering::Acquire) == from.qpn
-            && *self.remote_gid.lock().expect("gid lock") == from.gid
+            && self.remote_gid.get() == Some(&from.gid)
     }
 
     /// Resolves a remote target: QP-level then region-level permission, bounds.
@@ -1048,20 +1038,5 @@ fn run_deferred(mut d: Deferred) {
             qp.progress(&mut sq, &mut more);
         }
         d.kick.append(&mut more.kick);
-    }
-}
-
-impl Error {
-    fn context_inline(self, len: usize, max: u32) -> Error {
-        match self {
-            Error::Os { call, source } => Error::Os {
-                call,
-                source: std::io::Error::new(
-                    source.kind(),
-                    format!("inline payload of {len} bytes exceeds max_inline_data {max} ({source})"),
-                ),
-            },
-            e => e,
-        }
     }
 }
