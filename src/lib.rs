@@ -6,12 +6,14 @@
 //!   and the soft NIC). Its items are also re-exported at the top level.
 //! - [`memory`] (`rdmakit-memory`): NIC memory management; so far the allocator core of
 //!   asymmetric remote heaps ([`memory::heap`]).
+//! - [`channel`] (`rdmakit-channel`): async pipes and persistent put handles.
 //!
 //! ```
 //! let ctx = rdmakit::Context::open_soft();
 //! assert_eq!(ctx.provider(), rdmakit::ProviderKind::Soft);
 //! ```
 
+pub use rdmakit_channel as channel;
 pub use rdmakit_memory as memory;
 pub use rdmakit_verbs as verbs;
 pub use rdmakit_verbs::*;

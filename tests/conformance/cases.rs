@@ -9,7 +9,7 @@ use rdmakit::*;
 use crate::fixture::{Env, Needs, pattern, wait, wait_ok};
 use crate::{check, check_eq};
 
-type CaseFn = fn(&Env) -> Result<(), Failed>;
+pub type CaseFn = fn(&Env) -> Result<(), Failed>;
 
 pub struct Case {
     pub name: &'static str,
@@ -17,7 +17,7 @@ pub struct Case {
     pub run: CaseFn,
 }
 
-const fn case(name: &'static str, run: CaseFn) -> Case {
+pub const fn case(name: &'static str, run: CaseFn) -> Case {
     Case { name, needs: Needs::Nothing, run }
 }
 

@@ -10,6 +10,8 @@
 
 mod cases;
 mod fixture;
+mod heap;
+mod memory;
 mod model;
 
 use libtest_mimic::{Arguments, Trial};
@@ -22,7 +24,7 @@ fn main() {
         eprintln!("conformance: verbs cases ignored: {reason}");
     }
     let mut trials = Vec::new();
-    for case in cases::ALL {
+    for case in cases::ALL.iter().chain(heap::CASES).chain(memory::CASES) {
         for provider in [ProviderKind::Soft, ProviderKind::Verbs] {
             let name = format!("{provider}::{}", case.name);
             let skip = match provider {

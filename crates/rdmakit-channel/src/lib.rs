@@ -1,5 +1,7 @@
 //! rdmakit-channel: async one-sided transfers on top of `rdmakit-verbs`.
 //!
-//! **Status: not built yet.** This crate will hold rpipe-style `rwrite`/`rread` pipes with
-//! notification flags and CkDirect-style persistent put handles. It exists now so the
-//! workspace layout shows the architecture; it exports nothing until that work lands.
+//! Two seed designs: rpipe-style [`pipe`]s (`rwrite`/`rread` with notification flags, over
+//! the remote heaps of `rdmakit-memory`) and CkDirect-style persistent [`put`] handles.
+
+pub mod pipe;
+pub mod put;

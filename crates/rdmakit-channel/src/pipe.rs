@@ -1,0 +1,1 @@
+//! rpipe-style pipes (being built).

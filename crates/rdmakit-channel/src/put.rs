@@ -1,0 +1,1 @@
+//! CkDirect-style persistent put handles (being built).
