@@ -70,16 +70,36 @@ fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<Frame>, Str
         Err(e) => return Err(e.to_string()),
     }
     let (kind, len) = wire::decode_header(&h).map_err(|e: WireError| e.to_string())?;
+    let len = len as usize;
     buf.clear();
-    buf.resize(len as usize, 0);
-    r.read_exact(buf).map_err(|e| e.to_string())?;
-    wire::decode_payload(kind, buf).map(Some).map_err(|e| e.to_string())
+    match wire::data_offset(kind) {
+        // Data-carrying frames: the fixed fields, then the data read straight into the
+        // vector the frame keeps (no zero-fill, no second copy).
+        Some(fixed) if len >= fixed => {
+            buf.resize(fixed, 0);
+            r.read_exact(buf).map_err(|e| e.to_string())?;
+            let n = len - fixed;
+            let mut data = Vec::with_capacity(n);
+            let got = r.take(n as u64).read_to_end(&mut data).map_err(|e| e.to_string())?;
+            if got != n {
+                return Err(format!("connection closed inside a frame ({got} of {n} data bytes)"));
+            }
+            wire::decode_payload_split(kind, buf, data).map(Some).map_err(|e| e.to_string())
+        }
+        _ => {
+            buf.resize(len, 0);
+            r.read_exact(buf).map_err(|e| e.to_string())?;
+            wire::decode_payload(kind, buf).map(Some).map_err(|e| e.to_string())
+        }
+    }
 }
 
+/// Writes `f`; a large payload goes to the writer without passing through `scratch`.
 fn write_frame(w: &mut impl Write, f: &Frame, scratch: &mut Vec<u8>) -> std::io::Result<()> {
     scratch.clear();
-    wire::encode(f, scratch);
-    w.write_all(scratch)
+    let data = wire::encode_split(f, scratch);
+    w.write_all(scratch)?;
+    w.write_all(data)
 }
 
 /// Serves one incoming stream: the target side of one requester QP.

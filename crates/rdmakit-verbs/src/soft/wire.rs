@@ -209,6 +209,14 @@ pub fn decode_payload(k: u8, p: &[u8]) -> Result<Frame, WireError> {
 
 /// Appends the encoding of `f` to `out`.
 pub fn encode(f: &Frame, out: &mut Vec<u8>) {
+    let data = encode_split(f, out);
+    out.extend_from_slice(data);
+}
+
+/// Appends the encoding of `f` to `out` except its trailing data, which it returns: the
+/// frame on the wire is `out`'s new bytes followed by the returned slice. Lets a writer hand
+/// a large payload to the socket without copying it into a frame buffer first.
+pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
     let start = out.len();
     out.extend_from_slice(&MAGIC);
     out.push(VERSION);
@@ -218,6 +226,7 @@ pub fn encode(f: &Frame, out: &mut Vec<u8>) {
         out.push(u8::from(imm.is_some()));
         out.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
     };
+    let mut tail: &[u8] = &[];
     let k = match f {
         Frame::Hello { src_gid, src_qpn, dst_qpn } => {
             out.extend_from_slice(src_gid);
@@ -234,7 +243,7 @@ pub fn encode(f: &Frame, out: &mut Vec<u8>) {
             out.extend_from_slice(&addr.to_le_bytes());
             out.extend_from_slice(&rkey.to_le_bytes());
             put_imm(out, imm);
-            out.extend_from_slice(data);
+            tail = data;
             kind::WRITE
         }
         Frame::Read { psn, addr, rkey, len } => {
@@ -247,7 +256,7 @@ pub fn encode(f: &Frame, out: &mut Vec<u8>) {
         Frame::Send { psn, imm, data } => {
             out.extend_from_slice(&psn.to_le_bytes());
             put_imm(out, imm);
-            out.extend_from_slice(data);
+            tail = data;
             kind::SEND
         }
         Frame::FetchAdd { psn, addr, rkey, add } => {
@@ -268,7 +277,7 @@ pub fn encode(f: &Frame, out: &mut Vec<u8>) {
         Frame::Ack { psn, status, data } => {
             out.extend_from_slice(&psn.to_le_bytes());
             out.extend_from_slice(&status.to_le_bytes());
-            out.extend_from_slice(data);
+            tail = data;
             kind::ACK
         }
         Frame::RnrNak { psn } => {
@@ -276,9 +285,39 @@ pub fn encode(f: &Frame, out: &mut Vec<u8>) {
             kind::RNR_NAK
         }
     };
-    let len = (out.len() - start - HEADER) as u32;
+    let len = (out.len() - start - HEADER + tail.len()) as u32;
     out[start + 3] = k;
     out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());
+    tail
+}
+
+/// For a frame kind that ends in variable-length data (write, send, ack), the length of the
+/// fixed fields before that data; `None` for the other kinds. A reader can take the fixed
+/// part, then read the data straight into the buffer the frame will own
+/// ([`decode_payload_split`]).
+pub fn data_offset(k: u8) -> Option<usize> {
+    match k {
+        kind::WRITE => Some(4 + 8 + 4 + 5),
+        kind::SEND => Some(4 + 5),
+        kind::ACK => Some(4 + 4),
+        _ => None,
+    }
+}
+
+/// Decodes a payload of kind `k` given as its fixed fields (`data_offset(k)` bytes) and its
+/// trailing data, which the frame takes without a copy. Same result as [`decode_payload`]
+/// over the concatenation.
+pub fn decode_payload_split(k: u8, fixed: &[u8], data: Vec<u8>) -> Result<Frame, WireError> {
+    let bad = || WireError::BadLength { kind: k, len: fixed.len() + data.len() };
+    if data_offset(k) != Some(fixed.len()) {
+        return Err(bad());
+    }
+    let mut frame = decode_payload(k, fixed)?;
+    match &mut frame {
+        Frame::Write { data: d, .. } | Frame::Send { data: d, .. } | Frame::Ack { data: d, .. } => *d = data,
+        _ => return Err(bad()),
+    }
+    Ok(frame)
 }
 
 #[cfg(test)]
@@ -330,6 +369,21 @@ mod tests {
                 let is_incomplete = matches!(decode(&buf[..cut]), Err(WireError::Incomplete { .. }));
                 prop_assert!(is_incomplete);
             }
+        }
+
+        #[test]
+        fn split_encoding_and_decoding_agree_with_the_whole(f in frame()) {
+            let (mut whole, mut head) = (Vec::new(), Vec::new());
+            encode(&f, &mut whole);
+            let tail = encode_split(&f, &mut head);
+            prop_assert_eq!([head.as_slice(), tail].concat(), whole.clone());
+            let (k, len) = decode_header(&head).unwrap();
+            prop_assert_eq!(len as usize, head.len() + tail.len() - HEADER);
+            let g = match data_offset(k) {
+                Some(n) => decode_payload_split(k, &head[HEADER..HEADER + n], tail.to_vec()).unwrap(),
+                None => decode_payload(k, &head[HEADER..]).unwrap(),
+            };
+            prop_assert_eq!(g, f);
         }
 
         #[test]
