@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use indicatif::ProgressBar;
 use rdmakit_verbs::*;
 
-use crate::measure::{self, Measured};
+use crate::measure::{self, CqWait, Measured};
 use crate::rig::{self, Params, Placement, Test};
 
 /// One comparison: rdmakit's figure, the limit's, both in MB/s (2^20).
@@ -111,7 +111,13 @@ pub fn run() -> Result<Vec<Limit>> {
     }
     // Across processes: soft NIC over TCP (a server process of this binary) vs raw TCP.
     let exe = std::env::current_exe().map_err(|source| Error::Os { call: "current_exe", source })?;
-    for (size, iters) in [(65536u32, 4000u32), (1 << 20, 400)] {
+    let runs = [
+        ("cross-process write vs raw TCP", 65536u32, 4000u32, CqWait::Poll),
+        ("cross-process write vs raw TCP", 1 << 20, 400, CqWait::Poll),
+        ("cross-process write (--use-event) vs raw TCP", 65536, 4000, CqWait::Event),
+        ("cross-process write (--use-event) vs raw TCP", 1 << 20, 400, CqWait::Event),
+    ];
+    for (what, size, iters, wait) in runs {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|source| Error::Os { call: "pick a port", source })?
@@ -136,7 +142,7 @@ pub fn run() -> Result<Vec<Limit>> {
                     Err(e) => return Err(e),
                 }
             };
-            measure::run(&side, &p, &ProgressBar::hidden())
+            measure::run_with(&side, &p, &ProgressBar::hidden(), wait)
         })();
         if measured.is_err() {
             let _ = server.kill();
@@ -144,7 +150,7 @@ pub fn run() -> Result<Vec<Limit>> {
         let _ = server.wait();
         let ours = mb_per_sec(&measured?);
         let limit = tcp_mb_per_sec(size as usize, iters)?;
-        out.push(compare("cross-process write vs raw TCP", size, ours, limit, 0.8));
+        out.push(compare(what, size, ours, limit, 0.8));
     }
     Ok(out)
 }

@@ -111,6 +111,10 @@ struct Opts {
     /// Outstanding operations (bandwidth tests).
     #[arg(short, long, default_value_t = 16)]
     window: u32,
+    /// Bandwidth tests sleep on the completion channel instead of busy-polling, as
+    /// perftest's `--use_event` (leaves the CPU to a software NIC on small machines).
+    #[arg(short = 'e', long)]
+    use_event: bool,
     /// Where the atomic target lives (on the server in client/server mode).
     #[arg(long, value_enum, default_value_t = Placement::Host)]
     placement: Placement,
@@ -249,14 +253,15 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     }
     let p = validate(test, o)?;
     let bar = progress(p.iters);
+    let wait = if o.use_event { measure::CqWait::Event } else { measure::CqWait::Poll };
     let m = if let Some(addr) = o.connect {
         let side = rig::client(&ctx, addr, &p, &copts)?;
-        measure::run(&side, &p, &bar)?
+        measure::run_with(&side, &p, &bar, wait)?
     } else {
         let (a, b) = rig::loopback(&ctx, &p, &copts)?;
         std::thread::scope(|s| {
             let server = s.spawn(|| measure::serve(&b, &p));
-            let m = measure::run(&a, &p, &bar);
+            let m = measure::run_with(&a, &p, &bar, wait);
             let served = server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?;
             served.and(m)
         })?
@@ -272,7 +277,7 @@ fn limits(json: bool) -> Result<()> {
     if !json {
         println!("the soft NIC against this machine's limits (MB/s = 2^20 bytes/s)");
         println!(
-            " {:<32} {:>9} {:>12} {:>12} {:>7}  goal",
+            " {:<44} {:>9} {:>12} {:>12} {:>7}  goal",
             "comparison", "#bytes", "rdmakit", "limit", "ratio"
         );
     }
@@ -282,7 +287,7 @@ fn limits(json: bool) -> Result<()> {
         } else {
             let met = if r.ratio >= r.goal { "met" } else { "missed" };
             println!(
-                " {:<32} {:>9} {:>12.1} {:>12.1} {:>7.3}  {met} (>= {})",
+                " {:<44} {:>9} {:>12.1} {:>12.1} {:>7.3}  {met} (>= {})",
                 r.what, r.bytes, r.rdmakit_mb_per_sec, r.limit_mb_per_sec, r.ratio, r.goal
             );
         }

@@ -49,8 +49,24 @@ fn stamp(i: u32) -> u8 {
     (i % 250) as u8 + 1
 }
 
-/// The client's side of a test.
+/// How a bandwidth test waits for completions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CqWait {
+    /// Busy-poll the CQ (perftest's default).
+    #[default]
+    Poll,
+    /// Sleep on the completion channel when nothing is ready (perftest's `--use_event`).
+    /// On a machine with few cores this leaves the CPU to a software NIC's threads.
+    Event,
+}
+
+/// The client's side of a test, busy-polling for completions.
 pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    run_with(side, p, bar, CqWait::Poll)
+}
+
+/// The client's side of a test; bandwidth tests wait for completions as `wait` says.
+pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Result<Measured> {
     let size = p.size;
     match p.test {
         Test::WriteLat => {
@@ -86,11 +102,11 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
             }
             Ok(Measured::Latency(lat))
         }
-        Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw => bandwidth(side, p, bar),
+        Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw => bandwidth(side, p, bar, wait),
     }
 }
 
-fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Result<Measured> {
     let size = if p.test == Test::AtomicBw { 8 } else { p.size };
     let slots = (side.buf.len() / size.max(64) as usize).max(1) as u32;
     let window = p.window.clamp(1, side.qp.caps().max_send_wr);
@@ -115,7 +131,11 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
             side.qp.post_send(make(posted)?)?;
             posted += 1;
         }
-        let n = side.cq.poll(&mut wcs)?;
+        let mut n = side.cq.poll(&mut wcs)?;
+        if n == 0 && wait == CqWait::Event {
+            wcs[0] = side.cq.wait(Some(STUCK))?;
+            n = 1;
+        }
         for wc in &wcs[..n] {
             wc.ok()?;
             done += 1;

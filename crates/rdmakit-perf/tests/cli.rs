@@ -84,12 +84,13 @@ fn limits_reports_both_comparisons() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(rows.len(), 4);
+    assert_eq!(rows.len(), 6);
     for r in &rows {
         assert!(
             r["rdmakit_mb_per_sec"].as_f64().unwrap() > 0.0 && r["limit_mb_per_sec"].as_f64().unwrap() > 0.0,
             "{r}"
         );
     }
-    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("raw TCP")).count(), 2);
+    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("raw TCP")).count(), 4);
+    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("--use-event")).count(), 2);
 }
