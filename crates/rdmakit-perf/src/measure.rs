@@ -45,6 +45,26 @@ fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<()> {
     }
 }
 
+/// For write-lat: a private copy of the message when it fits the QP's inline limit, so
+/// small pings go inline, as perftest's latency tests do.
+fn inline_payload(side: &Side, size: u32) -> Option<Vec<u8>> {
+    (size <= side.qp.caps().max_inline_data).then(|| vec![0; size as usize])
+}
+
+/// One write-lat ping whose last byte is `v`: inline from `inline` when it is there, else
+/// from the registered `src` (whose last byte the caller has set).
+fn ping<'a>(inline: &'a mut Option<Vec<u8>>, src: &LocalSlice, dst: RemoteSlice, v: u8) -> SendWr<'a> {
+    match inline {
+        Some(bytes) => {
+            if let Some(last) = bytes.last_mut() {
+                *last = v;
+            }
+            SendWr::write_inline(bytes, dst)
+        }
+        None => SendWr::write(src.clone(), dst),
+    }
+}
+
 fn stamp(i: u32) -> u8 {
     (i % 250) as u8 + 1
 }
@@ -75,11 +95,12 @@ pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Res
             let src = side.buf.slice(u64::from(size.max(64)), size)?;
             let dst = side.peer_buf.slice(0, size)?;
             let mut lat = Vec::with_capacity(p.iters as usize);
+            let mut inline = inline_payload(side, size);
             for i in 0..p.iters {
                 let v = stamp(i);
                 side.buf.write_at(u64::from(size.max(64) + size - 1), &[v])?;
                 let t = Instant::now();
-                side.qp.post_send(SendWr::write(src.clone(), dst))?;
+                side.qp.post_send(ping(&mut inline, &src, dst, v))?;
                 spin_byte(&side.buf, u64::from(size - 1), v)?;
                 lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 reap(&side.cq)?;
@@ -172,11 +193,12 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
         Test::WriteLat => {
             let src = side.buf.slice(u64::from(size.max(64)), size)?;
             let dst = side.peer_buf.slice(0, size)?;
+            let mut inline = inline_payload(side, size);
             for i in 0..p.iters {
                 let v = stamp(i);
                 spin_byte(&side.buf, u64::from(size - 1), v)?;
                 side.buf.write_at(u64::from(size.max(64) + size - 1), &[v])?;
-                side.qp.post_send(SendWr::write(src.clone(), dst))?;
+                side.qp.post_send(ping(&mut inline, &src, dst, v))?;
                 reap(&side.cq)?;
             }
             Ok(())
