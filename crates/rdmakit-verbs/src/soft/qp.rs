@@ -696,10 +696,15 @@ impl SoftQp {
         }
         let local = self.resolve_local(wr)?;
         let payload = || {
-            let mut data = vec![0u8; len as usize];
+            let mut data = Vec::<u8>::with_capacity(len as usize);
             // SAFETY: `local.src` is valid for `len` bytes (checked registration, kept alive by
-            // `local.entry`, or inline data borrowed for this call); `data` is ours.
-            unsafe { shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize) };
+            // `local.entry`, or inline data borrowed for this call); `data`'s spare capacity
+            // is ours and at least `len` bytes, so the copy initialises exactly the first
+            // `len` bytes, which `set_len` then exposes (no zero-fill pass first).
+            unsafe {
+                shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize);
+                data.set_len(len as usize);
+            }
             data
         };
         let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, _entry: e });
