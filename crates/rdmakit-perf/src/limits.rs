@@ -96,61 +96,81 @@ fn compare(what: &'static str, bytes: u32, ours: f64, limit: f64, goal: f64) -> 
     }
 }
 
-/// Runs both comparisons.
-pub fn run() -> Result<Vec<Limit>> {
+/// The median of some samples (0 for none).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs both comparisons; each figure is the median of `runs` runs, the two sides of a
+/// comparison alternating so that a noisy moment hits both.
+pub fn run(runs: u32) -> Result<Vec<Limit>> {
     let mut out = Vec::new();
     // In-process: soft NIC write-bw (window 16) vs memcpy.
     let ctx = Context::open_soft();
     for (size, iters) in [(1u32 << 20, 2000u32), (65536, 20_000)] {
         let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
         let (a, _b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
-        let ours = mb_per_sec(&measure::run(&a, &p, &ProgressBar::hidden())?);
         let slots = rig::buffer_len(&p) / (size as usize).max(64);
-        let limit = memcpy_mb_per_sec(size as usize, iters, slots);
+        let (mut ours, mut limit) = (Vec::new(), Vec::new());
+        for _ in 0..runs.max(1) {
+            ours.push(mb_per_sec(&measure::run(&a, &p, &ProgressBar::hidden())?));
+            limit.push(memcpy_mb_per_sec(size as usize, iters, slots));
+        }
+        let (ours, limit) = (median(ours), median(limit));
         out.push(compare("in-process write vs memcpy", size, ours, limit, 0.5));
     }
     // Across processes: soft NIC over TCP (a server process of this binary) vs raw TCP.
-    let exe = std::env::current_exe().map_err(|source| Error::Os { call: "current_exe", source })?;
-    let runs = [
+    let cases = [
         ("cross-process write vs raw TCP", 65536u32, 4000u32, CqWait::Poll),
         ("cross-process write vs raw TCP", 1 << 20, 400, CqWait::Poll),
         ("cross-process write (--use-event) vs raw TCP", 65536, 4000, CqWait::Event),
         ("cross-process write (--use-event) vs raw TCP", 1 << 20, 400, CqWait::Event),
     ];
-    for (what, size, iters, wait) in runs {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|source| Error::Os { call: "pick a port", source })?
-            .port();
-        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-        let mut server = Command::new(&exe)
-            .args(["write-bw", "--server", &addr.to_string()])
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|source| Error::Os { call: "spawn server", source })?;
-        let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
-        let measured = (|| {
-            // The server needs a moment to listen.
-            let mut tries = 0;
-            let side = loop {
-                match rig::client(&ctx, addr, &p, &ConnectOptions::default()) {
-                    Ok(s) => break s,
-                    Err(_) if tries < 50 => {
-                        tries += 1;
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    Err(e) => return Err(e),
-                }
-            };
-            measure::run_with(&side, &p, &ProgressBar::hidden(), wait)
-        })();
-        if measured.is_err() {
-            let _ = server.kill();
+    for (what, size, iters, wait) in cases {
+        let (mut ours, mut limit) = (Vec::new(), Vec::new());
+        for _ in 0..runs.max(1) {
+            ours.push(cross_process_mb_per_sec(&ctx, size, iters, wait)?);
+            limit.push(tcp_mb_per_sec(size as usize, iters)?);
         }
-        let _ = server.wait();
-        let ours = mb_per_sec(&measured?);
-        let limit = tcp_mb_per_sec(size as usize, iters)?;
+        let (ours, limit) = (median(ours), median(limit));
         out.push(compare(what, size, ours, limit, 0.8));
     }
     Ok(out)
+}
+
+/// One write-bw run against a server process of this binary over the soft NIC's TCP wire.
+fn cross_process_mb_per_sec(ctx: &Context, size: u32, iters: u32, wait: CqWait) -> Result<f64> {
+    let exe = std::env::current_exe().map_err(|source| Error::Os { call: "current_exe", source })?;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|source| Error::Os { call: "pick a port", source })?
+        .port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let mut server = Command::new(&exe)
+        .args(["write-bw", "--server", &addr.to_string()])
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|source| Error::Os { call: "spawn server", source })?;
+    let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
+    let measured = (|| {
+        // The server needs a moment to listen.
+        let mut tries = 0;
+        let side = loop {
+            match rig::client(ctx, addr, &p, &ConnectOptions::default()) {
+                Ok(s) => break s,
+                Err(_) if tries < 50 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        measure::run_with(&side, &p, &ProgressBar::hidden(), wait)
+    })();
+    if measured.is_err() {
+        let _ = server.kill();
+    }
+    let _ = server.wait();
+    Ok(mb_per_sec(&measured?))
 }

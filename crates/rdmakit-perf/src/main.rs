@@ -59,6 +59,9 @@ enum Cmd {
         /// Print JSON lines instead of a table.
         #[arg(long)]
         json: bool,
+        /// Runs per figure; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: u32,
     },
     /// The default suite on the soft NIC in loopback (what no arguments runs).
     Suite {
@@ -272,10 +275,10 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     Ok(())
 }
 
-fn limits(json: bool) -> Result<()> {
-    let rows = limits::run()?;
+fn limits(json: bool, runs: u32) -> Result<()> {
+    let rows = limits::run(runs)?;
     if !json {
-        println!("the soft NIC against this machine's limits (MB/s = 2^20 bytes/s)");
+        println!("the soft NIC against this machine's limits (MB/s = 2^20 bytes/s, median of {runs} runs)");
         println!(
             " {:<44} {:>9} {:>12} {:>12} {:>7}  goal",
             "comparison", "#bytes", "rdmakit", "limit", "ratio"
@@ -344,7 +347,7 @@ fn main() -> ExitCode {
         Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
         Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
-        Some(Cmd::Limits { json }) => limits(*json),
+        Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

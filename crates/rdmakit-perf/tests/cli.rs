@@ -80,7 +80,7 @@ fn contended_fetch_add_counts_exactly() {
 
 #[test]
 fn limits_reports_both_comparisons() {
-    let out = Command::new(BIN).args(["limits", "--json"]).output().unwrap();
+    let out = Command::new(BIN).args(["limits", "--json", "--runs", "1"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
