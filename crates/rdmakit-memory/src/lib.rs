@@ -9,3 +9,4 @@
 //! and the cross-GVMI UMR mkey pool with its alias map.
 
 pub mod heap;
+pub mod xgvmi;

@@ -466,6 +466,15 @@ impl MemoryRegion {
         Ok(v)
     }
 
+    /// True if this handle is the only one: no clone and no in-flight work request holds the
+    /// region, so no operation posted through rdmakit can still touch it (peers holding its
+    /// rkey still can: revoke by dropping the region). Registration caches use it to decide
+    /// whether a region may be handed to a new user.
+    pub fn is_unique(&self) -> bool {
+        // No `Weak` to a region is ever made, so a count of 1 cannot grow behind our back.
+        Arc::strong_count(&self.inner) == 1
+    }
+
     /// Deregisters the region and gives its bytes back (the original vector when it was
     /// registered from one and met the alignment rules, else a copy), if nothing else (a clone, an
     /// in-flight work request) still holds it; otherwise returns the region unchanged.

@@ -1,0 +1,137 @@
+//! The DPU side: aliases of host keys, cached by `(vhca_id << 32) | mkey`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use rdmakit_verbs::{Error, Result};
+
+use super::PackedKey;
+
+/// What the cache needs from the DPU's device, implemented over
+/// `rdmakit_verbs::mlx5`; tests implement it with a model.
+pub trait AliasOps {
+    /// An alias mkey in the DPU function's protection domain. Dropping it destroys it.
+    type Alias;
+    /// Creates an alias of the host key `key` (presenting its access key).
+    fn create_alias(&self, key: &PackedKey) -> Result<Self::Alias>;
+}
+
+/// Counters of an alias cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AliasStats {
+    /// Imports served by a cached alias.
+    pub hits: u64,
+    /// Imports of a pool key not in the cache (an alias was created and cached).
+    pub misses: u64,
+    /// Imports that found a cached alias of an older incarnation of the key (other uuid):
+    /// it was destroyed and a new one created.
+    pub stale: u64,
+    /// Imports of plain (non-pool) keys: an alias created for that import alone.
+    pub uncached: u64,
+    /// Aliases in the cache now.
+    pub cached: u64,
+}
+
+/// An imported key: the alias (shared with the cache for pool keys) and the packed key.
+pub struct ImportedAlias<A> {
+    /// The alias; use it as an lkey in the DPU function's protection domain.
+    pub alias: Arc<A>,
+    /// What the host sent.
+    pub key: PackedKey,
+    /// True if the alias came from the cache.
+    pub hit: bool,
+}
+
+struct Entry<A> {
+    uuid: u64,
+    alias: Arc<A>,
+}
+
+/// The map and its counters, under one lock.
+type Table<A> = (HashMap<u64, Entry<A>>, AliasStats);
+
+/// A hash map from host keys to their aliases on the DPU, as UCX's cross-GVMI map.
+///
+/// A hit is a hash lookup and an `Arc` clone. An alias stays usable while anyone holds it;
+/// the cache drops its reference when the entry turns stale or is evicted.
+pub struct AliasCache<O: AliasOps> {
+    ops: O,
+    map: Mutex<Table<O::Alias>>,
+}
+
+impl<O: AliasOps> AliasCache<O> {
+    /// An empty cache over `ops`.
+    pub fn new(ops: O) -> Self {
+        AliasCache { ops, map: Mutex::new((HashMap::new(), AliasStats::default())) }
+    }
+
+    /// The device operations.
+    pub fn ops(&self) -> &O {
+        &self.ops
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table<O::Alias>> {
+        // Every update is a single map operation plus counters: still consistent after a
+        // panic elsewhere, so a poisoned lock is usable.
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The alias for `key`: cached for a pool key (hit, or created on a miss, or re-created
+    /// when the cached one belongs to an older incarnation), created for this import alone
+    /// for a plain key.
+    pub fn import(&self, key: &PackedKey) -> Result<ImportedAlias<O::Alias>> {
+        if key.len == 0 {
+            return Err(Error::InvalidArgument("packed key of an empty region".into()));
+        }
+        if !key.pooled {
+            let alias = Arc::new(self.ops.create_alias(key)?);
+            self.lock().1.uncached += 1;
+            return Ok(ImportedAlias { alias, key: *key, hit: false });
+        }
+        let mk = key.map_key();
+        let stale = {
+            let mut g = self.lock();
+            let (map, stats) = &mut *g;
+            match map.get(&mk) {
+                Some(e) if e.uuid == key.uuid => {
+                    stats.hits += 1;
+                    return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
+                }
+                // Destroyed outside the lock (dropping the last Arc destroys the alias).
+                Some(_) => map.remove(&mk),
+                None => None,
+            }
+        };
+        let was_stale = stale.is_some();
+        drop(stale);
+        // Created without the lock: alias creation is a firmware command (~200 µs on
+        // BlueField-3); other imports proceed meanwhile.
+        let alias = Arc::new(self.ops.create_alias(key)?);
+        let mut g = self.lock();
+        let (map, stats) = &mut *g;
+        if was_stale {
+            stats.stale += 1;
+        } else {
+            stats.misses += 1;
+        }
+        // A concurrent import of the same incarnation may have won the race: keep one.
+        let entry = map.entry(mk).or_insert_with(|| Entry { uuid: key.uuid, alias: alias.clone() });
+        if entry.uuid != key.uuid {
+            *entry = Entry { uuid: key.uuid, alias: alias.clone() };
+        }
+        Ok(ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false })
+    }
+
+    /// Drops the cached alias of `(vhca_id, mkey)`, if any (when the host says the key is
+    /// gone for good).
+    pub fn evict(&self, vhca_id: u32, mkey: u32) -> bool {
+        let mut g = self.lock();
+        g.0.remove(&((u64::from(vhca_id) << 32) | u64::from(mkey))).is_some()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> AliasStats {
+        let g = self.lock();
+        AliasStats { cached: g.0.len() as u64, ..g.1 }
+    }
+}

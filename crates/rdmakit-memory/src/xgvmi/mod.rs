@@ -1,0 +1,45 @@
+//! Cross-GVMI memory keys through a pool of UMR mkeys, and the DPU side's alias map.
+//!
+//! On a DPU (BlueField), a process on the Arm cores can move memory of a host process to a
+//! remote peer without the host CPU: the host opens one of its memory keys to the DPU's
+//! function (its *vHCA*, or GVMI) with an access key, and the DPU creates an **alias** of that
+//! key in its own protection domain, usable as an lkey (and rkey). Doing that per buffer is
+//! slow: creating an indirect mkey (~220 µs), opening it to another vHCA (~140 µs) and
+//! creating the alias on the DPU (~200 µs) add up to 0.8–0.9 ms per buffer in the UCX
+//! measurements (`../shared/seeds/xgvmi-umr-mkey-pool-ucx.txt`), while re-pointing an existing
+//! indirect mkey at another region with a UMR work request costs about 1 µs.
+//!
+//! So, as UCX's UMR mkey pool does:
+//! - the **host** keeps a LIFO [`UmrMkeyPool`] of indirect mkeys, each created and opened to
+//!   other vHCAs once. [`UmrMkeyPool::export`] takes the key at the head, binds it to the
+//!   region with a UMR work request, and returns a [`PackedKey`] `{mkey, vhca_id, uuid}`;
+//!   releasing the export invalidates the key (`LOCAL_INV`) and puts it back at the head.
+//!   Keys are created lazily (or pre-created up to a configured count) and never beyond
+//!   what is in use at once. A region UMR cannot serve (over 2 GiB on mlx5) gets a plain
+//!   indirect key of its own instead, destroyed at release.
+//! - the **DPU** keeps an [`AliasCache`], a hash map keyed by `(vhca_id << 32) | mkey`.
+//!   Because pooled keys keep their number across exports, the alias made for the first
+//!   export of a key serves every later one: a hit costs a hash lookup. The `uuid` names the
+//!   incarnation of the host key; a different uuid under the same map key means the host
+//!   key was destroyed and its number reused, so the cached alias is stale and is destroyed
+//!   and re-created. Only pool keys are cached.
+//! - a [`RegistrationCache`] lets short-lived buffers reuse registrations, the case where
+//!   the pool pays off (a buffer per iteration, exported each time).
+//!
+//! The pool and the cache are generic over the device operations ([`HostKeyOps`],
+//! [`AliasOps`]), so their logic is tested apart from any device.
+//! Pool keys are zero-based: a peer addresses byte `i` of the exported region as
+//! `PackedKey::addr + i` with `addr == 0`.
+
+mod alias;
+mod packed;
+mod pool;
+mod regcache;
+
+#[cfg(test)]
+mod tests;
+
+pub use alias::{AliasCache, AliasOps, AliasStats, ImportedAlias};
+pub use packed::{PackedKey, PackedKeyError};
+pub use pool::{Export, HostKeyOps, PoolConfig, PoolStats, UmrMkeyPool};
+pub use regcache::{CachedRegion, RegCacheStats, RegistrationCache};

@@ -1,0 +1,345 @@
+//! The pool and the alias cache over a model of the device: keys, bindings, invalidation,
+//! access keys and aliases, with failure injection.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+
+use rdmakit_verbs::{Error, Result};
+
+use super::*;
+
+/// The model device: key number -> (bound region, valid, access key); aliases resolve
+/// through it, as the soft NIC's do.
+#[derive(Default)]
+struct Device {
+    keys: HashMap<u32, ModelKeyState>,
+    next: u32,
+    creates: u64,
+    binds: u64,
+    fail_next_bind: bool,
+    fail_next_invalidate: bool,
+}
+
+struct ModelKeyState {
+    region: Option<u64>,
+    access_key: [u8; 32],
+}
+
+#[derive(Clone, Default)]
+struct Model(Arc<Mutex<Device>>);
+
+struct Key {
+    mkey: u32,
+    dev: Model,
+}
+
+impl Drop for Key {
+    fn drop(&mut self) {
+        self.dev.0.lock().unwrap().keys.remove(&self.mkey);
+    }
+}
+
+const UMR_MAX: u64 = 1 << 31;
+
+impl Model {
+    fn dev(&self) -> std::sync::MutexGuard<'_, Device> {
+        self.0.lock().unwrap()
+    }
+
+    fn new_key(&self, region: Option<u64>, access_key: &[u8; 32]) -> Key {
+        let mut d = self.dev();
+        d.next += 0x100; // a real device recycles numbers; the model does too (see below)
+        d.creates += 1;
+        let mkey = d.next;
+        d.keys.insert(mkey, ModelKeyState { region, access_key: *access_key });
+        Key { mkey, dev: self.clone() }
+    }
+
+    /// What an alias of `(mkey)` reaches now: the bound region, or an error as a NIC's
+    /// protection check would give.
+    fn resolve(&self, mkey: u32) -> std::result::Result<u64, &'static str> {
+        match self.dev().keys.get(&mkey) {
+            None => Err("no such key"),
+            Some(ModelKeyState { region: None, .. }) => Err("key invalidated"),
+            Some(ModelKeyState { region: Some(r), .. }) => Ok(*r),
+        }
+    }
+}
+
+/// Regions are named by an id and have a length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Region {
+    id: u64,
+    len: u64,
+}
+
+impl HostKeyOps for Model {
+    type Key = Key;
+    type Region = Region;
+    fn vhca_id(&self) -> u32 {
+        7
+    }
+    fn umr_max_len(&self) -> u64 {
+        UMR_MAX
+    }
+    fn region_len(r: &Region) -> u64 {
+        r.len
+    }
+    fn mkey(k: &Key) -> u32 {
+        k.mkey
+    }
+    fn create_pool_key(&self, access_key: &[u8; 32]) -> Result<Key> {
+        Ok(self.new_key(None, access_key))
+    }
+    fn bind(&self, key: &Key, region: &Region) -> Result<()> {
+        let mut d = self.dev();
+        d.binds += 1;
+        if std::mem::take(&mut d.fail_next_bind) {
+            return Err(Error::InvalidArgument("injected UMR failure".into()));
+        }
+        let st = d.keys.get_mut(&key.mkey).expect("pool keys exist");
+        assert!(st.region.is_none(), "UMR onto a key that was not invalidated");
+        st.region = Some(region.id);
+        Ok(())
+    }
+    fn invalidate(&self, key: &Key) -> Result<()> {
+        let mut d = self.dev();
+        if std::mem::take(&mut d.fail_next_invalidate) {
+            return Err(Error::InvalidArgument("injected LOCAL_INV failure".into()));
+        }
+        d.keys.get_mut(&key.mkey).expect("pool keys exist").region = None;
+        Ok(())
+    }
+    fn create_plain_key(&self, region: &Region, access_key: &[u8; 32]) -> Result<Key> {
+        Ok(self.new_key(Some(region.id), access_key))
+    }
+}
+
+/// The DPU: aliases check the access key at creation, then resolve through the host key.
+#[derive(Clone)]
+struct Dpu {
+    host: Model,
+    created: Rc<Cell<u64>>,
+}
+
+struct Alias {
+    mkey: u32,
+    host: Model,
+}
+
+impl Alias {
+    fn reach(&self) -> std::result::Result<u64, &'static str> {
+        self.host.resolve(self.mkey)
+    }
+}
+
+impl AliasOps for Dpu {
+    type Alias = Alias;
+    fn create_alias(&self, key: &PackedKey) -> Result<Alias> {
+        let d = self.host.dev();
+        let st = d.keys.get(&key.mkey).ok_or_else(|| Error::InvalidArgument("no such host key".into()))?;
+        if st.access_key != key.access_key {
+            return Err(Error::InvalidArgument("access key refused".into()));
+        }
+        self.created.set(self.created.get() + 1);
+        Ok(Alias { mkey: key.mkey, host: self.host.clone() })
+    }
+}
+
+const SECRET: [u8; 32] = [0x5a; 32];
+
+fn region(id: u64) -> Region {
+    Region { id, len: 4096 }
+}
+
+#[test]
+fn keys_are_created_lazily_and_reused_lifo() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(4, SECRET)).unwrap();
+    assert_eq!(model.dev().creates, 0, "lazy: nothing created up front");
+    let a = pool.export(&region(1)).unwrap();
+    let b = pool.export(&region(2)).unwrap();
+    assert_eq!(pool.stats().created, 2);
+    let (ka, kb) = (a.packed().mkey, b.packed().mkey);
+    assert_ne!(ka, kb);
+    assert_eq!(model.resolve(ka), Ok(1));
+    assert_eq!(model.resolve(kb), Ok(2));
+    a.release().unwrap();
+    assert_eq!(model.resolve(ka), Err("key invalidated"));
+    b.release().unwrap();
+    // LIFO: the key released last (b's) serves the next export.
+    let c = pool.export(&region(3)).unwrap();
+    assert_eq!(c.packed().mkey, kb);
+    assert_eq!(model.resolve(kb), Ok(3));
+    let s = pool.stats();
+    assert_eq!((s.created, s.reused, s.in_use, s.free, s.fallback), (2, 1, 1, 1, 0));
+    assert_eq!(model.dev().creates, 2);
+}
+
+#[test]
+fn precreated_keys_and_no_over_provisioning() {
+    let model = Model::default();
+    let mut cfg = PoolConfig::new(2, SECRET);
+    cfg.precreate = 5; // capped at max_keys
+    let pool = UmrMkeyPool::new(model.clone(), cfg).unwrap();
+    assert_eq!((pool.stats().created, pool.stats().free), (2, 2));
+    let a = pool.export(&region(1)).unwrap();
+    let b = pool.export(&region(2)).unwrap();
+    // The pool is at max_keys: the third export gets a plain key, the pool does not grow.
+    let c = pool.export(&region(3)).unwrap();
+    assert!(a.is_pooled() && b.is_pooled() && !c.is_pooled());
+    assert_eq!(pool.stats().created, 2);
+    assert_eq!(pool.stats().fallback, 1);
+    let plain = c.packed().mkey;
+    drop(c);
+    assert_eq!(model.resolve(plain), Err("no such key"), "plain keys are destroyed at release");
+    drop((a, b));
+    assert_eq!(pool.stats().free, 2);
+    assert_eq!(pool.stats().in_use, 0);
+}
+
+#[test]
+fn regions_beyond_umr_get_plain_keys() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(4, SECRET)).unwrap();
+    let big = Region { id: 9, len: UMR_MAX + 1 };
+    let e = pool.export(&big).unwrap();
+    assert!(!e.is_pooled());
+    assert_eq!(e.packed().len, UMR_MAX + 1);
+    assert_eq!(model.resolve(e.packed().mkey), Ok(9));
+    assert_eq!(pool.stats().created, 0);
+    assert!(pool.export(&Region { id: 1, len: 0 }).is_err());
+}
+
+#[test]
+fn failed_bind_or_invalidate_destroys_the_key() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    model.dev().fail_next_bind = true;
+    assert!(pool.export(&region(1)).is_err());
+    assert_eq!(pool.stats().discarded, 1);
+    assert!(model.dev().keys.is_empty(), "the failed key was destroyed");
+    // The slot it held is free again: a new key can be created within max_keys = 1.
+    let e = pool.export(&region(2)).unwrap();
+    assert!(e.is_pooled());
+    let k = e.packed().mkey;
+    model.dev().fail_next_invalidate = true;
+    assert!(e.release().is_err());
+    assert_eq!(model.resolve(k), Err("no such key"), "never reused after a failed LOCAL_INV");
+    let s = pool.stats();
+    assert_eq!((s.discarded, s.free, s.in_use), (2, 0, 0));
+    assert!(pool.export(&region(3)).unwrap().is_pooled());
+}
+
+#[test]
+fn alias_cache_hits_misses_and_stale_incarnations() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let dpu = Dpu { host: model.clone(), created: Rc::default() };
+    let cache = AliasCache::new(dpu.clone());
+
+    let e1 = pool.export(&region(1)).unwrap();
+    let a1 = cache.import(&e1.packed()).unwrap();
+    assert!(!a1.hit);
+    assert_eq!(a1.alias.reach(), Ok(1));
+    e1.release().unwrap();
+    // Used after its key was invalidated: the alias reaches nothing.
+    assert_eq!(a1.alias.reach(), Err("key invalidated"));
+
+    // The same pool key, re-bound: a hit, and the old alias reaches the new region.
+    let e2 = pool.export(&region(2)).unwrap();
+    assert_eq!(e2.packed().map_key(), e1_key(&a1));
+    let a2 = cache.import(&e2.packed()).unwrap();
+    assert!(a2.hit);
+    assert!(Arc::ptr_eq(&a1.alias, &a2.alias));
+    assert_eq!(a2.alias.reach(), Ok(2));
+    assert_eq!(dpu.created.get(), 1);
+    drop(e2);
+
+    // The host key is destroyed and its number reused by a new incarnation (new uuid):
+    // the cached alias is stale and is re-created.
+    let old = a2.key;
+    let reborn = PackedKey { uuid: old.uuid ^ 1, ..old };
+    let a3 = cache.import(&reborn).unwrap();
+    assert!(!a3.hit && !Arc::ptr_eq(&a3.alias, &a2.alias));
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.stale, s.uncached, s.cached), (1, 1, 1, 0, 1));
+    assert_eq!(dpu.created.get(), 2);
+}
+
+fn e1_key(a: &ImportedAlias<Alias>) -> u64 {
+    a.key.map_key()
+}
+
+#[test]
+fn plain_keys_are_not_cached_and_access_keys_are_checked() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let cache = AliasCache::new(Dpu { host: model.clone(), created: Rc::default() });
+    let big = pool.export(&Region { id: 5, len: UMR_MAX * 2 }).unwrap();
+    let a = cache.import(&big.packed()).unwrap();
+    let b = cache.import(&big.packed()).unwrap();
+    assert!(!a.hit && !b.hit && !Arc::ptr_eq(&a.alias, &b.alias));
+    assert_eq!(cache.stats().uncached, 2);
+    assert_eq!(cache.stats().cached, 0);
+
+    let e = pool.export(&region(1)).unwrap();
+    let forged = PackedKey { access_key: [0; 32], ..e.packed() };
+    assert!(cache.import(&forged).is_err());
+    assert_eq!(cache.stats().cached, 0, "a refused alias is not cached");
+    assert!(cache.import(&e.packed()).is_ok());
+    assert!(cache.evict(e.packed().vhca_id, e.packed().mkey));
+    assert!(!cache.evict(e.packed().vhca_id, e.packed().mkey));
+}
+
+#[test]
+fn packed_keys_round_trip_and_reject_garbage() {
+    let k = PackedKey {
+        mkey: 0x1234_5678,
+        vhca_id: 3,
+        uuid: u64::MAX - 5,
+        addr: 0,
+        len: 1 << 40,
+        pooled: true,
+        access_key: [7; 32],
+    };
+    let b = k.encode();
+    assert_eq!(PackedKey::decode(&b), Ok(k));
+    assert_eq!(k.map_key(), (3 << 32) | 0x1234_5678);
+    assert!(matches!(PackedKey::decode(&b[..10]), Err(PackedKeyError::Length { .. })));
+    let mut bad = b;
+    bad[0] = 2;
+    assert_eq!(PackedKey::decode(&bad), Err(PackedKeyError::Version(2)));
+    let mut bad = b;
+    bad[1] = 9;
+    assert_eq!(PackedKey::decode(&bad), Err(PackedKeyError::Flags(9)));
+}
+
+#[test]
+fn registration_cache_reuses_only_idle_regions() {
+    use rdmakit_verbs::{AccessFlags, Context};
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cache = RegistrationCache::new(&pd, AccessFlags::ALL_REMOTE, 64 << 10);
+    let a = cache.get(100).unwrap();
+    assert_eq!((a.len(), a.region().len()), (100, 128));
+    let key = a.rkey();
+    drop(a);
+    let b = cache.get(120).unwrap();
+    assert_eq!(b.rkey(), key, "same size class: the registration is reused");
+    // A region still held elsewhere (as an in-flight request would) is not reused.
+    let held = b.region().clone();
+    drop(b);
+    let c = cache.get(128).unwrap();
+    assert_ne!(c.rkey(), key);
+    drop(held);
+    // Over the byte budget: evicted.
+    let big: Vec<_> = (0..3).map(|_| cache.get(32 << 10).unwrap()).collect();
+    drop(big);
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.busy_on_return, s.evicted), (1, 5, 1, 1));
+    assert!(s.cached_bytes <= 64 << 10);
+    assert!(cache.get(0).is_err());
+}
