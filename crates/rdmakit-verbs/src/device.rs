@@ -145,6 +145,10 @@ impl Context {
         Ok(Context::from_soft(SoftDevice::new_device(config)?))
     }
 
+    pub(crate) fn from_soft_device(dev: Arc<SoftDevice>) -> Context {
+        Context::from_soft(dev)
+    }
+
     fn from_soft(dev: Arc<SoftDevice>) -> Context {
         let attr = dev.attr();
         Context { inner: Arc::new(ContextInner { backend: CtxBackend::Soft(dev), attr }) }

@@ -231,6 +231,10 @@ pub enum Error {
     /// work request still references).
     #[error("{0} is still in use by outstanding work requests")]
     Busy(&'static str),
+    /// The device refused access to an object (for example an alias of another vHCA's
+    /// key presenting the wrong access key, or a key not opened to other vHCAs).
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// A descriptor received from a peer could not be decoded.
     #[error("malformed {what}: {reason}")]
     Malformed {

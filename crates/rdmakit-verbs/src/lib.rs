@@ -51,6 +51,7 @@ mod device;
 mod dm;
 mod error;
 mod inflight;
+pub mod mlx5;
 mod mr;
 mod pd;
 mod qp;

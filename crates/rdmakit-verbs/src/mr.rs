@@ -120,6 +120,8 @@ pub(crate) enum MrMemory {
     /// Exported by another driver (GPU); no CPU access.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     DmaBuf,
+    /// An mlx5 indirect or alias key: no bytes of its own (see `crate::mlx5`).
+    Mkey(Arc<crate::mlx5::MkeyState>),
 }
 
 pub(crate) enum MrBackend {
@@ -159,6 +161,7 @@ impl Drop for MrInner {
                         MrMemory::Host(b) => std::mem::forget(b.clone()),
                         MrMemory::Device { dm, .. } => std::mem::forget(dm.clone()),
                         MrMemory::DmaBuf => {}
+                        MrMemory::Mkey(m) => std::mem::forget(m.clone()),
                     }
                 }
             }
@@ -414,6 +417,9 @@ impl MemoryRegion {
             },
             MrMemory::Device { dm, offset: base } => dm.copy_to(base + offset, data),
             MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
+            MrMemory::Mkey(_) => Err(Error::Unsupported(
+                "no CPU access through an mlx5 indirect or alias key: copy through the region it maps".into(),
+            )),
         }
     }
 
@@ -432,6 +438,9 @@ impl MemoryRegion {
             },
             MrMemory::Device { dm, offset: base } => dm.copy_from(base + offset, out),
             MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
+            MrMemory::Mkey(_) => Err(Error::Unsupported(
+                "no CPU access through an mlx5 indirect or alias key: copy through the region it maps".into(),
+            )),
         }
     }
 

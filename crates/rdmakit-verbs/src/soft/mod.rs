@@ -71,7 +71,7 @@ pub(crate) struct SoftDevice {
     name: String,
     gid: [u8; 16],
     config: SoftConfig,
-    pub(crate) mrs: mr::KeyTable,
+    pub(crate) mrs: Arc<mr::KeyTable>,
     qps: Mutex<HashMap<u32, Weak<qp::SoftQp>>>,
     /// Where the device listens for other processes (its IPv4 address is in the GID).
     addr: SocketAddrV4,
@@ -80,7 +80,16 @@ pub(crate) struct SoftDevice {
     next_qpn: AtomicU32,
     next_pd: AtomicU64,
     pub(crate) dm: dm::DmPool,
+    /// This function's vHCA id (GVMI), unique in the process.
+    vhca_id: u32,
+    /// The physical NIC this function belongs to (the vHCA id of its first function):
+    /// aliases reach only keys of functions of the same NIC.
+    nic: u32,
 }
+
+/// Every live soft function by vHCA id, for aliases of other functions' keys.
+static VHCAS: LazyLock<RwLock<HashMap<u32, Weak<SoftDevice>>>> =
+    LazyLock::new(|| RwLock::new(HashMap::new()));
 
 /// The in-process fabric: every live soft device by GID.
 static FABRIC: LazyLock<RwLock<HashMap<[u8; 16], Weak<SoftDevice>>>> =
@@ -94,7 +103,7 @@ pub const DEFAULT_NAME: &str = "soft0";
 impl SoftDevice {
     /// The process-wide `soft0` device (default configuration).
     pub(crate) fn default_device() -> Arc<SoftDevice> {
-        DEFAULT_DEVICE.get_or_init(|| SoftDevice::create(0, SoftConfig::default())).clone()
+        DEFAULT_DEVICE.get_or_init(|| SoftDevice::create(0, SoftConfig::default(), None)).clone()
     }
 
     /// A new, independent device (`softN`) on the in-process fabric.
@@ -109,11 +118,30 @@ impl SoftDevice {
                 qp::MAX_INLINE
             )));
         }
-        Ok(SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config))
+        Ok(SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None))
+    }
+
+    /// Another function (vHCA) of the same NIC as `self`, as a DPU's Arm-side function is
+    /// to the host's: its own keys, PDs and QPs, and aliases onto keys `self` opens to it.
+    pub(crate) fn new_function(&self) -> Arc<SoftDevice> {
+        SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), self.config.clone(), Some(self.nic))
+    }
+
+    /// The live function with vHCA id `vhca`.
+    pub(crate) fn by_vhca(vhca: u32) -> Option<Arc<SoftDevice>> {
+        VHCAS.read().expect("vhca registry").get(&vhca).and_then(Weak::upgrade)
+    }
+
+    pub(crate) fn vhca_id(&self) -> u32 {
+        self.vhca_id
+    }
+
+    pub(crate) fn nic(&self) -> u32 {
+        self.nic
     }
 
     /// Device `index` is named `soft<index>`; index 0 is the default device.
-    fn create(index: u32, config: SoftConfig) -> Arc<SoftDevice> {
+    fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Arc<SoftDevice> {
         let name = format!("soft{index}");
         // GID: fe80:0000:<IPv4 of the port>:<pid>:<device index>. Unique per host, process
         // and device; peers in other processes reach the device at that IPv4 address.
@@ -129,15 +157,18 @@ impl SoftDevice {
             gid,
             dm: dm::DmPool::new(config.dm_capacity),
             config,
-            mrs: mr::KeyTable::new(index),
+            mrs: Arc::new(mr::KeyTable::new(index)),
             qps: Mutex::new(HashMap::new()),
             addr,
             port: OnceLock::new(),
             // QP numbers are 24-bit; start away from 0 like real devices.
             next_qpn: AtomicU32::new(0x11),
             next_pd: AtomicU64::new(1),
+            vhca_id: index,
+            nic: nic.unwrap_or(index),
         });
         FABRIC.write().expect("fabric lock").insert(gid, Arc::downgrade(&dev));
+        VHCAS.write().expect("vhca registry").insert(index, Arc::downgrade(&dev));
         dev
     }
 
@@ -221,6 +252,9 @@ impl Drop for SoftDevice {
     fn drop(&mut self) {
         if let Ok(mut f) = FABRIC.write() {
             f.remove(&self.gid);
+        }
+        if let Ok(mut v) = VHCAS.write() {
+            v.remove(&self.vhca_id);
         }
     }
 }

@@ -3,15 +3,22 @@
 //! Each registration gets one key used as both lkey and rkey (as on mlx5). Keys are
 //! scattered over the 32-bit space so that an off-by-one or stale key is invalid rather than
 //! someone else's region.
+//!
+//! Besides direct keys (a region's bytes), the table holds the mlx5 key kinds rdmakit
+//! emulates: **indirect** keys (KSM/UMR: an address range mapped onto other keys, re-bound
+//! and invalidated at run time) and **aliases** (a key of this function standing for a key
+//! of another vHCA that opened it with an access key). Resolution follows the chain to a
+//! direct key and returns that key's entry, which keeps the bytes alive while an operation
+//! uses them, whatever is re-bound or dropped meanwhile.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 
 use crate::types::AccessFlags;
 
-/// One registered region as the NIC sees it.
+/// One key as the NIC sees it.
 pub(crate) struct MrEntry {
     /// Protection domain id.
     pub pd: u64,
@@ -19,18 +26,51 @@ pub(crate) struct MrEntry {
     pub base: u64,
     pub len: u64,
     pub access: AccessFlags,
-    /// Where the bytes are.
-    ptr: *mut u8,
-    /// Keeps the bytes alive while this entry (or an operation holding it) exists.
-    _keep: Arc<dyn Any + Send + Sync>,
+    target: Target,
+    /// The access key other vHCAs must present to alias this key, once opened to them.
+    cross_vhca: RwLock<Option<[u8; 32]>>,
+}
+
+/// What a key translates to.
+enum Target {
+    /// Bytes of a region.
+    Direct {
+        ptr: *mut u8,
+        /// Keeps the bytes alive while this entry (or an operation holding it) exists.
+        _keep: Arc<dyn Any + Send + Sync>,
+    },
+    /// An indirect key: its range maps onto other keys; `None` while free or invalidated.
+    Indirect(RwLock<Option<Arc<Binding>>>),
+    /// An alias of key `key` of another function (vHCA) of the same NIC.
+    Alias { owner: Weak<KeyTable>, key: u32 },
+}
+
+/// The current translation of an indirect key: consecutive entries from offset 0.
+pub(crate) struct Binding {
+    segs: Vec<Seg>,
+}
+
+/// One KSM entry: `len` bytes at `start` (offset in the indirect key's range) map to
+/// `target` at `target_addr`.
+pub(crate) struct Seg {
+    pub start: u64,
+    pub len: u64,
+    pub target: Arc<MrEntry>,
+    pub target_addr: u64,
+}
+
+impl Binding {
+    /// Entries in order, each starting where the previous one ended.
+    pub fn new(segs: Vec<Seg>) -> Binding {
+        Binding { segs }
+    }
 }
 
 // SAFETY: `ptr` is only dereferenced through `shared_mem`'s byte-wise atomic copies and
 // `AtomicU64` cells, which are sound from any thread; `_keep` (Send + Sync) owns the memory
 // it points into, so the pointer stays valid wherever the entry travels.
 unsafe impl Send for MrEntry {}
-// SAFETY: as above; the entry has no interior mutability besides the pointed-to bytes,
-// which are only accessed atomically.
+// SAFETY: as above; the other fields are locks and plain data.
 unsafe impl Sync for MrEntry {}
 
 /// Why an access was refused. Callers map it to the status their side reports.
@@ -46,11 +86,36 @@ pub(crate) enum Fault {
     Access,
 }
 
+/// How many key hops a resolution may take (alias -> indirect -> direct, and one spare).
+const MAX_HOPS: u32 = 4;
+
 impl MrEntry {
-    /// Checks `addr..addr+len` against this region for an access needing `need`, and
-    /// returns the local pointer to `addr`.
-    pub fn check(&self, pd: u64, addr: u64, len: u64, need: AccessFlags) -> Result<*mut u8, Fault> {
-        if self.pd != pd {
+    /// Checks `addr..addr+len` against this key for an access needing `need` from
+    /// protection domain `pd` (`None`: an alias crossing functions, where the alias's own
+    /// PD was checked) and follows indirect keys and aliases to the bytes. Returns the
+    /// local pointer to `addr` and the direct entry that keeps it alive.
+    pub fn resolve(
+        self: &Arc<Self>,
+        pd: Option<u64>,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(*mut u8, Arc<MrEntry>), Fault> {
+        self.resolve_hops(pd, addr, len, need, 0)
+    }
+
+    fn resolve_hops(
+        self: &Arc<Self>,
+        pd: Option<u64>,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+        hops: u32,
+    ) -> Result<(*mut u8, Arc<MrEntry>), Fault> {
+        if hops > MAX_HOPS {
+            return Err(Fault::Key);
+        }
+        if pd.is_some_and(|pd| pd != self.pd) {
             return Err(Fault::Pd);
         }
         if !self.access.contains(need) {
@@ -61,8 +126,64 @@ impl MrEntry {
             Some(end) if end <= self.len => {}
             _ => return Err(Fault::Bounds),
         }
-        // `off < self.len` (or len == 0 and off <= len), so the add stays in the allocation.
-        Ok(self.ptr.wrapping_add(off as usize))
+        match &self.target {
+            // `off < self.len` (or len == 0 and off <= len), so the add stays in the allocation.
+            Target::Direct { ptr, .. } => Ok((ptr.wrapping_add(off as usize), self.clone())),
+            Target::Indirect(b) => {
+                let b = b.read().unwrap_or_else(|e| e.into_inner()).clone().ok_or(Fault::Key)?;
+                // The entry holding `off`; an access must lie within one entry.
+                let i = b.segs.partition_point(|s| s.start <= off).checked_sub(1).ok_or(Fault::Bounds)?;
+                let seg = &b.segs[i];
+                let within = off - seg.start;
+                if within.checked_add(len).is_none_or(|e| e > seg.len) {
+                    return Err(Fault::Bounds);
+                }
+                // Entries were checked to be in this key's PD when bound.
+                seg.target.resolve_hops(None, seg.target_addr + within, len, need, hops + 1)
+            }
+            Target::Alias { owner, key } => {
+                let owner = owner.upgrade().ok_or(Fault::Key)?;
+                let target = owner.lookup(*key).ok_or(Fault::Key)?;
+                if target.cross_vhca_key().is_none() {
+                    return Err(Fault::Access);
+                }
+                target.resolve_hops(None, addr, len, need, hops + 1)
+            }
+        }
+    }
+
+    /// Checks `addr..addr+len` against this direct key (PD, access, bounds) and returns the
+    /// local pointer; indirect keys and aliases resolve through [`resolve`](Self::resolve).
+    #[cfg(test)]
+    pub fn check(
+        self: &Arc<Self>,
+        pd: u64,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<*mut u8, Fault> {
+        self.resolve(Some(pd), addr, len, need).map(|(p, _)| p)
+    }
+
+    /// Re-binds an indirect key (`None`: invalidate). False if the key is not indirect.
+    pub fn rebind(&self, binding: Option<Binding>) -> bool {
+        match &self.target {
+            Target::Indirect(b) => {
+                *b.write().unwrap_or_else(|e| e.into_inner()) = binding.map(Arc::new);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Opens the key to other vHCAs with `access_key`.
+    pub fn allow_cross_vhca(&self, access_key: [u8; 32]) {
+        *self.cross_vhca.write().unwrap_or_else(|e| e.into_inner()) = Some(access_key);
+    }
+
+    /// The access key, if the key is open to other vHCAs.
+    pub fn cross_vhca_key(&self) -> Option<[u8; 32]> {
+        *self.cross_vhca.read().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -97,17 +218,82 @@ impl KeyTable {
         keep: Arc<dyn Any + Send + Sync>,
     ) -> u32 {
         let mut map = self.map.write().expect("key table");
-        let key = loop {
+        let key = self.fresh_key(&map);
+        map.insert(
+            key,
+            Arc::new(MrEntry {
+                pd,
+                base,
+                len,
+                access,
+                target: Target::Direct { ptr, _keep: keep },
+                cross_vhca: RwLock::new(None),
+            }),
+        );
+        key
+    }
+
+    /// Creates a free indirect key of `len` bytes from `base` in PD `pd`.
+    pub fn register_indirect(&self, pd: u64, base: u64, len: u64, access: AccessFlags) -> u32 {
+        self.insert_with(|| MrEntry {
+            pd,
+            base,
+            len,
+            access,
+            target: Target::Indirect(RwLock::new(None)),
+            cross_vhca: RwLock::new(None),
+        })
+    }
+
+    /// Creates an alias in PD `pd` of key `key` of the function whose table is `owner`.
+    pub fn register_alias(
+        &self,
+        pd: u64,
+        owner: &Arc<KeyTable>,
+        key: u32,
+        base: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> u32 {
+        self.insert_with(|| MrEntry {
+            pd,
+            base,
+            len,
+            access,
+            target: Target::Alias { owner: Arc::downgrade(owner), key },
+            cross_vhca: RwLock::new(None),
+        })
+    }
+
+    fn insert_with(&self, entry: impl FnOnce() -> MrEntry) -> u32 {
+        let mut map = self.map.write().expect("key table");
+        let key = self.fresh_key(&map);
+        map.insert(key, Arc::new(entry()));
+        key
+    }
+
+    fn fresh_key(&self, map: &HashMap<u32, Arc<MrEntry>>) -> u32 {
+        loop {
             // An odd multiplier is a bijection on u32, so keys are unique until wrap-around;
             // the loop skips 0 and any key still in use after a wrap.
             let n = self.next.fetch_add(1, Ordering::Relaxed) ^ self.salt;
             let key = n.wrapping_mul(0x9E37_79B1);
             if key != 0 && !map.contains_key(&key) {
-                break key;
+                return key;
             }
-        };
-        map.insert(key, Arc::new(MrEntry { pd, base, len, access, ptr, _keep: keep }));
-        key
+        }
+    }
+
+    /// Resolves `key` for an access from PD `pd` (see [`MrEntry::resolve`]).
+    pub fn resolve(
+        &self,
+        key: u32,
+        pd: u64,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(*mut u8, Arc<MrEntry>), Fault> {
+        self.lookup(key).ok_or(Fault::Key)?.resolve(Some(pd), addr, len, need)
     }
 
     /// Invalidates `key`. Operations already holding the entry finish; new ones fail.

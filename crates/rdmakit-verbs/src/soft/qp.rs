@@ -654,9 +654,10 @@ impl SoftQp {
             (Some(_), _) => Err(WcStatus::LOC_QP_OP_ERR),
             (None, Some(sge)) if sge.len > 0 => {
                 let need = if writes_local { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
-                let entry = self.device.mrs.lookup(sge.lkey).ok_or(WcStatus::LOC_PROT_ERR)?;
-                let p = entry
-                    .check(self.pd, sge.addr, u64::from(sge.len), need)
+                let (p, entry) = self
+                    .device
+                    .mrs
+                    .resolve(sge.lkey, self.pd, sge.addr, u64::from(sge.len), need)
                     .map_err(|_| WcStatus::LOC_PROT_ERR)?;
                 Ok(LocalBuf { src: Src::Shared(p), ptr: p, entry: Some(entry) })
             }
@@ -873,9 +874,8 @@ impl SoftQp {
             // Zero-length RDMA operations carry no key check (IB spec).
             return Ok((std::ptr::null_mut(), None));
         }
-        let entry = self.device.mrs.lookup(rkey).ok_or(WcStatus::REM_ACCESS_ERR)?;
-        match entry.check(self.pd, addr, u64::from(len), need) {
-            Ok(p) => Ok((p, Some(entry))),
+        match self.device.mrs.resolve(rkey, self.pd, addr, u64::from(len), need) {
+            Ok((p, entry)) => Ok((p, Some(entry))),
             Err(Fault::Key | Fault::Pd | Fault::Bounds | Fault::Access) => Err(WcStatus::REM_ACCESS_ERR),
         }
     }
@@ -950,9 +950,13 @@ impl SoftQp {
         let mut _entry = None;
         if len > 0 {
             let sge = recv.sge.expect("len <= cap implies an sge");
-            let dst = self.device.mrs.lookup(sge.lkey).ok_or(Fault::Key).and_then(|e| {
-                e.check(self.pd, sge.addr, u64::from(len), AccessFlags::LOCAL_WRITE).map(|p| (p, e))
-            });
+            let dst = self.device.mrs.resolve(
+                sge.lkey,
+                self.pd,
+                sge.addr,
+                u64::from(len),
+                AccessFlags::LOCAL_WRITE,
+            );
             match dst {
                 Ok((dst, e)) => {
                     _entry = Some(e);
