@@ -1,12 +1,14 @@
 //! rdmakit-memory: NIC memory management on top of `rdmakit-verbs`.
 //!
-//! **Status: partly built.** The allocator core of asymmetric remote heaps
-//! (rmalloc/rfree) is here, in [`heap`]: the allocating side's [`heap::HeapAllocator`]
-//! (next-fit, first-fit, best-fit, worst-fit), the owner's [`heap::HeapOwner`], and the
-//! deferred and immediate synchronisation messages between them with their wire encoding.
-//! It is transport-independent; carrying those messages over RDMA comes with the channel
-//! layer. Not built yet: MEMIC regions (NIC on-chip memory mapped through an indirect key)
-//! and the cross-GVMI UMR mkey pool with its alias map.
+//! Three memory ideas from the seeds, none of which another Rust crate has:
+//! - [`memic`]: regions of NIC on-chip memory at a unique address through an indirect key,
+//!   with host fallback and sub-allocated atomic counters (UCX's MEMIC);
+//! - [`xgvmi`]: cross-GVMI keys for DPU offload through a LIFO pool of UMR mkeys on the
+//!   host and an alias cache on the DPU (UCX's UMR mkey pool), and a registration cache;
+//! - [`heap`]: asymmetric remote heaps (rmalloc/rfree) per endpoint pair, with next-fit,
+//!   first-fit, best-fit and worst-fit allocation and the paper's deferred and immediate
+//!   synchronisation.
 
 pub mod heap;
+pub mod memic;
 pub mod xgvmi;
