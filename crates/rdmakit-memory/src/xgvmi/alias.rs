@@ -7,8 +7,8 @@ use rdmakit_verbs::{Error, Result};
 
 use super::PackedKey;
 
-/// What the cache needs from the DPU's device, implemented over
-/// `rdmakit_verbs::mlx5`; tests implement it with a model.
+/// What the cache needs from the DPU's device: [`DpuFunction`](super::DpuFunction)
+/// over `rdmakit_verbs::mlx5`, or a model in tests.
 pub trait AliasOps {
     /// An alias mkey in the DPU function's protection domain. Dropping it destroys it.
     type Alias;

@@ -27,11 +27,13 @@
 //!   the pool pays off (a buffer per iteration, exported each time).
 //!
 //! The pool and the cache are generic over the device operations ([`HostKeyOps`],
-//! [`AliasOps`]), so their logic is tested apart from any device.
+//! [`AliasOps`]), so their logic is tested apart from any device; [`HostFunction`] and
+//! [`DpuFunction`] implement them over `rdmakit_verbs::mlx5` (emulated by the soft NIC).
 //! Pool keys are zero-based: a peer addresses byte `i` of the exported region as
 //! `PackedKey::addr + i` with `addr == 0`.
 
 mod alias;
+mod device;
 mod packed;
 mod pool;
 mod regcache;
@@ -40,6 +42,7 @@ mod regcache;
 mod tests;
 
 pub use alias::{AliasCache, AliasOps, AliasStats, ImportedAlias};
+pub use device::{DpuFunction, HostFunction};
 pub use packed::{PackedKey, PackedKeyError};
 pub use pool::{Export, HostKeyOps, PoolConfig, PoolStats, UmrMkeyPool};
 pub use regcache::{CachedRegion, RegCacheStats, RegistrationCache};

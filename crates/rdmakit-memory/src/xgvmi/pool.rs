@@ -8,8 +8,8 @@ use rdmakit_verbs::{Error, Result};
 
 use super::PackedKey;
 
-/// What the pool needs from the host's device, implemented over
-/// `rdmakit_verbs::mlx5`; tests implement it with a model.
+/// What the pool needs from the host's device: [`HostFunction`](super::HostFunction)
+/// over `rdmakit_verbs::mlx5`, or a model in tests.
 pub trait HostKeyOps {
     /// An indirect mkey, opened to other vHCAs. Dropping it destroys it.
     type Key;

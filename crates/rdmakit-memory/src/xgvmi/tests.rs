@@ -343,3 +343,57 @@ fn registration_cache_reuses_only_idle_regions() {
     assert!(s.cached_bytes <= 64 << 10);
     assert!(cache.get(0).is_err());
 }
+
+/// The pool and the cache over the soft NIC's mlx5 emulation: a DPU function writes host
+/// memory to a remote peer through cached aliases of pool keys, buffer after buffer.
+#[test]
+fn pool_and_cache_on_the_soft_nic() {
+    use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr, SoftConfig, WcStatus};
+    let wait = Some(std::time::Duration::from_secs(10));
+    let host = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let dpu = host.open_function().unwrap();
+    let peer = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let (hpd, dpd, ppd) = (host.alloc_pd().unwrap(), dpu.alloc_pd().unwrap(), peer.alloc_pd().unwrap());
+    let pool = UmrMkeyPool::new(
+        HostFunction::new(&hpd, AccessFlags::ALL_REMOTE).unwrap(),
+        PoolConfig::new(4, SECRET),
+    )
+    .unwrap();
+    let cache = AliasCache::new(DpuFunction::new(&dpd, AccessFlags::LOCAL_WRITE));
+    let buffers = RegistrationCache::new(&hpd, AccessFlags::ALL_REMOTE, 1 << 20);
+
+    let (dcq, pcq) = (dpu.create_cq(16).unwrap(), peer.create_cq(16).unwrap());
+    let qp = dpd.create_qp(&dcq, &dcq, QpCaps::default()).unwrap();
+    let pqp = ppd.create_qp(&pcq, &pcq, QpCaps::default()).unwrap();
+    qp.connect(&pqp.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    pqp.connect(&qp.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    let sink = ppd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+
+    let mut last = None;
+    for i in 0..20u8 {
+        let buf = buffers.get(1000).unwrap(); // a temporary buffer per iteration
+        buf.write_at(0, &[i; 1000]).unwrap();
+        let export = pool.export(buf.region()).unwrap();
+        let wire = export.packed().encode(); // what the host sends the DPU
+        let imported = cache.import(&PackedKey::decode(&wire).unwrap()).unwrap();
+        qp.post_send(SendWr::write(
+            imported.alias.region().slice(0, 1000).unwrap(),
+            sink.remote().slice(0, 1000).unwrap(),
+        ))
+        .unwrap();
+        dcq.wait(wait).unwrap().ok().unwrap();
+        assert_eq!(sink.to_vec().unwrap()[..1000], [i; 1000]);
+        export.release().unwrap();
+        last = Some(imported);
+    }
+    let s = pool.stats();
+    assert_eq!((s.created, s.reused, s.in_use, s.fallback), (1, 19, 0, 0));
+    let a = cache.stats();
+    assert_eq!((a.misses, a.hits, a.stale), (1, 19, 0));
+    assert_eq!(buffers.stats().hits, 19);
+    // The released key is invalidated: the cached alias gets a protection error now.
+    let alias = last.unwrap().alias;
+    qp.post_send(SendWr::write(alias.region().slice(0, 8).unwrap(), sink.remote().slice(0, 8).unwrap()))
+        .unwrap();
+    assert_eq!(dcq.wait(wait).unwrap().status, WcStatus::LOC_PROT_ERR);
+}
