@@ -1,7 +1,75 @@
 //! Conformance cases for the memory crate's device-memory features (MEMIC placement and its
-//! host fallback on devices without device memory).
+//! host fallback on devices without device memory), run on both providers: on rxe, which
+//! has no device memory, they check the fallback and the typed refusal.
 
-use crate::cases::Case;
+use libtest_mimic::Failed;
+use rdmakit::memory::memic::{CounterPool, Location, Memic, Placement};
+use rdmakit::*;
+
+use crate::cases::{Case, case};
+use crate::fixture::{Env, wait_ok};
+use crate::{check, check_eq};
 
 /// The memory cases, run on both providers by `main`.
-pub const CASES: &[Case] = &[];
+pub const CASES: &[Case] = &[
+    case("memic_nic_preferred_places_or_falls_back", memic_nic_preferred),
+    case("memic_nic_required_matches_the_probe", memic_nic_required),
+    case("memic_counters_take_remote_fetch_add", memic_counters),
+];
+
+/// `NicPreferred` always gives a region that remote atomics reach, on the NIC exactly when
+/// the probe found usable device memory.
+fn memic_nic_preferred(env: &Env) -> Result<(), Failed> {
+    let p = env.pair()?;
+    let memic = Memic::open(&p.pd);
+    let region = memic.alloc(100, Placement::NicPreferred)?;
+    let expected = if memic.unavailable_reason().is_none() { Location::Nic } else { Location::Host };
+    check_eq!(region.location(), expected);
+    check_eq!(region.len(), 128);
+    check!(region.remote().addr != 0, "a MEMIC region needs a non-zero address");
+    let result = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
+    let target = region.remote().slice(64, 8)?;
+    for _ in 0..3 {
+        p.a.post_send(SendWr::fetch_add(result.local()?, target, 7))?;
+        wait_ok(&p.cq_a)?;
+    }
+    check_eq!((result.read_u64(0)?, region.read_u64(64)?), (14, 21));
+    Ok(())
+}
+
+/// `NicRequired` succeeds exactly when the probe did, and otherwise is a typed error.
+fn memic_nic_required(env: &Env) -> Result<(), Failed> {
+    let pd = env.ctx.alloc_pd()?;
+    let memic = Memic::open(&pd);
+    match (memic.unavailable_reason(), memic.alloc(64, Placement::NicRequired)) {
+        (None, Ok(r)) => check_eq!(r.location(), Location::Nic),
+        (Some(_), Err(Error::Unsupported(_) | Error::DeviceMemoryExhausted { .. })) => {}
+        (reason, other) => return Err(format!("probe said {reason:?}, NicRequired gave {other:?}").into()),
+    }
+    // Beyond max_dm_size is refused even where device memory exists.
+    if memic.unavailable_reason().is_none() {
+        let too_big = env.ctx.attr().max_dm_size * 2;
+        check!(
+            matches!(memic.alloc(too_big, Placement::NicRequired), Err(Error::DeviceMemoryExhausted { .. })),
+            "an allocation above max_dm_size was not refused"
+        );
+    }
+    Ok(())
+}
+
+/// Counters sub-allocated from one region each see exactly their own remote adds.
+fn memic_counters(env: &Env) -> Result<(), Failed> {
+    let p = env.pair()?;
+    let pool = CounterPool::new(&Memic::open(&p.pd), 16, Placement::NicPreferred)?;
+    let counters: Vec<_> =
+        (0..16).map(|_| pool.alloc()?.ok_or(Error::Busy("counter pool"))).collect::<Result<_>>()?;
+    let result = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
+    for (i, c) in counters.iter().enumerate() {
+        p.a.post_send(SendWr::fetch_add(result.local()?, c.remote()?, i as u64 + 1))?;
+        wait_ok(&p.cq_a)?;
+    }
+    for (i, c) in counters.iter().enumerate() {
+        check_eq!(c.get()?, i as u64 + 1);
+    }
+    Ok(())
+}
