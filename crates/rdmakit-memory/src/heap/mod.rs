@@ -84,6 +84,7 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
+pub mod endpoint;
 mod free_space;
 mod owner;
 mod segments;

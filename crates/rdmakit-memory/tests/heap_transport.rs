@@ -1,0 +1,196 @@
+//! Remote heaps between two endpoints on the soft NIC, in one process and over soft TCP:
+//! rmalloc → write → consume → rfree rounds with checksums, growth and refusal, both
+//! synchronisation modes, and a peer that goes away.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdmakit_memory::heap::endpoint::{EndpointError, HeapEndpoint, LandedBlock, OwnerLimits};
+use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapError, HeapId};
+use rdmakit_verbs::cm::{CmOptions, Listener, connect};
+use rdmakit_verbs::*;
+
+const T: Duration = Duration::from_secs(10);
+
+fn in_process(limits: OwnerLimits) -> (HeapEndpoint, HeapEndpoint, ProtectionDomain) {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
+    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
+    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    (HeapEndpoint::new(a, ca, limits, T).unwrap(), HeapEndpoint::new(b, cb, limits, T).unwrap(), pd)
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
+}
+
+/// Creates `config`'s heap from `alloc` while `owner` answers in another thread.
+fn create(alloc: &mut HeapEndpoint, owner: &mut HeapEndpoint, config: HeapConfig, len: u64) {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                owner.poll_messages().unwrap();
+            }
+        });
+        alloc.create_heap(config, len).unwrap();
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+    });
+}
+
+#[test]
+fn next_fit_deferred_round_trips_with_checksums() {
+    let (mut a, mut b, pd) = in_process(OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 1 << 20 });
+    let heap = HeapId(1);
+    create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 256 << 10);
+    let src = pd.alloc_mr(64 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut sent = HashMap::new();
+    let mut held: VecDeque<LandedBlock> = VecDeque::new();
+    for i in 0..300usize {
+        let len = 1 + (i * 7919) % (40 << 10);
+        let data: Vec<u8> = (0..len).map(|j| (i * 31 + j * 7) as u8).collect();
+        src.write_at(0, &data).unwrap();
+        // Deferred mode: the owner side only has to poll; growth requests need an answer,
+        // so the owner polls before each allocation as a service loop would.
+        b.poll_messages().unwrap();
+        let block = match a.rmalloc(heap, len as u64) {
+            Ok(bl) => bl,
+            Err(e) => panic!("rmalloc {i}: {e}"),
+        };
+        for l in &held {
+            let (x, n) = (l.block.addr, l.block.len);
+            assert!(block.addr + block.len <= x || x + n <= block.addr, "overlaps a block the owner holds");
+        }
+        a.write(heap, &block, 0, src.slice(0, len as u32).unwrap()).unwrap();
+        sent.insert(block.addr, (len, checksum(&data)));
+        let landed = b.recv_block(heap).unwrap();
+        let (len, sum) = sent[&landed.block.addr];
+        let mut got = vec![0u8; len];
+        b.read(&landed, 0, &mut got).unwrap();
+        assert_eq!(checksum(&got), sum, "message {i}");
+        held.push_back(landed);
+        while held.len() > 3 {
+            b.rfree(held.pop_front().unwrap()).unwrap();
+        }
+    }
+    for l in held {
+        b.rfree(l).unwrap();
+    }
+    b.flush_frees(heap).unwrap();
+    a.poll_messages().unwrap();
+    let s = a.heap_stats(heap).unwrap();
+    assert_eq!(s.free, s.total, "freeing everything restores full capacity: {s:?}");
+}
+
+#[test]
+fn best_and_worst_fit_synchronise_immediately() {
+    for (id, policy) in [(2, AllocPolicy::BestFit), (3, AllocPolicy::WorstFit)] {
+        let (mut a, mut b, pd) = in_process(OwnerLimits::default());
+        let heap = HeapId(id);
+        create(&mut a, &mut b, HeapConfig::new(heap, policy), 128 << 10);
+        // The owner must answer each allocation while the allocating side waits.
+        let owner = std::thread::spawn(move || {
+            for n in 0..100u32 {
+                let landed = b.recv_block(heap).unwrap();
+                let mut first = [0u8; 1];
+                b.read(&landed, 0, &mut first).unwrap();
+                assert_eq!(first[0], n as u8);
+                b.rfree(landed).unwrap();
+            }
+            b
+        });
+        let src = pd.alloc_mr(8192, AccessFlags::LOCAL_WRITE).unwrap();
+        for i in 0..100u32 {
+            let len = 64 + (i * 131) % 8000;
+            src.write_at(0, &[i as u8]).unwrap();
+            let block = a.rmalloc(heap, u64::from(len)).unwrap();
+            a.write(heap, &block, 0, src.slice(0, len).unwrap()).unwrap();
+        }
+        let b = owner.join().unwrap();
+        assert_eq!(b.owner_stats(heap).unwrap().held_blocks, 0, "{policy:?}");
+    }
+}
+
+#[test]
+fn growth_is_granted_then_refused_at_the_limit() {
+    let (mut a, mut b, pd) = in_process(OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 192 << 10 });
+    let heap = HeapId(4);
+    create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
+    let src = pd.alloc_mr(32 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    let owner = std::thread::spawn(move || {
+        // Holds everything it receives: nothing is ever freed; answers growth requests.
+        let mut held = Vec::new();
+        while !done2.load(Ordering::Relaxed) {
+            b.poll_messages().unwrap();
+            while let Some(l) = b.try_recv_block(heap).unwrap() {
+                held.push(l);
+            }
+        }
+        held.len()
+    });
+    for _ in 0..6 {
+        let block = a.rmalloc(heap, 32 << 10).unwrap();
+        a.write(heap, &block, 0, src.slice(0, 32 << 10).unwrap()).unwrap();
+    }
+    assert_eq!(a.heap_stats(heap).unwrap().segments, 3);
+    let err = a.rmalloc(heap, 32 << 10).unwrap_err();
+    assert!(matches!(err, EndpointError::Heap(HeapError::GrowthRefused { .. })), "{err}");
+    done.store(true, Ordering::Relaxed);
+    assert_eq!(owner.join().unwrap(), 6);
+}
+
+#[test]
+fn over_soft_tcp_and_a_peer_that_goes_away() {
+    let ctx = Context::open_soft();
+    let listener = Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heap = HeapId(9);
+    let server = std::thread::spawn(move || {
+        let pd = listener.context().alloc_pd().unwrap();
+        let conn = listener.accept(&pd, &CmOptions::default(), b"").unwrap();
+        let mut b = HeapEndpoint::from_connection(conn, OwnerLimits::default(), T).unwrap();
+        let mut sums = Vec::new();
+        let deadline = Instant::now() + T;
+        while sums.len() < 50 && Instant::now() < deadline {
+            b.poll_messages().unwrap();
+            while let Some(l) = b.try_recv_block(heap).ok().flatten() {
+                let mut buf = vec![0u8; 1000];
+                b.read(&l, 0, &mut buf).unwrap();
+                sums.push(checksum(&buf));
+                b.rfree(l).unwrap();
+            }
+        }
+        sums // dropping `b` closes the connection
+    });
+    let pd = ctx.alloc_pd().unwrap();
+    let conn = connect(&pd, addr, &CmOptions::default(), b"").unwrap();
+    let mut a = HeapEndpoint::from_connection(conn, OwnerLimits::default(), Duration::from_secs(2)).unwrap();
+    a.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 1 << 20).unwrap();
+    let src = pd.alloc_mr(1000, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut expect = Vec::new();
+    for i in 0..50u32 {
+        let data: Vec<u8> = (0..1000u32).map(|j| (i ^ j) as u8).collect();
+        src.write_at(0, &data).unwrap();
+        expect.push(checksum(&data));
+        let block = a.rmalloc(heap, 1000).unwrap();
+        a.write(heap, &block, 0, src.local().unwrap()).unwrap();
+    }
+    assert_eq!(server.join().unwrap(), expect);
+    // The owner is gone: writing fails with an error (an error completion or a time-out),
+    // never a hang.
+    let started = Instant::now();
+    let err = loop {
+        match a.rmalloc(heap, 1000).and_then(|b| a.write(heap, &b, 0, src.local().unwrap())) {
+            Ok(()) => assert!(started.elapsed() < Duration::from_secs(60), "still succeeding"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, EndpointError::Verbs(_) | EndpointError::Timeout(_)), "{err}");
+}
