@@ -1,7 +1,30 @@
 //! rdmakit-channel: async one-sided transfers on top of `rdmakit-verbs`.
 //!
-//! Two seed designs: rpipe-style [`pipe`]s (`rwrite`/`rread` with notification flags, over
-//! the remote heaps of `rdmakit-memory`) and CkDirect-style persistent [`put`] handles.
+//! Two seed designs, for `.await`ing from tokio services:
+//! - [`pipe`]: rpipe-style pipes. `rwrite` RDMA-writes straight into a block the writer
+//!   allocated in the reader's remote heap (`rdmakit_memory::heap`), then notifies the
+//!   reader with a flag written after the data or with a write-with-immediate; the reader
+//!   gets an exclusive [`RecvGuard`](pipe::RecvGuard) and dropping it is the rfree, which
+//!   is also the writer's credit. `publish`/`rread` pull data the other way.
+//!   [`stream::PipeStream`] makes a pipe an `AsyncRead + AsyncWrite` byte stream.
+//! - [`put`]: CkDirect-style persistent put handles: a receive buffer set up once, a
+//!   sender associated once, then one RDMA write per iteration, detected by a sequence word
+//!   written after the data (so any payload is seen, unlike CkDirect's sentinel).
+//!
+//! **Cancel safety.** Operations take ownership of their buffers and return them with the
+//! result ([`BufResult`]). Once a request is posted, the verbs layer's in-flight table holds
+//! its memory region until the NIC's completion is reaped, whoever reaps it; dropping a
+//! future therefore never frees or reuses memory the NIC may still touch, and the
+//! completion it was waiting for is applied by the next operation that makes progress
+//! ([`driver`]). Receive guards and put handles never hand out `&[u8]` over memory a peer
+//! may write, except through `unsafe fn`s.
 
+pub mod driver;
+mod error;
 pub mod pipe;
 pub mod put;
+pub mod stream;
+
+pub use driver::PollMode;
+pub use error::{BufResult, ChannelError, Result};
+pub use pipe::{NotifyMode, Pipe, PipeConfig, RecvGuard};

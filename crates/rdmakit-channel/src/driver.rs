@@ -1,0 +1,135 @@
+//! Completion progress for one completion queue, driven by the futures that wait on it.
+//!
+//! There is no background task: whichever future needs progress takes completions from
+//! the CQ, hands each to the owner's handler under its state lock, and wakes the other
+//! waiters. Two modes:
+//! - [`PollMode::Busy`] polls the CQ and yields to the executor between polls: lowest
+//!   latency, one core busy while waiting;
+//! - [`PollMode::Event`] sleeps on the CQ's completion channel (`ibv_get_cq_event`, or the
+//!   soft NIC's eventfd) through tokio's reactor: no CPU while idle.
+//!
+//! Cancel safety: a completion leaves the CQ only in the same synchronous step that applies
+//! it to the state, so dropping a waiting future loses nothing; the buffers of requests in
+//! flight are held by the verbs layer's in-flight table until their completion is reaped,
+//! whoever reaps it. Waiting allocates nothing.
+
+use std::sync::Mutex;
+
+use rdmakit_verbs::{CompletionQueue, WorkCompletion};
+use tokio::sync::Notify;
+
+use crate::error::Result;
+
+/// How a driver waits for completions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PollMode {
+    /// Poll the CQ, yielding between polls (latency).
+    Busy,
+    /// Sleep on completion events (CPU efficiency).
+    #[default]
+    Event,
+}
+
+/// Progress for one CQ whose completions update a state `S`.
+#[derive(Debug)]
+pub struct Driver<S> {
+    cq: CompletionQueue,
+    mode: PollMode,
+    state: Mutex<S>,
+    notify: Notify,
+}
+
+impl<S> Driver<S> {
+    /// A driver over `cq` for `state`.
+    pub fn new(cq: CompletionQueue, mode: PollMode, state: S) -> Self {
+        Driver { cq, mode, state: Mutex::new(state), notify: Notify::new() }
+    }
+
+    /// The poll mode.
+    pub fn mode(&self) -> PollMode {
+        self.mode
+    }
+
+    /// The CQ.
+    pub fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Runs `f` on the state (never across an await).
+    pub fn with<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut g)
+    }
+
+    /// Wakes every waiter (after a state change they may care about).
+    pub fn wake_all(&self) {
+        self.notify.notify_waiters();
+    }
+
+    /// Takes every completion available now and applies it with `handle`. Returns how many.
+    pub fn progress(&self, handle: &mut impl FnMut(&mut S, &WorkCompletion)) -> Result<usize> {
+        let mut wcs = [WorkCompletion::default(); 32];
+        let mut total = 0;
+        loop {
+            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let n = self.cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                handle(&mut g, wc);
+            }
+            drop(g);
+            total += n;
+            if n < wcs.len() {
+                break;
+            }
+        }
+        if total > 0 {
+            self.notify.notify_waiters();
+        }
+        Ok(total)
+    }
+
+    /// Waits until `ready` returns `Some`, making progress with `handle` meanwhile.
+    /// `ready` runs under the state lock; it must not block.
+    pub async fn wait<R>(
+        &self,
+        handle: impl FnMut(&mut S, &WorkCompletion),
+        ready: impl FnMut(&mut S) -> Option<Result<R>>,
+    ) -> Result<R> {
+        self.wait_mode(self.mode, handle, ready).await
+    }
+
+    /// [`wait`](Self::wait) in the given mode: [`PollMode::Busy`] for conditions no
+    /// completion announces (a flag in memory).
+    pub async fn wait_mode<R>(
+        &self,
+        mode: PollMode,
+        mut handle: impl FnMut(&mut S, &WorkCompletion),
+        mut ready: impl FnMut(&mut S) -> Option<Result<R>>,
+    ) -> Result<R> {
+        loop {
+            // Register interest before checking, so a wake between check and sleep counts.
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            self.progress(&mut handle)?;
+            if let Some(r) = self.with(&mut ready) {
+                return r;
+            }
+            match mode {
+                PollMode::Busy => tokio::task::yield_now().await,
+                PollMode::Event => {
+                    tokio::select! {
+                        wc = self.cq.next() => {
+                            let wc = wc?;
+                            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                            handle(&mut g, &wc);
+                            drop(g);
+                            self.notify.notify_waiters();
+                        }
+                        _ = &mut notified => {}
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! Errors of the channel layer, and the buffer-returning result of one-sided operations.
+
+use rdmakit_verbs::WcStatus;
+
+/// What can go wrong on a pipe or a put handle.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// The verbs layer refused an operation (posting, registration, connection).
+    #[error(transparent)]
+    Verbs(#[from] rdmakit_verbs::Error),
+    /// The remote heap behind a pipe refused (a message larger than the ring, say).
+    #[error(transparent)]
+    Heap(#[from] rdmakit_memory::heap::HeapError),
+    /// A work request failed, so the connection is broken: every later operation fails too.
+    /// `RETRY_EXC_ERR` usually means the peer died.
+    #[error("connection broken: {status} on {what}")]
+    Broken {
+        /// The completion status that broke it.
+        status: WcStatus,
+        /// What the failed request was doing.
+        what: &'static str,
+    },
+    /// The peer sent something the protocol does not allow.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A message does not fit: larger than the peer's receive ring, say.
+    #[error("{what} of {len} bytes exceeds {limit}")]
+    TooLarge {
+        /// What was too large.
+        what: &'static str,
+        /// Its length.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A put handle already has a transaction the receiver has not marked ready.
+    #[error("put handle busy: the receiver has not consumed the previous put")]
+    Busy,
+    /// The handle or pipe end has no such role (a put from a receiver-side handle, say).
+    #[error("invalid use: {0}")]
+    Invalid(&'static str),
+    /// A wait ran out of time.
+    #[error("timed out after {0:?}")]
+    Timeout(std::time::Duration),
+}
+
+/// Result of channel operations.
+pub type Result<T> = std::result::Result<T, ChannelError>;
+
+/// The result of an operation that took ownership of a buffer: the outcome and the buffer,
+/// returned whether the operation succeeded or not (tokio-uring's `BufResult`).
+pub type BufResult<T, B> = (Result<T>, B);

@@ -1,0 +1,1 @@
+//! AsyncRead/AsyncWrite over a pipe (being built).

@@ -1,0 +1,210 @@
+//! Pipes on the soft NIC: integrity over many sizes in both notification modes, flow
+//! control under a slow reader, cancel safety, publish/rread, soft TCP, and a dying peer.
+
+use std::time::Duration;
+
+use rdmakit_channel::*;
+use rdmakit_verbs::cm::{CmOptions, Listener, connect};
+use rdmakit_verbs::*;
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
+}
+
+fn payload(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i.wrapping_mul(131) ^ j.wrapping_mul(7)) as u8).collect()
+}
+
+fn config(notify: NotifyMode, poll: PollMode, ring_len: u64) -> PipeConfig {
+    PipeConfig { notify, poll, ring_len, ..PipeConfig::default() }
+}
+
+/// `n` messages of varying sizes from `a` to `b`, checked by checksum; the reader runs in
+/// its own task and sleeps now and then when `slow`.
+async fn transfer(a: Pipe, b: Pipe, pd: &ProtectionDomain, n: usize, max: usize, slow: bool) {
+    let reader = tokio::spawn(async move {
+        let mut sums = Vec::new();
+        for i in 0..n {
+            let g = b.recv_timeout(Duration::from_secs(20)).await.expect("recv");
+            sums.push((g.len(), checksum(&g.to_vec().unwrap())));
+            if slow && i % 7 == 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            drop(g); // rfree: the writer's credit
+        }
+        sums
+    });
+    let src = pd.alloc_mr(max, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut expect = Vec::new();
+    for i in 0..n {
+        let len = 1 + (i * 7919) % max;
+        let data = payload(i, len);
+        src.write_at(0, &data).unwrap();
+        let (r, _src) = a.rwrite(src.slice(0, len as u32).unwrap()).await;
+        r.expect("rwrite");
+        expect.push((len, checksum(&data)));
+    }
+    assert_eq!(reader.await.unwrap(), expect);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_imm_mode_integrity_event_driven() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 256 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    transfer(a, b, &pd, 500, 64 << 10, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flag_mode_integrity_busy_polling() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::Flag, PollMode::Busy, 256 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    transfer(a, b, &pd, 500, 64 << 10, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_reader_holds_back_the_writer() {
+    // A 64 KiB ring and up to 32 KiB messages: the writer must wait for releases often.
+    for notify in [NotifyMode::WriteImm, NotifyMode::Flag] {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let cfg = config(notify, PollMode::Event, 64 << 10);
+        let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+        transfer(a, b, &pd, 200, 32 << 10, true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_guards_block_the_writer_until_released() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 16 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let src = pd.alloc_mr(8 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    src.fill(1).unwrap();
+    a.rwrite(src.slice(0, 8 << 10).unwrap()).await.0.unwrap();
+    a.rwrite(src.slice(0, 8 << 10).unwrap()).await.0.unwrap();
+    let g1 = b.recv().await.unwrap();
+    let g2 = b.recv().await.unwrap();
+    // The ring is full of held blocks: the third write cannot proceed.
+    src.fill(2).unwrap();
+    let third =
+        tokio::time::timeout(Duration::from_millis(200), a.rwrite(src.slice(0, 8 << 10).unwrap())).await;
+    assert!(third.is_err(), "a write went ahead while the reader held the whole ring");
+    assert_eq!(g1.to_vec().unwrap(), vec![1u8; 8 << 10], "held data intact");
+    drop(g1);
+    a.rwrite(src.slice(0, 8 << 10).unwrap()).await.0.unwrap();
+    assert_eq!(g2.to_vec().unwrap(), vec![1u8; 8 << 10]);
+    let g3 = b.recv().await.unwrap();
+    assert_eq!(g3.to_vec().unwrap(), vec![2u8; 8 << 10]);
+    // Too large for the ring at all: an error, not a wait.
+    let big = pd.alloc_mr(32 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    let (r, _) = a.rwrite(big.local().unwrap()).await;
+    assert!(matches!(r, Err(ChannelError::TooLarge { .. })), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_futures_lose_nothing() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 64 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let mut sent = 0u64;
+    for i in 0..50u8 {
+        // A fresh region per write, dropped by us at once: only the pipe keeps it alive.
+        let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+        src.fill(i).unwrap();
+        let fut = a.rwrite(src.slice(0, 4096).unwrap());
+        drop(src);
+        // Poll once or twice, then drop the future mid-flight.
+        let _ = tokio::time::timeout(Duration::from_micros(1), fut).await;
+        sent += 1;
+        // Receive futures dropped before anything arrives take nothing.
+        let _ = tokio::time::timeout(Duration::from_micros(1), b.recv()).await;
+    }
+    // Every write that was posted arrives intact; the ones dropped before posting do not.
+    let mut got = 0;
+    while let Ok(g) = b.recv_timeout(Duration::from_millis(300)).await {
+        let v = g.to_vec().unwrap();
+        assert!(v.iter().all(|&x| x == v[0]), "a message was torn");
+        got += 1;
+    }
+    assert!(got <= sent);
+    // The pipe still works.
+    let src = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"after the storm!").unwrap();
+    a.rwrite(src.local().unwrap()).await.0.unwrap();
+    let g = b.recv_timeout(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(g.to_vec().unwrap(), b"after the storm!");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_and_rread() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = PipeConfig { ring_len: 0, ..PipeConfig::default() }; // pull only
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let src = pd.alloc_mr(10_000, AccessFlags::REMOTE_READ | AccessFlags::LOCAL_WRITE).unwrap();
+    let data = payload(3, 10_000);
+    src.write_at(0, &data).unwrap();
+    let publisher = tokio::spawn(async move {
+        let (r, s) = a.publish(src.slice(0, 10_000).unwrap()).await;
+        r.unwrap();
+        // A publication too large for the reader's buffer is refused.
+        let (r, _) = a.publish(s.region().slice(0, 10_000).unwrap()).await;
+        assert!(r.is_err());
+    });
+    let dst = pd.alloc_mr(10_000, AccessFlags::LOCAL_WRITE).unwrap();
+    let (n, dst_slice) = b.rread(dst.local().unwrap()).await;
+    assert_eq!(n.unwrap(), 10_000);
+    assert_eq!(dst_slice.region().to_vec().unwrap(), data);
+    let small = pd.alloc_mr(100, AccessFlags::LOCAL_WRITE).unwrap();
+    let (r, _) = b.rread(small.local().unwrap()).await;
+    assert!(matches!(r, Err(ChannelError::TooLarge { .. })));
+    publisher.await.unwrap();
+    // No ring on this end: recv is an error, not a hang.
+    assert!(b.recv().await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_soft_tcp_then_the_peer_dies() {
+    let ctx = Context::open_soft();
+    let listener = Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut opts = CmOptions::default();
+    opts.caps.max_inline_data = 64;
+    opts.caps.max_recv_wr = 160;
+    opts.caps.max_send_wr = 256;
+    opts.cqe = 1024;
+    opts.connect.timeout = 10; // ~4 ms per retry: a dead peer shows quickly
+    opts.connect.retry_cnt = 3;
+    let server_opts = opts;
+    let server = tokio::task::spawn_blocking(move || {
+        let pd = listener.context().alloc_pd().unwrap();
+        listener.accept(&pd, &server_opts, b"").unwrap()
+    });
+    let pd = ctx.alloc_pd().unwrap();
+    let client_conn = tokio::task::spawn_blocking({
+        let pd = pd.clone();
+        move || connect(&pd, addr, &opts, b"").unwrap()
+    });
+    let (server_conn, client_conn) = (server.await.unwrap(), client_conn.await.unwrap());
+    let cfg = PipeConfig::default();
+    let (a, b) =
+        tokio::try_join!(Pipe::from_connection(client_conn, cfg), Pipe::from_connection(server_conn, cfg))
+            .unwrap();
+    transfer(a.clone(), b.clone(), &pd, 100, 32 << 10, false).await;
+
+    // The reader's end goes away (its QP is destroyed with the pipe and the connection).
+    drop(b);
+    let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let (Err(e), _) = a.rwrite(src.local().unwrap()).await {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("a write to a dead peer must fail, not hang");
+    assert!(matches!(r, ChannelError::Broken { .. }), "{r:?}");
+    // A reader with nobody writing gets its time-out.
+    assert!(a.recv_timeout(Duration::from_millis(100)).await.is_err());
+}
