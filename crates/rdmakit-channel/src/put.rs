@@ -1,1 +1,487 @@
-//! CkDirect-style persistent put handles (being built).
+//! CkDirect-style persistent put handles: the same transfer between the same partners every
+//! iteration, set up once and then one RDMA write per iteration.
+//!
+//! As in Charm++'s CkDirect (`../shared/seeds/ckdirect-charm-rdma-put.txt`): the receiver
+//! creates a handle over its receive buffer with a callback ([`PutEndpoint::create_handle`])
+//! and ships the handle's [`HandleDesc`] to the sender; the sender associates a local
+//! buffer with it ([`PutEndpoint::assoc_local_buffer`]) and then [`put`](SendHandle::put)s
+//! every iteration. The receiver [`ready_mark`](RecvHandle::ready_mark)s the handles it
+//! expects data on, and [`PutEndpoint::ready_poll`] checks only the marked handles (a queue:
+//! the cost grows with the handles awaiting data, not with all handles), firing the
+//! callback of each whose put landed. [`ready`](RecvHandle::ready) tells the sender the
+//! buffer may be overwritten.
+//!
+//! Differences from CkDirect, on purpose:
+//! - **Detection.** CkDirect detects a put by the last double of the buffer changing from
+//!   an `initial_value`, so a payload ending in that value is never seen. Here each put is
+//!   followed, on the same QP, by an 8-byte write of the put's sequence number into a word
+//!   beside the buffer; the receiver polls that word. This relies on the NIC placing the two
+//!   writes in order (as CkDirect and perftest do; see [`pipe`](crate::pipe) for the
+//!   caveat). `initial_value` is still written into the buffer's last 8 bytes at each
+//!   `ready_mark`, for code that looks at it, but detection never depends on it.
+//! - **One transaction per handle.** A `put` before the receiver called `ready` for the
+//!   previous one fails with [`ChannelError::Busy`] instead of overwriting data the receiver
+//!   may be reading: `ready` RDMA-writes the consumed sequence number into the sender's
+//!   handle state, which `put` checks locally.
+//!
+//! Callbacks run on the thread that calls [`PutEndpoint::ready_poll`], inside that call.
+//! [`RecvHandle::next_put`] is the async variant: a future per iteration (it polls the
+//! sequence word, yielding to the executor between polls; dropping it takes nothing).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdmakit_verbs::{
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr,
+    WcOpcode, WcStatus, WorkCompletion,
+};
+
+use crate::driver::{Driver, PollMode};
+use crate::error::{ChannelError, Result};
+
+/// Most handles per endpoint and role.
+pub const MAX_HANDLES: u32 = 256;
+const RECV_SLOTS: u32 = 32;
+const MSG_LEN: u32 = 64;
+const TAG_ASSOC: u8 = 1;
+const TAG_DEASSOC: u8 = 2;
+
+/// What the receiver ships to the sender: where a handle's buffer and sequence word are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HandleDesc {
+    /// The handle's number on the receiver.
+    pub id: u32,
+    /// The receive buffer.
+    pub buf: RemoteRegion,
+    /// The handle's sequence word (8 bytes).
+    pub seq: RemoteRegion,
+}
+
+impl HandleDesc {
+    /// Encoded length.
+    pub const ENCODED_LEN: usize = 4 + 20 + 20;
+
+    /// Little-endian encoding.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[0..4].copy_from_slice(&self.id.to_le_bytes());
+        out[4..24].copy_from_slice(&self.buf.encode());
+        out[24..44].copy_from_slice(&self.seq.encode());
+        out
+    }
+
+    /// Decodes [`encode`](Self::encode)'s output; anything else is an error.
+    pub fn decode(b: &[u8]) -> Result<HandleDesc> {
+        if b.len() != Self::ENCODED_LEN {
+            return Err(ChannelError::Protocol(format!("a handle descriptor is 44 bytes, got {}", b.len())));
+        }
+        let seq = RemoteRegion::decode(&b[24..44])?;
+        if seq.len != 8 {
+            return Err(ChannelError::Protocol("a handle's sequence word is 8 bytes".into()));
+        }
+        Ok(HandleDesc {
+            id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
+            buf: RemoteRegion::decode(&b[4..24])?,
+            seq,
+        })
+    }
+}
+
+type Callback = Box<dyn FnMut(&MemoryRegion) + Send>;
+
+struct RecvEntry {
+    buf: MemoryRegion,
+    callback: Option<Callback>,
+    initial_value: u64,
+    /// Puts consumed (`ready` called) so far.
+    consumed: u64,
+    /// Puts seen (callback fired) so far.
+    seen: u64,
+    marked: bool,
+    /// The sender's ready word for this handle, once associated.
+    sender_ready: Option<RemoteRegion>,
+}
+
+struct SendEntry {
+    desc: HandleDesc,
+    src: LocalSlice,
+    puts: u64,
+}
+
+struct State {
+    broken: Option<(WcStatus, &'static str)>,
+    recv: Vec<Option<RecvEntry>>,
+    send: Vec<Option<SendEntry>>,
+    marked: VecDeque<u32>,
+}
+
+struct Inner {
+    qp: QueuePair,
+    driver: Driver<State>,
+    /// Receiver role: one sequence word per handle (peers write it).
+    seq_words: MemoryRegion,
+    /// Sender role: one ready word per handle (the receiver writes it).
+    ready_words: MemoryRegion,
+    msgs: MemoryRegion,
+}
+
+/// Both roles of persistent put handles over one connected RC queue pair.
+#[derive(Clone)]
+pub struct PutEndpoint {
+    inner: Arc<Inner>,
+}
+
+/// The receiver's handle.
+pub struct RecvHandle {
+    ep: PutEndpoint,
+    id: u32,
+}
+
+/// The sender's handle, associated with a local buffer.
+pub struct SendHandle {
+    ep: PutEndpoint,
+    id: u32,
+}
+
+impl PutEndpoint {
+    /// An endpoint over `qp` (connected RC, `max_inline_data >= 64`), whose completions
+    /// go to `cq` only.
+    pub fn new(qp: QueuePair, cq: CompletionQueue, poll: PollMode) -> Result<PutEndpoint> {
+        if qp.caps().max_inline_data < MSG_LEN {
+            return Err(ChannelError::Invalid("put endpoints need max_inline_data >= 64"));
+        }
+        let pd = qp.pd().clone();
+        let words = (MAX_HANDLES * 8) as usize;
+        let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let inner = Arc::new(Inner {
+            seq_words: pd.alloc_mr(words, remote)?,
+            ready_words: pd.alloc_mr(words, remote)?,
+            msgs: pd.alloc_mr((RECV_SLOTS * MSG_LEN) as usize, AccessFlags::LOCAL_WRITE)?,
+            driver: Driver::new(
+                cq,
+                poll,
+                State { broken: None, recv: Vec::new(), send: Vec::new(), marked: VecDeque::new() },
+            ),
+            qp,
+        });
+        for s in 0..RECV_SLOTS {
+            inner.post_recv(s)?;
+        }
+        Ok(PutEndpoint { inner })
+    }
+
+    /// Receiver: a handle over `recv_buf` (remote write access), whose `callback` runs in
+    /// [`ready_poll`](Self::ready_poll) when a put has landed. `initial_value` is written
+    /// into the buffer's last 8 bytes at each `ready_mark` (CkDirect compatibility only).
+    pub fn create_handle(
+        &self,
+        recv_buf: &MemoryRegion,
+        callback: impl FnMut(&MemoryRegion) + Send + 'static,
+        initial_value: u64,
+    ) -> Result<RecvHandle> {
+        if !recv_buf.access().contains(AccessFlags::REMOTE_WRITE) || recv_buf.len() < 8 {
+            return Err(ChannelError::Invalid("a put handle's buffer needs REMOTE_WRITE and 8+ bytes"));
+        }
+        let id = self.inner.driver.with(|st| {
+            let id = st.recv.iter().position(Option::is_none).unwrap_or(st.recv.len());
+            if id >= MAX_HANDLES as usize {
+                return Err(ChannelError::Invalid("too many put handles on this endpoint"));
+            }
+            let entry = RecvEntry {
+                buf: recv_buf.clone(),
+                callback: Some(Box::new(callback)),
+                initial_value,
+                consumed: 0,
+                seen: 0,
+                marked: false,
+                sender_ready: None,
+            };
+            if id == st.recv.len() {
+                st.recv.push(Some(entry));
+            } else {
+                st.recv[id] = Some(entry);
+            }
+            Ok(id as u32)
+        })?;
+        self.inner.seq_words.write_u64(u64::from(id) * 8, 0)?;
+        Ok(RecvHandle { ep: self.clone(), id })
+    }
+
+    /// Sender: associates `send_buf` with the receiver's handle `desc` (their lengths must
+    /// match), and tells the receiver where to signal readiness.
+    pub fn assoc_local_buffer(&self, desc: &HandleDesc, send_buf: LocalSlice) -> Result<SendHandle> {
+        if u64::from(send_buf.len()) != desc.buf.len {
+            return Err(ChannelError::Invalid("the send buffer's length differs from the handle's"));
+        }
+        let inner = &self.inner;
+        let id = inner.driver.with(|st| -> Result<u32> {
+            st.check()?;
+            let id = st.send.iter().position(Option::is_none).unwrap_or(st.send.len());
+            if id >= MAX_HANDLES as usize {
+                return Err(ChannelError::Invalid("too many put handles on this endpoint"));
+            }
+            let entry = SendEntry { desc: *desc, src: send_buf, puts: 0 };
+            if id == st.send.len() {
+                st.send.push(Some(entry));
+            } else {
+                st.send[id] = Some(entry);
+            }
+            Ok(id as u32)
+        })?;
+        inner.ready_words.write_u64(u64::from(id) * 8, 0)?;
+        let ready = inner.ready_words.remote().slice(u64::from(id) * 8, 8)?;
+        let mut m = vec![TAG_ASSOC];
+        m.extend_from_slice(&desc.id.to_le_bytes());
+        m.extend_from_slice(&ready.addr.to_le_bytes());
+        m.extend_from_slice(&ready.rkey.to_le_bytes());
+        inner.qp.post_send(SendWr::send_inline(&m))?;
+        Ok(SendHandle { ep: self.clone(), id })
+    }
+
+    /// Receiver: checks every marked handle (and only those) and runs the callback of each
+    /// whose put has landed, on this thread. Returns how many fired.
+    pub fn ready_poll(&self) -> Result<usize> {
+        let inner = &self.inner;
+        inner.progress()?;
+        let mut fired = 0;
+        let marked = inner.driver.with(|st| st.marked.len());
+        for _ in 0..marked {
+            // Take the callback out so it runs without the lock (it may call `ready`).
+            let job = inner.driver.with(|st| -> Result<Option<(u32, Callback, MemoryRegion)>> {
+                st.check()?;
+                let Some(id) = st.marked.pop_front() else { return Ok(None) };
+                let seq = inner.seq_words.read_u64(u64::from(id) * 8)?;
+                let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
+                if seq <= e.seen {
+                    st.marked.push_back(id); // not yet: stays in the queue
+                    return Ok(None);
+                }
+                e.seen = seq;
+                e.marked = false;
+                Ok(e.callback.take().map(|cb| (id, cb, e.buf.clone())))
+            })?;
+            if let Some((id, mut cb, buf)) = job {
+                cb(&buf);
+                fired += 1;
+                inner.driver.with(|st| {
+                    if let Some(Some(e)) = st.recv.get_mut(id as usize) {
+                        e.callback = Some(cb);
+                    }
+                });
+            }
+        }
+        Ok(fired)
+    }
+
+    /// Makes progress on completions (association messages, finished puts) without waiting.
+    pub fn progress(&self) -> Result<()> {
+        self.inner.progress()
+    }
+}
+
+impl Inner {
+    fn post_recv(&self, slot: u32) -> Result<()> {
+        let s = self.msgs.slice(u64::from(slot * MSG_LEN), MSG_LEN)?;
+        self.qp.post_recv(RecvWr::new(s).wr_id(u64::from(slot)))?;
+        Ok(())
+    }
+
+    fn progress(&self) -> Result<()> {
+        self.driver.progress(&mut |st, wc| self.on_wc(st, wc))?;
+        self.driver.with(|st| st.check())
+    }
+
+    fn on_wc(&self, st: &mut State, wc: &WorkCompletion) {
+        if !wc.status.is_success() {
+            let what = if wc.opcode == WcOpcode::RECV { "a receive" } else { "a put or ready signal" };
+            st.broken.get_or_insert((wc.status, what));
+            return;
+        }
+        if wc.opcode != WcOpcode::RECV {
+            return;
+        }
+        let slot = u32::try_from(wc.wr_id).unwrap_or(u32::MAX).min(RECV_SLOTS - 1);
+        let mut m = [0u8; MSG_LEN as usize];
+        let n = (wc.byte_len as usize).min(m.len());
+        let read = self.msgs.read_at(u64::from(slot * MSG_LEN), &mut m[..n]);
+        if self.post_recv(slot).is_err() || read.is_err() {
+            st.broken.get_or_insert((WcStatus::GENERAL_ERR, "reposting a receive"));
+            return;
+        }
+        let m = &m[..n];
+        let id = m.get(1..5).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+        let entry = id.and_then(|id| st.recv.get_mut(id as usize)).and_then(Option::as_mut);
+        match (m.first(), entry) {
+            (Some(&TAG_ASSOC), Some(e)) if n == 17 => {
+                let addr = u64::from_le_bytes(m[5..13].try_into().expect("8 bytes"));
+                let rkey = u32::from_le_bytes(m[13..17].try_into().expect("4 bytes"));
+                e.sender_ready = Some(RemoteRegion { addr, len: 8, rkey });
+            }
+            (Some(&TAG_DEASSOC), Some(e)) if n == 5 => e.sender_ready = None,
+            _ => tracing::warn!(len = n, "put endpoint: ignoring a malformed or stale control message"),
+        }
+    }
+}
+
+impl State {
+    fn check(&self) -> Result<()> {
+        match self.broken {
+            Some((status, what)) => Err(ChannelError::Broken { status, what }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl RecvHandle {
+    /// What the sender needs (ship it with [`HandleDesc::encode`]).
+    pub fn desc(&self) -> Result<HandleDesc> {
+        let buf = self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().map(|e| e.buf.remote()));
+        let buf = buf.ok_or(ChannelError::Invalid("destroyed handle"))?;
+        let words = self.ep.inner.seq_words.remote();
+        let seq = RemoteRegion { addr: words.addr + u64::from(self.id) * 8, len: 8, rkey: words.rkey };
+        Ok(HandleDesc { id: self.id, buf, seq })
+    }
+
+    /// Expect a put on this handle: queue it for [`PutEndpoint::ready_poll`].
+    pub fn ready_mark(&self) -> Result<()> {
+        let (buf, init) = self.ep.inner.driver.with(|st| {
+            let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
+            let r = (e.buf.clone(), e.initial_value);
+            if !e.marked {
+                e.marked = true;
+                st.marked.push_back(self.id);
+            }
+            Ok::<_, ChannelError>(r)
+        })?;
+        // CkDirect's sentinel, for compatibility; detection uses the sequence word.
+        buf.write_u64(buf.len() as u64 - 8, init)?;
+        Ok(())
+    }
+
+    /// The data of the latest put has been consumed: the sender may put again.
+    pub fn ready(&self) -> Result<()> {
+        let inner = &self.ep.inner;
+        inner.progress()?;
+        inner.driver.with(|st| -> Result<()> {
+            let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
+            let target =
+                e.sender_ready.ok_or(ChannelError::Invalid("no sender has associated with this handle"))?;
+            e.consumed = e.seen;
+            let v = e.consumed.to_le_bytes();
+            inner.qp.post_send(SendWr::write_inline(&v, target.slice(0, 8)?))?;
+            Ok(())
+        })
+    }
+
+    /// Async variant: waits for the next put to land (a future per iteration), then returns
+    /// without running the callback.
+    pub async fn next_put(&self) -> Result<()> {
+        let inner = &self.ep.inner;
+        let id = self.id;
+        inner
+            .driver
+            .wait_mode(
+                PollMode::Busy,
+                |st, wc| inner.on_wc(st, wc),
+                |st| {
+                    if let Err(e) = st.check() {
+                        return Some(Err(e));
+                    }
+                    let seq = match inner.seq_words.read_u64(u64::from(id) * 8) {
+                        Ok(s) => s,
+                        Err(e) => return Some(Err(e.into())),
+                    };
+                    let e = st.recv.get_mut(id as usize)?.as_mut()?;
+                    (seq > e.seen).then(|| {
+                        e.seen = seq;
+                        Ok(())
+                    })
+                },
+            )
+            .await
+    }
+
+    /// [`next_put`](Self::next_put) with a deadline.
+    pub async fn next_put_timeout(&self, timeout: Duration) -> Result<()> {
+        tokio::time::timeout(timeout, self.next_put()).await.unwrap_or(Err(ChannelError::Timeout(timeout)))
+    }
+
+    /// Puts seen on this handle so far.
+    pub fn puts_seen(&self) -> u64 {
+        self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().map_or(0, |e| e.seen))
+    }
+
+    /// Destroys the handle: later puts on it from a still-associated sender write into a
+    /// buffer nobody watches (the buffer stays registered while the sender's descriptor may
+    /// reach it only if the application keeps the region alive).
+    pub fn destroy(self) {}
+}
+
+impl Drop for RecvHandle {
+    fn drop(&mut self) {
+        self.ep.inner.driver.with(|st| {
+            st.marked.retain(|&i| i != self.id);
+            if let Some(slot) = st.recv.get_mut(self.id as usize) {
+                *slot = None;
+            }
+        });
+    }
+}
+
+impl SendHandle {
+    /// Puts the associated buffer into the receiver's: one RDMA write, then the sequence
+    /// word. Returns once posted; [`ChannelError::Busy`] if the receiver has not called
+    /// `ready` for the previous put.
+    pub fn put(&self) -> Result<()> {
+        let inner = &self.ep.inner;
+        inner.progress()?;
+        inner.driver.with(|st| -> Result<()> {
+            st.check()?;
+            let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
+            let ready = inner.ready_words.read_u64(u64::from(self.id) * 8)?;
+            if ready < e.puts {
+                return Err(ChannelError::Busy);
+            }
+            let seq = (e.puts + 1).to_le_bytes();
+            let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?).unsignaled();
+            inner.qp.post_send_batch([data, SendWr::write_inline(&seq, e.desc.seq.slice(0, 8)?)])?;
+            e.puts += 1;
+            Ok(())
+        })
+    }
+
+    /// Puts done so far.
+    pub fn puts(&self) -> u64 {
+        self.ep.inner.driver.with(|st| st.send[self.id as usize].as_ref().map_or(0, |e| e.puts))
+    }
+
+    /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`).
+    pub fn is_ready(&self) -> Result<bool> {
+        self.ep.inner.progress()?;
+        let ready = self.ep.inner.ready_words.read_u64(u64::from(self.id) * 8)?;
+        Ok(ready >= self.puts())
+    }
+
+    /// Ends the association and tells the receiver.
+    pub fn deassociate(self) -> Result<()> {
+        let inner = &self.ep.inner;
+        let desc_id = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| e.desc.id));
+        if let Some(id) = desc_id {
+            let mut m = vec![TAG_DEASSOC];
+            m.extend_from_slice(&id.to_le_bytes());
+            inner.qp.post_send(SendWr::send_inline(&m))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SendHandle {
+    fn drop(&mut self) {
+        self.ep.inner.driver.with(|st| {
+            if let Some(slot) = st.send.get_mut(self.id as usize) {
+                *slot = None;
+            }
+        });
+    }
+}

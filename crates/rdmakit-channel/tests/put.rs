@@ -1,0 +1,241 @@
+//! Persistent put handles on the soft NIC: the state machine (Busy, ready, re-put,
+//! deassociate), the sentinel case CkDirect misses, many iterations with checksums, the
+//! async variant, soft TCP, and a dying peer.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdmakit_channel::put::*;
+use rdmakit_channel::*;
+use rdmakit_verbs::cm::{CmOptions, Listener, connect};
+use rdmakit_verbs::*;
+
+fn endpoints(pd: &ProtectionDomain) -> (PutEndpoint, PutEndpoint) {
+    let ctx = pd.context();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let caps = QpCaps { max_inline_data: 64, ..QpCaps::default() };
+    let a = pd.create_qp(&ca, &ca, caps).unwrap();
+    let b = pd.create_qp(&cb, &cb, caps).unwrap();
+    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    (PutEndpoint::new(a, ca, PollMode::Busy).unwrap(), PutEndpoint::new(b, cb, PollMode::Busy).unwrap())
+}
+
+fn spin_poll(ep: &PutEndpoint, want: usize) -> usize {
+    let start = std::time::Instant::now();
+    let mut fired = 0;
+    while fired < want {
+        fired += ep.ready_poll().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "no put detected");
+    }
+    fired
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
+}
+
+#[test]
+fn state_machine_busy_ready_and_reput() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(256, AccessFlags::ALL_REMOTE).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let h = receiver
+        .create_handle(&rbuf, move |buf| s2.lock().unwrap().push(buf.to_vec().unwrap()), 0xdead)
+        .unwrap();
+    let desc = HandleDesc::decode(&h.desc().unwrap().encode()).unwrap();
+    let sbuf = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = sender.assoc_local_buffer(&desc, sbuf.local().unwrap()).unwrap();
+
+    sbuf.fill(1).unwrap();
+    h.ready_mark().unwrap();
+    sh.put().unwrap();
+    // A second put before the receiver is ready: Busy, nothing overwritten.
+    sbuf.fill(2).unwrap();
+    assert!(matches!(sh.put(), Err(ChannelError::Busy)));
+    assert_eq!(spin_poll(&receiver, 1), 1);
+    assert_eq!(seen.lock().unwrap()[0], vec![1u8; 256]);
+    // Nothing marked: polling finds nothing even though the buffer is there.
+    assert_eq!(receiver.ready_poll().unwrap(), 0);
+    h.ready().unwrap();
+    let start = std::time::Instant::now();
+    while !sh.is_ready().unwrap() {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    h.ready_mark().unwrap();
+    sh.put().unwrap();
+    spin_poll(&receiver, 1);
+    assert_eq!(seen.lock().unwrap()[1], vec![2u8; 256]);
+    assert_eq!((sh.puts(), h.puts_seen()), (2, 2));
+    // Mismatched lengths are refused at association.
+    let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    assert!(sender.assoc_local_buffer(&desc, small.local().unwrap()).is_err());
+    sh.deassociate().unwrap();
+    h.destroy();
+}
+
+/// CkDirect misses a put whose last double equals `initial_value`; the sequence word sees it.
+#[test]
+fn payload_equal_to_the_sentinel_is_still_detected() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let initial = f64::to_bits(-1.0);
+    let rbuf = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let fired = Arc::new(Mutex::new(0));
+    let f2 = fired.clone();
+    let h = receiver.create_handle(&rbuf, move |_| *f2.lock().unwrap() += 1, initial).unwrap();
+    let sbuf = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    // The payload's last 8 bytes are exactly the sentinel.
+    for i in 0..7 {
+        sbuf.write_u64(i * 8, i + 100).unwrap();
+    }
+    sbuf.write_u64(56, initial).unwrap();
+    let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    h.ready_mark().unwrap();
+    assert_eq!(
+        rbuf.read_u64(56).unwrap(),
+        initial,
+        "the buffer's last word holds the sentinel before the put"
+    );
+    sh.put().unwrap();
+    spin_poll(&receiver, 1);
+    assert_eq!(*fired.lock().unwrap(), 1);
+    assert_eq!(rbuf.to_vec().unwrap(), sbuf.to_vec().unwrap());
+}
+
+#[test]
+fn many_iterations_many_sizes_with_checksums() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    for size in [8usize, 1000, 64 << 10] {
+        let rbuf = pd.alloc_mr(size, AccessFlags::ALL_REMOTE).unwrap();
+        let sums = Arc::new(Mutex::new(Vec::new()));
+        let s2 = sums.clone();
+        let h = receiver
+            .create_handle(&rbuf, move |b| s2.lock().unwrap().push(checksum(&b.to_vec().unwrap())), 0)
+            .unwrap();
+        let sbuf = pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).unwrap();
+        let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+        let mut expect = Vec::new();
+        for it in 0..200u32 {
+            let data: Vec<u8> = (0..size).map(|j| (it as usize * 13 + j) as u8).collect();
+            sbuf.write_at(0, &data).unwrap();
+            expect.push(checksum(&data));
+            h.ready_mark().unwrap();
+            while let Err(ChannelError::Busy) = sh.put() {}
+            spin_poll(&receiver, 1);
+            h.ready().unwrap();
+        }
+        assert_eq!(*sums.lock().unwrap(), expect, "size {size}");
+    }
+}
+
+#[test]
+fn polling_cost_follows_marked_handles_only() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let fired = Arc::new(Mutex::new(Vec::new()));
+    let mut handles = Vec::new();
+    let mut senders = Vec::new();
+    for i in 0..50u32 {
+        let rbuf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+        let f = fired.clone();
+        let h = receiver.create_handle(&rbuf, move |_| f.lock().unwrap().push(i), 0).unwrap();
+        let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+        senders.push(sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap());
+        handles.push(h);
+    }
+    // Only handles 3 and 40 are marked; all 50 get a put.
+    handles[3].ready_mark().unwrap();
+    handles[40].ready_mark().unwrap();
+    for s in &senders {
+        s.put().unwrap();
+    }
+    spin_poll(&receiver, 2);
+    let mut f = fired.lock().unwrap().clone();
+    f.sort();
+    assert_eq!(f, vec![3, 40]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_variant_a_future_per_iteration() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+    let h = receiver.create_handle(&rbuf, |_| {}, 0).unwrap();
+    let sbuf = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    for it in 0..100u8 {
+        sbuf.fill(it).unwrap();
+        // A dropped wait takes nothing.
+        let _ = tokio::time::timeout(Duration::from_micros(1), h.next_put()).await;
+        while let Err(ChannelError::Busy) = sh.put() {
+            tokio::task::yield_now().await;
+        }
+        h.next_put_timeout(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(rbuf.to_vec().unwrap(), vec![it; 4096]);
+        h.ready().unwrap();
+    }
+    assert!(matches!(h.next_put_timeout(Duration::from_millis(50)).await, Err(ChannelError::Timeout(_))));
+}
+
+#[test]
+fn over_soft_tcp_then_the_receiver_dies() {
+    let ctx = Context::open_soft();
+    let listener = Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut opts = CmOptions::default();
+    opts.caps.max_inline_data = 64;
+    opts.connect.timeout = 10;
+    opts.connect.retry_cnt = 3;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let receiver = std::thread::spawn(move || {
+        let pd = listener.context().alloc_pd().unwrap();
+        let conn = listener.accept(&pd, &opts, b"").unwrap();
+        let ep = PutEndpoint::new(conn.qp().clone(), conn.cq().clone(), PollMode::Busy).unwrap();
+        let rbuf = pd.alloc_mr(1024, AccessFlags::ALL_REMOTE).unwrap();
+        let count = Arc::new(Mutex::new(0u32));
+        let c2 = count.clone();
+        let h = ep.create_handle(&rbuf, move |_| *c2.lock().unwrap() += 1, 0).unwrap();
+        tx.send(h.desc().unwrap().encode()).unwrap();
+        for _ in 0..20 {
+            h.ready_mark().unwrap();
+            spin_poll(&ep, 1);
+            // The association message arrives before the first put: ready can signal.
+            h.ready().unwrap();
+        }
+        let n = *count.lock().unwrap();
+        drop((h, ep, conn)); // the receiver goes away
+        n
+    });
+    let pd = ctx.alloc_pd().unwrap();
+    let conn = connect(&pd, addr, &opts, b"").unwrap();
+    let ep = PutEndpoint::new(conn.qp().clone(), conn.cq().clone(), PollMode::Busy).unwrap();
+    let desc = HandleDesc::decode(&rx.recv().unwrap()).unwrap();
+    let sbuf = pd.alloc_mr(1024, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = ep.assoc_local_buffer(&desc, sbuf.local().unwrap()).unwrap();
+    let mut done = 0;
+    while done < 20 {
+        match sh.put() {
+            Ok(()) => done += 1,
+            Err(ChannelError::Busy) => std::thread::yield_now(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(receiver.join().unwrap(), 20);
+    // The receiver is gone: puts end in an error, not a hang.
+    let start = std::time::Instant::now();
+    let err = loop {
+        match sh.put() {
+            Ok(()) | Err(ChannelError::Busy) => {
+                assert!(start.elapsed() < Duration::from_secs(30), "puts to a dead peer kept succeeding");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, ChannelError::Broken { .. }), "{err}");
+    drop(conn);
+}
