@@ -1,1 +1,166 @@
-//! AsyncRead/AsyncWrite over a pipe (being built).
+//! A byte stream over a pipe: `AsyncRead + AsyncWrite`, so tokio code can use RDMA as it
+//! uses a socket.
+//!
+//! Writes are copied into a registered staging chunk and sent as pipe messages (one in
+//! flight at a time: `poll_write` accepts the next bytes once the previous message's write
+//! has completed); the peer's ring and its releases are the credits. Each message carries a
+//! one-byte kind (data or end-of-stream), so `shutdown` gives the reader EOF. Reads copy out
+//! of the landed block and release it once consumed.
+//!
+//! Each message costs one boxed future (an allocation); for allocation-free transfers use
+//! [`Pipe::rwrite`] and [`Pipe::recv`] directly.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use rdmakit_verbs::{AccessFlags, LocalSlice, MemoryRegion};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::error::{BufResult, ChannelError, Result};
+use crate::pipe::{Pipe, RecvGuard};
+
+const KIND_DATA: u8 = 0;
+const KIND_EOF: u8 = 1;
+
+type WriteFut = Pin<Box<dyn Future<Output = BufResult<(), LocalSlice>> + Send>>;
+type RecvFut = Pin<Box<dyn Future<Output = Result<RecvGuard>> + Send>>;
+
+/// An `AsyncRead + AsyncWrite` stream over a [`Pipe`] (both ends need receive rings to be
+/// full duplex).
+pub struct PipeStream {
+    pipe: Pipe,
+    staging: MemoryRegion,
+    writing: Option<WriteFut>,
+    recv: Option<RecvFut>,
+    /// The message being read and how far.
+    current: Option<(RecvGuard, usize)>,
+    eof: bool,
+    shut: bool,
+}
+
+impl std::fmt::Debug for PipeStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipeStream").field("pipe", &self.pipe).field("eof", &self.eof).finish()
+    }
+}
+
+fn io_err(e: ChannelError) -> io::Error {
+    let kind = match e {
+        ChannelError::Broken { .. } => io::ErrorKind::ConnectionReset,
+        ChannelError::Timeout(_) => io::ErrorKind::TimedOut,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+impl PipeStream {
+    /// A stream over `pipe`, writing in messages of at most `chunk` bytes (capped to half
+    /// the peer's ring, so two can be in the ring at once).
+    pub fn new(pipe: Pipe, chunk: usize) -> Result<PipeStream> {
+        if chunk == 0 {
+            return Err(ChannelError::Invalid("a stream chunk needs at least one byte"));
+        }
+        let staging = pipe.qp().pd().alloc_mr(chunk + 1, AccessFlags::LOCAL_WRITE)?;
+        Ok(PipeStream { pipe, staging, writing: None, recv: None, current: None, eof: false, shut: false })
+    }
+
+    fn chunk(&self) -> usize {
+        self.staging.len() - 1
+    }
+
+    /// Drives the message in flight; `Ready(Ok)` when there is none.
+    fn poll_inflight(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Some(f) = self.writing.as_mut() {
+            let (r, _slice) = ready!(f.as_mut().poll(cx));
+            self.writing = None;
+            r.map_err(io_err)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn start(&mut self, kind: u8, data: &[u8]) -> io::Result<()> {
+        self.staging.write_at(0, &[kind]).map_err(|e| io_err(e.into()))?;
+        self.staging.write_at(1, data).map_err(|e| io_err(e.into()))?;
+        let slice = self.staging.slice(0, data.len() as u32 + 1).map_err(|e| io_err(e.into()))?;
+        let pipe = self.pipe.clone();
+        self.writing = Some(Box::pin(async move { pipe.rwrite(slice).await }));
+        Ok(())
+    }
+}
+
+impl AsyncWrite for PipeStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.shut {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "stream shut down")));
+        }
+        ready!(self.poll_inflight(cx))?;
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = buf.len().min(self.chunk());
+        self.start(KIND_DATA, &buf[..n])?;
+        // The bytes are in the staging chunk: they count as written. Start the transfer.
+        let _ = self.poll_inflight(cx)?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_inflight(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_inflight(cx))?;
+        if !self.shut {
+            self.shut = true;
+            self.start(KIND_EOF, &[])?;
+        }
+        self.poll_inflight(cx)
+    }
+}
+
+impl AsyncRead for PipeStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            if self.eof || buf.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some((guard, pos)) = self.current.as_mut() {
+                let left = guard.len() - *pos;
+                let n = left.min(buf.remaining());
+                guard.read_at(*pos as u64, &mut buf.initialize_unfilled_to(n)[..n]).map_err(io_err)?;
+                buf.advance(n);
+                *pos += n;
+                if *pos == guard.len() {
+                    self.current = None; // releases the block
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if self.recv.is_none() {
+                let pipe = self.pipe.clone();
+                self.recv = Some(Box::pin(async move { pipe.recv().await }));
+            }
+            let guard = ready!(self.recv.as_mut().expect("set above").as_mut().poll(cx));
+            self.recv = None;
+            let guard = guard.map_err(io_err)?;
+            let mut kind = [0u8; 1];
+            guard.read_at(0, &mut kind).map_err(io_err)?;
+            match kind[0] {
+                KIND_EOF => self.eof = true,
+                KIND_DATA if guard.len() > 1 => self.current = Some((guard, 1)),
+                KIND_DATA => {}
+                k => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("pipe stream: unknown message kind {k}"),
+                    )));
+                }
+            }
+        }
+    }
+}

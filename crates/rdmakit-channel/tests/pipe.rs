@@ -208,3 +208,26 @@ async fn over_soft_tcp_then_the_peer_dies() {
     // A reader with nobody writing gets its time-out.
     assert!(a.recv_timeout(Duration::from_millis(100)).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_round_trip_with_tokio_io() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 256 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let mut w = rdmakit_channel::stream::PipeStream::new(a, 60_000).unwrap();
+    let mut r = rdmakit_channel::stream::PipeStream::new(b, 60_000).unwrap();
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let expect = checksum(&data);
+    let reader = tokio::spawn(async move {
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).await.unwrap();
+        got
+    });
+    // Odd-sized writes through a reader of the std io kind: tokio::io::copy.
+    let mut src = std::io::Cursor::new(data);
+    tokio::io::copy(&mut src, &mut w).await.unwrap();
+    w.shutdown().await.unwrap();
+    let got = reader.await.unwrap();
+    assert_eq!((got.len(), checksum(&got)), (3_000_000, expect));
+}
