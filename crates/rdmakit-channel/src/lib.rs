@@ -4,7 +4,7 @@
 //! - [`pipe`]: rpipe-style pipes. `rwrite` RDMA-writes straight into a block the writer
 //!   allocated in the reader's remote heap (`rdmakit_memory::heap`), then notifies the
 //!   reader with a flag written after the data or with a write-with-immediate; the reader
-//!   gets an exclusive [`RecvGuard`](pipe::RecvGuard) and dropping it is the rfree, which
+//!   gets an exclusive [`RecvGuard`] and dropping it is the rfree, which
 //!   is also the writer's credit. `publish`/`rread` pull data the other way.
 //!   [`stream::PipeStream`] makes a pipe an `AsyncRead + AsyncWrite` byte stream.
 //! - [`put`]: CkDirect-style persistent put handles: a receive buffer set up once, a
