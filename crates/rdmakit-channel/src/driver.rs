@@ -14,6 +14,7 @@
 //! whoever reaps it. Waiting allocates nothing.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rdmakit_verbs::{CompletionQueue, WorkCompletion};
 use tokio::sync::Notify;
@@ -37,12 +38,23 @@ pub struct Driver<S> {
     mode: PollMode,
     state: Mutex<S>,
     notify: Notify,
+    /// Futures registered to be woken: wake-ups are skipped (no lock taken) when zero.
+    waiters: AtomicUsize,
+}
+
+/// Counts a registered waiter for as long as it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl<S> Driver<S> {
     /// A driver over `cq` for `state`.
     pub fn new(cq: CompletionQueue, mode: PollMode, state: S) -> Self {
-        Driver { cq, mode, state: Mutex::new(state), notify: Notify::new() }
+        Driver { cq, mode, state: Mutex::new(state), notify: Notify::new(), waiters: AtomicUsize::new(0) }
     }
 
     /// The poll mode.
@@ -63,7 +75,11 @@ impl<S> Driver<S> {
 
     /// Wakes every waiter (after a state change they may care about).
     pub fn wake_all(&self) {
-        self.notify.notify_waiters();
+        // Pairs with the waiter's increment-then-recheck in `wait_mode`: either the waiter
+        // sees the change on its re-check, or this sees the waiter and wakes it.
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.notify.notify_waiters();
+        }
     }
 
     /// Takes every completion available now and applies it with `handle`. Returns how many.
@@ -83,7 +99,7 @@ impl<S> Driver<S> {
             }
         }
         if total > 0 {
-            self.notify.notify_waiters();
+            self.wake_all();
         }
         Ok(total)
     }
@@ -106,11 +122,21 @@ impl<S> Driver<S> {
         mut handle: impl FnMut(&mut S, &WorkCompletion),
         mut ready: impl FnMut(&mut S) -> Option<Result<R>>,
     ) -> Result<R> {
+        // Fast path, without registering: a post and its completion often take two rounds
+        // (the condition posts a request, the next round finds its completion).
+        for _ in 0..2 {
+            self.progress(&mut handle)?;
+            if let Some(r) = self.with(&mut ready) {
+                return r;
+            }
+        }
         loop {
-            // Register interest before checking, so a wake between check and sleep counts.
             let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let _waiting = Waiting(&self.waiters);
+            // (Re-)check now that a wake-up cannot be missed.
             self.progress(&mut handle)?;
             if let Some(r) = self.with(&mut ready) {
                 return r;
@@ -124,7 +150,7 @@ impl<S> Driver<S> {
                             let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
                             handle(&mut g, &wc);
                             drop(g);
-                            self.notify.notify_waiters();
+                            self.wake_all();
                         }
                         _ = &mut notified => {}
                     }

@@ -61,6 +61,7 @@ const TAG_HELLO: u8 = 1;
 const TAG_CREDIT: u8 = 2;
 const TAG_PUBLISHED: u8 = 3;
 const TAG_READ_DONE: u8 = 4;
+const TAG_NEED: u8 = 5;
 
 /// How a receiver learns that a block landed (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -124,6 +125,8 @@ struct State {
     alloc: Option<HeapAllocator>,
     notes_sent: u64,
     peer_consumed: u64,
+    /// A request for credits is on its way (cleared when credits arrive).
+    need_sent: bool,
     // ---- reader role (our ring)
     owner: Option<HeapOwner>,
     imm_ready: VecDeque<(u64, u64)>,
@@ -255,6 +258,7 @@ impl Pipe {
             alloc: None,
             notes_sent: 0,
             peer_consumed: 0,
+            need_sent: false,
             owner,
             imm_ready: VecDeque::new(),
             consumed: 0,
@@ -322,10 +326,15 @@ impl Pipe {
             return Err(ChannelError::Invalid("rwrite of an empty slice"));
         }
         let inner = &self.inner;
-        let ticket = inner
+        // One wait: post when there is room, then until the last request completes.
+        let mut ticket: Option<u64> = None;
+        inner
             .wait(|st| {
                 if let Err(e) = st.check() {
                     return Some(Err(e));
+                }
+                if let Some(t) = ticket {
+                    return (st.done >= t).then_some(Ok(()));
                 }
                 let peer = st.peer?;
                 if peer.ring.len == 0 {
@@ -335,17 +344,22 @@ impl Pipe {
                     return Some(Err(ChannelError::TooLarge { what: "message", len, limit: peer.ring.len }));
                 }
                 if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
-                    return None; // wait for the reader to take notifications
+                    return inner.ask_for_credit(st); // wait for the reader to take notifications
                 }
                 let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
                     Ok(b) => b,
-                    Err(HeapError::Exhausted { .. }) => return None, // wait for frees
+                    Err(HeapError::Exhausted { .. }) => return inner.ask_for_credit(st), // wait for frees
                     Err(e) => return Some(Err(e.into())),
                 };
-                Some(inner.post_rwrite(st, &peer, src, block, len))
+                match inner.post_rwrite(st, &peer, src, block, len) {
+                    Ok(t) => {
+                        ticket = Some(t);
+                        None // poll for the completion
+                    }
+                    Err(e) => Some(Err(e)),
+                }
             })
-            .await?;
-        inner.wait(|st| if st.done >= ticket { Some(Ok(())) } else { st.check().err().map(Err) }).await
+            .await
     }
 
     /// Waits for the next message and returns an exclusive guard over its block; dropping
@@ -552,29 +566,50 @@ impl Inner {
         })
     }
 
+    /// Blocked on credits: asks the reader once to return what it has freed, then waits.
+    fn ask_for_credit<R>(&self, st: &mut State) -> Option<Result<R>> {
+        if !st.need_sent {
+            st.need_sent = true;
+            if let Err(e) = self.send_inline(st, &[TAG_NEED]) {
+                return Some(Err(e));
+            }
+        }
+        None
+    }
+
+    /// The rfree: frees the block; credits go back in batches (when a quarter of the
+    /// notification slots or of the ring waits, or when the writer asks).
     fn release(&self, addr: u64) {
         self.driver.with(|st| {
             let Some(owner) = st.owner.as_mut() else { return };
             if owner.rfree(addr).is_err() {
                 return;
             }
-            // One range per credit keeps each message inline (<= 64 bytes).
-            loop {
-                let Some(owner) = st.owner.as_mut() else { return };
-                if owner.pending_free_blocks() == 0 {
-                    break;
-                }
-                let batch = owner.take_free_batch(1);
-                let mut m = vec![TAG_CREDIT];
-                m.extend_from_slice(&st.consumed.to_le_bytes());
-                batch.encode_into(&mut m);
-                if let Err(e) = self.send_inline(st, &m) {
-                    tracing::warn!(error = %e, "pipe: returning credit failed");
-                    return;
-                }
+            let ring = self.ring.as_ref().map_or(0, |r| r.len() as u64);
+            let due = owner.pending_free_blocks() >= (self.config.slots as usize / 4).max(1)
+                || owner.pending_free_bytes() >= ring / 4;
+            if due {
+                self.flush_credits(st);
             }
         });
-        self.driver.wake_all();
+    }
+
+    /// Sends every pending free back, one range per inline message.
+    fn flush_credits(&self, st: &mut State) {
+        loop {
+            let Some(owner) = st.owner.as_mut() else { return };
+            if owner.pending_free_blocks() == 0 {
+                return;
+            }
+            let batch = owner.take_free_batch(1);
+            let mut m = vec![TAG_CREDIT];
+            m.extend_from_slice(&st.consumed.to_le_bytes());
+            batch.encode_into(&mut m);
+            if let Err(e) = self.send_inline(st, &m) {
+                tracing::warn!(error = %e, "pipe: returning credit failed");
+                return;
+            }
+        }
     }
 
     /// Applies one completion to the state.
@@ -651,11 +686,15 @@ impl Inner {
             }
             Some(TAG_CREDIT) => {
                 let consumed = u64_at(1).ok_or_else(|| bad("credit"))?;
-                let batch = FreeBatch::decode(&m[9..]).map_err(|e| e.to_string())?;
                 if consumed > st.notes_sent {
                     return Err(bad("credit"));
                 }
                 st.peer_consumed = st.peer_consumed.max(consumed);
+                st.need_sent = false;
+                if m.len() == 9 {
+                    return Ok(()); // notification slots only
+                }
+                let batch = FreeBatch::decode(&m[9..]).map_err(|e| e.to_string())?;
                 let alloc = st.alloc.as_mut().ok_or_else(|| bad("credit"))?;
                 alloc.apply_free_batch(&batch).map_err(|e| e.to_string())
             }
@@ -666,6 +705,19 @@ impl Inner {
                 let rkey = u32::from_le_bytes(m[21..25].try_into().expect("4 bytes"));
                 st.published_in
                     .push_back(Published { id, remote: RemoteRegion { addr, len: u64::from(len), rkey } });
+                Ok(())
+            }
+            Some(TAG_NEED) if m.len() == 1 => {
+                // The writer is blocked: return everything freed, even below the batch size,
+                // and the notification slots taken so far.
+                if st.owner.as_ref().is_some_and(|o| o.pending_free_blocks() > 0) {
+                    self.flush_credits(st);
+                } else {
+                    // Notification slots only: a credit without a free batch.
+                    let mut m = vec![TAG_CREDIT];
+                    m.extend_from_slice(&st.consumed.to_le_bytes());
+                    self.send_inline(st, &m).map_err(|e| e.to_string())?;
+                }
                 Ok(())
             }
             Some(TAG_READ_DONE) if m.len() == 10 => {
