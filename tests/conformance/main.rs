@@ -9,6 +9,7 @@
 //! index (the rxe VM sets 1).
 
 mod cases;
+mod channel;
 mod fixture;
 mod heap;
 mod memory;
@@ -24,7 +25,7 @@ fn main() {
         eprintln!("conformance: verbs cases ignored: {reason}");
     }
     let mut trials = Vec::new();
-    for case in cases::ALL.iter().chain(heap::CASES).chain(memory::CASES) {
+    for case in cases::ALL.iter().chain(heap::CASES).chain(memory::CASES).chain(channel::CASES) {
         for provider in [ProviderKind::Soft, ProviderKind::Verbs] {
             let name = format!("{provider}::{}", case.name);
             let skip = match provider {

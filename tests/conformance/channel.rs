@@ -1,0 +1,98 @@
+//! Conformance cases for the channel crate: a pipe in both notification modes and a put
+//! handle, over the same connected QPs on the soft NIC and on rdma-core.
+
+use libtest_mimic::Failed;
+use rdmakit::channel::put::PutEndpoint;
+use rdmakit::channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
+use rdmakit::*;
+
+use crate::cases::{Case, case};
+use crate::check_eq;
+use crate::fixture::{Env, WAIT};
+
+/// The channel cases, run on both providers by `main`.
+pub const CASES: &[Case] = &[
+    case("pipe_write_imm_round_trips", pipe_write_imm),
+    case("pipe_flag_round_trips", pipe_flag),
+    case("put_handle_round_trips", put_handle),
+];
+
+fn caps() -> QpCaps {
+    QpCaps { max_send_wr: 256, max_recv_wr: 160, max_inline_data: 64, ..QpCaps::default() }
+}
+
+fn pipe_round_trips(env: &Env, notify: NotifyMode) -> Result<(), Failed> {
+    let p = env.pair_with(caps(), 1024, env.opts())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let cfg = PipeConfig { notify, poll: PollMode::Event, ring_len: 64 << 10, ..PipeConfig::default() };
+    rt.block_on(async {
+        let (a, b) = tokio::try_join!(Pipe::connect(p.a, p.cq_a, cfg), Pipe::connect(p.b, p.cq_b, cfg))?;
+        let reader = tokio::spawn(async move {
+            let mut lens = Vec::new();
+            for i in 0..100usize {
+                let g = b.recv_timeout(WAIT).await?;
+                let v = g.to_vec()?;
+                if v.iter().any(|&x| x != i as u8) {
+                    return Err(ChannelError::Protocol(format!("message {i} corrupted")));
+                }
+                lens.push(v.len());
+            }
+            Ok::<_, ChannelError>(lens)
+        });
+        let src = p.pd.alloc_mr(20_000, AccessFlags::LOCAL_WRITE)?;
+        let mut expect = Vec::new();
+        for i in 0..100usize {
+            let len = 1 + (i * 4099) % 20_000;
+            src.write_at(0, &vec![i as u8; len])?;
+            a.rwrite(src.slice(0, len as u32)?).await.0?;
+            expect.push(len);
+        }
+        let lens = reader.await.map_err(|e| e.to_string())??;
+        check_eq!(lens, expect);
+        Ok(())
+    })
+}
+
+fn pipe_write_imm(env: &Env) -> Result<(), Failed> {
+    pipe_round_trips(env, NotifyMode::WriteImm)
+}
+
+fn pipe_flag(env: &Env) -> Result<(), Failed> {
+    pipe_round_trips(env, NotifyMode::Flag)
+}
+
+fn put_handle(env: &Env) -> Result<(), Failed> {
+    let p = env.pair_with(caps(), 1024, env.opts())?;
+    let sender = PutEndpoint::new(p.a, p.cq_a, PollMode::Busy)?;
+    let receiver = PutEndpoint::new(p.b, p.cq_b, PollMode::Busy)?;
+    let rbuf = p.pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
+    let sbuf = p.pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g2 = got.clone();
+    let h =
+        receiver.create_handle(&rbuf, move |b| g2.lock().unwrap().push(b.read_u64(4088).unwrap_or(0)), 7)?;
+    let sh = sender.assoc_local_buffer(&h.desc()?, sbuf.local()?)?;
+    for i in 0..20u64 {
+        // The last word equals the sentinel on every other put: still detected.
+        sbuf.write_u64(4088, if i % 2 == 0 { 7 } else { i })?;
+        h.ready_mark()?;
+        let start = std::time::Instant::now();
+        loop {
+            match sh.put() {
+                Ok(()) => break,
+                Err(ChannelError::Busy) if start.elapsed() < WAIT => sender.progress()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let start = std::time::Instant::now();
+        while receiver.ready_poll()? == 0 {
+            if start.elapsed() > WAIT {
+                return Err(format!("put {i} not detected").into());
+            }
+        }
+        h.ready()?;
+    }
+    let expect: Vec<u64> = (0..20).map(|i| if i % 2 == 0 { 7 } else { i }).collect();
+    check_eq!(*got.lock().unwrap(), expect);
+    Ok(())
+}
