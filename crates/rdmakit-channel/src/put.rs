@@ -17,8 +17,9 @@
 //!   followed, on the same QP, by an 8-byte write of the put's sequence number into a word
 //!   beside the buffer; the receiver polls that word. This relies on the NIC placing the two
 //!   writes in order (as CkDirect and perftest do; see [`pipe`](crate::pipe) for the
-//!   caveat). `initial_value` is still written into the buffer's last 8 bytes at each
-//!   `ready_mark`, for code that looks at it, but detection never depends on it.
+//!   caveat). `initial_value` is still written into the buffer's last 8 bytes by each
+//!   `ready` (before the sender may put again), for code that looks at it, but detection
+//!   never depends on it.
 //! - **One transaction per handle.** A `put` before the receiver called `ready` for the
 //!   previous one fails with [`ChannelError::Busy`] instead of overwriting data the receiver
 //!   may be reading: `ready` RDMA-writes the consumed sequence number into the sender's
@@ -173,7 +174,7 @@ impl PutEndpoint {
 
     /// Receiver: a handle over `recv_buf` (remote write access), whose `callback` runs in
     /// [`ready_poll`](Self::ready_poll) when a put has landed. `initial_value` is written
-    /// into the buffer's last 8 bytes at each `ready_mark` (CkDirect compatibility only).
+    /// into the buffer's last 8 bytes now and at each `ready` (CkDirect compatibility only).
     pub fn create_handle(
         &self,
         recv_buf: &MemoryRegion,
@@ -205,6 +206,7 @@ impl PutEndpoint {
             Ok(id as u32)
         })?;
         self.inner.seq_words.write_u64(u64::from(id) * 8, 0)?;
+        recv_buf.write_u64(recv_buf.len() as u64 - 8, initial_value)?;
         Ok(RecvHandle { ep: self.clone(), id })
     }
 
@@ -343,20 +345,17 @@ impl RecvHandle {
         Ok(HandleDesc { id: self.id, buf, seq })
     }
 
-    /// Expect a put on this handle: queue it for [`PutEndpoint::ready_poll`].
+    /// Expect a put on this handle: queue it for [`PutEndpoint::ready_poll`]. (It does not
+    /// touch the buffer: the next put may already have landed.)
     pub fn ready_mark(&self) -> Result<()> {
-        let (buf, init) = self.ep.inner.driver.with(|st| {
+        self.ep.inner.driver.with(|st| {
             let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
-            let r = (e.buf.clone(), e.initial_value);
             if !e.marked {
                 e.marked = true;
                 st.marked.push_back(self.id);
             }
-            Ok::<_, ChannelError>(r)
-        })?;
-        // CkDirect's sentinel, for compatibility; detection uses the sequence word.
-        buf.write_u64(buf.len() as u64 - 8, init)?;
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The data of the latest put has been consumed: the sender may put again.
@@ -367,6 +366,9 @@ impl RecvHandle {
             let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
             let target =
                 e.sender_ready.ok_or(ChannelError::Invalid("no sender has associated with this handle"))?;
+            // CkDirect's sentinel, for compatibility (detection uses the sequence word),
+            // written before the sender may put again.
+            e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
             e.consumed = e.seen;
             let v = e.consumed.to_le_bytes();
             inner.qp.post_send(SendWr::write_inline(&v, target.slice(0, 8)?))?;

@@ -239,3 +239,27 @@ fn over_soft_tcp_then_the_receiver_dies() {
     assert!(matches!(err, ChannelError::Broken { .. }), "{err}");
     drop(conn);
 }
+
+/// A put may land before the receiver marks the handle: marking must not clobber it.
+#[test]
+fn a_put_landing_before_ready_mark_is_kept() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    let h = receiver.create_handle(&rbuf, |_| {}, u64::MAX).unwrap();
+    let sbuf = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    for v in 1..50u64 {
+        sbuf.write_u64(0, v).unwrap();
+        while let Err(ChannelError::Busy) = sh.put() {}
+        // Give the put time to land, then mark late.
+        let start = std::time::Instant::now();
+        while h.puts_seen() < v && rbuf.read_u64(0).unwrap() != v && start.elapsed() < Duration::from_secs(5)
+        {
+        }
+        h.ready_mark().unwrap();
+        spin_poll(&receiver, 1);
+        assert_eq!(rbuf.read_u64(0).unwrap(), v);
+        h.ready().unwrap();
+    }
+}
