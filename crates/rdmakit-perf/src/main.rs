@@ -8,6 +8,7 @@
 //! lines with `--json`.
 
 mod contended;
+mod channel;
 mod limits;
 mod measure;
 mod report;
@@ -50,6 +51,12 @@ enum Cmd {
     AtomicLat(Opts),
     /// Fetch-and-add message rate (window of outstanding atomics).
     AtomicBw(Opts),
+    /// Pipe rwrite ping-pong (rdmakit-channel); half the round trip.
+    PipeLat(Opts),
+    /// Pipe rwrite bandwidth (window of writes in flight, the reader releasing).
+    PipeBw(Opts),
+    /// Persistent put-handle ping-pong; half the round trip (loopback only).
+    PutLat(Opts),
     /// N processes hammer one shared counter with fetch-and-add (total and per-process
     /// rates, and a check of the final count).
     FaddContended(Contention),
@@ -247,7 +254,11 @@ fn one(test: Test, o: &Opts) -> Result<()> {
         eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
         let (p, side) = rig::server(&ctx, &listener, &copts, o.placement)?;
         eprintln!("rdmakit-perf: client asked for {} of {} bytes x {}", p.test.name(), p.size, p.iters);
-        measure::serve(&side, &p)?;
+        if p.test.is_channel() {
+            channel::serve(&side, &p)?;
+        } else {
+            measure::serve(&side, &p)?;
+        }
         // One-sided tests need nothing from us: wait for the client to finish.
         if let Some(c) = &side.conn {
             c.wait_disconnected(std::time::Duration::from_secs(3600))?;
@@ -257,14 +268,23 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     let p = validate(test, o)?;
     let bar = progress(p.iters);
     let wait = if o.use_event { measure::CqWait::Event } else { measure::CqWait::Poll };
+    if p.test == Test::PutLat && o.connect.is_some() {
+        return Err(Error::InvalidArgument("put-lat runs in loopback only".into()));
+    }
+    let client = |side: &rig::Side| {
+        if p.test.is_channel() { channel::run(side, &p, &bar) } else { measure::run_with(side, &p, &bar, wait) }
+    };
     let m = if let Some(addr) = o.connect {
         let side = rig::client(&ctx, addr, &p, &copts)?;
-        measure::run_with(&side, &p, &bar, wait)?
+        client(&side)?
+    } else if p.test == Test::PutLat {
+        let (a, b) = rig::loopback(&ctx, &p, &copts)?;
+        channel::put_lat(&a, &b, &p, &bar)?
     } else {
         let (a, b) = rig::loopback(&ctx, &p, &copts)?;
         std::thread::scope(|s| {
-            let server = s.spawn(|| measure::serve(&b, &p));
-            let m = measure::run_with(&a, &p, &bar, wait);
+            let server = s.spawn(|| if p.test.is_channel() { channel::serve(&b, &p) } else { measure::serve(&b, &p) });
+            let m = client(&a);
             let served = server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?;
             served.and(m)
         })?
@@ -346,6 +366,9 @@ fn main() -> ExitCode {
         Some(Cmd::SendBw(o)) => one(Test::SendBw, o),
         Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
         Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
+        Some(Cmd::PipeLat(o)) => one(Test::PipeLat, o),
+        Some(Cmd::PipeBw(o)) => one(Test::PipeBw, o),
+        Some(Cmd::PutLat(o)) => one(Test::PutLat, o),
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
     };

@@ -124,6 +124,9 @@ pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Res
             Ok(Measured::Latency(lat))
         }
         Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw => bandwidth(side, p, bar, wait),
+        Test::PipeLat | Test::PipeBw | Test::PutLat => {
+            Err(err("channel tests run in the channel module (a bug if reached)"))
+        }
     }
 }
 

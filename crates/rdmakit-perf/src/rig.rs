@@ -26,6 +26,12 @@ pub enum Test {
     AtomicLat,
     /// Atomic message rate with a window.
     AtomicBw,
+    /// Pipe `rwrite` ping-pong (rdmakit-channel); half the round trip.
+    PipeLat,
+    /// Pipe `rwrite` bandwidth with a window of writes in flight, the reader releasing.
+    PipeBw,
+    /// Persistent put-handle ping-pong; half the round trip.
+    PutLat,
 }
 
 impl Test {
@@ -35,7 +41,9 @@ impl Test {
 
     pub fn from_code(c: u8) -> Option<Test> {
         use Test::*;
-        [WriteLat, WriteBw, ReadLat, ReadBw, SendBw, AtomicLat, AtomicBw].get(usize::from(c)).copied()
+        [WriteLat, WriteBw, ReadLat, ReadBw, SendBw, AtomicLat, AtomicBw, PipeLat, PipeBw, PutLat]
+            .get(usize::from(c))
+            .copied()
     }
 
     pub fn name(self) -> &'static str {
@@ -47,11 +55,19 @@ impl Test {
             Test::SendBw => "send-bw",
             Test::AtomicLat => "atomic-lat",
             Test::AtomicBw => "atomic-bw",
+            Test::PipeLat => "pipe-lat",
+            Test::PipeBw => "pipe-bw",
+            Test::PutLat => "put-lat",
         }
     }
 
     pub fn is_latency(self) -> bool {
-        matches!(self, Test::WriteLat | Test::ReadLat | Test::AtomicLat)
+        matches!(self, Test::WriteLat | Test::ReadLat | Test::AtomicLat | Test::PipeLat | Test::PutLat)
+    }
+
+    /// Runs on rdmakit-channel (pipes, put handles) rather than raw verbs.
+    pub fn is_channel(self) -> bool {
+        matches!(self, Test::PipeLat | Test::PipeBw | Test::PutLat)
     }
 }
 
@@ -134,14 +150,19 @@ fn atomic_target(ctx: &Context, pd: &ProtectionDomain, placement: Placement) -> 
 
 fn qp_caps(p: &Params) -> QpCaps {
     let depth = (p.window + 8).max(16);
-    QpCaps { max_send_wr: depth, max_recv_wr: depth, ..QpCaps::default() }
+    // Room for a pipe's or put endpoint's posted receives and inline control messages.
+    QpCaps { max_send_wr: depth.max(256), max_recv_wr: depth.max(160), max_inline_data: 64, ..QpCaps::default() }
+}
+
+fn cqe(p: &Params) -> u32 {
+    (p.window * 2 + 16).max(1024)
 }
 
 /// Two connected sides in this process.
 pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Side, Side)> {
     let pd = ctx.alloc_pd()?;
     let mk = || -> Result<(QueuePair, CompletionQueue, MemoryRegion, MemoryRegion)> {
-        let cq = ctx.create_cq((p.window * 2 + 16).max(64))?;
+        let cq = ctx.create_cq(cqe(p))?;
         let qp = pd.create_qp(&cq, &cq, qp_caps(p))?;
         let buf = pd.alloc_mr(buffer_len(p), AccessFlags::ALL_REMOTE)?;
         let atomic = atomic_target(ctx, &pd, p.placement)?;
@@ -192,7 +213,7 @@ fn peer_regions(d: &[u8]) -> Result<(RemoteRegion, RemoteRegion)> {
 fn cm_options(p: &Params, opts: &ConnectOptions) -> CmOptions {
     CmOptions {
         caps: qp_caps(p),
-        cqe: (p.window * 2 + 16).max(64),
+        cqe: cqe(p),
         connect: *opts,
         timeout: Duration::from_secs(30),
     }

@@ -1,0 +1,198 @@
+//! `pipe-lat`, `pipe-bw` and `put-lat`: rdmakit-channel measured the perftest way.
+//!
+//! - pipe-lat: a ping-pong of `rwrite`s (each side receives, then writes back); half the
+//!   round trip, as `ib_write_lat` reports;
+//! - pipe-bw: `window` `rwrite`s in flight at a time, the reader receiving and releasing;
+//! - put-lat: a ping-pong of persistent put handles (put, `ready_poll`, put back); half the
+//!   round trip. Loopback only: the handles' descriptors are exchanged in process.
+//!
+//! All wait by busy polling (as perftest does).
+
+use std::time::Instant;
+
+use indicatif::ProgressBar;
+use rdmakit_channel::put::PutEndpoint;
+use rdmakit_channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
+use rdmakit_verbs::{AccessFlags, Error, Result};
+
+use crate::measure::Measured;
+use crate::rig::{Params, Side, Test};
+
+fn chan(e: ChannelError) -> Error {
+    match e {
+        ChannelError::Verbs(v) => v,
+        other => Error::InvalidArgument(other.to_string()),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| Error::Os { call: "tokio runtime", source })
+}
+
+fn config(p: &Params) -> PipeConfig {
+    // Room for `window` messages of `size` bytes in the ring, twice over.
+    let ring = (u64::from(p.size.next_multiple_of(8)) * u64::from(p.window.max(1)) * 2).max(1 << 20);
+    PipeConfig {
+        ring_len: ring,
+        notify: NotifyMode::WriteImm,
+        poll: PollMode::Busy,
+        slots: p.window.clamp(2, 64),
+        ..PipeConfig::default()
+    }
+}
+
+async fn pipe(side: &Side, p: &Params) -> Result<Pipe> {
+    let conn_qp = side.qp.clone();
+    Pipe::connect(conn_qp, side.cq.clone(), config(p)).await.map_err(chan)
+}
+
+/// The client's side of a channel test, against a peer running [`serve`] (in this
+/// process for loopback, or over a connection).
+pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    runtime()?.block_on(async {
+        let pipe = pipe(side, p).await?;
+        let src = side.buf.slice(0, p.size)?;
+        match p.test {
+            Test::PipeLat => {
+                let mut lat = Vec::with_capacity(p.iters as usize);
+                for i in 0..p.iters {
+                    let t = Instant::now();
+                    pipe.rwrite(src.clone()).await.0.map_err(chan)?;
+                    drop(pipe.recv().await.map_err(chan)?);
+                    lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    tick(bar, i);
+                }
+                Ok(Measured::Latency(lat))
+            }
+            Test::PipeBw => {
+                let window = p.window.max(1) as usize;
+                let slots = (side.buf.len() / p.size.max(64) as usize).clamp(1, window);
+                let slices: Vec<_> = (0..slots)
+                    .map(|i| side.buf.slice((i * p.size.max(64) as usize) as u64, p.size))
+                    .collect::<Result<_>>()?;
+                let start = Instant::now();
+                let mut done = 0u32;
+                let mut peak: f64 = 0.0;
+                while done < p.iters {
+                    let n = (p.iters - done).min(slots as u32) as usize;
+                    let t = Instant::now();
+                    let writes: Vec<_> = slices[..n].iter().map(|s| pipe.rwrite(s.clone())).collect();
+                    for (r, _) in join_all(writes).await {
+                        r.map_err(chan)?;
+                    }
+                    let secs = t.elapsed().as_secs_f64().max(1e-9);
+                    peak = peak.max(n as f64 * f64::from(p.size) / secs);
+                    done += n as u32;
+                    tick(bar, done);
+                }
+                // The reader acknowledges the last message: everything has landed.
+                drop(pipe.recv().await.map_err(chan)?);
+                let secs = start.elapsed().as_secs_f64();
+                let bytes = u64::from(p.iters) * u64::from(p.size);
+                Ok(Measured::Bandwidth { bytes, secs, peak_bytes_per_sec: peak.max(bytes as f64 / secs) })
+            }
+            _ => Err(Error::InvalidArgument(format!("{} is not a pipe test", p.test.name()))),
+        }
+    })
+}
+
+/// The server's side of a pipe test.
+pub fn serve(side: &Side, p: &Params) -> Result<()> {
+    runtime()?.block_on(async {
+        let pipe = pipe(side, p).await?;
+        match p.test {
+            Test::PipeLat => {
+                let src = side.buf.slice(0, p.size)?;
+                for _ in 0..p.iters {
+                    drop(pipe.recv().await.map_err(chan)?);
+                    pipe.rwrite(src.clone()).await.0.map_err(chan)?;
+                }
+            }
+            Test::PipeBw => {
+                for _ in 0..p.iters {
+                    drop(pipe.recv().await.map_err(chan)?);
+                }
+                let ack = side.buf.slice(0, 1)?;
+                pipe.rwrite(ack).await.0.map_err(chan)?;
+            }
+            _ => return Err(Error::InvalidArgument(format!("{} is not a pipe test", p.test.name()))),
+        }
+        Ok(())
+    })
+}
+
+/// put-lat in one process: a ping-pong of put handles between the two sides.
+pub fn put_lat(a: &Side, b: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    let ea = PutEndpoint::new(a.qp.clone(), a.cq.clone(), PollMode::Busy).map_err(chan)?;
+    let eb = PutEndpoint::new(b.qp.clone(), b.cq.clone(), PollMode::Busy).map_err(chan)?;
+    let pd = a.qp.pd();
+    let len = p.size as usize;
+    let (ra, rb) = (pd.alloc_mr(len, AccessFlags::ALL_REMOTE)?, pd.alloc_mr(len, AccessFlags::ALL_REMOTE)?);
+    let ha = ea.create_handle(&ra, |_| {}, 0).map_err(chan)?;
+    let hb = eb.create_handle(&rb, |_| {}, 0).map_err(chan)?;
+    let to_b = ea.assoc_local_buffer(&hb.desc().map_err(chan)?, a.buf.slice(0, p.size)?).map_err(chan)?;
+    let to_a = eb.assoc_local_buffer(&ha.desc().map_err(chan)?, b.buf.slice(0, p.size)?).map_err(chan)?;
+    let put = |h: &rdmakit_channel::put::SendHandle, ep: &PutEndpoint| -> Result<()> {
+        let start = Instant::now();
+        loop {
+            match h.put() {
+                Ok(()) => return Ok(()),
+                Err(ChannelError::Busy) if start.elapsed().as_secs() < 30 => ep.progress().map_err(chan)?,
+                Err(e) => return Err(chan(e)),
+            }
+        }
+    };
+    let wait = |ep: &PutEndpoint| -> Result<()> {
+        let start = Instant::now();
+        while ep.ready_poll().map_err(chan)? == 0 {
+            if start.elapsed().as_secs() >= 30 {
+                return Err(Error::Timeout(start.elapsed()));
+            }
+        }
+        Ok(())
+    };
+    let mut lat = Vec::with_capacity(p.iters as usize);
+    for i in 0..p.iters {
+        hb.ready_mark().map_err(chan)?;
+        ha.ready_mark().map_err(chan)?;
+        let t = Instant::now();
+        put(&to_b, &ea)?;
+        wait(&eb)?;
+        put(&to_a, &eb)?;
+        wait(&ea)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        hb.ready().map_err(chan)?;
+        ha.ready().map_err(chan)?;
+        tick(bar, i);
+    }
+    Ok(Measured::Latency(lat))
+}
+
+fn tick(bar: &ProgressBar, i: u32) {
+    if i % 1024 == 0 {
+        bar.set_position(u64::from(i));
+    }
+}
+
+/// Polls the futures to completion together (a small `join_all`).
+async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut fs: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("every future completed")).collect()
+}
