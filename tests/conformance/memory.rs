@@ -15,7 +15,34 @@ pub const CASES: &[Case] = &[
     case("memic_nic_preferred_places_or_falls_back", memic_nic_preferred),
     case("memic_nic_required_matches_the_probe", memic_nic_required),
     case("memic_counters_take_remote_fetch_add", memic_counters),
+    case("mlx5_umr_keys_work_or_are_unsupported", mlx5_umr_keys),
 ];
+
+/// Indirect keys bound by UMR: they work on the soft NIC (and would on mlx5); on other
+/// verbs devices (rxe) every call is a clean `Unsupported`, never a crash.
+fn mlx5_umr_keys(env: &Env) -> Result<(), Failed> {
+    use rdmakit::mlx5::KsmEntry;
+    let p = env.pair()?;
+    let key = match p.pd.create_indirect_mkey(0, 1 << 20, AccessFlags::ALL_REMOTE) {
+        Ok(k) => k,
+        Err(Error::Unsupported(_)) if env.provider == ProviderKind::Verbs => {
+            check!(p.pd.create_umr_queue().is_err(), "a UMR queue on a device without mlx5dv");
+            check!(env.ctx.vhca_id().is_err(), "a vHCA id without DEVX");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let umr = p.pd.create_umr_queue()?;
+    let target = p.pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
+    umr.bind(&key, &[KsmEntry::whole(&target)])?;
+    let result = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
+    p.a.post_send(SendWr::fetch_add(result.local()?, key.region().remote().slice(64, 8)?, 5))?;
+    wait_ok(&p.cq_a)?;
+    check_eq!(target.read_u64(64)?, 5);
+    umr.invalidate(&key)?;
+    check!(!key.is_bound(), "still bound after LOCAL_INV");
+    Ok(())
+}
 
 /// `NicPreferred` always gives a region that remote atomics reach, on the NIC exactly when
 /// the probe found usable device memory.

@@ -16,8 +16,12 @@
 //!
 //! Providers: the soft NIC emulates all of it (functions, KSM, UMR, `LOCAL_INV`, access keys,
 //! aliases, with the protection errors a NIC gives for a key used after invalidation). On
-//! the verbs provider these calls need an mlx5 device and return [`Error::Unsupported`]
-//! elsewhere (rxe has no mlx5dv).
+//! the verbs provider, indirect keys (`mlx5dv_create_mkey`), UMR binding
+//! (`mlx5dv_wr_mr_list` on a dedicated self-connected QP) and `LOCAL_INV` call mlx5 direct
+//! verbs; those keys are zero-based, as UMR keys are. What needs DEVX firmware commands (a
+//! KSM key at a non-zero address, `allow_other_vhca_access`, aliases, the vHCA id) returns
+//! [`Error::Unsupported`] there, and so does everything on a non-mlx5 device (rxe has no
+//! mlx5dv). The verbs path is compiled and linked but untested on hardware.
 //!
 //! # Example: an indirect key over two regions
 //! ```
@@ -100,18 +104,30 @@ pub struct AliasMkey {
 
 /// A queue for UMR work requests (re-binding indirect keys, `LOCAL_INV`), with its own
 /// completion queue, as UCX keeps a dedicated UMR QP.
-#[derive(Debug)]
 pub struct UmrQueue {
     pd: ProtectionDomain,
+    /// The mlx5 UMR QP on the verbs provider (one request at a time).
+    #[cfg(feature = "verbs")]
+    verbs: Option<Mutex<crate::rdma::mlx5dv::UmrQp>>,
 }
+
+impl std::fmt::Debug for UmrQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UmrQueue").field("device", &self.pd.context().name()).finish()
+    }
+}
+
+/// Most KSM entries a verbs indirect key is created with room for.
+#[cfg(feature = "verbs")]
+const VERBS_MAX_ENTRIES: u16 = 16;
 
 fn soft_device(ctx: &Context) -> Result<&Arc<SoftDevice>> {
     match &ctx.inner.backend {
         CtxBackend::Soft(d) => Ok(d),
         #[cfg(feature = "verbs")]
         CtxBackend::Verbs(_) => Err(Error::Unsupported(format!(
-            "{}: mlx5 indirect keys, UMR and cross-vHCA aliases are emulated by the soft NIC only; \
-             the verbs provider's mlx5dv/DEVX path is not implemented yet",
+            "{}: cross-vHCA access, aliases and vHCA ids need mlx5 DEVX commands, which rdmakit \
+             implements on the soft NIC only",
             ctx.name()
         ))),
     }
@@ -167,9 +183,42 @@ impl ProtectionDomain {
                 "indirect key range {base:#x}+{len} is empty or wraps"
             )));
         }
-        let (dev, pd_id) = soft_pd(self)?;
-        let key = dev.mrs.register_indirect(pd_id, base, len, access);
-        Ok(IndirectMkey { region: mkey_region(self, dev, key, Kind::Indirect, base, len, access) })
+        match &self.inner.backend {
+            PdBackend::Soft(_) => {
+                let (dev, pd_id) = soft_pd(self)?;
+                let key = dev.mrs.register_indirect(pd_id, base, len, access);
+                Ok(IndirectMkey { region: mkey_region(self, dev, key, Kind::Indirect, base, len, access) })
+            }
+            #[cfg(feature = "verbs")]
+            PdBackend::Verbs(vpd) => {
+                // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a non-zero base
+                // needs a KSM mkey created through DEVX, which is not implemented.
+                if base != 0 {
+                    return Err(Error::Unsupported(
+                        "verbs indirect keys are zero-based (UMR); a non-zero base needs DEVX KSM".into(),
+                    ));
+                }
+                let mk = vpd.create_indirect_mkey(VERBS_MAX_ENTRIES)?;
+                let key = mk.lkey();
+                Ok(IndirectMkey {
+                    region: MemoryRegion {
+                        inner: Arc::new(MrInner {
+                            backend: MrBackend::VerbsMkey(mk),
+                            mem: MrMemory::Mkey(Arc::new(MkeyState {
+                                kind: Kind::Indirect,
+                                bound: Mutex::new(Vec::new()),
+                            })),
+                            pd: self.clone(),
+                            access,
+                            addr: 0,
+                            len,
+                            lkey: key,
+                            rkey: key,
+                        }),
+                    },
+                })
+            }
+        }
     }
 
     /// Creates an indirect key already mapping `entries` from `base` (a KSM mkey created
@@ -184,14 +233,30 @@ impl ProtectionDomain {
         let len = entries.iter().try_fold(0u64, |a, e| a.checked_add(e.len));
         let len = len.ok_or_else(|| Error::InvalidArgument("KSM entries overflow".into()))?;
         let key = self.create_indirect_mkey(base, len, access)?;
-        bind_soft(&key, entries)?;
+        match &self.inner.backend {
+            PdBackend::Soft(_) => bind_soft(&key, entries)?,
+            // On mlx5 through a UMR at creation (zero-based), not a DEVX KSM command.
+            #[cfg(feature = "verbs")]
+            PdBackend::Verbs(_) => self.create_umr_queue()?.bind(&key, entries)?,
+        }
         Ok(key)
     }
 
     /// Creates a queue for UMR work requests on this PD's keys.
     pub fn create_umr_queue(&self) -> Result<UmrQueue> {
-        soft_pd(self)?;
-        Ok(UmrQueue { pd: self.clone() })
+        match (&self.inner.backend, &self.inner.ctx.inner.backend) {
+            (PdBackend::Soft(_), _) => Ok(UmrQueue {
+                pd: self.clone(),
+                #[cfg(feature = "verbs")]
+                verbs: None,
+            }),
+            #[cfg(feature = "verbs")]
+            (PdBackend::Verbs(vpd), CtxBackend::Verbs(vctx)) => {
+                Ok(UmrQueue { pd: self.clone(), verbs: Some(Mutex::new(vpd.create_umr_qp(vctx)?)) })
+            }
+            #[cfg(feature = "verbs")]
+            _ => unreachable!("a PD and its context share a provider"),
+        }
     }
 
     /// Creates an alias in this PD of key `mkey` of the function `vhca_id` of the same NIC,
@@ -291,6 +356,36 @@ fn bind_soft(key: &IndirectMkey, entries: &[KsmEntry]) -> Result<()> {
     Ok(())
 }
 
+/// Binds through the mlx5 UMR QP: entries become (address, length, lkey) SGEs.
+#[cfg(feature = "verbs")]
+fn bind_verbs(
+    umr: &Mutex<crate::rdma::mlx5dv::UmrQp>,
+    key: &IndirectMkey,
+    entries: &[KsmEntry],
+) -> Result<()> {
+    let MrBackend::VerbsMkey(mk) = &key.region.inner.backend else {
+        return Err(Error::InvalidArgument("not a verbs indirect key".into()));
+    };
+    let mut sges = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        if e.len == 0 || e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
+            return Err(Error::InvalidArgument(format!("KSM entry {i}: empty or outside its region")));
+        }
+        if !Arc::ptr_eq(&e.region.inner.pd.inner, &key.region.inner.pd.inner) {
+            return Err(Error::InvalidArgument(format!(
+                "KSM entry {i}: region of another protection domain"
+            )));
+        }
+        let len =
+            u32::try_from(e.len).map_err(|_| Error::InvalidArgument(format!("KSM entry {i}: over 4 GiB")))?;
+        sges.push((e.region.addr() + e.offset, len, e.region.lkey()));
+    }
+    let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
+    umr.lock().unwrap_or_else(|e| e.into_inner()).bind(mk, key.region.access(), &sges)?;
+    *bound = entries.iter().map(|e| e.region.clone()).collect();
+    Ok(())
+}
+
 impl IndirectMkey {
     /// The key as a region, for work requests and remote descriptors (lkey = rkey).
     pub fn region(&self) -> &MemoryRegion {
@@ -356,6 +451,10 @@ impl UmrQueue {
                 key.key()
             )));
         }
+        #[cfg(feature = "verbs")]
+        if let Some(umr) = &self.verbs {
+            return bind_verbs(umr, key, entries);
+        }
         bind_soft(key, entries)
     }
 
@@ -364,6 +463,13 @@ impl UmrQueue {
     #[doc(alias = "IBV_WR_LOCAL_INV")]
     pub fn invalidate(&self, key: &IndirectMkey) -> Result<()> {
         self.check_key(key)?;
+        #[cfg(feature = "verbs")]
+        if let (Some(umr), MrBackend::VerbsMkey(mk)) = (&self.verbs, &key.region.inner.backend) {
+            let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
+            umr.lock().unwrap_or_else(|e| e.into_inner()).invalidate(mk)?;
+            bound.clear();
+            return Ok(());
+        }
         let (dev, _) = soft_pd(&self.pd)?;
         let entry = dev
             .mrs

@@ -131,6 +131,9 @@ pub(crate) enum MrBackend {
     },
     #[cfg(feature = "verbs")]
     Verbs(crate::rdma::Mr),
+    /// An mlx5 indirect mkey (`crate::mlx5`), destroyed when dropped.
+    #[cfg(feature = "verbs")]
+    VerbsMkey(crate::rdma::mlx5dv::Mkey),
 }
 
 /// Fields drop in order: deregistration (`backend`) before the memory (`mem`) before the
@@ -165,6 +168,9 @@ impl Drop for MrInner {
                     }
                 }
             }
+            // Destroyed by its own Drop, after which the regions it mapped may go.
+            #[cfg(feature = "verbs")]
+            MrBackend::VerbsMkey(_) => {}
         }
     }
 }

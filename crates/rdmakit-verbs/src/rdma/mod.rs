@@ -8,6 +8,7 @@
 
 pub(crate) mod cm;
 mod conv;
+pub(crate) mod mlx5dv;
 
 use std::collections::HashSet;
 use std::ffi::CStr;
