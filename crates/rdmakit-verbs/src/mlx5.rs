@@ -18,10 +18,12 @@
 //! aliases, with the protection errors a NIC gives for a key used after invalidation). On
 //! the verbs provider, indirect keys (`mlx5dv_create_mkey`), UMR binding
 //! (`mlx5dv_wr_mr_list` on a dedicated self-connected QP) and `LOCAL_INV` call mlx5 direct
-//! verbs; those keys are zero-based, as UMR keys are. What needs DEVX firmware commands (a
-//! KSM key at a non-zero address, `allow_other_vhca_access`, aliases, the vHCA id) returns
-//! [`Error::Unsupported`] there, and so does everything on a non-mlx5 device (rxe has no
-//! mlx5dv). The verbs path is compiled and linked but untested on hardware.
+//! verbs; those keys are zero-based, as UMR keys are. The vHCA id (`QUERY_HCA_CAP`),
+//! `allow_other_vhca_access` (`ALLOW_OTHER_VHCA_ACCESS`) and aliases (`CREATE_GENERAL_OBJECT`
+//! of an mkey alias) are DEVX firmware commands built in PRM layout (`rdma/mlx5dv.rs` says
+//! where each field comes from); a KSM key at a non-zero address (a DEVX `CREATE_MKEY`) is not
+//! implemented, and everything returns [`Error::Unsupported`] on a non-mlx5 device (rxe has
+//! no mlx5dv). The verbs path is compiled and linked but untested on hardware.
 //!
 //! # Example: an indirect key over two regions
 //! ```
@@ -126,8 +128,8 @@ fn soft_device(ctx: &Context) -> Result<&Arc<SoftDevice>> {
         CtxBackend::Soft(d) => Ok(d),
         #[cfg(feature = "verbs")]
         CtxBackend::Verbs(_) => Err(Error::Unsupported(format!(
-            "{}: cross-vHCA access, aliases and vHCA ids need mlx5 DEVX commands, which rdmakit \
-             implements on the soft NIC only",
+            "{}: this is a soft-NIC feature (on hardware, open the other function's device by \
+             name, or use the DEVX calls of the verbs provider)",
             ctx.name()
         ))),
     }
@@ -272,6 +274,28 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<AliasMkey> {
         access.validate()?;
+        #[cfg(feature = "verbs")]
+        if let PdBackend::Verbs(vpd) = &self.inner.backend {
+            let alias = vpd.create_alias(vhca_id, mkey, access_key)?;
+            let key = alias.key();
+            // The host key's range is not visible here; the NIC checks the real bounds.
+            let region = MemoryRegion {
+                inner: Arc::new(MrInner {
+                    backend: MrBackend::VerbsAlias(alias),
+                    mem: MrMemory::Mkey(Arc::new(MkeyState {
+                        kind: Kind::Alias,
+                        bound: Mutex::new(Vec::new()),
+                    })),
+                    pd: self.clone(),
+                    access,
+                    addr: 0,
+                    len: UMR_MAX_LEN,
+                    lkey: key,
+                    rkey: key,
+                }),
+            };
+            return Ok(AliasMkey { region, vhca_id, mkey });
+        }
         let (dev, pd_id) = soft_pd(self)?;
         let owner = SoftDevice::by_vhca(vhca_id).filter(|o| o.nic() == dev.nic()).ok_or_else(|| {
             Error::InvalidArgument(format!("no vHCA {vhca_id} on the NIC of {}", dev.name()))
@@ -305,7 +329,11 @@ impl ProtectionDomain {
 impl Context {
     /// This function's vHCA id (GVMI): what other functions name it by.
     pub fn vhca_id(&self) -> Result<u32> {
-        Ok(soft_device(self)?.vhca_id())
+        match &self.inner.backend {
+            CtxBackend::Soft(dev) => Ok(dev.vhca_id()),
+            #[cfg(feature = "verbs")]
+            CtxBackend::Verbs(vctx) => vctx.vhca_id(),
+        }
     }
 
     /// Opens another function (vHCA) of the same soft NIC, as a BlueField DPU's Arm-side
@@ -405,6 +433,10 @@ impl IndirectMkey {
     /// Opens the key to other vHCAs of the NIC, which may alias it presenting `access_key`
     /// (`MLX5_CMD_OP_ALLOW_OTHER_VHCA_ACCESS` on mlx5). Stays open across re-binds.
     pub fn allow_other_vhca_access(&self, access_key: &[u8; ACCESS_KEY_LEN]) -> Result<()> {
+        #[cfg(feature = "verbs")]
+        if let MrBackend::VerbsMkey(mk) = &self.region.inner.backend {
+            return mk.allow_other_vhca_access(access_key);
+        }
         let (dev, _) = soft_pd(&self.region.inner.pd)?;
         let entry = dev
             .mrs

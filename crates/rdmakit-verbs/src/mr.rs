@@ -134,6 +134,10 @@ pub(crate) enum MrBackend {
     /// An mlx5 indirect mkey (`crate::mlx5`), destroyed when dropped.
     #[cfg(feature = "verbs")]
     VerbsMkey(crate::rdma::mlx5dv::Mkey),
+    /// An mlx5 mkey alias of another vHCA's key (`crate::mlx5`), destroyed when dropped.
+    #[cfg(feature = "verbs")]
+    #[allow(dead_code)] // held only for its Drop, which destroys the alias object
+    VerbsAlias(crate::rdma::mlx5dv::Alias),
 }
 
 /// Fields drop in order: deregistration (`backend`) before the memory (`mem`) before the
@@ -170,7 +174,7 @@ impl Drop for MrInner {
             }
             // Destroyed by its own Drop, after which the regions it mapped may go.
             #[cfg(feature = "verbs")]
-            MrBackend::VerbsMkey(_) => {}
+            MrBackend::VerbsMkey(_) | MrBackend::VerbsAlias(_) => {}
         }
     }
 }

@@ -27,9 +27,11 @@
 //! [`CounterPool`] sub-allocates many 8-byte atomic counters from one region.
 //!
 //! On the soft NIC all of this runs (device memory, zero-based registration and the KSM
-//! key are emulated). On the verbs provider the indirect key needs mlx5 DEVX, which
-//! rdmakit does not drive yet, so the probe fails and `NicPreferred` regions live in host
-//! memory; rxe has no device memory at all.
+//! key are emulated). On mlx5 the key at the reserved address would be a DEVX KSM mkey,
+//! which rdmakit does not create yet; it uses a zero-based indirect key bound by UMR
+//! instead, so the region's descriptor has address 0 (and its own rkey). Untested on
+//! hardware; rxe has no device memory at all, so there the probe fails and `NicPreferred`
+//! regions live in host memory.
 //!
 //! # Example
 //! ```
@@ -163,8 +165,12 @@ impl NicRegion {
         let dm = pd.context().alloc_dm(size)?;
         let reservation = Reservation::new(size)?;
         let dm_mr = pd.register_dm(&dm, 0, size, AccessFlags::ALL_REMOTE)?;
-        let key =
-            pd.create_ksm_mkey(reservation.addr(), &[KsmEntry::whole(&dm_mr)], AccessFlags::ALL_REMOTE)?;
+        let entries = [KsmEntry::whole(&dm_mr)];
+        let key = match pd.create_ksm_mkey(reservation.addr(), &entries, AccessFlags::ALL_REMOTE) {
+            // mlx5 through UMR: the key is zero-based (address 0), still a key of its own.
+            Err(Error::Unsupported(_)) => pd.create_ksm_mkey(0, &entries, AccessFlags::ALL_REMOTE)?,
+            other => other?,
+        };
         Ok(NicRegion { key, dm_mr, dm, reservation })
     }
 }

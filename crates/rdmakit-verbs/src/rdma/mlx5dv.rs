@@ -230,3 +230,187 @@ impl super::Pd {
         UmrQp::create(ctx, &self.inner)
     }
 }
+
+// ---- DEVX: firmware commands in PRM layout ----
+//
+// Layouts and numbers from the Linux kernel's `include/linux/mlx5/mlx5_ifc.h` (the PRM
+// structures rdma-core's `providers/mlx5/mlx5_ifc.h` mirrors): every field is big-endian at
+// the bit offset its `reserved_at_*` neighbours give. Reviewed, not run: there is no mlx5
+// device here.
+
+/// `MLX5_CMD_OP_QUERY_HCA_CAP`.
+const OP_QUERY_HCA_CAP: u16 = 0x100;
+/// `MLX5_CMD_OP_CREATE_GENERAL_OBJECT`.
+const OP_CREATE_GENERAL_OBJECT: u16 = 0xa00;
+/// `MLX5_CMD_OP_ALLOW_OTHER_VHCA_ACCESS`.
+const OP_ALLOW_OTHER_VHCA_ACCESS: u16 = 0xb16;
+/// `MLX5_OBJ_TYPE_MKEY` (general object type of memory keys).
+const OBJ_TYPE_MKEY: u16 = 0xff01;
+
+/// Opens `dev` with DEVX (`mlx5dv_open_device` with `MLX5DV_CONTEXT_FLAGS_DEVX`) if it is
+/// an mlx5 device that allows it.
+pub(crate) fn open_devx(dev: *mut sys::ibv_device) -> Option<NonNull<sys::ibv_context>> {
+    // SAFETY: a device pointer from the live device list.
+    if !unsafe { dv::mlx5dv_is_supported(dev) } {
+        return None;
+    }
+    let mut attr = dv::mlx5dv_context_attr { flags: dv::MLX5DV_CONTEXT_FLAGS_DEVX, comp_mask: 0 };
+    // SAFETY: as above; `attr` is initialised and only read.
+    NonNull::new(unsafe { dv::mlx5dv_open_device(dev, &mut attr) })
+}
+
+fn put_be16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_be_bytes());
+}
+
+fn put_be32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Checks a command's output header: `status` (byte 0) and `syndrome` (bytes 4..8).
+fn cmd_status(what: &'static str, rc: i32, out: &[u8]) -> Result<()> {
+    if rc != 0 || out[0] != 0 {
+        return Err(Error::Unsupported(format!(
+            "{what}: DEVX command failed (rc {rc}, status {:#x}, syndrome {:#x})",
+            out[0],
+            be32(out, 4)
+        )));
+    }
+    Ok(())
+}
+
+fn general_cmd(dev: &Device, what: &'static str, input: &[u8], out: &mut [u8]) -> Result<()> {
+    // SAFETY: an open context; `input` and `out` are valid for their lengths during the call.
+    let rc = unsafe {
+        dv::mlx5dv_devx_general_cmd(
+            dev.ctx.as_ptr(),
+            input.as_ptr().cast(),
+            input.len(),
+            out.as_mut_ptr().cast(),
+            out.len(),
+        )
+    };
+    cmd_status(what, rc, out)
+}
+
+impl super::Context {
+    /// The function's vHCA id: `QUERY_HCA_CAP` (general capabilities, current values),
+    /// field `vhca_id` at bit 0x30 of `cmd_hca_cap`.
+    pub(crate) fn vhca_id(&self) -> Result<u32> {
+        supported(&self.dev)?;
+        let mut input = [0u8; 16];
+        put_be16(&mut input, 0, OP_QUERY_HCA_CAP);
+        // op_mod: capability type GENERAL (0) << 1 | current values (1).
+        put_be16(&mut input, 6, 1);
+        // Output header (16 bytes), then the capability union (0x8000 bits).
+        let mut out = vec![0u8; 16 + 4096];
+        general_cmd(&self.dev, "QUERY_HCA_CAP", &input, &mut out)?;
+        Ok(u32::from(u16::from_be_bytes([out[16 + 6], out[16 + 7]])))
+    }
+}
+
+impl Mkey {
+    /// `ALLOW_OTHER_VHCA_ACCESS` for this mkey with `access_key`.
+    pub fn allow_other_vhca_access(&self, access_key: &[u8; 32]) -> Result<()> {
+        let mut input = [0u8; 64];
+        put_be16(&mut input, 0, OP_ALLOW_OTHER_VHCA_ACCESS);
+        // object_type_to_be_accessed at bit 0x90, object_id_to_be_accessed at 0xa0 (the
+        // mkey index: the key without its 8-bit variant), access_key at 0x100.
+        put_be16(&mut input, 18, OBJ_TYPE_MKEY);
+        put_be32(&mut input, 20, self.lkey() >> 8);
+        input[32..64].copy_from_slice(access_key);
+        let mut out = [0u8; 16];
+        general_cmd(&self._pd.dev, "ALLOW_OTHER_VHCA_ACCESS", &input, &mut out)
+    }
+}
+
+/// An mkey alias object (`CREATE_GENERAL_OBJECT` of type MKEY with `alias_object` set).
+pub(crate) struct Alias {
+    obj: NonNull<dv::mlx5dv_devx_obj>,
+    key: u32,
+    _pd: Arc<PdShared>,
+}
+
+// SAFETY: an immutable handle; destroyed once, from Drop.
+unsafe impl Send for Alias {}
+// SAFETY: as above.
+unsafe impl Sync for Alias {}
+
+impl Alias {
+    /// The alias's key. The object id is the new mkey's index; the key is the index shifted
+    /// over an 8-bit variant of 0, as UCX derives it.
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx5dv_devx_obj_create, destroyed once.
+        if unsafe { dv::mlx5dv_devx_obj_destroy(self.obj.as_ptr()) } != 0 {
+            tracing::error!(key = self.key, "mlx5dv_devx_obj_destroy (mkey alias) failed");
+        }
+    }
+}
+
+impl super::Pd {
+    /// An alias in this PD's function of `mkey` of vHCA `vhca_id`, presenting `access_key`.
+    pub(crate) fn create_alias(&self, vhca_id: u32, mkey: u32, access_key: &[u8; 32]) -> Result<Alias> {
+        let dev = &self.inner.dev;
+        supported(dev)?;
+        let vhca =
+            u16::try_from(vhca_id).map_err(|_| Error::InvalidArgument("vHCA ids are 16-bit".into()))?;
+        // general_obj_in_cmd_hdr (16 bytes) then alias_context (64 bytes).
+        let mut input = [0u8; 80];
+        put_be16(&mut input, 0, OP_CREATE_GENERAL_OBJECT);
+        put_be16(&mut input, 6, OBJ_TYPE_MKEY);
+        input[12] = 0x80; // alias_object, bit 0x60
+        put_be16(&mut input, 16, vhca); // vhca_id_to_be_accessed
+        put_be32(&mut input, 20, mkey >> 8); // object_id_to_be_accessed
+        input[32..64].copy_from_slice(access_key); // access_key at bit 0x80 of the context
+        let mut out = [0u8; 16];
+        // SAFETY: an open context; `input` and `out` are valid for their lengths.
+        let obj = unsafe {
+            dv::mlx5dv_devx_obj_create(
+                dev.ctx.as_ptr(),
+                input.as_ptr().cast(),
+                input.len(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        let Some(obj) = NonNull::new(obj) else {
+            return Err(Error::Unsupported(format!(
+                "mkey alias: DEVX CREATE_GENERAL_OBJECT failed ({}, status {:#x}, syndrome {:#x})",
+                std::io::Error::last_os_error(),
+                out[0],
+                be32(&out, 4)
+            )));
+        };
+        let obj_id = be32(&out, 8);
+        Ok(Alias { obj, key: obj_id << 8, _pd: self.inner.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prm_fields_land_at_their_bit_offsets() {
+        let mut b = [0u8; 64];
+        put_be16(&mut b, 18, OBJ_TYPE_MKEY);
+        put_be32(&mut b, 20, 0x0012_3456);
+        // object_type_to_be_accessed at bit 0x90 = byte 18, big-endian.
+        assert_eq!(&b[18..24], &[0xff, 0x01, 0x00, 0x12, 0x34, 0x56]);
+        assert_eq!(be32(&b, 20), 0x0012_3456);
+        let out = [0u8, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert!(cmd_status("x", 0, &out).is_ok());
+        let bad = [3u8, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert!(matches!(cmd_status("x", 0, &bad), Err(Error::Unsupported(m)) if m.contains("syndrome 0x7")));
+    }
+}

@@ -153,8 +153,13 @@ impl Context {
             });
         };
         let dev_name = device_name(dev);
-        // SAFETY: `dev` is from the live list; opening does not need the list afterwards.
-        let ctx = nonnull("ibv_open_device", unsafe { sys::ibv_open_device(dev) })?;
+        // On mlx5, open with DEVX so that `crate::mlx5` can issue firmware commands; fall
+        // back to a plain open (DEVX needs a capable kernel and device).
+        let ctx = match mlx5dv::open_devx(dev) {
+            Some(ctx) => ctx,
+            // SAFETY: `dev` is from the live list; opening does not need the list afterwards.
+            None => nonnull("ibv_open_device", unsafe { sys::ibv_open_device(dev) })?,
+        };
         // SAFETY: the context is open; its async_fd is a valid descriptor we may set flags on.
         unsafe { conv::set_nonblocking((*ctx.as_ptr()).async_fd) }?;
         let mut device =
