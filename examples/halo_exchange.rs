@@ -65,10 +65,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         lefts[r + 1] = Some(Link { ep: eb, ghost: gb, ghost_buf: gb_buf, edge: sb, edge_buf: sb_buf });
     }
     let result = Arc::new(Mutex::new(vec![0.0; RANKS * N]));
-    std::thread::scope(|s| {
+    std::thread::scope(|s| -> std::result::Result<(), ChannelError> {
+        let mut ranks = Vec::new();
         for (rank, (left, right)) in lefts.into_iter().zip(rights).enumerate() {
             let result = result.clone();
-            s.spawn(move || -> std::result::Result<(), ChannelError> {
+            ranks.push(s.spawn(move || -> std::result::Result<(), ChannelError> {
                 let mut u = vec![0.0f64; N + 2]; // with ghosts at 0 and N+1
                 if rank == 0 {
                     u[0] = 1.0;
@@ -80,11 +81,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 for _ in 0..ITERS {
                     for (l, edge, _) in &links {
                         l.ghost.ready_mark()?;
-                        l.edge_buf.write_at(0, &u[*edge].to_ne_bytes())?;
-                        // Busy means the neighbour has not consumed our last put yet.
-                        while let Err(ChannelError::Busy) = l.edge.put() {
-                            l.ep.progress()?;
+                        // Until the neighbour has consumed our last put (a put now would be
+                        // `Busy`), the NIC may still be reading the edge buffer: wait first.
+                        let start = std::time::Instant::now();
+                        while !l.edge.is_ready()? {
+                            if start.elapsed() > Duration::from_secs(10) {
+                                return Err(ChannelError::Timeout(Duration::from_secs(10)));
+                            }
                         }
+                        l.edge_buf.write_at(0, &u[*edge].to_ne_bytes())?;
+                        l.edge.put()?;
                     }
                     for (l, _, ghost) in &links {
                         let start = std::time::Instant::now();
@@ -107,9 +113,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 }
                 result.lock().expect("result")[rank * N..(rank + 1) * N].copy_from_slice(&u[1..=N]);
                 Ok(())
-            });
+            }));
         }
-    });
+        // A rank that failed (a time-out, a broken link) fails the run.
+        ranks.into_iter().try_for_each(|r| r.join().expect("rank thread panicked"))
+    })?;
     let got = result.lock().expect("result").clone();
     let want = serial();
     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);

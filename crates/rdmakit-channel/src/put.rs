@@ -24,6 +24,14 @@
 //!   previous one fails with [`ChannelError::Busy`] instead of overwriting data the receiver
 //!   may be reading: `ready` RDMA-writes the consumed sequence number into the sender's
 //!   handle state, which `put` checks locally.
+//! - **Associations are epochs.** Each `assoc_local_buffer` takes a fresh epoch (a per-endpoint
+//!   counter) that tags the sequence words its puts write and the ready words the receiver
+//!   writes back (`epoch << 40 | count`). The receiver learns the epoch from the
+//!   association message (sent on the same QP before any put); a word of another epoch counts
+//!   as zero. So a sender can deassociate and another associate with the same handle (its
+//!   counts start again from zero), and a late write of an old association (a stale ready
+//!   signal into a reused sender slot, an old sequence word into a reused handle slot) is
+//!   never mistaken for the current one.
 //!
 //! Callbacks run on the thread that calls [`PutEndpoint::ready_poll`], inside that call.
 //! [`RecvHandle::next_put`] is the async variant: a future per iteration (it polls the
@@ -47,6 +55,26 @@ const RECV_SLOTS: u32 = 32;
 const MSG_LEN: u32 = 64;
 const TAG_ASSOC: u8 = 1;
 const TAG_DEASSOC: u8 = 2;
+/// `TAG_ASSOC`, handle id, ready word address and rkey, epoch.
+const ASSOC_LEN: usize = 1 + 4 + 8 + 4 + 4;
+/// `TAG_DEASSOC`, handle id, epoch.
+const DEASSOC_LEN: usize = 1 + 4 + 4;
+/// Sequence and ready words hold an association epoch above a 40-bit count.
+const COUNT_BITS: u32 = 40;
+const EPOCH_MASK: u32 = (1 << (64 - COUNT_BITS)) - 1;
+
+/// A sequence or ready word: `epoch` (never 0 for a live association) above `count`.
+fn word(epoch: u32, count: u64) -> u64 {
+    (u64::from(epoch) << COUNT_BITS) | (count & ((1 << COUNT_BITS) - 1))
+}
+
+/// The count in `w` if it belongs to association `epoch`, else 0 (a stale or reset word).
+fn count_for(w: u64, epoch: Option<u32>) -> u64 {
+    match epoch {
+        Some(ep) if (w >> COUNT_BITS) as u32 == ep => w & ((1 << COUNT_BITS) - 1),
+        _ => 0,
+    }
+}
 
 /// What the receiver ships to the sender: where a handle's buffer and sequence word are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,12 +130,19 @@ struct RecvEntry {
     marked: bool,
     /// The sender's ready word for this handle, once associated.
     sender_ready: Option<RemoteRegion>,
+    /// The current association's epoch (from its `TAG_ASSOC`): sequence words of other
+    /// epochs (an earlier sender's late write) are not puts.
+    epoch: Option<u32>,
+    /// This handle's incarnation of its slot (slots are reused after `destroy`).
+    incarnation: u64,
 }
 
 struct SendEntry {
     desc: HandleDesc,
     src: LocalSlice,
     puts: u64,
+    /// This association's epoch, tagged on every sequence word it writes.
+    epoch: u32,
 }
 
 struct State {
@@ -115,6 +150,10 @@ struct State {
     recv: Vec<Option<RecvEntry>>,
     send: Vec<Option<SendEntry>>,
     marked: VecDeque<u32>,
+    /// The epoch of the next association this endpoint makes as a sender (never 0).
+    next_epoch: u32,
+    /// The incarnation of the next receive handle.
+    next_incarnation: u64,
 }
 
 struct Inner {
@@ -162,7 +201,14 @@ impl PutEndpoint {
             driver: Driver::new(
                 cq,
                 poll,
-                State { broken: None, recv: Vec::new(), send: Vec::new(), marked: VecDeque::new() },
+                State {
+                    broken: None,
+                    recv: Vec::new(),
+                    send: Vec::new(),
+                    marked: VecDeque::new(),
+                    next_epoch: 1,
+                    next_incarnation: 0,
+                },
             ),
             qp,
         });
@@ -197,7 +243,10 @@ impl PutEndpoint {
                 seen: 0,
                 marked: false,
                 sender_ready: None,
+                epoch: None,
+                incarnation: st.next_incarnation,
             };
+            st.next_incarnation += 1;
             if id == st.recv.len() {
                 st.recv.push(Some(entry));
             } else {
@@ -217,28 +266,33 @@ impl PutEndpoint {
             return Err(ChannelError::Invalid("the send buffer's length differs from the handle's"));
         }
         let inner = &self.inner;
-        let id = inner.driver.with(|st| -> Result<u32> {
+        let (id, epoch) = inner.driver.with(|st| -> Result<(u32, u32)> {
             st.check()?;
             let id = st.send.iter().position(Option::is_none).unwrap_or(st.send.len());
             if id >= MAX_HANDLES as usize {
                 return Err(ChannelError::Invalid("too many put handles on this endpoint"));
             }
-            let entry = SendEntry { desc: *desc, src: send_buf, puts: 0 };
+            let epoch = st.next_epoch;
+            st.next_epoch = (st.next_epoch % EPOCH_MASK) + 1;
+            let entry = SendEntry { desc: *desc, src: send_buf, puts: 0, epoch };
             if id == st.send.len() {
                 st.send.push(Some(entry));
             } else {
                 st.send[id] = Some(entry);
             }
-            Ok(id as u32)
+            Ok((id as u32, epoch))
         })?;
+        // From here on the handle owns the slot: dropping it on an error frees the slot.
+        let handle = SendHandle { ep: self.clone(), id };
         inner.ready_words.write_u64(u64::from(id) * 8, 0)?;
         let ready = inner.ready_words.remote().slice(u64::from(id) * 8, 8)?;
         let mut m = vec![TAG_ASSOC];
         m.extend_from_slice(&desc.id.to_le_bytes());
         m.extend_from_slice(&ready.addr.to_le_bytes());
         m.extend_from_slice(&ready.rkey.to_le_bytes());
+        m.extend_from_slice(&epoch.to_le_bytes());
         inner.qp.post_send(SendWr::send_inline(&m))?;
-        Ok(SendHandle { ep: self.clone(), id })
+        Ok(handle)
     }
 
     /// Receiver: checks every marked handle (and only those) and runs the callback of each
@@ -250,25 +304,29 @@ impl PutEndpoint {
         let marked = inner.driver.with(|st| st.marked.len());
         for _ in 0..marked {
             // Take the callback out so it runs without the lock (it may call `ready`).
-            let job = inner.driver.with(|st| -> Result<Option<(u32, Callback, MemoryRegion)>> {
+            let job = inner.driver.with(|st| -> Result<Option<(u32, u64, Callback, MemoryRegion)>> {
                 st.check()?;
                 let Some(id) = st.marked.pop_front() else { return Ok(None) };
-                let seq = inner.seq_words.read_u64(u64::from(id) * 8)?;
+                let w = inner.seq_words.read_u64(u64::from(id) * 8)?;
                 let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
+                let seq = count_for(w, e.epoch);
                 if seq <= e.seen {
                     st.marked.push_back(id); // not yet: stays in the queue
                     return Ok(None);
                 }
                 e.seen = seq;
                 e.marked = false;
-                Ok(e.callback.take().map(|cb| (id, cb, e.buf.clone())))
+                Ok(e.callback.take().map(|cb| (id, e.incarnation, cb, e.buf.clone())))
             })?;
-            if let Some((id, mut cb, buf)) = job {
+            if let Some((id, incarnation, mut cb, buf)) = job {
                 cb(&buf);
                 fired += 1;
                 inner.driver.with(|st| {
+                    // Not if the callback destroyed the handle (and the slot was reused).
                     if let Some(Some(e)) = st.recv.get_mut(id as usize) {
-                        e.callback = Some(cb);
+                        if e.incarnation == incarnation {
+                            e.callback = Some(cb);
+                        }
                     }
                 });
             }
@@ -315,12 +373,24 @@ impl Inner {
         let id = m.get(1..5).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
         let entry = id.and_then(|id| st.recv.get_mut(id as usize)).and_then(Option::as_mut);
         match (m.first(), entry) {
-            (Some(&TAG_ASSOC), Some(e)) if n == 17 => {
+            (Some(&TAG_ASSOC), Some(e)) if n == ASSOC_LEN => {
                 let addr = u64::from_le_bytes(m[5..13].try_into().expect("8 bytes"));
                 let rkey = u32::from_le_bytes(m[13..17].try_into().expect("4 bytes"));
+                let epoch = u32::from_le_bytes(m[17..21].try_into().expect("4 bytes"));
+                // A new association counts its puts from zero, in its own epoch.
                 e.sender_ready = Some(RemoteRegion { addr, len: 8, rkey });
+                e.epoch = Some(epoch);
+                e.seen = 0;
+                e.consumed = 0;
             }
-            (Some(&TAG_DEASSOC), Some(e)) if n == 5 => e.sender_ready = None,
+            (Some(&TAG_DEASSOC), Some(e)) if n == DEASSOC_LEN => {
+                let epoch = u32::from_le_bytes(m[5..9].try_into().expect("4 bytes"));
+                // Only the current association's: a late one must not end a newer one.
+                if e.epoch == Some(epoch) {
+                    e.sender_ready = None;
+                    e.epoch = None;
+                }
+            }
             _ => tracing::warn!(len = n, "put endpoint: ignoring a malformed or stale control message"),
         }
     }
@@ -364,13 +434,14 @@ impl RecvHandle {
         inner.progress()?;
         inner.driver.with(|st| -> Result<()> {
             let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
-            let target =
-                e.sender_ready.ok_or(ChannelError::Invalid("no sender has associated with this handle"))?;
+            let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) else {
+                return Err(ChannelError::Invalid("no sender has associated with this handle"));
+            };
             // CkDirect's sentinel, for compatibility (detection uses the sequence word),
             // written before the sender may put again.
             e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
             e.consumed = e.seen;
-            let v = e.consumed.to_le_bytes();
+            let v = word(epoch, e.consumed).to_le_bytes();
             inner.qp.post_send(SendWr::write_inline(&v, target.slice(0, 8)?))?;
             Ok(())
         })
@@ -390,11 +461,12 @@ impl RecvHandle {
                     if let Err(e) = st.check() {
                         return Some(Err(e));
                     }
-                    let seq = match inner.seq_words.read_u64(u64::from(id) * 8) {
-                        Ok(s) => s,
+                    let w = match inner.seq_words.read_u64(u64::from(id) * 8) {
+                        Ok(w) => w,
                         Err(e) => return Some(Err(e.into())),
                     };
                     let e = st.recv.get_mut(id as usize)?.as_mut()?;
+                    let seq = count_for(w, e.epoch);
                     (seq > e.seen).then(|| {
                         e.seen = seq;
                         Ok(())
@@ -414,9 +486,12 @@ impl RecvHandle {
         self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().map_or(0, |e| e.seen))
     }
 
-    /// Destroys the handle: later puts on it from a still-associated sender write into a
-    /// buffer nobody watches (the buffer stays registered while the sender's descriptor may
-    /// reach it only if the application keeps the region alive).
+    /// Destroys the handle; its slot may be reused by a later `create_handle`, whose
+    /// detection ignores this handle's association (epochs). One-sided writes cannot be
+    /// refused: a sender still associated may land at most one more put (the receiver no
+    /// longer signals `ready`, so later ones are `Busy`) in this handle's buffer, or fail on
+    /// the connection if the application has deregistered that region. Deassociate first
+    /// (an application-level agreement, as in CkDirect) to avoid both.
     pub fn destroy(self) {}
 }
 
@@ -435,17 +510,22 @@ impl SendHandle {
     /// Puts the associated buffer into the receiver's: one RDMA write, then the sequence
     /// word. Returns once posted; [`ChannelError::Busy`] if the receiver has not called
     /// `ready` for the previous put.
+    ///
+    /// The send buffer stays registered (this handle and the QP's in-flight table hold it)
+    /// until the write completes, but its bytes are read by the NIC some time after `put`
+    /// returns: rewrite it only once [`is_ready`](Self::is_ready) (the receiver has seen and
+    /// consumed the put, so the write has been placed), or the put may carry the new bytes.
     pub fn put(&self) -> Result<()> {
         let inner = &self.ep.inner;
         inner.progress()?;
         inner.driver.with(|st| -> Result<()> {
             st.check()?;
             let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
-            let ready = inner.ready_words.read_u64(u64::from(self.id) * 8)?;
+            let ready = count_for(inner.ready_words.read_u64(u64::from(self.id) * 8)?, Some(e.epoch));
             if ready < e.puts {
                 return Err(ChannelError::Busy);
             }
-            let seq = (e.puts + 1).to_le_bytes();
+            let seq = word(e.epoch, e.puts + 1).to_le_bytes();
             let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?).unsignaled();
             inner.qp.post_send_batch([data, SendWr::write_inline(&seq, e.desc.seq.slice(0, 8)?)])?;
             e.puts += 1;
@@ -460,18 +540,22 @@ impl SendHandle {
 
     /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`).
     pub fn is_ready(&self) -> Result<bool> {
-        self.ep.inner.progress()?;
-        let ready = self.ep.inner.ready_words.read_u64(u64::from(self.id) * 8)?;
-        Ok(ready >= self.puts())
+        let inner = &self.ep.inner;
+        inner.progress()?;
+        let w = inner.ready_words.read_u64(u64::from(self.id) * 8)?;
+        Ok(inner.driver.with(|st| {
+            st.send[self.id as usize].as_ref().is_some_and(|e| count_for(w, Some(e.epoch)) >= e.puts)
+        }))
     }
 
     /// Ends the association and tells the receiver.
     pub fn deassociate(self) -> Result<()> {
         let inner = &self.ep.inner;
-        let desc_id = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| e.desc.id));
-        if let Some(id) = desc_id {
+        let assoc = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| (e.desc.id, e.epoch)));
+        if let Some((id, epoch)) = assoc {
             let mut m = vec![TAG_DEASSOC];
             m.extend_from_slice(&id.to_le_bytes());
+            m.extend_from_slice(&epoch.to_le_bytes());
             inner.qp.post_send(SendWr::send_inline(&m))?;
         }
         Ok(())
@@ -485,5 +569,37 @@ impl Drop for SendHandle {
                 *slot = None;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_of_another_epoch_count_as_zero() {
+        assert_eq!(count_for(word(3, 17), Some(3)), 17);
+        assert_eq!(count_for(word(3, 17), Some(4)), 0);
+        assert_eq!(count_for(word(3, 17), None), 0);
+        // A reset word (0) is epoch 0, which no association uses.
+        assert_eq!(count_for(0, Some(1)), 0);
+        assert_eq!(
+            count_for(word(EPOCH_MASK, (1 << COUNT_BITS) - 1), Some(EPOCH_MASK)),
+            (1 << COUNT_BITS) - 1
+        );
+    }
+
+    #[test]
+    fn descriptors_round_trip_and_bad_ones_are_refused() {
+        let d = HandleDesc {
+            id: 9,
+            buf: RemoteRegion { addr: 0x1000, len: 4096, rkey: 77 },
+            seq: RemoteRegion { addr: 0x2000, len: 8, rkey: 78 },
+        };
+        assert_eq!(HandleDesc::decode(&d.encode()).unwrap(), d);
+        assert!(matches!(HandleDesc::decode(&d.encode()[..43]), Err(ChannelError::Protocol(_))));
+        let mut bad = d;
+        bad.seq.len = 16;
+        assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));
     }
 }

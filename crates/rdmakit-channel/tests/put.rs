@@ -52,11 +52,16 @@ fn state_machine_busy_ready_and_reput() {
     sbuf.fill(1).unwrap();
     h.ready_mark().unwrap();
     sh.put().unwrap();
+    // (The send buffer is rewritten only once the put has been seen: the NIC reads it after
+    // `put` returns.)
+    assert_eq!(spin_poll(&receiver, 1), 1);
+    assert_eq!(seen.lock().unwrap()[0], vec![1u8; 256]);
     // A second put before the receiver is ready: Busy, nothing overwritten.
     sbuf.fill(2).unwrap();
     assert!(matches!(sh.put(), Err(ChannelError::Busy)));
-    assert_eq!(spin_poll(&receiver, 1), 1);
-    assert_eq!(seen.lock().unwrap()[0], vec![1u8; 256]);
+    assert!(!sh.is_ready().unwrap());
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(rbuf.to_vec().unwrap(), vec![1u8; 256], "a Busy put wrote nothing");
     // Nothing marked: polling finds nothing even though the buffer is there.
     assert_eq!(receiver.ready_poll().unwrap(), 0);
     h.ready().unwrap();
@@ -262,4 +267,87 @@ fn a_put_landing_before_ready_mark_is_kept() {
         assert_eq!(rbuf.read_u64(0).unwrap(), v);
         h.ready().unwrap();
     }
+}
+
+/// A sender deassociates and another associates with the same handle: its puts count from
+/// zero again (an epoch per association), and are seen.
+#[test]
+fn reassociation_after_deassociate_is_detected() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(32, AccessFlags::ALL_REMOTE).unwrap();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g2 = got.clone();
+    let h =
+        receiver.create_handle(&rbuf, move |b| g2.lock().unwrap().push(b.read_u64(0).unwrap()), 0).unwrap();
+    for round in 1..=3u64 {
+        let sbuf = pd.alloc_mr(32, AccessFlags::LOCAL_WRITE).unwrap();
+        let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+        for it in 0..5u64 {
+            sbuf.write_u64(0, round * 100 + it).unwrap();
+            h.ready_mark().unwrap();
+            let start = std::time::Instant::now();
+            while let Err(ChannelError::Busy) = sh.put() {
+                receiver.progress().unwrap();
+                assert!(start.elapsed() < Duration::from_secs(5), "stuck Busy in round {round}");
+            }
+            spin_poll(&receiver, 1);
+            h.ready().unwrap();
+        }
+        assert_eq!(h.puts_seen(), 5, "round {round} counts from zero");
+        sh.deassociate().unwrap();
+    }
+    let want: Vec<u64> = (1..=3u64).flat_map(|r| (0..5).map(move |i| r * 100 + i)).collect();
+    assert_eq!(*got.lock().unwrap(), want);
+}
+
+/// A destroyed handle's slot is reused: a put from the old association, still associated,
+/// is not taken for a put on the new handle.
+#[test]
+fn reused_handle_slot_ignores_the_old_association() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let old_buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+    let old = receiver.create_handle(&old_buf, |_| {}, 0).unwrap();
+    let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+    let stale = sender.assoc_local_buffer(&old.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    sbuf.write_u64(0, 1).unwrap();
+    old.ready_mark().unwrap();
+    stale.put().unwrap();
+    spin_poll(&receiver, 1);
+    old.ready().unwrap();
+    let old_id = old.desc().unwrap().id;
+    old.destroy();
+
+    let new_buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+    let fired = Arc::new(Mutex::new(Vec::new()));
+    let f2 = fired.clone();
+    let new = receiver
+        .create_handle(&new_buf, move |b| f2.lock().unwrap().push(b.read_u64(0).unwrap()), 0)
+        .unwrap();
+    assert_eq!(new.desc().unwrap().id, old_id, "the slot is reused");
+    new.ready_mark().unwrap();
+    // The stale sender was readied once more: its put lands in the old buffer.
+    sbuf.write_u64(0, 2).unwrap();
+    let start = std::time::Instant::now();
+    while let Err(ChannelError::Busy) = stale.put() {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    while old_buf.read_u64(0).unwrap() != 2 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    let until = std::time::Instant::now() + Duration::from_millis(50);
+    while std::time::Instant::now() < until {
+        assert_eq!(receiver.ready_poll().unwrap(), 0, "a stale put fired the new handle");
+    }
+    // Not readied again: the stale sender is Busy from now on.
+    assert!(matches!(stale.put(), Err(ChannelError::Busy)));
+    // A real association with the new handle is seen.
+    let nbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+    nbuf.write_u64(0, 7).unwrap();
+    let fresh = sender.assoc_local_buffer(&new.desc().unwrap(), nbuf.local().unwrap()).unwrap();
+    fresh.put().unwrap();
+    spin_poll(&receiver, 1);
+    assert_eq!(*fired.lock().unwrap(), vec![7]);
+    assert_eq!(new_buf.read_u64(0).unwrap(), 7);
 }
