@@ -7,12 +7,13 @@
 //! layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or JSON
 //! lines with `--json`.
 
-mod contended;
 mod channel;
+mod contended;
 mod limits;
 mod measure;
 mod report;
 mod rig;
+mod transfer;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -70,6 +71,11 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         runs: u32,
     },
+    /// Bulk transfer through a ring of chunk slots (RDMA write, consumed flags checked by
+    /// RDMA read, CRC-32 end to end), with live gauges.
+    Transfer(transfer::TransferArgs),
+    /// A TCP data generator to feed `transfer --input tcp://HOST:PORT`.
+    Datagen(transfer::DatagenArgs),
     /// The default suite on the soft NIC in loopback (what no arguments runs).
     Suite {
         /// Print JSON lines instead of a table.
@@ -272,7 +278,11 @@ fn one(test: Test, o: &Opts) -> Result<()> {
         return Err(Error::InvalidArgument("put-lat runs in loopback only".into()));
     }
     let client = |side: &rig::Side| {
-        if p.test.is_channel() { channel::run(side, &p, &bar) } else { measure::run_with(side, &p, &bar, wait) }
+        if p.test.is_channel() {
+            channel::run(side, &p, &bar)
+        } else {
+            measure::run_with(side, &p, &bar, wait)
+        }
     };
     let m = if let Some(addr) = o.connect {
         let side = rig::client(&ctx, addr, &p, &copts)?;
@@ -283,7 +293,8 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     } else {
         let (a, b) = rig::loopback(&ctx, &p, &copts)?;
         std::thread::scope(|s| {
-            let server = s.spawn(|| if p.test.is_channel() { channel::serve(&b, &p) } else { measure::serve(&b, &p) });
+            let server =
+                s.spawn(|| if p.test.is_channel() { channel::serve(&b, &p) } else { measure::serve(&b, &p) });
             let m = client(&a);
             let served = server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?;
             served.and(m)
@@ -322,8 +333,10 @@ fn limits(json: bool, runs: u32) -> Result<()> {
 fn suite(json: bool) -> Result<()> {
     let ctx = Context::open_soft();
     let out = report::Out::new(json);
-    let plan: [(Test, u32, u32, Placement); 9] = [
+    let plan: [(Test, u32, u32, Placement); 12] = [
         (Test::WriteLat, 8, 20_000, Placement::Host),
+        (Test::PipeLat, 8, 20_000, Placement::Host),
+        (Test::PutLat, 8, 20_000, Placement::Host),
         (Test::ReadLat, 8, 20_000, Placement::Host),
         (Test::AtomicLat, 8, 20_000, Placement::Host),
         (Test::AtomicLat, 8, 20_000, Placement::Memic),
@@ -332,6 +345,7 @@ fn suite(json: bool) -> Result<()> {
         (Test::ReadBw, 65536, 20_000, Placement::Host),
         (Test::SendBw, 4096, 50_000, Placement::Host),
         (Test::AtomicBw, 8, 200_000, Placement::Host),
+        (Test::PipeBw, 1 << 20, 2_000, Placement::Host),
     ];
     if !json {
         println!(
@@ -344,11 +358,20 @@ fn suite(json: bool) -> Result<()> {
     for (test, size, iters, placement) in plan {
         let p = Params { test, size, iters, window: 16, placement };
         let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
-        let m = std::thread::scope(|s| {
-            let server = s.spawn(|| measure::serve(&b, &p));
-            let m = measure::run(&a, &p, &ProgressBar::hidden());
-            server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?.and(m)
-        })?;
+        let bar = ProgressBar::hidden();
+        let m = if test == Test::PutLat {
+            channel::put_lat(&a, &b, &p, &bar)?
+        } else {
+            std::thread::scope(|s| {
+                let server =
+                    s.spawn(
+                        || if test.is_channel() { channel::serve(&b, &p) } else { measure::serve(&b, &p) },
+                    );
+                let m =
+                    if test.is_channel() { channel::run(&a, &p, &bar) } else { measure::run(&a, &p, &bar) };
+                server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?.and(m)
+            })?
+        };
         out.suite_row(&ctx, &p, &m);
     }
     Ok(())
@@ -371,6 +394,8 @@ fn main() -> ExitCode {
         Some(Cmd::PutLat(o)) => one(Test::PutLat, o),
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
+        Some(Cmd::Transfer(t)) => return transfer::main(t),
+        Some(Cmd::Datagen(d)) => return transfer::datagen_main(d),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

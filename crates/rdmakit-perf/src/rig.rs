@@ -151,7 +151,12 @@ fn atomic_target(ctx: &Context, pd: &ProtectionDomain, placement: Placement) -> 
 fn qp_caps(p: &Params) -> QpCaps {
     let depth = (p.window + 8).max(16);
     // Room for a pipe's or put endpoint's posted receives and inline control messages.
-    QpCaps { max_send_wr: depth.max(256), max_recv_wr: depth.max(160), max_inline_data: 64, ..QpCaps::default() }
+    QpCaps {
+        max_send_wr: depth.max(256),
+        max_recv_wr: depth.max(160),
+        max_inline_data: 64,
+        ..QpCaps::default()
+    }
 }
 
 fn cqe(p: &Params) -> u32 {
@@ -211,12 +216,7 @@ fn peer_regions(d: &[u8]) -> Result<(RemoteRegion, RemoteRegion)> {
 }
 
 fn cm_options(p: &Params, opts: &ConnectOptions) -> CmOptions {
-    CmOptions {
-        caps: qp_caps(p),
-        cqe: cqe(p),
-        connect: *opts,
-        timeout: Duration::from_secs(30),
-    }
+    CmOptions { caps: qp_caps(p), cqe: cqe(p), connect: *opts, timeout: Duration::from_secs(30) }
 }
 
 /// Client side: connects to `addr`, telling the server which test to serve.

@@ -14,13 +14,16 @@ fn default_suite_prints_one_json_line_per_test() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
         .collect();
-    assert_eq!(lines.len(), 9);
+    assert_eq!(lines.len(), 12);
     for l in &lines {
         assert_eq!(l["provider"], "soft");
         let measured = l.get("t_typical").or_else(|| l.get("bw_average_mb_per_sec")).and_then(|v| v.as_f64());
         assert!(measured.is_some_and(|v| v > 0.0), "{l}");
     }
     assert!(lines.iter().any(|l| l["test"] == "atomic-lat" && l["placement"] == "memic"));
+    for t in ["pipe-lat", "put-lat", "pipe-bw"] {
+        assert!(lines.iter().any(|l| l["test"] == t), "no {t} row");
+    }
 }
 
 #[test]

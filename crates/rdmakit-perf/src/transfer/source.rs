@@ -1,0 +1,225 @@
+//! Where the sender's bytes come from: a built-in pattern generator, or a TCP stream (the
+//! `datagen` subcommand, or any device that streams raw bytes), and the generator server.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::Error;
+
+/// The pattern's period: a prime, so that chunks of any power-of-two size start at
+/// different phases and a chunk written into the wrong slot changes the checksum.
+const PERIOD: usize = 65_521;
+
+/// A deterministic byte stream: byte `p` of the stream is `table[p % PERIOD]`.
+pub struct Pattern {
+    /// The period twice over, so any window of up to `PERIOD` bytes is contiguous.
+    table: Vec<u8>,
+    pos: u64,
+}
+
+impl Default for Pattern {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Pattern {
+    /// A generator at stream position 0.
+    pub fn new() -> Pattern {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut table = Vec::with_capacity(2 * PERIOD);
+        for _ in 0..PERIOD {
+            // xorshift64*: cheap, and not a short cycle of bytes.
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            table.push((x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8);
+        }
+        table.extend_from_within(..);
+        Pattern { table, pos: 0 }
+    }
+
+    /// Hands the next `len` bytes of the stream to `sink`, in contiguous pieces.
+    pub fn next(
+        &mut self,
+        mut len: usize,
+        mut sink: impl FnMut(&[u8]) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        while len > 0 {
+            let at = (self.pos % PERIOD as u64) as usize;
+            let n = len.min(PERIOD);
+            sink(&self.table[at..at + n])?;
+            self.pos += n as u64;
+            len -= n;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `tcp://HOST:PORT` and connects.
+pub fn connect_input(url: &str) -> Result<TcpStream, Error> {
+    let Some(rest) = url.strip_prefix("tcp://") else {
+        return Err(Error::InvalidArgument(format!("--input {url}: expected tcp://HOST:PORT")));
+    };
+    let addrs: Vec<SocketAddr> = rest
+        .to_socket_addrs()
+        .map_err(|source| Error::Input { what: format!("resolve {rest}"), source })?
+        .collect();
+    let mut last = None;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some((a, e)),
+        }
+    }
+    match last {
+        Some((a, source)) => Err(Error::Input { what: format!("connect to {a}"), source }),
+        None => Err(Error::InvalidArgument(format!("--input {url}: {rest} resolves to no address"))),
+    }
+}
+
+/// Reads until `buf` is full or the stream ends; returns how many bytes were read.
+pub fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize, Error> {
+    let mut got = 0;
+    while got < buf.len() {
+        match input.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(Error::Input { what: "read the input stream".into(), source }),
+        }
+    }
+    Ok(got)
+}
+
+/// What `datagen` sent on one connection.
+pub struct Sent {
+    /// Bytes written.
+    pub bytes: u64,
+    /// CRC-32 of them.
+    pub crc32: u32,
+}
+
+/// Streams the pattern to `out`: `limit` bytes (or until the peer goes away when `None`),
+/// at most `rate` bytes per second when given.
+pub fn stream(out: &mut impl Write, limit: Option<u64>, rate: Option<f64>) -> Sent {
+    const PIECE: usize = 64 * 1024;
+    let mut pattern = Pattern::new();
+    let mut crc = crc32fast::Hasher::new();
+    let mut sent = 0u64;
+    let start = Instant::now();
+    loop {
+        let n = limit.map_or(PIECE as u64, |l| (l - sent).min(PIECE as u64)) as usize;
+        if n == 0 {
+            break;
+        }
+        if let Some(r) = rate {
+            // Pace: do not get ahead of `rate` bytes per second since the start.
+            let due = Duration::from_secs_f64(sent as f64 / r);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let r = pattern.next(n, |piece| {
+            out.write_all(piece).map_err(|source| Error::Input { what: "write".into(), source })?;
+            crc.update(piece);
+            Ok(())
+        });
+        if r.is_err() {
+            break; // the reader went away: what it got is what was sent up to here
+        }
+        sent += n as u64;
+    }
+    Sent { bytes: sent, crc32: crc.finalize() }
+}
+
+/// Prints a line on stdout; a closed stdout is not an error worth dying for.
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+/// `datagen`: serves the pattern to each TCP client (one at a time with `once`, otherwise
+/// a thread per client). Prints its address first, and one line per finished client.
+pub fn datagen(
+    listen: SocketAddr,
+    rate_mb: Option<f64>,
+    bytes: Option<u64>,
+    once: bool,
+) -> Result<(), Error> {
+    let listener = TcpListener::bind(listen)
+        .map_err(|source| Error::Input { what: format!("listen on {listen}"), source })?;
+    let addr = listener.local_addr().map_err(|source| Error::Input { what: "getsockname".into(), source })?;
+    let rate = match rate_mb {
+        Some(r) if !(r > 0.0 && r.is_finite()) => {
+            return Err(Error::InvalidArgument(format!("--rate {r}: must be a positive number of MB/s")));
+        }
+        Some(r) => Some(r * (1u64 << 20) as f64),
+        None => None,
+    };
+    say(&format!("datagen: listening on {addr}"));
+    let serve = move |mut s: TcpStream| {
+        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let _ = s.set_nodelay(true);
+        let sent = stream(&mut s, bytes, rate);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        say(&format!("datagen: sent {} bytes to {peer}, crc32 {:#010x}", sent.bytes, sent.crc32));
+    };
+    for conn in listener.incoming() {
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("datagen: accept: {e}");
+                continue;
+            }
+        };
+        if once {
+            serve(s);
+            return Ok(());
+        }
+        std::thread::spawn(move || serve(s));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_is_the_same_stream_whatever_the_pieces() {
+        let mut a = Vec::new();
+        Pattern::new()
+            .next(200_000, |p| {
+                a.extend_from_slice(p);
+                Ok(())
+            })
+            .unwrap();
+        let mut b = Vec::new();
+        let mut g = Pattern::new();
+        for n in [1, 7, 65_521, 100_000, 34_471] {
+            g.next(n, |p| {
+                b.extend_from_slice(p);
+                Ok(())
+            })
+            .unwrap();
+        }
+        assert_eq!(a, b);
+        assert_ne!(a[..1 << 16], a[1 << 16..2 << 16], "chunks at different phases differ");
+    }
+
+    #[test]
+    fn stream_honours_the_limit_and_its_crc_is_of_what_was_written() {
+        let mut out = Vec::new();
+        let s = stream(&mut out, Some(300_000), None);
+        assert_eq!((s.bytes, out.len()), (300_000, 300_000));
+        assert_eq!(s.crc32, crc32fast::hash(&out));
+    }
+
+    #[test]
+    fn bad_input_urls_are_errors() {
+        assert!(matches!(connect_input("udp://1.2.3.4:5"), Err(Error::InvalidArgument(_))));
+        assert!(connect_input("tcp://no-port").is_err());
+    }
+}

@@ -1,0 +1,305 @@
+//! `rdmakit-perf transfer` and `datagen` as a user runs them: loopback, two processes,
+//! TCP input, the gauge's event stream and page.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rdmakit-perf");
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "exit {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts `datagen --once` and returns it with its address.
+fn datagen(args: &[&str]) -> (Child, String, BufReader<std::process::ChildStdout>) {
+    let mut child = Command::new(BIN)
+        .args(["datagen", "--once"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("datagen");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
+    (child, addr, out)
+}
+
+/// The CRC datagen reports for the client it served.
+fn datagen_crc(mut child: Child, mut out: BufReader<std::process::ChildStdout>) -> (u64, String) {
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(child.wait().unwrap().success());
+    // "datagen: sent N bytes to ADDR, crc32 0x..."
+    let words: Vec<&str> = line.split_whitespace().collect();
+    (words[2].parse().unwrap(), words.last().unwrap().to_string())
+}
+
+#[test]
+fn loopback_transfer_verifies_its_checksum() {
+    let out = Command::new(BIN)
+        .args(["transfer", "--bytes", "6MiB", "--chunk", "512KiB", "--slots", "3", "--json"])
+        .output()
+        .unwrap();
+    let v = json(&out);
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["mode"], "loopback");
+    assert_eq!((v["bytes"].as_u64(), v["chunks"].as_u64()), (Some(6 << 20), Some(12)));
+    assert_eq!(v["sent_crc32"], v["received_crc32"]);
+    // The same bytes from the generator over TCP give the same CRC: the pattern path, the
+    // TCP path and the generator agree.
+    let (dg, addr, dgout) = datagen(&["--bytes", "6MiB"]);
+    let t = json(
+        &Command::new(BIN)
+            .args(["transfer", "--input", &format!("tcp://{addr}"), "--chunk", "1MiB", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let (sent, crc) = datagen_crc(dg, dgout);
+    assert_eq!(sent, 6 << 20);
+    assert_eq!(t["received_crc32"].as_str(), Some(crc.as_str()));
+    assert_eq!(t["received_crc32"], v["received_crc32"]);
+}
+
+#[test]
+fn corruption_in_flight_is_a_checksum_mismatch_and_a_failure() {
+    let out = Command::new(BIN)
+        .args(["transfer", "--bytes", "3MiB", "--chunk", "1MiB", "--inject-corruption", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("MISMATCH"));
+}
+
+#[test]
+fn server_and_client_in_two_processes() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut server = Command::new(BIN)
+        .args(["transfer", "--server", &addr, "--chunk", "1MiB", "--slots", "4", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Start the client once the server listens.
+    let mut err = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    assert!(line.contains("receiving on"), "{line}");
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    // A chunk smaller than the server's slots, and a byte count that is no multiple of it.
+    let client = json(
+        &Command::new(BIN)
+            .args(["transfer", "--connect", &addr, "--bytes", "5000000", "--chunk", "300KiB", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let server = json(&server.wait_with_output().unwrap());
+    assert_eq!(client["mode"], "client");
+    assert_eq!(server["mode"], "server");
+    for v in [&client, &server] {
+        assert_eq!(v["ok"], true, "{v}");
+        assert_eq!(v["slots"].as_u64(), Some(4));
+        assert_eq!(v["bytes"].as_u64(), Some(5_000_000));
+        assert_eq!(v["chunks"].as_u64(), Some(5_000_000u64.div_ceil(300 << 10)));
+    }
+    assert_eq!(client["received_crc32"], server["received_crc32"]);
+}
+
+#[test]
+fn input_from_the_data_generator_over_tcp() {
+    // An odd length: the last chunk is short.
+    let (dg, addr, dgout) = datagen(&["--bytes", "5242999", "--rate", "200"]);
+    let v = json(
+        &Command::new(BIN)
+            .args(["transfer", "--input", &format!("tcp://{addr}"), "--chunk", "256KiB", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let (sent, crc) = datagen_crc(dg, dgout);
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["bytes"].as_u64(), Some(sent));
+    assert_eq!(v["received_crc32"].as_str(), Some(crc.as_str()));
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    for args in [
+        &["transfer", "--input", "udp://127.0.0.1:9"][..],
+        &["transfer", "--chunk", "0", "--bytes", "1"],
+        &["transfer", "--slots", "0", "--bytes", "1"],
+        &["transfer", "--bytes", "12XB"],
+        &["transfer", "--input", &format!("tcp://127.0.0.1:{}", free_port())],
+        &["datagen", "--rate", "-3"],
+        &["transfer", "--bytes", "1", "--gauge-linger", "nan"],
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// A transfer fed by a paced generator (so it lasts about `secs`), with the gauge on; returns
+/// the transfer process and the gauge's address.
+fn gauged_transfer(mib: u64, rate: u64, extra: &[&str]) -> (Child, String, Child) {
+    let (dg, addr, _out) = datagen(&["--bytes", &format!("{mib}MiB"), "--rate", &rate.to_string()]);
+    let mut t = Command::new(BIN)
+        .args(["transfer", "--input", &format!("tcp://{addr}"), "--chunk", "256KiB", "--json"])
+        .args(["--gauge-http", "127.0.0.1:0", "--gauge-interval-ms", "50"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(t.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let gauge =
+        line.trim().strip_prefix("rdmakit-perf: gauge at http://").expect("gauge line").trim_end_matches('/');
+    let gauge = gauge.to_owned();
+    // Keep draining stderr so the child never blocks on it.
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    (t, gauge, dg)
+}
+
+fn get(addr: &str, request: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The JSON events of a `/events` response.
+fn events(body: &str) -> Vec<serde_json::Value> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+#[test]
+fn the_gauge_streams_events_until_done() {
+    let (t, gauge, mut dg) = gauged_transfer(16, 8, &[]);
+    let resp = get(&gauge, "GET /events HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(resp.starts_with("HTTP/1.1 200 OK\r\n"), "{resp}");
+    assert!(resp.contains("Content-Type: text/event-stream"));
+    let ev = events(&resp);
+    let (running, done): (Vec<_>, Vec<_>) = ev.iter().partition(|e| e["done"] == false);
+    assert!(running.len() >= 2, "{ev:?}");
+    let bytes: Vec<u64> = running.iter().map(|e| e["bytes"].as_u64().unwrap()).collect();
+    assert!(bytes.windows(2).all(|w| w[0] <= w[1]), "{bytes:?}");
+    assert!(bytes.first() < bytes.last(), "the byte count grew: {bytes:?}");
+    assert_eq!(done.len(), 1, "{ev:?}");
+    assert_eq!(ev.last().unwrap()["done"], true);
+    assert_eq!(ev.last().unwrap()["bytes"].as_u64(), Some(16 << 20));
+    assert_eq!(ev.last().unwrap()["ok"], true);
+    assert!(ev.iter().all(|e| e["elapsed"].as_f64().is_some() && e["rate"].as_f64().is_some()));
+    let out = t.wait_with_output().unwrap();
+    assert!(out.status.success());
+    dg.wait().unwrap();
+}
+
+#[test]
+fn the_gauge_serves_its_page_and_survives_bad_clients() {
+    let (t, gauge, mut dg) = gauged_transfer(8, 8, &["--gauge-linger", "2"]);
+    let page = get(&gauge, "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(page.starts_with("HTTP/1.1 200 OK\r\n"));
+    assert!(page.contains("text/html"));
+    assert!(page.contains("<svg id=\"gauge\""), "the page has the speedometer");
+    assert!(page.contains("new EventSource('/events')"), "the page connects to /events");
+    assert!(get(&gauge, "GET /nope HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+    assert!(get(&gauge, "garbage\r\n\r\n").starts_with("HTTP/1.1 400"));
+    assert!(get(&gauge, "POST / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+    assert!(get(&gauge, "GET / HTTP/1.1\r\n\u{0}\u{1}\r\n\r\n").starts_with("HTTP/1.1 "));
+    // A client that hangs up at once, one that leaves mid-stream, and one that never ends
+    // its request.
+    drop(TcpStream::connect(&gauge).unwrap());
+    {
+        let mut s = TcpStream::connect(&gauge).unwrap();
+        s.write_all(b"GET /events HTTP/1.1\r\n\r\n").unwrap();
+        let mut b = [0u8; 64];
+        let _ = s.read(&mut b);
+    }
+    let _idle = TcpStream::connect(&gauge).unwrap();
+    // Several readers at once all see the end.
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let g = gauge.clone();
+            std::thread::spawn(move || events(&get(&g, "GET /events HTTP/1.0\r\n\r\n")))
+        })
+        .collect();
+    for r in readers {
+        let ev = r.join().unwrap();
+        assert_eq!(ev.last().map(|e| e["done"] == true), Some(true), "{ev:?}");
+    }
+    // Lingering: still served after the end.
+    let ev = events(&get(&gauge, "GET /events HTTP/1.1\r\n\r\n"));
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0]["done"], true);
+    let out = t.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    dg.wait().unwrap();
+}
+
+fn chromium() -> Option<&'static str> {
+    ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"].into_iter().find(|b| {
+        Command::new(b)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+#[test]
+fn headless_chromium_sees_the_gauge_move() {
+    let Some(browser) = chromium() else {
+        eprintln!("skipped: no headless Chromium (chromium, chromium-browser, google-chrome) is installed");
+        return;
+    };
+    let (t, gauge, mut dg) = gauged_transfer(8, 8, &["--gauge-linger", "30"]);
+    let mut b = Command::new(browser)
+        .args(["--headless", "--disable-gpu", "--no-sandbox", "--virtual-time-budget=5000", "--dump-dom"])
+        .arg(format!("http://{gauge}/"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut dom = String::new();
+    let mut out = b.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        out.read_to_string(&mut dom).unwrap();
+        dom
+    });
+    // The browser may wait for the event stream to end (virtual time stops while a fetch
+    // is open): the transfer takes about a second, then the page closes the stream. A
+    // browser that never finishes is killed (and the assertions below fail).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while b.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = b.kill();
+    let _ = b.wait();
+    let dom = reader.join().unwrap();
+    let updates: u64 = dom
+        .split("data-updates=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(updates >= 1, "the page never received an event:\n{dom}");
+    assert!(dom.contains("checksum OK") || dom.contains("transferring"), "{dom}");
+    let mut t = t;
+    let _ = t.kill();
+    let _ = t.wait();
+    dg.wait().unwrap();
+}
