@@ -13,6 +13,7 @@
 //! flight are held by the verbs layer's in-flight table until their completion is reaped,
 //! whoever reaps it. Waiting allocates nothing.
 
+use std::future::Future;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -20,6 +21,9 @@ use rdmakit_verbs::{CompletionQueue, WorkCompletion};
 use tokio::sync::Notify;
 
 use crate::error::Result;
+
+/// Rounds a busy-mode wait polls before it first yields to the executor.
+const BUSY_SPIN_ROUNDS: u32 = 64;
 
 /// How a driver waits for completions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -123,8 +127,10 @@ impl<S> Driver<S> {
         mut ready: impl FnMut(&mut S) -> Option<Result<R>>,
     ) -> Result<R> {
         // Fast path, without registering: a post and its completion often take two rounds
-        // (the condition posts a request, the next round finds its completion).
-        for _ in 0..2 {
+        // (the condition posts a request, the next round finds its completion). Busy mode
+        // spins a little longer before it starts yielding to the executor.
+        let rounds = if mode == PollMode::Busy { BUSY_SPIN_ROUNDS } else { 2 };
+        for _ in 0..rounds {
             self.progress(&mut handle)?;
             if let Some(r) = self.with(&mut ready) {
                 return r;
@@ -144,12 +150,19 @@ impl<S> Driver<S> {
             match mode {
                 PollMode::Busy => tokio::task::yield_now().await,
                 PollMode::Event => {
+                    // The completion `next` takes must be applied in the same step, under
+                    // the state lock: applied after the lock is re-taken, a concurrent
+                    // `progress` could apply later completions first (messages would be
+                    // seen out of order). So the future is polled under the lock.
+                    let next = self.cq.next();
+                    tokio::pin!(next);
+                    let applied = std::future::poll_fn(|cx| {
+                        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                        next.as_mut().poll(cx).map(|r| r.map(|wc| handle(&mut g, &wc)))
+                    });
                     tokio::select! {
-                        wc = self.cq.next() => {
-                            let wc = wc?;
-                            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                            handle(&mut g, &wc);
-                            drop(g);
+                        r = applied => {
+                            r?;
                             self.wake_all();
                         }
                         _ = &mut notified => {}

@@ -231,3 +231,22 @@ async fn stream_round_trip_with_tokio_io() {
     let got = reader.await.unwrap();
     assert_eq!((got.len(), checksum(&got)), (3_000_000, expect));
 }
+
+/// Both ends write and read at once, each end's reader and writer in their own tasks, so
+/// two futures drive one CQ concurrently (one asleep on completion events). Messages must
+/// still arrive in order: a completion is applied in the step that takes it off the CQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_concurrent_tasks_keep_order() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 128 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let n = 1000;
+    let mut tasks = Vec::new();
+    for (from, to) in [(a.clone(), b.clone()), (b, a)] {
+        let pd = pd.clone();
+        tasks.push(tokio::spawn(async move { transfer(from, to, &pd, n, 20_000, false).await }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}

@@ -1,0 +1,158 @@
+//! A pipe end facing a misbehaving peer (a raw QP speaking the wire protocol wrongly):
+//! malformed or lying control messages, and a peer that never answers, give typed errors,
+//! never hangs or corruption.
+
+use std::time::Duration;
+
+use rdmakit_channel::*;
+use rdmakit_verbs::*;
+
+const TAG_HELLO: u8 = 1;
+const TAG_CREDIT: u8 = 2;
+
+struct Raw {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    rx: MemoryRegion,
+}
+
+/// A pipe end's QP and CQ, and a raw peer QP connected to it with receives posted.
+fn setup() -> (QueuePair, CompletionQueue, Raw) {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let caps = QpCaps { max_send_wr: 256, max_recv_wr: 200, max_inline_data: 64, ..QpCaps::default() };
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let qa = pd.create_qp(&ca, &ca, caps).unwrap();
+    let qb = pd.create_qp(&cb, &cb, caps).unwrap();
+    qa.connect(&qb.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    let rx = pd.alloc_mr(64 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..64u64 {
+        qb.post_recv(RecvWr::new(rx.slice(i * 64, 64).unwrap()).wr_id(i)).unwrap();
+    }
+    (qa, ca, Raw { qp: qb, cq: cb, pd, rx })
+}
+
+fn config() -> PipeConfig {
+    PipeConfig { ring_len: 4096, connect_timeout: Duration::from_secs(2), ..PipeConfig::default() }
+}
+
+/// The pipe's hello as the raw peer receives it: (ring, mailbox, wants write-with-imm).
+async fn pipe_hello(raw: &Raw) -> (RemoteRegion, RemoteRegion, bool) {
+    let wc = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(wc) = raw.cq.poll_one().unwrap() {
+                if wc.opcode == WcOpcode::RECV {
+                    return wc;
+                }
+            } else {
+                tokio::task::yield_now().await;
+            }
+        }
+    })
+    .await
+    .expect("the pipe sends its hello");
+    let mut m = vec![0u8; wc.byte_len as usize];
+    raw.rx.read_at(wc.wr_id * 64, &mut m).unwrap();
+    assert_eq!((m[0], m.len()), (TAG_HELLO, 46), "hello layout");
+    let ring = RemoteRegion::decode(&m[1..21]).unwrap();
+    let mailbox = RemoteRegion::decode(&m[21..41]).unwrap();
+    (ring, mailbox, m[41] == 1)
+}
+
+/// A well-formed hello from the raw peer: no ring of its own, a mailbox it never reads.
+fn raw_hello(mailbox: &MemoryRegion) -> Vec<u8> {
+    let mut m = vec![TAG_HELLO];
+    m.extend_from_slice(&RemoteRegion { addr: 0, len: 0, rkey: 0 }.encode());
+    m.extend_from_slice(&mailbox.remote().encode());
+    m.push(1);
+    m.extend_from_slice(&4u32.to_le_bytes());
+    m
+}
+
+fn send(raw: &Raw, m: &[u8]) {
+    raw.qp.post_send(SendWr::send_inline(m)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_hello_is_a_protocol_error() {
+    let (qa, ca, raw) = setup();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    pipe_hello(&raw).await;
+    send(&raw, &[TAG_HELLO, 1, 2, 3]); // truncated
+    let r = connecting.await.unwrap();
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_tag_is_a_protocol_error() {
+    let (qa, ca, raw) = setup();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    pipe_hello(&raw).await;
+    send(&raw, &[0xEE; 10]);
+    let r = connecting.await.unwrap();
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_times_out() {
+    let (qa, ca, raw) = setup();
+    let cfg = PipeConfig { connect_timeout: Duration::from_millis(200), ..config() };
+    let r = Pipe::connect(qa, ca, cfg).await;
+    assert!(matches!(r, Err(ChannelError::Timeout(_))), "{r:?}");
+    drop(raw);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credit_for_messages_never_sent_is_a_protocol_error() {
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    // The peer claims to have consumed 999 notifications: the pipe sent none.
+    let mut m = vec![TAG_CREDIT];
+    m.extend_from_slice(&999u64.to_le_bytes());
+    send(&raw, &m);
+    let r = pipe.recv_timeout(Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+    // Every later operation reports it too (the pipe's accounting cannot be trusted).
+    let r = pipe.recv_timeout(Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_announcing_a_block_outside_the_ring_is_refused() {
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    let (ring, _, imm) = pipe_hello(&raw).await;
+    assert!(imm, "the pipe asked for write-with-immediate");
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    // A legal 8-byte write whose immediate claims an offset far beyond the 4 KiB ring.
+    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    raw.qp
+        .post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(1 << 20))
+        .unwrap();
+    let r = pipe.recv_timeout(Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(ChannelError::Protocol(_)) | Err(ChannelError::Heap(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valid_raw_write_with_imm_is_received() {
+    // The control case for the test above: the same write at offset 0 is a message.
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    let (ring, _, _) = pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"rawbytes").unwrap();
+    raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
+    let g = pipe.recv_timeout(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(g.to_vec().unwrap(), b"rawbytes");
+}
