@@ -161,6 +161,18 @@ async fn futures_join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -
     out.into_iter().map(|o| o.expect("completed")).collect()
 }
 
+/// Puts, retrying while the receiver has not consumed the previous put; any other error
+/// ends the bench.
+fn put_when_ready(h: &rdmakit::channel::put::SendHandle) {
+    loop {
+        match h.put() {
+            Ok(()) => return,
+            Err(rdmakit::channel::ChannelError::Busy) => std::hint::spin_loop(),
+            Err(e) => panic!("put failed: {e}"),
+        }
+    }
+}
+
 fn put_vs_messaging(c: &mut Criterion) {
     let mut g = c.benchmark_group("round_trip");
     for size in [8usize, 4096, 65536] {
@@ -185,10 +197,10 @@ fn put_vs_messaging(c: &mut Criterion) {
             bch.iter(|| {
                 hb.ready_mark().expect("mark");
                 ha.ready_mark().expect("mark");
-                while to_b.put().is_err() {}
+                put_when_ready(&to_b);
                 while eb.ready_poll().expect("poll") == 0 {}
                 hb.ready().expect("ready");
-                while to_a.put().is_err() {}
+                put_when_ready(&to_a);
                 while ea.ready_poll().expect("poll") == 0 {}
                 ha.ready().expect("ready");
             })
