@@ -489,8 +489,8 @@ impl SoftQp {
     fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
         let outcome = match sq.link.as_mut() {
             Some(Link::Tcp(link)) if !link.is_dead() => match self.remote_request(wr, sq.next_psn) {
-                Ok((frame, target)) => {
-                    if link.send(frame) {
+                Ok((frame, target, tail)) => {
+                    if link.send(frame, tail) {
                         let psn = sq.next_psn;
                         sq.next_psn = psn.wrapping_add(1);
                         return Step::Sent(psn, target);
@@ -685,38 +685,48 @@ impl SoftQp {
         }
     }
 
-    /// Builds the frame for a request to a responder in another process.
+    /// Builds the frame for a request to a responder in another process. A write or send
+    /// from a registered region leaves its payload in the region (`SharedTail`): the link's
+    /// writer thread hands it to the socket from there, without a copy.
     fn remote_request(
         &self,
         wr: &RawSendWr<'_>,
         psn: u32,
-    ) -> std::result::Result<(Frame, Option<LocalTarget>), WcStatus> {
+    ) -> std::result::Result<(Frame, Option<LocalTarget>, Option<SharedTail>), WcStatus> {
         let len = wr.len();
         if len > wire::MAX_MESSAGE {
             return Err(WcStatus::LOC_LEN_ERR);
         }
         let local = self.resolve_local(wr)?;
-        let payload = || {
-            let mut data = Vec::<u8>::with_capacity(len as usize);
-            // SAFETY: `local.src` is valid for `len` bytes (checked registration, kept alive by
-            // `local.entry`, or inline data borrowed for this call); `data`'s spare capacity
-            // is ours and at least `len` bytes, so the copy initialises exactly the first
-            // `len` bytes, which `set_len` then exposes (no zero-fill pass first).
-            unsafe {
-                shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize);
-                data.set_len(len as usize);
+        let (data, tail) = match (&local.entry, wr.op) {
+            // Large payloads only: smaller ones are cheaper copied into the link's buffer,
+            // which batches many requests into one system call.
+            (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= SHARED_TAIL_MIN => {
+                (Vec::new(), Some(SharedTail { ptr: local.ptr, len: len as usize, _entry: e.clone() }))
             }
-            data
+            (_, RawOp::Write { .. } | RawOp::Send { .. }) => {
+                let mut data = Vec::<u8>::with_capacity(len as usize);
+                // SAFETY: `local.src` is valid for `len` bytes (checked registration, kept
+                // alive by `local.entry`, or inline data borrowed for this call); `data`'s
+                // spare capacity is ours and at least `len` bytes, so the copy initialises
+                // exactly what `set_len` exposes.
+                unsafe {
+                    shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize);
+                    data.set_len(len as usize);
+                }
+                (data, None)
+            }
+            _ => (Vec::new(), None),
         };
         let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, _entry: e });
         let (addr, rkey) = (wr.remote_addr, wr.rkey);
         Ok(match wr.op {
-            RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data: payload() }, None),
-            RawOp::Send { imm } => (Frame::Send { psn, imm, data: payload() }, None),
-            RawOp::Read => (Frame::Read { psn, addr, rkey, len }, target()),
-            RawOp::FetchAdd { add } => (Frame::FetchAdd { psn, addr, rkey, add }, target()),
+            RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data }, None, tail),
+            RawOp::Send { imm } => (Frame::Send { psn, imm, data }, None, tail),
+            RawOp::Read => (Frame::Read { psn, addr, rkey, len }, target(), None),
+            RawOp::FetchAdd { add } => (Frame::FetchAdd { psn, addr, rkey, add }, target(), None),
             RawOp::CompareSwap { compare, swap } => {
-                (Frame::CmpSwap { psn, addr, rkey, compare, swap }, target())
+                (Frame::CmpSwap { psn, addr, rkey, compare, swap }, target(), None)
             }
         })
     }
@@ -1029,6 +1039,21 @@ struct LocalBuf {
     ptr: *mut u8,
     entry: Option<Arc<MrEntry>>,
 }
+
+/// Payloads from this size on go to the socket straight from the region.
+const SHARED_TAIL_MIN: u32 = 128 * 1024;
+
+/// A request's payload left in its registered region, for the link to send from there.
+pub(crate) struct SharedTail {
+    pub ptr: *mut u8,
+    pub len: usize,
+    /// Keeps the region's bytes alive until the payload is on the socket.
+    _entry: Arc<MrEntry>,
+}
+
+// SAFETY: `ptr` points into memory `_entry` keeps alive; it is only read by the kernel
+// (`send(2)`), never through a Rust reference, so moving it to the writer thread is sound.
+unsafe impl Send for SharedTail {}
 
 enum Step {
     Completed,

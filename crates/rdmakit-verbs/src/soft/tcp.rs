@@ -18,7 +18,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::SoftDevice;
-use super::qp::{Requester, SoftQp};
+use super::qp::{Requester, SharedTail, SoftQp};
 use super::wire::{self, Frame, WireError};
 
 /// Environment variable: the address soft devices listen on (`IP` or `IP:port`).
@@ -92,6 +92,44 @@ fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<Frame>, Str
             wire::decode_payload(kind, buf).map(Some).map_err(|e| e.to_string())
         }
     }
+}
+
+/// Writes a request frame whose payload is either in the frame or, as `tail`, still in the
+/// requester's registered region: then the header goes through the buffer and the payload
+/// straight from the region to the socket (`send(2)` reads it; no Rust reference is formed
+/// over memory the NIC's peers may write).
+fn write_request(
+    w: &mut BufWriter<TcpStream>,
+    f: &Frame,
+    tail: Option<SharedTail>,
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let Some(tail) = tail else { return write_frame(w, f, scratch) };
+    scratch.clear();
+    let inline = wire::encode_split(f, scratch);
+    debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
+    // The header's length counts the payload that follows from the region.
+    let len = u32::from_le_bytes([scratch[4], scratch[5], scratch[6], scratch[7]]) as usize + tail.len;
+    scratch[4..8].copy_from_slice(&(len as u32).to_le_bytes());
+    w.write_all(scratch)?;
+    w.flush()?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(w.get_ref());
+    let mut sent = 0;
+    while sent < tail.len {
+        // SAFETY: `tail.ptr` is valid for `tail.len` bytes while `tail` (holding the region's
+        // entry) lives; the kernel only reads it. MSG_NOSIGNAL: a closed peer is an error,
+        // not SIGPIPE.
+        let n = unsafe { libc::send(fd, tail.ptr.add(sent).cast(), tail.len - sent, libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        sent += n as usize;
+    }
+    Ok(())
 }
 
 /// Writes `f`; a large payload goes to the writer without passing through `scratch`.
@@ -202,7 +240,7 @@ fn kind_name(f: &Frame) -> &'static str {
 
 /// A requester's connection to a remote QP.
 pub(crate) struct TcpLink {
-    tx: mpsc::Sender<Frame>,
+    tx: mpsc::Sender<(Frame, Option<SharedTail>)>,
     dead: Arc<AtomicBool>,
 }
 
@@ -213,7 +251,7 @@ impl TcpLink {
     /// requests that complete with `RETRY_EXC_ERR`. The link is then dead from the start.
     pub fn connect(qp: &Arc<SoftQp>, addr: SocketAddr, dst_qpn: u32) -> TcpLink {
         let dead = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel::<Frame>();
+        let (tx, rx) = mpsc::channel::<(Frame, Option<SharedTail>)>();
         match handshake(qp, addr, dst_qpn) {
             Ok(stream) => {
                 let weak = Arc::downgrade(qp);
@@ -230,9 +268,10 @@ impl TcpLink {
         TcpLink { tx, dead }
     }
 
-    /// Queues a request frame. False if the link is down.
-    pub fn send(&self, f: Frame) -> bool {
-        !self.is_dead() && self.tx.send(f).is_ok()
+    /// Queues a request frame, with its payload still in the region when `tail` is given.
+    /// False if the link is down.
+    pub fn send(&self, f: Frame, tail: Option<SharedTail>) -> bool {
+        !self.is_dead() && self.tx.send((f, tail)).is_ok()
     }
 
     pub fn is_dead(&self) -> bool {
@@ -258,7 +297,7 @@ fn handshake(qp: &Arc<SoftQp>, addr: SocketAddr, dst_qpn: u32) -> Result<TcpStre
 
 fn spawn_io(
     stream: TcpStream,
-    rx: mpsc::Receiver<Frame>,
+    rx: mpsc::Receiver<(Frame, Option<SharedTail>)>,
     qp: Weak<SoftQp>,
     dead: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
@@ -268,11 +307,11 @@ fn spawn_io(
         let mut w = BufWriter::with_capacity(256 * 1024, stream);
         let mut scratch = Vec::new();
         // Write each frame; flush when the queue is momentarily empty.
-        while let Ok(f) = rx.recv() {
-            let mut ok = write_frame(&mut w, &f, &mut scratch).is_ok();
+        while let Ok((f, tail)) = rx.recv() {
+            let mut ok = write_request(&mut w, &f, tail, &mut scratch).is_ok();
             while ok {
                 match rx.try_recv() {
-                    Ok(f) => ok = write_frame(&mut w, &f, &mut scratch).is_ok(),
+                    Ok((f, tail)) => ok = write_request(&mut w, &f, tail, &mut scratch).is_ok(),
                     Err(_) => break,
                 }
             }
