@@ -20,8 +20,112 @@ struct Span {
 #[derive(Clone, Debug)]
 pub(crate) struct FreeSpace {
     by_end: BTreeMap<u64, Span>,
-    by_size: Option<BTreeSet<(u64, u64)>>,
+    by_size: Option<SizeIndex>,
     bytes: u64,
+}
+
+/// Lengths below this get an exact-size bin of their own in the [`SizeIndex`].
+const SMALL: u64 = 1024;
+/// Words of the bitmap of non-empty bins.
+const WORDS: usize = (SMALL / 64) as usize;
+
+/// The index by size best-fit and worst-fit need: `(len, end)` pairs ordered "smallest
+/// first, then lowest address".
+///
+/// Small ranges (below [`SMALL`] bytes: the holes and remainders small allocations leave)
+/// sit in exact-size bins, each an ordered set of ends, with a bitmap of the
+/// non-empty bins; larger ones in one ordered set of `(len, end)`. A best-fit lookup for a
+/// small size is then a scan of at most `SMALL / 64` bitmap words plus the first element of
+/// one small set, and updates touch a set of a few elements instead of one holding every
+/// range; every operation stays O(log n) (the bins' sets are B-trees too), and the order
+/// is exactly that of a single `(len, end)` set, so each policy's choice is unchanged.
+#[derive(Clone, Debug)]
+struct SizeIndex {
+    /// `bins[len]`: ends of the free ranges of exactly `len` bytes, for `len < SMALL`.
+    bins: Vec<BTreeSet<u64>>,
+    /// Bit `len` set iff `bins[len]` is non-empty.
+    occupied: [u64; WORDS],
+    /// `(len, end)` of the ranges of `SMALL` bytes or more, packed as `len << 64 | end` so
+    /// that the B-tree compares one integer instead of a pair.
+    large: BTreeSet<u128>,
+}
+
+impl SizeIndex {
+    fn new() -> Self {
+        SizeIndex {
+            bins: vec![BTreeSet::new(); SMALL as usize],
+            occupied: [0; WORDS],
+            large: BTreeSet::new(),
+        }
+    }
+
+    fn insert(&mut self, len: u64, end: u64) {
+        if len < SMALL {
+            let bin = &mut self.bins[len as usize];
+            bin.insert(end);
+            self.occupied[(len / 64) as usize] |= 1 << (len % 64);
+        } else {
+            self.large.insert(pack(len, end));
+        }
+    }
+
+    fn remove(&mut self, len: u64, end: u64) {
+        if len < SMALL {
+            let bin = &mut self.bins[len as usize];
+            bin.remove(&end);
+            if bin.is_empty() {
+                self.occupied[(len / 64) as usize] &= !(1 << (len % 64));
+            }
+        } else {
+            self.large.remove(&pack(len, end));
+        }
+    }
+
+    /// The smallest range of at least `n` bytes, the lowest among equals.
+    fn best(&self, n: u64) -> Option<(u64, u64)> {
+        if n < SMALL {
+            let mut w = (n / 64) as usize;
+            let mut bits = self.occupied[w] & (u64::MAX << (n % 64));
+            loop {
+                if bits != 0 {
+                    let len = w as u64 * 64 + u64::from(bits.trailing_zeros());
+                    return self.bins[len as usize].first().map(|&end| (len, end));
+                }
+                w += 1;
+                if w == WORDS {
+                    break;
+                }
+                bits = self.occupied[w];
+            }
+        }
+        self.large.range(pack(n.max(SMALL), 0)..).next().map(|&k| unpack(k))
+    }
+
+    /// The largest range, the lowest among equals.
+    fn largest(&self) -> Option<(u64, u64)> {
+        if let Some(&last) = self.large.last() {
+            return self.large.range(pack(unpack(last).0, 0)..).next().map(|&k| unpack(k));
+        }
+        let w = self.occupied.iter().rposition(|&bits| bits != 0)?;
+        let len = w as u64 * 64 + 63 - u64::from(self.occupied[w].leading_zeros());
+        self.bins[len as usize].first().map(|&end| (len, end))
+    }
+
+    /// Every `(len, end)`, in index order (tests).
+    #[cfg(test)]
+    fn entries(&self) -> Vec<(u64, u64)> {
+        let small = self.bins.iter().enumerate().flat_map(|(len, b)| b.iter().map(move |&e| (len as u64, e)));
+        small.chain(self.large.iter().map(|&k| unpack(k))).collect()
+    }
+}
+
+/// `(len, end)` as one integer ordered like the pair.
+fn pack(len: u64, end: u64) -> u128 {
+    u128::from(len) << 64 | u128::from(end)
+}
+
+fn unpack(key: u128) -> (u64, u64) {
+    ((key >> 64) as u64, key as u64)
 }
 
 /// A free range taken by an allocation: its start became the block.
@@ -34,7 +138,7 @@ pub(crate) struct Taken {
 impl FreeSpace {
     /// An empty set; `size_index` keeps the `(len, end)` index best-fit and worst-fit need.
     pub(crate) fn new(size_index: bool) -> Self {
-        FreeSpace { by_end: BTreeMap::new(), by_size: size_index.then(BTreeSet::new), bytes: 0 }
+        FreeSpace { by_end: BTreeMap::new(), by_size: size_index.then(SizeIndex::new), bytes: 0 }
     }
 
     /// Number of ranges.
@@ -50,7 +154,7 @@ impl FreeSpace {
     /// The largest range's length (0 if none): O(log n) with the size index, else a scan.
     pub(crate) fn largest(&self) -> u64 {
         match &self.by_size {
-            Some(idx) => idx.last().map_or(0, |&(len, _)| len),
+            Some(idx) => idx.largest().map_or(0, |(len, _)| len),
             None => self.by_end.iter().map(|(&end, s)| end - s.start).max().unwrap_or(0),
         }
     }
@@ -138,7 +242,7 @@ impl FreeSpace {
     /// Needs the size index.
     pub(crate) fn take_best_fit(&mut self, n: u64) -> Option<Taken> {
         let idx = self.by_size.as_ref().expect("best-fit needs the size index");
-        let &(_, end) = idx.range((n, 0)..).next()?;
+        let (_, end) = idx.best(n)?;
         Some(self.take_at(end, n))
     }
 
@@ -146,11 +250,10 @@ impl FreeSpace {
     /// Needs the size index.
     pub(crate) fn take_worst_fit(&mut self, n: u64) -> Option<Taken> {
         let idx = self.by_size.as_ref().expect("worst-fit needs the size index");
-        let &(largest, _) = idx.last()?;
+        let (largest, end) = idx.largest()?;
         if largest < n {
             return None;
         }
-        let &(_, end) = idx.range((largest, 0)..).next()?;
         Some(self.take_at(end, n))
     }
 
@@ -189,15 +292,15 @@ fn carve_first<'a>(ranges: impl Iterator<Item = (&'a u64, &'a mut Span)>, n: u64
     None
 }
 
-fn index_insert(idx: &mut Option<BTreeSet<(u64, u64)>>, len: u64, end: u64) {
+fn index_insert(idx: &mut Option<SizeIndex>, len: u64, end: u64) {
     if let Some(idx) = idx {
-        idx.insert((len, end));
+        idx.insert(len, end);
     }
 }
 
-fn index_remove(idx: &mut Option<BTreeSet<(u64, u64)>>, len: u64, end: u64) {
+fn index_remove(idx: &mut Option<SizeIndex>, len: u64, end: u64) {
     if let Some(idx) = idx {
-        idx.remove(&(len, end));
+        idx.remove(len, end);
     }
 }
 
@@ -245,12 +348,51 @@ mod tests {
                 f.remove(start, end);
                 assert_eq!((ranges(&f), f.bytes(), f.largest()), (snapshot, bytes, largest));
                 if let Some(idx) = &f.by_size {
-                    let lens: Vec<(u64, u64)> = f.iter().map(|(s, e, _)| (e - s, e)).collect();
-                    assert_eq!(idx.len(), lens.len());
-                    assert!(lens.iter().all(|l| idx.contains(l)));
+                    let mut lens: Vec<(u64, u64)> = f.iter().map(|(s, e, _)| (e - s, e)).collect();
+                    lens.sort_unstable();
+                    assert_eq!(idx.entries(), lens);
                 }
             }
         }
+    }
+
+    /// The binned index answers exactly as one ordered `(len, end)` set would, across the
+    /// small/large boundary, for every query size.
+    #[test]
+    fn size_index_matches_a_single_ordered_set() {
+        let mut idx = SizeIndex::new();
+        let mut reference = BTreeSet::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..4000 {
+            let len = match rand() % 4 {
+                0 => 1 + rand() % 64,
+                1 => SMALL - 2 + rand() % 4, // both sides of the boundary
+                2 => 1 + rand() % (4 * SMALL),
+                _ => 1 + rand() % 8, // many equal lengths: ties by lowest end
+            };
+            let end = rand() % 512;
+            if rand() % 3 == 0 || reference.contains(&(len, end)) {
+                if let Some(&(l, e)) = reference.iter().nth((rand() % 8) as usize) {
+                    reference.remove(&(l, e));
+                    idx.remove(l, e);
+                }
+            } else {
+                reference.insert((len, end));
+                idx.insert(len, end);
+            }
+            let largest = reference.last().and_then(|&(l, _)| reference.range((l, 0)..).next().copied());
+            assert_eq!(idx.largest(), largest, "step {step}");
+            for n in [1, 7, 63, 64, 65, SMALL - 1, SMALL, SMALL + 1, rand() % (5 * SMALL)] {
+                assert_eq!(idx.best(n), reference.range((n, 0)..).next().copied(), "step {step}, n {n}");
+            }
+        }
+        assert_eq!(idx.entries(), reference.into_iter().collect::<Vec<_>>());
     }
 
     #[test]
@@ -262,9 +404,10 @@ mod tests {
         assert_eq!(ranges(&f), [(0, 64, 0)]);
         assert_eq!(f.take_worst_fit(16), Some(Taken { addr: 0, seg: 0 }));
         assert_eq!(f.take_worst_fit(64), None);
-        assert_eq!(f.by_size.as_ref().map(|i| i.iter().copied().collect::<Vec<_>>()), Some(vec![(48, 64)]));
+        assert_eq!(f.by_size.as_ref().map(SizeIndex::entries), Some(vec![(48, 64)]));
         assert_eq!(f.take_first_fit(48), Some(Taken { addr: 16, seg: 0 }));
-        assert!(f.ranges() == 0 && f.by_size.as_ref().is_some_and(BTreeSet::is_empty));
+        assert!(f.ranges() == 0 && f.by_size.as_ref().is_some_and(|i| i.entries().is_empty()));
+        assert!(f.by_size.as_ref().is_some_and(|i| i.occupied == [0; WORDS]));
         assert_eq!(f.bytes(), 0);
     }
 }
