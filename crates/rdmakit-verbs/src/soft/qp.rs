@@ -706,10 +706,10 @@ impl SoftQp {
             }
             (_, RawOp::Write { .. } | RawOp::Send { .. }) => {
                 let mut data = Vec::<u8>::with_capacity(len as usize);
-                // SAFETY: `local.src` is valid for `len` bytes (checked registration, kept
-                // alive by `local.entry`, or inline data borrowed for this call); `data`'s
-                // spare capacity is ours and at least `len` bytes, so the copy initialises
-                // exactly what `set_len` exposes.
+                // `local.src`: a checked registration kept alive by `local.entry`, or inline
+                // data borrowed for this call.
+                // SAFETY: `local.src` is valid for `len` bytes; `data`'s spare capacity is
+                // ours, `len` bytes, and the copy initialises exactly what `set_len` exposes.
                 unsafe {
                     shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize);
                     data.set_len(len as usize);
