@@ -84,6 +84,17 @@ enum Cmd {
     },
 }
 
+/// The mode: loopback (neither), or one side of a two-process run.
+#[derive(Args, Debug, Clone)]
+struct PeerOpts {
+    /// Serve one peer at this address (IP:port): the server, or the transfer's receiver.
+    #[arg(long, conflicts_with = "connect")]
+    server: Option<SocketAddr>,
+    /// Connect to a peer serving at this address (IP:port): the client, or the sender.
+    #[arg(long)]
+    connect: Option<SocketAddr>,
+}
+
 /// Which device to measure.
 #[derive(Args, Debug, Clone)]
 struct DeviceOpts {
@@ -136,12 +147,8 @@ struct Opts {
     placement: Placement,
     #[command(flatten)]
     dev: DeviceOpts,
-    /// Serve one client at this address (IP:port).
-    #[arg(long, conflicts_with = "connect")]
-    server: Option<SocketAddr>,
-    /// Connect to a server at this address (IP:port).
-    #[arg(long)]
-    connect: Option<SocketAddr>,
+    #[command(flatten)]
+    peer: PeerOpts,
     /// Print one JSON object per result.
     #[arg(long)]
     json: bool,
@@ -255,7 +262,7 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     let ctx = o.dev.open()?;
     let copts = o.dev.connect_options();
     let out = report::Out::new(o.json);
-    if let Some(addr) = o.server {
+    if let Some(addr) = o.peer.server {
         let listener = cm::Listener::bind(&ctx, addr)?;
         eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
         let (p, side) = rig::server(&ctx, &listener, &copts, o.placement)?;
@@ -274,7 +281,7 @@ fn one(test: Test, o: &Opts) -> Result<()> {
     let p = validate(test, o)?;
     let bar = progress(p.iters);
     let wait = if o.use_event { measure::CqWait::Event } else { measure::CqWait::Poll };
-    if p.test == Test::PutLat && o.connect.is_some() {
+    if p.test == Test::PutLat && o.peer.connect.is_some() {
         return Err(Error::InvalidArgument("put-lat runs in loopback only".into()));
     }
     let client = |side: &rig::Side| {
@@ -284,7 +291,7 @@ fn one(test: Test, o: &Opts) -> Result<()> {
             measure::run_with(side, &p, &bar, wait)
         }
     };
-    let m = if let Some(addr) = o.connect {
+    let m = if let Some(addr) = o.peer.connect {
         let side = rig::client(&ctx, addr, &p, &copts)?;
         client(&side)?
     } else if p.test == Test::PutLat {

@@ -27,7 +27,7 @@ use clap::Args;
 use rdmakit_verbs::cm::{self, CmOptions};
 use rdmakit_verbs::{Context, ProtectionDomain};
 
-use crate::DeviceOpts;
+use crate::{DeviceOpts, PeerOpts};
 pub use gauge::Progress;
 use ring::{Input, ReceiverMem, RingInfo, Sender, SenderMem, Tally};
 
@@ -114,12 +114,8 @@ pub struct TransferArgs {
     input: Option<String>,
     #[command(flatten)]
     dev: DeviceOpts,
-    /// Receive: serve one sender at this address (IP:port).
-    #[arg(long, conflicts_with = "connect")]
-    server: Option<SocketAddr>,
-    /// Send: connect to a receiver at this address (IP:port).
-    #[arg(long)]
-    connect: Option<SocketAddr>,
+    #[command(flatten)]
+    peer: PeerOpts,
     /// Serve a live speedometer page (and its event stream at /events) at this address.
     #[arg(long)]
     gauge_http: Option<SocketAddr>,
@@ -236,7 +232,7 @@ fn run(a: &TransferArgs) -> Result<(), Error> {
         )));
     }
     // The receiver learns the size only at the end.
-    let total = match (&a.server, &a.input) {
+    let total = match (&a.peer.server, &a.input) {
         (Some(_), _) => None,
         (None, Some(_)) => a.bytes,
         (None, None) => Some(a.bytes.unwrap_or(DEFAULT_BYTES)),
@@ -252,9 +248,9 @@ fn run(a: &TransferArgs) -> Result<(), Error> {
         None => None,
     };
     let term = gauge::terminal(&progress);
-    let r = if let Some(addr) = a.server {
+    let r = if let Some(addr) = a.peer.server {
         serve(a, &ctx, addr, &progress, stuck)
-    } else if let Some(addr) = a.connect {
+    } else if let Some(addr) = a.peer.connect {
         send(a, &ctx, addr, window, &progress, stuck)
     } else {
         loopback(a, &ctx, window, &progress, stuck)
