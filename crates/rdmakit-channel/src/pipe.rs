@@ -517,10 +517,11 @@ impl Inner {
                 // The sequence word last: the reader polls it.
                 h[16..24].copy_from_slice(&(st.notes_sent + 1).to_le_bytes());
                 let flag = peer.mailbox.slice(slot * MAILBOX_SLOT, MAILBOX_SLOT as u32)?;
-                self.qp.post_send_batch([
-                    SendWr::write(src.clone(), dst).unsignaled(),
-                    SendWr::write_inline(&h, flag),
-                ])
+                // Two posts rather than a batch: no allocation per message. (A failure
+                // between them is as final as a batch refused part-way.)
+                self.qp
+                    .post_send(SendWr::write(src.clone(), dst).unsignaled())
+                    .and_then(|()| self.qp.post_send(SendWr::write_inline(&h, flag)))
             }
         };
         if let Err(e) = r {
