@@ -6,7 +6,7 @@
 #                           fmt, clippy, the workspace tests (soft provider; verbs cases are
 #                           reported as ignored on a host without RDMA), a soft-only build,
 #                           docs, the conformance suite on real rdma-core inside a Soft-RoCE
-#                           VM (scripts/rxe-vm.sh), and Miri on the soft NIC's core.
+#                           VM (scripts/rxe-vm.sh), and Miri on the soft NIC's core and the memory crate.
 #   scripts/dev.sh deps     only install the system packages
 #
 # Each tier that cannot run here says so and why, loudly; a tier that runs and fails makes
@@ -98,7 +98,11 @@ miri_tier() {
     # The soft NIC's core and its end-to-end flows; -Zmiri-ignore-leaks because the soft
     # NIC's timer thread lives for the whole process by design.
     MIRIFLAGS="-Zmiri-strict-provenance -Zmiri-ignore-leaks" \
-        cargo +nightly miri test -p rdmakit-verbs --no-default-features --lib --test soft_nic_miri
+        cargo +nightly miri test -p rdmakit-verbs --no-default-features --lib --test soft_nic_miri &&
+        # The memory crate's pure parts: the remote-heap allocator and the UMR pool, alias
+        # cache and registration cache (on a device model and on the soft NIC).
+        MIRIFLAGS="-Zmiri-strict-provenance -Zmiri-ignore-leaks" \
+            cargo +nightly miri test -p rdmakit-memory --lib -- xgvmi:: heap::tests:: heap::free_space
 }
 
 netns_tier() {
@@ -133,7 +137,7 @@ test)
     step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
-    step "Miri on the soft NIC" miri_tier
+    step "Miri on the soft NIC and the memory crate" miri_tier
     say "done in $(($(date +%s) - start)) s"
     echo "checks: $passed passed, $failed failed, $skipped skipped"
     [ "$failed" -eq 0 ]
