@@ -793,12 +793,12 @@ impl RecvGuard {
     /// holding the ring's rkey outside the pipe, could: use this only with trusted peers.
     pub unsafe fn as_slice(&self) -> &[u8] {
         let ring = self.ring();
-        // SAFETY: the ring is a host region (allocated by the pipe), so `as_slice` is
-        // `Some`; the block lies inside it (registered with the owner, which checked it);
-        // the caller guarantees no concurrent writes.
-        let all = unsafe { ring.as_slice() }.expect("pipe rings are host memory");
         let start = (self.addr - ring.addr()) as usize;
-        &all[start..start + self.len as usize]
+        // SAFETY: the ring is host memory allocated by the pipe and the block lies inside it
+        // (the owner checked it at registration), so this is `Some`; only the block's bytes
+        // are covered, and the caller guarantees nothing writes them meanwhile.
+        unsafe { ring.as_slice_at(start, self.len as usize) }
+            .expect("a ring block is host memory inside the ring")
     }
 
     /// Releases the block now (the rfree); the same as dropping the guard.

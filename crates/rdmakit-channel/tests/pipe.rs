@@ -250,3 +250,21 @@ async fn full_duplex_concurrent_tasks_keep_order() {
         t.await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guard_slice_covers_exactly_its_block() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Event, 64 << 10);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let src = pd.alloc_mr(1000, AccessFlags::LOCAL_WRITE).unwrap();
+    for (i, len) in [10u32, 1000, 333].into_iter().enumerate() {
+        src.write_at(0, &payload(i, len as usize)).unwrap();
+        a.rwrite(src.slice(0, len).unwrap()).await.0.unwrap();
+        let g = b.recv().await.unwrap();
+        // SAFETY: the writer never writes a block the reader holds, and nothing else has the
+        // ring's rkey in this test.
+        let view = unsafe { g.as_slice() };
+        assert_eq!(view, payload(i, len as usize).as_slice());
+        assert_eq!(view, g.to_vec().unwrap().as_slice());
+    }
+}

@@ -535,6 +535,38 @@ impl MemoryRegion {
         }
     }
 
+    /// A shared slice over `len` bytes of the region from `offset`, for zero-copy reads of
+    /// one part while other parts may change (a block of a receive ring, say).
+    ///
+    /// Returns `None` for device-memory and dma-buf regions, and for a range outside the
+    /// region.
+    ///
+    /// # Safety
+    /// For the lifetime of the returned slice, nothing may write those bytes: no work
+    /// request, no peer, no other thread (other bytes of the region are not constrained).
+    ///
+    /// # Examples
+    /// ```
+    /// use rdmakit_verbs::{AccessFlags, Context};
+    /// let mr = Context::open_soft().alloc_pd()?.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    /// mr.write_at(8, b"abc")?;
+    /// // SAFETY: nothing writes the region while the slices live (no QP uses it).
+    /// let (part, outside) = unsafe { (mr.as_slice_at(8, 3), mr.as_slice_at(60, 8)) };
+    /// assert_eq!((part, outside), (Some(&b"abc"[..]), None));
+    /// # Ok::<(), rdmakit_verbs::Error>(())
+    /// ```
+    pub unsafe fn as_slice_at(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        let end = offset.checked_add(len)?;
+        match &self.inner.mem {
+            MrMemory::Host(b) if end <= self.len() => {
+                // SAFETY: `offset..end` lies within the buffer, valid while `self` lives; no
+                // writer of those bytes per the contract; no reference covers the rest.
+                Some(unsafe { std::slice::from_raw_parts(b.ptr().add(offset), len) })
+            }
+            _ => None,
+        }
+    }
+
     /// An exclusive slice over the region's bytes, for zero-copy writes.
     ///
     /// Returns `None` for device-memory and dma-buf regions.
