@@ -17,7 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 
 # rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen.
-PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config clang libclang-dev)
+PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config libclang-dev)
 
 say() { printf '\n==> %s\n' "$*"; }
 warn() { printf '\n!!! %s\n' "$*" >&2; }
@@ -49,6 +49,37 @@ deps() {
             exit 1
         fi
     fi
+}
+
+# The distribution's default libclang (what `libclang-dev` depends on) and the newest one it
+# ships: the verbs provider is built with both, since bindgen output depends on libclang.
+default_libclang_dir() {
+    local v
+    v=$(dpkg-query -W -f='${Depends}' libclang-dev 2>/dev/null | grep -o 'libclang-[0-9]*-dev' | head -n 1 | tr -dc 0-9)
+    [ -n "$v" ] && [ -d "/usr/lib/llvm-$v/lib" ] && echo "/usr/lib/llvm-$v/lib"
+}
+newest_libclang_pkg() {
+    apt-cache search --names-only '^libclang-[0-9]+-dev$' 2>/dev/null | awk '{print $1}' | sort -V | tail -n 1
+}
+
+libclang_tier() {
+    # Builds rdmakit-sys and the verbs provider with the newest libclang the distribution has
+    # (its own target directory), runs the layout checks, and prints which libclang made them.
+    local pkg v dir log
+    pkg=$(newest_libclang_pkg)
+    [ -n "$pkg" ] || { skip "newest libclang: apt-cache finds no libclang-N-dev here"; return 0; }
+    v=$(echo "$pkg" | tr -dc 0-9)
+    dir=/usr/lib/llvm-$v/lib
+    if [ ! -d "$dir" ]; then
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null ||
+            { warn "could not install $pkg"; return 1; }
+    fi
+    log=$(mktemp)
+    LIBCLANG_PATH=$dir RDMAKIT_SYS_VERBS=require cargo build -vv -p rdmakit-sys -p rdmakit-verbs \
+        --target-dir target/libclang-newest >"$log" 2>&1 || { tail -n 30 "$log"; rm -f "$log"; return 1; }
+    grep -o 'rdmakit-sys: bindings generated with libclang.*' "$log" | head -n 1
+    rm -f "$log"
+    LIBCLANG_PATH=$dir RDMAKIT_SYS_VERBS=require cargo test -q -p rdmakit-sys --target-dir target/libclang-newest
 }
 
 passed=0
@@ -130,11 +161,19 @@ demo)
 test)
     deps
     start=$(date +%s)
+    # The rdma-core provider must be built: a missing package fails the build, loudly, instead
+    # of quietly building the soft NIC only (which is what a user's plain `cargo build` does).
+    export RDMAKIT_SYS_VERBS=require
+    if [ -z "${LIBCLANG_PATH:-}" ] && dir=$(default_libclang_dir); then export LIBCLANG_PATH=$dir; fi
+    say "bindings: $(cargo build -vv -p rdmakit-sys 2>&1 | grep -o 'libclang .*' | head -n 1 || true)"
     step "cargo fmt --check" cargo fmt --all -- --check
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace
     step "cross-process soft NIC across two network namespaces" netns_tier
     step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
+    step "build without rdma-core's files (RDMAKIT_SYS_VERBS=off: what a machine with only Rust gets)" \
+        env RDMAKIT_SYS_VERBS=off cargo clippy --workspace --all-targets --target-dir target/no-rdma-core -- -D warnings
+    step "verbs provider built with the newest libclang the distribution ships" libclang_tier
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
     step "Miri on the soft NIC and the memory crate" miri_tier

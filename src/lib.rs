@@ -4,8 +4,8 @@
 //! - [`verbs`] (`rdmakit-verbs`): devices, protection domains, memory regions, completion
 //!   queues, RC queue pairs, work requests, device memory, over two providers (rdma-core
 //!   and the soft NIC). Its items are also re-exported at the top level.
-//! - [`memory`] (`rdmakit-memory`): NIC memory management; so far the allocator core of
-//!   asymmetric remote heaps ([`memory::heap`]).
+//! - [`memory`] (`rdmakit-memory`): MEMIC regions in NIC memory, the cross-GVMI UMR mkey
+//!   pool and alias cache, and asymmetric remote heaps ([`memory::heap`]).
 //! - [`channel`] (`rdmakit-channel`): async pipes and persistent put handles.
 //!
 //! ```
@@ -21,7 +21,7 @@ pub use rdmakit_verbs::*;
 /// What this build of rdmakit was compiled with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BuildInfo {
-    /// The `verbs` provider (rdma-core) is compiled in.
+    /// The `verbs` provider (rdma-core) is compiled in (see [`VERBS_MISSING`] when not).
     pub verbs: bool,
     /// rdma-core's libibverbs version found at build time, if any.
     pub rdma_core_version: Option<&'static str>,
@@ -31,7 +31,7 @@ pub struct BuildInfo {
 
 /// How this build was configured (see the top-level `build.rs`).
 pub const BUILD: BuildInfo = BuildInfo {
-    verbs: cfg!(feature = "verbs"),
+    verbs: rdmakit_verbs::VERBS_BUILT,
     rdma_core_version: option_env!("RDMAKIT_RDMA_CORE_VERSION"),
     mlx5dv: cfg!(rdmakit_mlx5dv),
 };

@@ -1,11 +1,12 @@
 /*
- * C-side sizes and offsets of the libibverbs/librdmacm structs that
- * rdma-sys 0.3.0 defines by hand in Rust (the ones containing anonymous
- * unions: ibv_wc, ibv_send_wr, ibv_gid, ibv_ah_attr, ...).
+ * C-side sizes and offsets of the libibverbs/librdmacm structs whose
+ * layout matters most to the verbs provider (the ones with anonymous
+ * unions: ibv_wc, ibv_send_wr, ibv_gid, ...; the QP attributes; the CM
+ * event), as the C compiler lays them out.
  *
  * Compiled by build.rs into the crate's static archive; the unit tests in
  * src/lib.rs compare this table with `size_of`/`offset_of!` on the Rust
- * types, so a drift between rdma-sys and the installed headers fails
+ * types bindgen generated with libclang, so a drift between the two fails
  * `cargo test`. Nothing outside the tests references it, so the linker
  * leaves it out of normal builds.
  *

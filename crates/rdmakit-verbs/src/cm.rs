@@ -106,7 +106,7 @@ pub struct Connection {
 
 enum ConnBackend {
     Soft(TcpStream),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::cm::CmConn),
 }
 
@@ -139,7 +139,7 @@ impl Connection {
             ConnBackend::Soft(s) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             ConnBackend::Verbs(c) => c.disconnect()?,
         }
         self.qp.modify_to_error()
@@ -149,7 +149,7 @@ impl Connection {
     pub fn wait_disconnected(&self, timeout: Duration) -> Result<bool> {
         let seen = match &self.backend {
             ConnBackend::Soft(s) => wait_eof(s, timeout)?,
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             ConnBackend::Verbs(c) => c.wait_disconnected(timeout)?,
         };
         if seen {
@@ -175,7 +175,7 @@ pub struct Listener {
 
 enum ListenerBackend {
     Soft(TcpListener),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::cm::CmListener),
 }
 
@@ -195,7 +195,7 @@ impl Listener {
             CtxBackend::Soft(_) => ListenerBackend::Soft(
                 TcpListener::bind(addr).map_err(|source| Error::Os { call: "bind", source })?,
             ),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(_) => {
                 let l = crate::rdma::cm::CmListener::bind(addr, 64)?;
                 if let Some(dev) = l.device_name() {
@@ -218,7 +218,7 @@ impl Listener {
             ListenerBackend::Soft(l) => {
                 l.local_addr().map_err(|source| Error::Os { call: "getsockname", source })
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             ListenerBackend::Verbs(l) => l.local_addr(),
         }
     }
@@ -251,7 +251,7 @@ impl Listener {
                 }
                 soft_accept(l, pd, opts, private_data, wait)
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             ListenerBackend::Verbs(l) => {
                 let req = l.get_request(wait)?;
                 if req.device_name() != pd.context().name() {
@@ -287,7 +287,7 @@ pub fn connect(
     check_private_data(private_data)?;
     match &pd.context().inner.backend {
         CtxBackend::Soft(_) => soft_connect(pd, addr, opts, private_data),
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         CtxBackend::Verbs(_) => {
             let conn = crate::rdma::cm::CmConnector::resolve(addr, opts.timeout)?;
             if conn.device_name() != pd.context().name() {

@@ -38,7 +38,7 @@ pub(crate) struct CqInner {
 
 pub(crate) enum CqBackend {
     Soft(Arc<SoftCq>),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Cq),
 }
 
@@ -52,7 +52,7 @@ impl CqBackend {
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         match self {
             CqBackend::Soft(cq) => cq.poll(out),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CqBackend::Verbs(cq) => cq.poll(out),
         }
     }
@@ -60,7 +60,7 @@ impl CqBackend {
     fn req_notify(&self) -> Result<()> {
         match self {
             CqBackend::Soft(cq) => cq.req_notify(),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CqBackend::Verbs(cq) => cq.req_notify(),
         }
     }
@@ -68,7 +68,7 @@ impl CqBackend {
     fn fd(&self) -> Result<RawFd> {
         match self {
             CqBackend::Soft(cq) => cq.fd(),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CqBackend::Verbs(cq) => Ok(cq.fd()),
         }
     }
@@ -79,7 +79,7 @@ impl CqBackend {
             CqBackend::Soft(cq) => {
                 cq.take_event();
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CqBackend::Verbs(cq) => cq.take_events(),
         }
     }
@@ -93,7 +93,7 @@ impl CompletionQueue {
         }
         let (backend, capacity) = match &ctx.inner.backend {
             CtxBackend::Soft(_) => (CqBackend::Soft(Arc::new(SoftCq::new(cqe))), cqe),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(c) => {
                 let cq = c.create_cq(cqe)?;
                 let cap = cq.capacity();

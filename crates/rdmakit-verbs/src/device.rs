@@ -23,12 +23,20 @@ pub struct DeviceInfo {
     pub provider: ProviderKind,
 }
 
+/// Why the rdma-core provider is not compiled into this build (empty when it is): the
+/// `verbs` feature was off, or rdma-core's development files or libclang were missing at build
+/// time, with the packages to install.
+pub const VERBS_MISSING: &str = env!("RDMAKIT_VERBS_MISSING");
+
+/// Whether the rdma-core provider is compiled into this build.
+pub const VERBS_BUILT: bool = cfg!(rdmakit_verbs);
+
 /// Lists the devices of both providers: every verbs device rdma-core reports (none on a
 /// machine without RDMA support: that is not an error) and the soft NIC's `soft0`.
 pub fn devices() -> Vec<DeviceInfo> {
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     let verbs = crate::rdma::device_names().unwrap_or_default();
-    #[cfg(not(feature = "verbs"))]
+    #[cfg(not(rdmakit_verbs))]
     let verbs: Vec<String> = Vec::new();
     verbs
         .into_iter()
@@ -41,7 +49,7 @@ pub fn devices() -> Vec<DeviceInfo> {
 ///
 /// Tests and tools print this when they skip the verbs provider.
 pub fn verbs_unavailable_reason() -> Option<String> {
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     {
         match crate::rdma::device_names() {
             Ok(names) if !names.is_empty() => None,
@@ -49,9 +57,9 @@ pub fn verbs_unavailable_reason() -> Option<String> {
             Err(e) => Some(e.to_string()),
         }
     }
-    #[cfg(not(feature = "verbs"))]
+    #[cfg(not(rdmakit_verbs))]
     {
-        Some("rdmakit was built without the `verbs` feature".into())
+        Some(format!("the rdma-core provider is not built in: {VERBS_MISSING}"))
     }
 }
 
@@ -79,7 +87,7 @@ pub(crate) struct ContextInner {
 
 pub(crate) enum CtxBackend {
     Soft(Arc<SoftDevice>),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Context),
 }
 
@@ -112,7 +120,7 @@ impl Context {
                     return Context::open(&name);
                 }
                 match Context::open_verbs(None) {
-                    Err(e @ (Error::NoDevice { .. } | Error::ProviderUnavailable(_))) => {
+                    Err(e @ (Error::NoDevice { .. } | Error::ProviderUnavailable { .. })) => {
                         tracing::debug!(reason = %e, "no verbs device; using the soft NIC");
                         Ok(Context::open_soft())
                     }
@@ -156,16 +164,16 @@ impl Context {
 
     /// Opens a verbs device by name, or the first one.
     pub fn open_verbs(name: Option<&str>) -> Result<Context> {
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         {
             let ctx = crate::rdma::Context::open(name)?;
             let attr = ctx.query()?;
             Ok(Context { inner: Arc::new(ContextInner { backend: CtxBackend::Verbs(ctx), attr }) })
         }
-        #[cfg(not(feature = "verbs"))]
+        #[cfg(not(rdmakit_verbs))]
         {
             let _ = name;
-            Err(Error::ProviderUnavailable("verbs"))
+            Err(Error::ProviderUnavailable { provider: "verbs", reason: VERBS_MISSING })
         }
     }
 

@@ -36,7 +36,7 @@ pub(crate) struct DmInner {
 
 pub(crate) enum DmBackend {
     Soft(Arc<SoftDm>),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Dm),
 }
 
@@ -60,7 +60,7 @@ impl DeviceMemory {
         }
         let backend = match &ctx.inner.backend {
             CtxBackend::Soft(dev) => DmBackend::Soft(Arc::new(SoftDm::alloc(dev, len)?)),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(c) => DmBackend::Verbs(c.alloc_dm(len, max)?),
         };
         Ok(DeviceMemory { inner: Arc::new(DmInner { backend, ctx: ctx.clone(), len }) })
@@ -101,7 +101,7 @@ impl DeviceMemory {
                 };
                 Ok(())
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             DmBackend::Verbs(dm) => dm.copy_to(offset, data),
         }
     }
@@ -122,7 +122,7 @@ impl DeviceMemory {
                 };
                 Ok(())
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             DmBackend::Verbs(dm) => dm.copy_from(offset, out),
         }
     }

@@ -125,9 +125,16 @@ pub enum Error {
     /// A device with this name does not exist.
     #[error("RDMA device `{0}` not found")]
     DeviceNotFound(String),
-    /// The provider was not compiled in (the `verbs` cargo feature is off).
-    #[error("provider `{0}` is not built into this binary")]
-    ProviderUnavailable(&'static str),
+    /// The provider was not compiled in: the `verbs` cargo feature is off, or rdma-core's
+    /// development files or libclang were missing when rdmakit was built (`reason` says which
+    /// and names the packages to install).
+    #[error("provider `{provider}` is not built into this binary: {reason}")]
+    ProviderUnavailable {
+        /// The provider asked for (`"verbs"`).
+        provider: &'static str,
+        /// Why it is missing, for a person.
+        reason: &'static str,
+    },
     /// A verbs call (or its soft twin) failed with an OS error.
     #[error("{call} failed: {source}")]
     Os {
@@ -247,13 +254,13 @@ pub enum Error {
 
 impl Error {
     /// The last OS error, attributed to `call`.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     pub(crate) fn last_os(call: &'static str) -> Error {
         Error::Os { call, source: io::Error::last_os_error() }
     }
 
     /// An errno value returned directly by `call`.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     pub(crate) fn errno(call: &'static str, errno: i32) -> Error {
         Error::Os { call, source: io::Error::from_raw_os_error(errno) }
     }

@@ -62,11 +62,14 @@ mod types;
 mod wc;
 mod wr;
 
-#[cfg(feature = "verbs")]
+#[cfg(rdmakit_verbs)]
 mod rdma;
 
 pub use cq::CompletionQueue;
-pub use device::{Context, DEVICE_ENV, DeviceInfo, PROVIDER_ENV, devices, verbs_unavailable_reason};
+pub use device::{
+    Context, DEVICE_ENV, DeviceInfo, PROVIDER_ENV, VERBS_BUILT, VERBS_MISSING, devices,
+    verbs_unavailable_reason,
+};
 pub use dm::DeviceMemory;
 pub use error::{Error, Result, WcStatus};
 pub use mr::{LocalSlice, MemoryRegion};

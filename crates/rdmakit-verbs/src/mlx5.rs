@@ -109,7 +109,7 @@ pub struct AliasMkey {
 pub struct UmrQueue {
     pd: ProtectionDomain,
     /// The mlx5 UMR QP on the verbs provider (one request at a time).
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     verbs: Option<Mutex<crate::rdma::mlx5dv::UmrQp>>,
 }
 
@@ -120,13 +120,13 @@ impl std::fmt::Debug for UmrQueue {
 }
 
 /// Most KSM entries a verbs indirect key is created with room for.
-#[cfg(feature = "verbs")]
+#[cfg(rdmakit_verbs)]
 const VERBS_MAX_ENTRIES: u16 = 16;
 
 fn soft_device(ctx: &Context) -> Result<&Arc<SoftDevice>> {
     match &ctx.inner.backend {
         CtxBackend::Soft(d) => Ok(d),
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         CtxBackend::Verbs(_) => Err(Error::Unsupported(format!(
             "{}: this is a soft-NIC feature (on hardware, open the other function's device by \
              name, or use the DEVX calls of the verbs provider)",
@@ -139,7 +139,7 @@ fn soft_pd(pd: &ProtectionDomain) -> Result<(&Arc<SoftDevice>, u64)> {
     let dev = soft_device(&pd.inner.ctx)?;
     match &pd.inner.backend {
         PdBackend::Soft(id) => Ok((dev, *id)),
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         PdBackend::Verbs(_) => unreachable!("a soft context has soft PDs"),
     }
 }
@@ -191,7 +191,7 @@ impl ProtectionDomain {
                 let key = dev.mrs.register_indirect(pd_id, base, len, access);
                 Ok(IndirectMkey { region: mkey_region(self, dev, key, Kind::Indirect, base, len, access) })
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
                 // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a non-zero base
                 // needs a KSM mkey created through DEVX, which is not implemented.
@@ -238,7 +238,7 @@ impl ProtectionDomain {
         match &self.inner.backend {
             PdBackend::Soft(_) => bind_soft(&key, entries)?,
             // On mlx5 through a UMR at creation (zero-based), not a DEVX KSM command.
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(_) => self.create_umr_queue()?.bind(&key, entries)?,
         }
         Ok(key)
@@ -249,14 +249,14 @@ impl ProtectionDomain {
         match (&self.inner.backend, &self.inner.ctx.inner.backend) {
             (PdBackend::Soft(_), _) => Ok(UmrQueue {
                 pd: self.clone(),
-                #[cfg(feature = "verbs")]
+                #[cfg(rdmakit_verbs)]
                 verbs: None,
             }),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), CtxBackend::Verbs(vctx)) => {
                 Ok(UmrQueue { pd: self.clone(), verbs: Some(Mutex::new(vpd.create_umr_qp(vctx)?)) })
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             _ => unreachable!("a PD and its context share a provider"),
         }
     }
@@ -274,7 +274,7 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<AliasMkey> {
         access.validate()?;
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         if let PdBackend::Verbs(vpd) = &self.inner.backend {
             let alias = vpd.create_alias(vhca_id, mkey, access_key)?;
             let key = alias.key();
@@ -331,7 +331,7 @@ impl Context {
     pub fn vhca_id(&self) -> Result<u32> {
         match &self.inner.backend {
             CtxBackend::Soft(dev) => Ok(dev.vhca_id()),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(vctx) => vctx.vhca_id(),
         }
     }
@@ -362,7 +362,7 @@ fn bind_soft(key: &IndirectMkey, entries: &[KsmEntry]) -> Result<()> {
         if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
             return Err(bad("outside its region"));
         }
-        #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+        #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
         let MrBackend::Soft { key: tkey, .. } = &e.region.inner.backend else {
             return Err(bad("region of another provider"));
         };
@@ -385,7 +385,7 @@ fn bind_soft(key: &IndirectMkey, entries: &[KsmEntry]) -> Result<()> {
 }
 
 /// Binds through the mlx5 UMR QP: entries become (address, length, lkey) SGEs.
-#[cfg(feature = "verbs")]
+#[cfg(rdmakit_verbs)]
 fn bind_verbs(
     umr: &Mutex<crate::rdma::mlx5dv::UmrQp>,
     key: &IndirectMkey,
@@ -433,7 +433,7 @@ impl IndirectMkey {
     /// Opens the key to other vHCAs of the NIC, which may alias it presenting `access_key`
     /// (`MLX5_CMD_OP_ALLOW_OTHER_VHCA_ACCESS` on mlx5). Stays open across re-binds.
     pub fn allow_other_vhca_access(&self, access_key: &[u8; ACCESS_KEY_LEN]) -> Result<()> {
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         if let MrBackend::VerbsMkey(mk) = &self.region.inner.backend {
             return mk.allow_other_vhca_access(access_key);
         }
@@ -483,7 +483,7 @@ impl UmrQueue {
                 key.key()
             )));
         }
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         if let Some(umr) = &self.verbs {
             return bind_verbs(umr, key, entries);
         }
@@ -495,7 +495,7 @@ impl UmrQueue {
     #[doc(alias = "IBV_WR_LOCAL_INV")]
     pub fn invalidate(&self, key: &IndirectMkey) -> Result<()> {
         self.check_key(key)?;
-        #[cfg(feature = "verbs")]
+        #[cfg(rdmakit_verbs)]
         if let (Some(umr), MrBackend::VerbsMkey(mk)) = (&self.verbs, &key.region.inner.backend) {
             let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
             umr.lock().unwrap_or_else(|e| e.into_inner()).invalidate(mk)?;

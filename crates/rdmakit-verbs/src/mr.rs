@@ -118,7 +118,7 @@ pub(crate) enum MrMemory {
         offset: u64,
     },
     /// Exported by another driver (GPU); no CPU access.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     DmaBuf,
     /// An mlx5 indirect or alias key: no bytes of its own (see `crate::mlx5`).
     Mkey(Arc<crate::mlx5::MkeyState>),
@@ -129,13 +129,13 @@ pub(crate) enum MrBackend {
         device: Arc<crate::soft::SoftDevice>,
         key: u32,
     },
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Mr),
     /// An mlx5 indirect mkey (`crate::mlx5`), destroyed when dropped.
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     VerbsMkey(crate::rdma::mlx5dv::Mkey),
     /// An mlx5 mkey alias of another vHCA's key (`crate::mlx5`), destroyed when dropped.
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     #[allow(dead_code)] // held only for its Drop, which destroys the alias object
     VerbsAlias(crate::rdma::mlx5dv::Alias),
 }
@@ -159,7 +159,7 @@ impl Drop for MrInner {
             MrBackend::Soft { device, key } => {
                 device.mrs.deregister(*key);
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             MrBackend::Verbs(mr) => {
                 if !mr.deregister() {
                     // The NIC may still write this memory: never free it.
@@ -173,7 +173,7 @@ impl Drop for MrInner {
                 }
             }
             // Destroyed by its own Drop, after which the regions it mapped may go.
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             MrBackend::VerbsMkey(_) | MrBackend::VerbsAlias(_) => {}
         }
     }
@@ -225,7 +225,7 @@ impl MemoryRegion {
         let addr = ptr as u64;
         let (backend, lkey, rkey) = match &pd.inner.backend {
             PdBackend::Soft(pd_id) => {
-                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
                 let CtxBackend::Soft(device) = &pd.inner.ctx.inner.backend else {
                     unreachable!("soft PD on a soft context")
                 };
@@ -235,7 +235,7 @@ impl MemoryRegion {
                 let key = unsafe { device.mrs.register(*pd_id, addr, len as u64, access, ptr, keep) };
                 (MrBackend::Soft { device: device.clone(), key }, key, key)
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
                 // SAFETY: the buffer outlives the registration: `MrInner` drops `backend`
                 // (deregistering) before `mem`, and holds `mem` (an `Arc` of the buffer).
@@ -282,13 +282,13 @@ impl MemoryRegion {
                 let key = unsafe { sdm.device.mrs.register(*pd_id, 0, len, access, ptr, keep) };
                 (MrBackend::Soft { device: sdm.device.clone(), key }, key, key)
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
                 let mr = vpd.reg_dm_mr(vdm, offset, len, access)?;
                 let (l, r) = (mr.lkey(), mr.rkey());
                 (MrBackend::Verbs(mr), l, r)
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             _ => unreachable!("PD and DM share a context, so a provider"),
         };
         Ok(MemoryRegion {
@@ -321,7 +321,7 @@ impl MemoryRegion {
                 let _ = (fd, offset, len, iova);
                 Err(Error::Unsupported("dma-buf registration needs the verbs provider".into()))
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
                 use std::os::fd::AsRawFd;
                 // SAFETY: forwarded contract.

@@ -25,7 +25,7 @@ pub(crate) struct PdInner {
 
 pub(crate) enum PdBackend {
     Soft(u64),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Pd),
 }
 
@@ -39,7 +39,7 @@ impl ProtectionDomain {
     pub(crate) fn new(ctx: &Context) -> Result<ProtectionDomain> {
         let backend = match &ctx.inner.backend {
             CtxBackend::Soft(dev) => PdBackend::Soft(dev.alloc_pd()),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(c) => PdBackend::Verbs(c.alloc_pd()?),
         };
         Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), backend }) })

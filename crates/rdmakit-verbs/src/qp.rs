@@ -61,7 +61,7 @@ pub(crate) struct QpInner {
 
 pub(crate) enum QpBackend {
     Soft(Arc<SoftQp>),
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Qp),
 }
 
@@ -88,11 +88,11 @@ impl QueuePair {
         }
         let (backend, caps) = match &pd.inner.backend {
             PdBackend::Soft(pd_id) => {
-                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
                 let crate::device::CtxBackend::Soft(dev) = &pd.inner.ctx.inner.backend else {
                     unreachable!("soft PD on a soft device")
                 };
-                #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
                 let (crate::cq::CqBackend::Soft(scq), crate::cq::CqBackend::Soft(rcq)) =
                     (&send_cq.inner.backend, &recv_cq.inner.backend)
                 else {
@@ -101,7 +101,7 @@ impl QueuePair {
                 let qp = SoftQp::create(dev, *pd_id, scq.clone(), rcq.clone(), caps)?;
                 (QpBackend::Soft(qp), caps)
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
                 let (crate::cq::CqBackend::Verbs(scq), crate::cq::CqBackend::Verbs(rcq)) =
                     (&send_cq.inner.backend, &recv_cq.inner.backend)
@@ -115,7 +115,7 @@ impl QueuePair {
         };
         let qpn = match &backend {
             QpBackend::Soft(q) => q.qpn(),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.qpn(),
         };
         let inflight = Arc::new(Inflight::new(caps.max_send_wr, caps.max_recv_wr));
@@ -136,7 +136,7 @@ impl QueuePair {
     }
 
     /// The rdma-core QP behind this one, if it is a verbs QP.
-    #[cfg(feature = "verbs")]
+    #[cfg(rdmakit_verbs)]
     pub(crate) fn verbs_qp(&self) -> Option<&crate::rdma::Qp> {
         match &self.inner.backend {
             QpBackend::Verbs(q) => Some(q),
@@ -173,7 +173,7 @@ impl QueuePair {
     pub fn state(&self) -> QpState {
         match &self.inner.backend {
             QpBackend::Soft(q) => q.state(),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.state(),
         }
     }
@@ -195,7 +195,7 @@ impl QueuePair {
                 let _ = opts;
                 Ok(q.endpoint(self.inner.psn))
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.endpoint(opts, self.inner.psn),
         }
     }
@@ -206,7 +206,7 @@ impl QueuePair {
     pub fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
         match &self.inner.backend {
             QpBackend::Soft(q) => q.modify_to_init(opts.access),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.modify_to_init(opts),
         }
     }
@@ -225,7 +225,7 @@ impl QueuePair {
                 q.modify_to_rtr(remote, opts)?;
                 q.modify_to_rts()
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => {
                 q.modify_to_rtr(remote, opts)?;
                 q.modify_to_rts(opts, self.inner.psn)
@@ -241,7 +241,7 @@ impl QueuePair {
                 q.modify_to_err();
                 Ok(())
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.modify_to_err(),
         }
     }
@@ -306,7 +306,7 @@ impl QueuePair {
     fn post_raw_send(&self, q: &mut crate::inflight::Queues, raws: &[RawSendWr<'_>]) -> Result<()> {
         let r = match &self.inner.backend {
             QpBackend::Soft(qp) => qp.post_send(raws),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(qp) => qp.post_send(raws),
         };
         r.map_err(|(posted, e)| {
@@ -352,7 +352,7 @@ impl QueuePair {
     fn post_raw_recv(&self, q: &mut crate::inflight::Queues, raws: &[crate::raw::RawRecvWr]) -> Result<()> {
         let r = match &self.inner.backend {
             QpBackend::Soft(qp) => qp.post_recv(raws),
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(qp) => qp.post_recv(raws),
         };
         r.map_err(|(posted, e)| {
@@ -370,7 +370,7 @@ impl Drop for QpInner {
                 q.destroy();
                 true
             }
-            #[cfg(feature = "verbs")]
+            #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.destroy(),
         };
         if destroyed {

@@ -24,7 +24,7 @@ pub(crate) enum RawOp {
 
 /// A send-queue work request as providers receive it.
 #[derive(Clone, Copy, Debug)]
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+#[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
 pub(crate) struct RawSendWr<'a> {
     /// rdmakit's internal id (the in-flight sequence number), not the user's.
     pub wr_id: u64,

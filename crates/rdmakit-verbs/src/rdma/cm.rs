@@ -592,7 +592,9 @@ impl CmListener {
         // SAFETY: live id; librdmacm keeps the bound source address in the route, in a
         // union whose storage member covers it all.
         let ss = unsafe {
-            ptr::addr_of!((*self.cm.ptr()).route.addr.src_addr_union).cast::<libc::sockaddr_storage>().read()
+            ptr::addr_of!((*self.cm.ptr()).route.addr.__bindgen_anon_1)
+                .cast::<libc::sockaddr_storage>()
+                .read()
         };
         from_sockaddr(&ss)
     }

@@ -80,7 +80,7 @@ pub(super) fn fill_send_wr(wr: &mut sys::ibv_send_wr, sge: &mut sys::ibv_sge, ra
         (None, None) => wr.num_sge = 0,
     }
     wr.send_flags = flags;
-    let imm = |wr: &mut sys::ibv_send_wr, v: u32| wr.imm_data_invalidated_rkey_union.imm_data = v.to_be();
+    let imm = |wr: &mut sys::ibv_send_wr, v: u32| wr.__bindgen_anon_1.imm_data = v.to_be();
     match raw.op {
         RawOp::Write { imm: i } => {
             wr.opcode = if i.is_some() { o::IBV_WR_RDMA_WRITE_WITH_IMM } else { o::IBV_WR_RDMA_WRITE };

@@ -218,12 +218,9 @@ impl Context {
         // SAFETY: open context; `attr` is a valid, initialised attribute struct.
         let dm = unsafe { sys::ibv_alloc_dm(self.dev.ctx.as_ptr(), &mut attr) };
         let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        match dm {
-            None => Err(Error::Unsupported(format!(
-                "{}: ibv_alloc_dm not supported by the provider",
-                self.dev.name
-            ))),
-            Some(p) if p.is_null() => match errno() {
+        // The header's inline sets EOPNOTSUPP when the provider has no `alloc_dm` at all.
+        match NonNull::new(dm) {
+            None => match errno() {
                 libc::ENOMEM | libc::ENOSPC => {
                     Err(Error::DeviceMemoryExhausted { requested: len, available: 0, capacity: max })
                 }
@@ -232,7 +229,7 @@ impl Context {
                 }
                 e => Err(Error::errno("ibv_alloc_dm", e)),
             },
-            Some(p) => Ok(Dm { dm: NonNull::new(p).expect("checked non-null"), dev: self.dev.clone() }),
+            Some(dm) => Ok(Dm { dm, dev: self.dev.clone() }),
         }
     }
 }
@@ -315,10 +312,11 @@ impl Pd {
         let mr = unsafe {
             sys::ibv_reg_dm_mr(self.inner.pd.as_ptr(), dm.dm.as_ptr(), offset, len as usize, access)
         };
-        match mr {
-            None => Err(Error::Unsupported("ibv_reg_dm_mr not supported by the provider".into())),
-            Some(p) => Ok(Mr::new(nonnull("ibv_reg_dm_mr", p)?, self.inner.clone())),
+        if mr.is_null() && std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+            // The header's inline sets EOPNOTSUPP when the provider has no `reg_dm_mr`.
+            return Err(Error::Unsupported("ibv_reg_dm_mr not supported by the provider".into()));
         }
+        Ok(Mr::new(nonnull("ibv_reg_dm_mr", mr)?, self.inner.clone()))
     }
 
     /// Registers a dma-buf (`ibv_reg_dmabuf_mr`).
@@ -536,7 +534,7 @@ fn convert_wc(wc: &sys::ibv_wc) -> WorkCompletion {
         opcode: WcOpcode(wc.opcode),
         byte_len: wc.byte_len,
         // SAFETY: reading the immediate member of a plain-integer union.
-        imm: with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })),
+        imm: with_imm.then(|| u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data })),
         qp_num: wc.qp_num,
         vendor_err: wc.vendor_err,
     }
