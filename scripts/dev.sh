@@ -113,7 +113,8 @@ rxe_tier() {
     [ -n "$bin" ] && [ -n "$lib" ] || { warn "test binaries not found"; return 1; }
     # The suite's verbs cases on rdma-core against rxe0, inside the VM; then the rdma_cm
     # backend's own tests, which only print "skipped" outside it.
-    RDMAKIT_PROVIDER=verbs RDMAKIT_GID_INDEX=1 scripts/rxe-vm.sh "$bin" verbs:: &&
+    # No RDMAKIT_GID_INDEX: the GID is chosen by type (RoCE v2), as users get it.
+    RDMAKIT_PROVIDER=verbs scripts/rxe-vm.sh "$bin" verbs:: &&
         scripts/rxe-vm.sh "$lib" rdma::cm
 }
 

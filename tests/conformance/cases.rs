@@ -42,6 +42,8 @@ pub const ALL: &[Case] = &[
     case("unsignaled_requests_retire_with_signaled", unsignaled_retire),
     case("send_queue_full", send_queue_full),
     case("cq_overrun_is_reported", cq_overrun),
+    case("cq_overrun_flag_dies_with_its_cq", cq_overrun_flag_dies_with_its_cq),
+    case("default_gid_is_chosen_by_type", default_gid_is_chosen_by_type),
     case("inline_write", inline_write),
     case("batch_post_keeps_order", batch_post_order),
     case("async_completion_wait", async_wait),
@@ -509,6 +511,62 @@ fn cq_overrun(env: &Env) -> Result<(), Failed> {
         check!(got <= cap, "{got} completions on a CQ of {cap}");
     }
     Err(format!("{got} completions on a CQ of {cap}, and no overrun reported").into())
+}
+
+/// An overrun is sticky for its CQ, and for its CQ only: CQs created after it was dropped
+/// (at the same address, very likely, since the allocator reuses it) start clean.
+fn cq_overrun_flag_dies_with_its_cq(env: &Env) -> Result<(), Failed> {
+    cq_overrun(env)?;
+    for i in 0..32 {
+        let cq = env.ctx.create_cq(8)?;
+        // The verbs provider reads async events when a poll finds the queue empty, at most
+        // once a millisecond: poll across that interval.
+        for _ in 0..2 {
+            match cq.poll_one() {
+                Ok(None) => {}
+                other => return Err(format!("new CQ #{i}: {other:?} instead of an empty queue").into()),
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    Ok(())
+}
+
+/// With no GID index given, a RoCE port's connections use a RoCE v2 entry (what perftest, UCX
+/// and rdma_cm users expect), preferring an IPv4-mapped one; the soft NIC reports its own kind.
+fn default_gid_is_chosen_by_type(env: &Env) -> Result<(), Failed> {
+    let chosen = env.ctx.gid(1, None)?;
+    if env.provider == ProviderKind::Soft {
+        check_eq!(chosen.kind, Some(GidKind::Soft));
+        return Ok(());
+    }
+    if std::env::var_os("RDMAKIT_GID_INDEX").is_some() {
+        return Err("RDMAKIT_GID_INDEX is set: the default choice cannot be observed".into());
+    }
+    // Read the table through explicit indices to know what the choice should have been.
+    let mut entries = Vec::new();
+    for i in 0..=255u8 {
+        match env.ctx.gid(1, Some(i)) {
+            Ok(e) if e.gid != [0; 16] => entries.push(e),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    let mapped = |e: &GidEntry| e.gid[..10] == [0; 10] && e.gid[10..12] == [0xff, 0xff];
+    let best = entries
+        .iter()
+        .find(|e| e.kind == Some(GidKind::RoceV2) && mapped(e))
+        .or_else(|| entries.iter().find(|e| e.kind == Some(GidKind::RoceV2)));
+    match best {
+        Some(best) => check_eq!((chosen.index, chosen.kind), (best.index, best.kind)),
+        // InfiniBand (or a kernel without GID types): index 0 or the first IPv4-mapped entry.
+        None => check!(
+            chosen.index == 0 || entries.iter().any(|e| e.index == chosen.index && mapped(e)),
+            "chose GID {} of {entries:?}",
+            chosen.index
+        ),
+    }
+    Ok(())
 }
 
 fn inline_write(env: &Env) -> Result<(), Failed> {

@@ -7,7 +7,7 @@ use crate::dm::DeviceMemory;
 use crate::error::{Error, Result};
 use crate::pd::ProtectionDomain;
 use crate::soft::{self, SoftConfig, SoftDevice};
-use crate::types::{DeviceAttr, ProviderKind};
+use crate::types::{DeviceAttr, GidEntry, GidKind, ProviderKind};
 
 /// Environment variable choosing the provider: `soft`, `verbs` or `auto` (default).
 pub const PROVIDER_ENV: &str = "RDMAKIT_PROVIDER";
@@ -190,6 +190,28 @@ impl Context {
     /// Which provider runs this device.
     pub fn provider(&self) -> ProviderKind {
         self.inner.attr.provider
+    }
+
+    /// The GID table entry that connections on `port_num` use when [`ConnectOptions::gid_index`](crate::ConnectOptions::gid_index)
+    /// is `explicit` (`None`: chosen by type, RoCE v2 first; see its docs). On the soft NIC
+    /// this is its own address, of kind [`GidKind::Soft`].
+    ///
+    /// ```
+    /// let ctx = rdmakit_verbs::Context::open_soft();
+    /// let gid = ctx.gid(1, None)?;
+    /// assert_eq!(gid.kind, Some(rdmakit_verbs::GidKind::Soft));
+    /// # Ok::<(), rdmakit_verbs::Error>(())
+    /// ```
+    pub fn gid(&self, port_num: u8, explicit: Option<u8>) -> Result<GidEntry> {
+        match &self.inner.backend {
+            CtxBackend::Soft(dev) => {
+                // One port, one address: the soft NIC has no GID table to choose from.
+                let _ = (port_num, explicit);
+                Ok(GidEntry { index: 0, gid: dev.gid(), kind: Some(GidKind::Soft) })
+            }
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(ctx) => ctx.gid(port_num, explicit),
+        }
     }
 
     /// Allocates a protection domain (`ibv_alloc_pd`).

@@ -55,6 +55,34 @@ impl AccessFlags {
     }
 }
 
+/// The type of a GID table entry: which wire protocol a connection using it speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GidKind {
+    /// InfiniBand.
+    Ib,
+    /// RoCE v1 (Ethernet, layer 2).
+    RoceV1,
+    /// RoCE v2 (UDP/IP): what perftest, UCX and rdma_cm use by default on RoCE.
+    RoceV2,
+    /// The soft NIC's own addressing (its TCP wire).
+    Soft,
+    /// A type this version of rdmakit does not know (`ibv_gid_type` value).
+    Other(u32),
+}
+
+/// The GID table entry a connection uses (see [`Context::gid`](crate::Context::gid)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GidEntry {
+    /// Index in the port's GID table.
+    pub index: u8,
+    /// The GID.
+    pub gid: [u8; 16],
+    /// Its type, when the kernel reports it (`ibv_query_gid_ex`).
+    pub kind: Option<GidKind>,
+}
+
 /// Which implementation is behind a [`Context`](crate::Context).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProviderKind {
@@ -193,8 +221,10 @@ impl Default for QpCaps {
 pub struct ConnectOptions {
     /// Port number (1-based).
     pub port_num: u8,
-    /// GID index for RoCE. `None` picks an IPv4-mapped RoCE v2 GID if the port has one,
-    /// else index 0 (the `RDMAKIT_GID_INDEX` environment variable overrides `None`).
+    /// GID index for RoCE. `None` picks by type: the first RoCE v2 entry with an IPv4-mapped
+    /// address, else the first RoCE v2 entry, else the first IPv4-mapped one, else index 0
+    /// (the `RDMAKIT_GID_INDEX` environment variable overrides `None`).
+    /// [`Context::gid`](crate::Context::gid) tells which entry that is.
     pub gid_index: Option<u8>,
     /// Path MTU; `None` uses the port's active MTU.
     pub mtu: Option<Mtu>,

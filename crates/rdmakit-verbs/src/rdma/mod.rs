@@ -22,7 +22,9 @@ use rdmakit_sys as sys;
 use self::conv::{errno_ret, nonnull};
 use crate::error::{Error, Result, WcStatus};
 use crate::raw::{RawRecvWr, RawSendWr};
-use crate::types::{AccessFlags, ConnectOptions, DeviceAttr, Endpoint, ProviderKind, QpCaps, QpState};
+use crate::types::{
+    AccessFlags, ConnectOptions, DeviceAttr, Endpoint, GidEntry, GidKind, ProviderKind, QpCaps, QpState,
+};
 use crate::wc::{WcOpcode, WorkCompletion};
 
 /// `IBV_LINK_LAYER_ETHERNET`.
@@ -112,6 +114,93 @@ impl Drop for Device {
 }
 
 impl Device {
+    fn port(&self, port_num: u8) -> Result<sys::ibv_port_attr> {
+        let mut pa = MaybeUninit::<sys::ibv_port_attr>::zeroed();
+        // SAFETY: open context, valid out-struct (zeroed, so fields an older kernel does not
+        // fill read as 0).
+        errno_ret("ibv_query_port", unsafe {
+            sys::___ibv_query_port(self.ctx.as_ptr(), port_num, pa.as_mut_ptr())
+        })?;
+        // SAFETY: filled by a successful query.
+        Ok(unsafe { pa.assume_init() })
+    }
+
+    fn gid(&self, port_num: u8, index: u8) -> Result<[u8; 16]> {
+        let mut gid = MaybeUninit::<sys::ibv_gid>::zeroed();
+        // SAFETY: open context, valid out-pointer.
+        errno_ret("ibv_query_gid", unsafe {
+            sys::ibv_query_gid(self.ctx.as_ptr(), port_num, i32::from(index), gid.as_mut_ptr())
+        })?;
+        // SAFETY: filled by a successful query; `raw` covers the whole union.
+        Ok(unsafe { gid.assume_init().raw })
+    }
+
+    /// The GID table entry's type (`ibv_query_gid_ex`); `None` when the entry is empty or the
+    /// kernel cannot say.
+    fn gid_kind(&self, port_num: u8, index: u8) -> Option<GidKind> {
+        let mut entry = MaybeUninit::<sys::ibv_gid_entry>::zeroed();
+        // SAFETY: open context, valid out-pointer, flags 0.
+        let rc = unsafe {
+            sys::ibv_query_gid_ex(
+                self.ctx.as_ptr(),
+                u32::from(port_num),
+                u32::from(index),
+                entry.as_mut_ptr(),
+                0,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        // SAFETY: filled by a successful query.
+        let entry = unsafe { entry.assume_init() };
+        Some(match entry.gid_type {
+            sys::IBV_GID_TYPE_IB => GidKind::Ib,
+            sys::IBV_GID_TYPE_ROCE_V1 => GidKind::RoceV1,
+            sys::IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
+            other => GidKind::Other(other),
+        })
+    }
+
+    /// The GID a connection uses: `explicit`, then `RDMAKIT_GID_INDEX`, then on RoCE the first
+    /// RoCE v2 entry with an IPv4-mapped address, then the first RoCE v2 entry, then (kernels
+    /// that cannot report types) the first IPv4-mapped entry; on InfiniBand index 0. RoCE v2
+    /// is what perftest, UCX and rdma_cm users expect; on ConnectX the v1 and v2 entries of an
+    /// address alternate, so "the first IPv4-mapped entry" alone would pick v1.
+    fn choose_gid(&self, port_num: u8, explicit: Option<u8>, port: &sys::ibv_port_attr) -> GidChoice {
+        let pick = |index: u8| GidChoice { index, kind: self.gid_kind(port_num, index) };
+        if let Some(i) = explicit {
+            return pick(i);
+        }
+        if let Some(i) = std::env::var("RDMAKIT_GID_INDEX").ok().and_then(|v| v.parse().ok()) {
+            return pick(i);
+        }
+        if port.link_layer != LINK_LAYER_ETHERNET {
+            return pick(0);
+        }
+        let ipv4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+        let mut first_v2 = None;
+        let mut first_mapped = None;
+        for i in 0..port.gid_tbl_len.clamp(0, 255) as u8 {
+            let Ok(g) = self.gid(port_num, i) else { continue };
+            if g == [0; 16] {
+                continue;
+            }
+            let kind = self.gid_kind(port_num, i);
+            let mapped = ipv4_mapped(&g);
+            if kind == Some(GidKind::RoceV2) && mapped {
+                return GidChoice { index: i, kind };
+            }
+            if kind == Some(GidKind::RoceV2) && first_v2.is_none() {
+                first_v2 = Some(GidChoice { index: i, kind });
+            }
+            if mapped && first_mapped.is_none() {
+                first_mapped = Some(GidChoice { index: i, kind });
+            }
+        }
+        first_v2.or(first_mapped).unwrap_or_else(|| pick(0))
+    }
+
     /// Reads pending async events without blocking, recording CQ overruns.
     fn drain_async_events(&self) {
         loop {
@@ -135,6 +224,13 @@ impl Device {
             unsafe { sys::ibv_ack_async_event(ev.as_mut_ptr()) };
         }
     }
+}
+
+/// A GID table entry chosen for connections (see [`Device::choose_gid`]).
+#[derive(Clone, Copy, Debug)]
+struct GidChoice {
+    index: u8,
+    kind: Option<GidKind>,
 }
 
 /// An open verbs device.
@@ -171,6 +267,13 @@ impl Context {
 
     pub fn query(&self) -> Result<DeviceAttr> {
         query_device(&self.dev)
+    }
+
+    /// The GID entry a connection on `port_num` uses (see `Device::choose_gid`).
+    pub fn gid(&self, port_num: u8, explicit: Option<u8>) -> Result<GidEntry> {
+        let port = self.dev.port(port_num)?;
+        let choice = self.dev.choose_gid(port_num, explicit, &port);
+        Ok(GidEntry { index: choice.index, gid: self.dev.gid(port_num, choice.index)?, kind: choice.kind })
     }
 
     pub fn alloc_pd(&self) -> Result<Pd> {
@@ -516,10 +619,16 @@ impl Cq {
 impl Drop for Cq {
     fn drop(&mut self) {
         self.take_events();
+        // Acknowledge any async event still naming this CQ (destroy would wait for it).
+        self.dev.drain_async_events();
         // SAFETY: created by ibv_create_cq; QPs using it hold the public CQ, so none is
         // left; all events are acknowledged (destroy would wait for them otherwise).
         if unsafe { sys::ibv_destroy_cq(self.cq.as_ptr()) } != 0 {
             tracing::error!("ibv_destroy_cq failed");
+        } else {
+            // The overrun flag is keyed by address: it must not outlive the CQ, or a new CQ
+            // allocated at the same address would report an overrun it never had.
+            self.dev.overrun.lock().expect("overrun set").remove(&(self.cq.as_ptr() as usize));
         }
         // SAFETY: its only CQ is destroyed.
         unsafe { sys::ibv_destroy_comp_channel(self.channel.as_ptr()) };
@@ -623,44 +732,15 @@ impl Qp {
     }
 
     fn port(&self, port_num: u8) -> Result<sys::ibv_port_attr> {
-        let mut pa = MaybeUninit::<sys::ibv_port_attr>::zeroed();
-        // SAFETY: open context, valid out-struct (zeroed: rdma-sys's path does not clear it).
-        errno_ret("ibv_query_port", unsafe {
-            sys::___ibv_query_port(self.dev().ctx.as_ptr(), port_num, pa.as_mut_ptr())
-        })?;
-        // SAFETY: filled by a successful query.
-        Ok(unsafe { pa.assume_init() })
+        self.dev().port(port_num)
     }
 
     fn gid(&self, port_num: u8, index: u8) -> Result<[u8; 16]> {
-        let mut gid = MaybeUninit::<sys::ibv_gid>::zeroed();
-        // SAFETY: open context, valid out-pointer.
-        errno_ret("ibv_query_gid", unsafe {
-            sys::ibv_query_gid(self.dev().ctx.as_ptr(), port_num, i32::from(index), gid.as_mut_ptr())
-        })?;
-        // SAFETY: filled by a successful query; `raw` covers the whole union.
-        Ok(unsafe { gid.assume_init().raw })
+        self.dev().gid(port_num, index)
     }
 
-    /// The GID index to use: explicit, then `RDMAKIT_GID_INDEX`, then on RoCE the first
-    /// IPv4-mapped GID (RoCE v2 on rxe), else 0.
     fn gid_index(&self, opts: &ConnectOptions, port: &sys::ibv_port_attr) -> u8 {
-        if let Some(i) = opts.gid_index {
-            return i;
-        }
-        if let Some(i) = std::env::var("RDMAKIT_GID_INDEX").ok().and_then(|v| v.parse().ok()) {
-            return i;
-        }
-        if port.link_layer == LINK_LAYER_ETHERNET {
-            for i in 0..port.gid_tbl_len.clamp(0, 255) as u8 {
-                if let Ok(g) = self.gid(opts.port_num, i) {
-                    if g[..10] == [0; 10] && g[10..12] == [0xff, 0xff] {
-                        return i;
-                    }
-                }
-            }
-        }
-        0
+        self.dev().choose_gid(opts.port_num, opts.gid_index, port).index
     }
 
     pub fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint> {
