@@ -82,6 +82,17 @@ libclang_tier() {
     LIBCLANG_PATH=$dir RDMAKIT_SYS_VERBS=require cargo test -q -p rdmakit-sys --target-dir target/libclang-newest
 }
 
+msrv_check() {
+    # Cargo.toml's rust-version is what the checks below build with: rust-toolchain.toml's pin.
+    local msrv pin
+    msrv=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+    pin=$(sed -n 's/^channel = "\(.*\)"/\1/p' rust-toolchain.toml)
+    echo "rust-version $msrv, toolchain $pin, rustc $(rustc --version)"
+    case "$pin" in "$msrv" | "$msrv".*) return 0 ;; esac
+    warn "Cargo.toml says rust-version $msrv but CI builds with $pin: the claim is untested"
+    return 1
+}
+
 passed=0
 failed=0
 skipped=0
@@ -167,6 +178,7 @@ test)
     export RDMAKIT_SYS_VERBS=require
     if [ -z "${LIBCLANG_PATH:-}" ] && dir=$(default_libclang_dir); then export LIBCLANG_PATH=$dir; fi
     say "bindings: $(cargo build -vv -p rdmakit-sys 2>&1 | grep -o 'libclang .*' | head -n 1 || true)"
+    step "rust-version is the toolchain CI tests with" msrv_check
     step "cargo fmt --check" cargo fmt --all -- --check
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace

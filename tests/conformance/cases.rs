@@ -44,6 +44,7 @@ pub const ALL: &[Case] = &[
     case("cq_overrun_is_reported", cq_overrun),
     case("cq_overrun_flag_dies_with_its_cq", cq_overrun_flag_dies_with_its_cq),
     case("default_gid_is_chosen_by_type", default_gid_is_chosen_by_type),
+    case("connect_options_path_fields", connect_options_path_fields),
     case("inline_write", inline_write),
     case("batch_post_keeps_order", batch_post_order),
     case("async_completion_wait", async_wait),
@@ -569,6 +570,41 @@ fn default_gid_is_chosen_by_type(env: &Env) -> Result<(), Failed> {
     Ok(())
 }
 
+/// Service level, traffic class, flow label, hop limit and P_Key index reach the QP (a write
+/// still lands with them set), and values the headers cannot carry are refused up front.
+fn connect_options_path_fields(env: &Env) -> Result<(), Failed> {
+    let opts = ConnectOptions {
+        service_level: Some(1),
+        traffic_class: Some(32),
+        flow_label: Some(0x1_2345),
+        hop_limit: Some(8),
+        pkey_index: Some(0),
+        ..env.opts()
+    };
+    let p = env.pair_with(QpCaps::default(), 16, opts)?;
+    let src = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
+    let dst = p.pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
+    src.write_u64(0, 0x5eed)?;
+    p.a.post_send(SendWr::write(src.local()?, dst.remote().slice(0, 8)?).wr_id(1))?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 1);
+    check_eq!(dst.read_u64(0)?, 0x5eed);
+    for bad in [
+        ConnectOptions { service_level: Some(16), ..env.opts() },
+        ConnectOptions { flow_label: Some(1 << 20), ..env.opts() },
+    ] {
+        let pd = env.ctx.alloc_pd()?;
+        let cq = env.ctx.create_cq(4)?;
+        let qp = pd.create_qp(&cq, &cq, QpCaps::default())?;
+        let peer = qp.endpoint_with(&env.opts())?;
+        match qp.connect(&peer, &bad) {
+            Err(Error::InvalidArgument(_)) => {}
+            other => return Err(format!("{bad:?}: {other:?} instead of InvalidArgument").into()),
+        }
+        check_eq!(qp.state(), QpState::Reset);
+    }
+    Ok(())
+}
+
 fn inline_write(env: &Env) -> Result<(), Failed> {
     let p = env.pair()?;
     let dst = p.pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
@@ -730,7 +766,13 @@ fn cm_round_trip(env: &Env) -> Result<(), Failed> {
             Ok(request_data)
         }
     });
-    let conn = cm::connect(&pd, addr, &opts, b"client-hello")?;
+    // The active side sets a traffic class (rdma_cm's TOS option and the QP's GRH) and a hop
+    // limit: the connection and its write must work with them.
+    let client_opts = cm::CmOptions {
+        connect: ConnectOptions { traffic_class: Some(32), hop_limit: Some(16), ..env.opts() },
+        ..opts.clone()
+    };
+    let conn = cm::connect(&pd, addr, &client_opts, b"client-hello")?;
     let region = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN])?;
     check_eq!(region, target.remote());
     let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;

@@ -289,7 +289,7 @@ pub fn connect(
         CtxBackend::Soft(_) => soft_connect(pd, addr, opts, private_data),
         #[cfg(rdmakit_verbs)]
         CtxBackend::Verbs(_) => {
-            let conn = crate::rdma::cm::CmConnector::resolve(addr, opts.timeout)?;
+            let conn = crate::rdma::cm::CmConnector::resolve(addr, opts.timeout, opts.connect.traffic_class)?;
             if conn.device_name() != pd.context().name() {
                 return Err(Error::InvalidArgument(format!(
                     "{addr} is reached through device {}, but the PD is on {}",

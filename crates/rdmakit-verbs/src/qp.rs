@@ -204,6 +204,7 @@ impl QueuePair {
     /// the peer starts sending. [`connect`](Self::connect) does it when needed.
     #[doc(alias = "ibv_modify_qp")]
     pub fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
+        opts.validate()?;
         match &self.inner.backend {
             QpBackend::Soft(q) => q.modify_to_init(opts.access),
             #[cfg(rdmakit_verbs)]

@@ -240,6 +240,33 @@ pub struct ConnectOptions {
     pub min_rnr_timer: u8,
     /// Outstanding RDMA reads/atomics as initiator; clipped to the device limit.
     pub max_rd_atomic: u8,
+    /// Service level, 0–15 (InfiniBand SL; on RoCE the priority it maps to). `None`: 0 on a
+    /// hand-built connection, the route's on rdma_cm.
+    pub service_level: Option<u8>,
+    /// Traffic class of the GRH (the IP DSCP/ECN byte on RoCE v2). `None`: 0, or on rdma_cm
+    /// the route's (rdma_cm also sends its own packets with the TOS set here).
+    pub traffic_class: Option<u8>,
+    /// Flow label of the GRH, 20 bits. `None`: 0 / the route's.
+    pub flow_label: Option<u32>,
+    /// Hop limit (IP TTL) of the GRH. `None`: 64 / the route's.
+    pub hop_limit: Option<u8>,
+    /// P_Key table index. `None`: 0 / the CM's.
+    pub pkey_index: Option<u16>,
+}
+
+impl ConnectOptions {
+    /// Checks the ranges the wire formats impose (SL 4 bits, flow label 20 bits), so a bad
+    /// value is an error here and not a silently truncated header.
+    pub fn validate(&self) -> crate::Result<()> {
+        self.access.validate()?;
+        if let Some(sl) = self.service_level.filter(|&sl| sl > 15) {
+            return Err(crate::Error::InvalidArgument(format!("service_level {sl}: must be 0-15")));
+        }
+        if let Some(fl) = self.flow_label.filter(|&fl| fl >= 1 << 20) {
+            return Err(crate::Error::InvalidArgument(format!("flow_label {fl:#x}: must fit in 20 bits")));
+        }
+        Ok(())
+    }
 }
 
 impl Default for ConnectOptions {
@@ -254,6 +281,11 @@ impl Default for ConnectOptions {
             rnr_retry: 7,
             min_rnr_timer: 12,
             max_rd_atomic: 16,
+            service_level: None,
+            traffic_class: None,
+            flow_label: None,
+            hop_limit: None,
+            pkey_index: None,
         }
     }
 }

@@ -478,10 +478,14 @@ impl CmId {
 
     /// RESET (or INIT) -> INIT, with the caller's access flags.
     fn qp_to_init(&self, qp: &Qp, opts: &ConnectOptions) -> Result<()> {
-        opts.access.validate()?;
+        opts.validate()?;
         let (mut attr, mut mask) = self.qp_attr(sys::ibv_qp_state::IBV_QPS_INIT)?;
         attr.qp_access_flags = (opts.access & !AccessFlags::ZERO_BASED).bits();
         mask |= sys::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+        if let Some(pkey_index) = opts.pkey_index {
+            attr.pkey_index = pkey_index;
+            mask |= sys::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0;
+        }
         qp.modify(&mut attr, mask, "RESET -> INIT (rdma_cm)")
     }
 
@@ -505,6 +509,8 @@ impl CmId {
         }
         attr.min_rnr_timer = opts.min_rnr_timer;
         mask |= m::IBV_QP_MIN_RNR_TIMER.0;
+        // The route's SL, traffic class, flow label and hop limit, unless the caller set them.
+        mask |= super::conv::apply_path_options(&mut attr, opts);
         qp.modify(&mut attr, mask, "INIT -> RTR (rdma_cm)")
     }
 
@@ -733,10 +739,24 @@ pub(crate) struct CmConnector {
 }
 
 impl CmConnector {
-    /// `rdma_resolve_addr` + `rdma_resolve_route`, both within `timeout`.
-    pub fn resolve(addr: SocketAddr, timeout: Duration) -> Result<CmConnector> {
+    /// `rdma_resolve_addr` + `rdma_resolve_route`, both within `timeout`. `tos`, when given,
+    /// is set on the id first (`RDMA_OPTION_ID_TOS`), so the route and rdma_cm's own packets
+    /// carry that traffic class.
+    pub fn resolve(addr: SocketAddr, timeout: Duration, tos: Option<u8>) -> Result<CmConnector> {
         let deadline = Deadline::new(Some(timeout));
         let cm = CmId::create()?;
+        if let Some(mut tos) = tos {
+            // SAFETY: live id; the option value is a u8 of the size passed, read during the call.
+            cm_ret("rdma_set_option(TOS)", unsafe {
+                sys::rdma_set_option(
+                    cm.ptr(),
+                    sys::RDMA_OPTION_ID as i32,
+                    sys::RDMA_OPTION_ID_TOS as i32,
+                    ptr::addr_of_mut!(tos).cast(),
+                    std::mem::size_of::<u8>(),
+                )
+            })?;
+        }
         let mut dst = to_sockaddr(addr);
         // SAFETY: live id; `dst` is a valid socket address; no source address.
         cm_ret("rdma_resolve_addr", unsafe {
@@ -969,7 +989,7 @@ mod tests {
         let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let e = CmListener::bind(addr, 1).err().expect("bind must fail without RDMA");
         assert!(matches!(e, Error::NoDevice { .. }), "{e}");
-        let e = CmConnector::resolve(addr, Duration::from_secs(1)).err().expect("resolve must fail");
+        let e = CmConnector::resolve(addr, Duration::from_secs(1), None).err().expect("resolve must fail");
         assert!(matches!(e, Error::NoDevice { .. }), "{e}");
     }
 
@@ -1016,7 +1036,7 @@ mod tests {
             drop(buf);
         });
 
-        let connector = CmConnector::resolve(addr, T).expect("resolve");
+        let connector = CmConnector::resolve(addr, T, None).expect("resolve");
         assert_eq!(connector.device_name(), dev);
         let c = side(&connector.device_name());
         let mut src = PAYLOAD.to_vec();
@@ -1069,7 +1089,7 @@ mod tests {
             req.reject(b"go away").expect("reject");
         });
         for attempt in 0..2 {
-            let connector = CmConnector::resolve(addr, T).expect("resolve");
+            let connector = CmConnector::resolve(addr, T, None).expect("resolve");
             let c = side(&connector.device_name());
             let start = Instant::now();
             let e = connector.connect(&c.qp, &ConnectOptions::default(), b"hi", T).err().expect("rejected");
@@ -1114,7 +1134,7 @@ mod tests {
             conn.disconnect().expect("disconnect");
             assert!(conn.wait_disconnected(T).unwrap(), "acceptor sees its own disconnect complete");
         });
-        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T).expect("resolve");
+        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T, None).expect("resolve");
         let c = side(&connector.device_name());
         let (conn, reply) = connector.connect(&c.qp, &ConnectOptions::default(), b"", T).expect("connect");
         assert_eq!(&reply[..3], b"srv");
@@ -1136,7 +1156,7 @@ mod tests {
             let l = CmListener::bind(SocketAddr::new(ip, 0), 1).expect("bind");
             l.local_addr().unwrap().port()
         };
-        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T).expect("resolve");
+        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T, None).expect("resolve");
         let c = side(&connector.device_name());
         let start = Instant::now();
         let e =
@@ -1161,7 +1181,7 @@ mod tests {
             return;
         }
         let start = Instant::now();
-        let e = CmConnector::resolve("192.0.2.1:7471".parse().unwrap(), Duration::from_secs(3))
+        let e = CmConnector::resolve("192.0.2.1:7471".parse().unwrap(), Duration::from_secs(3), None)
             .err()
             .expect("TEST-NET-1 is not routable in the VM");
         let took = start.elapsed();
@@ -1173,7 +1193,7 @@ mod tests {
     #[test]
     fn oversize_private_data_is_invalid() {
         let Some(ip) = rxe_ip() else { return };
-        let connector = CmConnector::resolve(SocketAddr::new(ip, 9), T).expect("resolve");
+        let connector = CmConnector::resolve(SocketAddr::new(ip, 9), T, None).expect("resolve");
         let c = side(&connector.device_name());
         let e = connector.connect(&c.qp, &ConnectOptions::default(), &[1; 57], T).err().expect("too long");
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");

@@ -6,7 +6,7 @@ use rdmakit_sys as sys;
 
 use crate::error::{Error, Result};
 use crate::raw::{RawOp, RawSendWr};
-use crate::types::QpState;
+use crate::types::{ConnectOptions, QpState};
 
 /// NULL + errno (`ibv_reg_mr`, `ibv_create_qp`, ...).
 pub(super) fn nonnull<T>(call: &'static str, p: *mut T) -> Result<NonNull<T>> {
@@ -115,4 +115,32 @@ pub(super) fn fill_send_wr(wr: &mut sys::ibv_send_wr, sge: &mut sys::ibv_sge, ra
             wr.wr.atomic.swap = swap;
         }
     }
+}
+
+/// Applies the path options of `opts` (service level, GRH traffic class, flow label and hop
+/// limit, P_Key index) to `attr`, the one place both the hand-built connection and the
+/// rdma_cm path set them. `None` leaves what `attr` has: the hand-built path's defaults or
+/// the values `rdma_init_qp_attr` took from the route. Returns the mask bits it touched.
+pub(crate) fn apply_path_options(attr: &mut sys::ibv_qp_attr, opts: &ConnectOptions) -> u32 {
+    use sys::ibv_qp_attr_mask as m;
+    let mut mask = 0;
+    if let Some(sl) = opts.service_level {
+        attr.ah_attr.sl = sl;
+        mask |= m::IBV_QP_AV.0;
+    }
+    if attr.ah_attr.is_global != 0 {
+        if let Some(tc) = opts.traffic_class {
+            attr.ah_attr.grh.traffic_class = tc;
+            mask |= m::IBV_QP_AV.0;
+        }
+        if let Some(fl) = opts.flow_label {
+            attr.ah_attr.grh.flow_label = fl;
+            mask |= m::IBV_QP_AV.0;
+        }
+        if let Some(hl) = opts.hop_limit {
+            attr.ah_attr.grh.hop_limit = hl;
+            mask |= m::IBV_QP_AV.0;
+        }
+    }
+    mask
 }

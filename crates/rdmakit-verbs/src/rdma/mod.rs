@@ -768,12 +768,12 @@ impl Qp {
     }
 
     pub fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
-        opts.access.validate()?;
+        opts.validate()?;
         use sys::ibv_qp_attr_mask as m;
         // SAFETY: all-zero is a valid attribute struct.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
-        attr.pkey_index = 0;
+        attr.pkey_index = opts.pkey_index.unwrap_or(0);
         attr.port_num = opts.port_num;
         attr.qp_access_flags = (opts.access & !AccessFlags::ZERO_BASED).bits();
         let mask = m::IBV_QP_STATE.0 | m::IBV_QP_PKEY_INDEX.0 | m::IBV_QP_PORT.0 | m::IBV_QP_ACCESS_FLAGS.0;
@@ -805,6 +805,8 @@ impl Qp {
             attr.ah_attr.grh.sgid_index = self.gid_index(opts, &port);
             attr.ah_attr.grh.hop_limit = 64;
         }
+        // Service level and GRH fields the caller chose (the same helper as the CM path).
+        conv::apply_path_options(&mut attr, opts);
         let mask = m::IBV_QP_STATE.0
             | m::IBV_QP_AV.0
             | m::IBV_QP_PATH_MTU.0
