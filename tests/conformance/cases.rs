@@ -770,7 +770,7 @@ fn cm_round_trip(env: &Env) -> Result<(), Failed> {
     // limit: the connection and its write must work with them.
     let client_opts = cm::CmOptions {
         connect: ConnectOptions { traffic_class: Some(32), hop_limit: Some(16), ..env.opts() },
-        ..opts.clone()
+        ..opts
     };
     let conn = cm::connect(&pd, addr, &client_opts, b"client-hello")?;
     let region = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN])?;

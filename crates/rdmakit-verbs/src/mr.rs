@@ -136,7 +136,6 @@ pub(crate) enum MrBackend {
     VerbsMkey(crate::rdma::mlx5dv::Mkey),
     /// An mlx5 mkey alias of another vHCA's key (`crate::mlx5`), destroyed when dropped.
     #[cfg(rdmakit_verbs)]
-    #[allow(dead_code)] // held only for its Drop, which destroys the alias object
     VerbsAlias(crate::rdma::mlx5dv::Alias),
 }
 
@@ -153,6 +152,22 @@ pub(crate) struct MrInner {
     pub(crate) rkey: u32,
 }
 
+impl MrInner {
+    /// Keeps this region's memory alive for the rest of the process: a key whose
+    /// deregistration or destruction failed may still let the NIC, or a peer, reach it.
+    #[cfg(rdmakit_verbs)]
+    fn leak_memory(&self, what: &str) {
+        tracing::error!(lkey = self.lkey, "{what} failed; leaking the memory the key reaches");
+        match &self.mem {
+            MrMemory::Host(b) => std::mem::forget(b.clone()),
+            MrMemory::Device { dm, .. } => std::mem::forget(dm.clone()),
+            MrMemory::DmaBuf => {}
+            // The regions an indirect key maps stay registered, and their memory allocated.
+            MrMemory::Mkey(m) => std::mem::forget(m.clone()),
+        }
+    }
+}
+
 impl Drop for MrInner {
     fn drop(&mut self) {
         match &self.backend {
@@ -162,19 +177,21 @@ impl Drop for MrInner {
             #[cfg(rdmakit_verbs)]
             MrBackend::Verbs(mr) => {
                 if !mr.deregister() {
-                    // The NIC may still write this memory: never free it.
-                    tracing::error!(lkey = self.lkey, "ibv_dereg_mr failed; leaking the region's memory");
-                    match &self.mem {
-                        MrMemory::Host(b) => std::mem::forget(b.clone()),
-                        MrMemory::Device { dm, .. } => std::mem::forget(dm.clone()),
-                        MrMemory::DmaBuf => {}
-                        MrMemory::Mkey(m) => std::mem::forget(m.clone()),
-                    }
+                    self.leak_memory("ibv_dereg_mr");
                 }
             }
-            // Destroyed by its own Drop, after which the regions it mapped may go.
             #[cfg(rdmakit_verbs)]
-            MrBackend::VerbsMkey(_) | MrBackend::VerbsAlias(_) => {}
+            MrBackend::VerbsMkey(mkey) => {
+                if !mkey.destroy() {
+                    self.leak_memory("mlx5dv_destroy_mkey");
+                }
+            }
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsAlias(alias) => {
+                if !alias.destroy() {
+                    self.leak_memory("mlx5dv_devx_obj_destroy (mkey alias)");
+                }
+            }
         }
     }
 }

@@ -10,13 +10,19 @@
 //! bindgen output carries compile-time size and offset checks of every struct used here
 //! (`mlx5dv_mkey_init_attr`, `mlx5dv_mkey`, `mlx5dv_qp_init_attr`, `ibv_qp_init_attr_ex`,
 //! `ibv_qp_ex`); the call sequence follows the man pages `mlx5dv_create_mkey(3)`,
-//! `mlx5dv_wr_post(3)` (`mlx5dv_wr_mr_list`) and `ibv_wr_post(3)`. The DEVX parts of the
-//! design (KSM mkeys created by firmware command, `ALLOW_OTHER_VHCA_ACCESS`, mkey alias
-//! objects, `QUERY_HCA_CAP` for the vHCA id) need PRM command layouts that are not in the
-//! installed headers; they are not implemented and report `Unsupported`.
+//! `mlx5dv_wr_post(3)` (`mlx5dv_wr_mr_list`) and `ibv_wr_post(3)`.
+//!
+//! DEVX (firmware commands through `mlx5dv_devx_general_cmd` / `mlx5dv_devx_obj_create`):
+//! `QUERY_HCA_CAP` for the vHCA id, `ALLOW_OTHER_VHCA_ACCESS`, and mkey alias objects
+//! (`CREATE_GENERAL_OBJECT` of type MKEY). Their PRM layouts are not in rdma-core's headers;
+//! they are written by hand below from the kernel's `include/linux/mlx5/mlx5_ifc.h`, and,
+//! like the rest of this file, have never run on an mlx5 device. A key or alias whose
+//! destruction fails is never released: the regions it maps stay registered and allocated
+//! (see `MrInner::leak_memory`).
 
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdmakit_sys as sys;
@@ -45,6 +51,8 @@ fn supported(dev: &Device) -> Result<()> {
 /// An indirect mkey (`mlx5dv_create_mkey` with `MLX5DV_MKEY_INIT_ATTR_FLAGS_INDIRECT`).
 pub(crate) struct Mkey {
     mkey: NonNull<dv::mlx5dv_mkey>,
+    /// Set once `mlx5dv_destroy_mkey` succeeded.
+    destroyed: AtomicBool,
     _pd: Arc<PdShared>,
 }
 
@@ -64,7 +72,7 @@ impl Mkey {
         };
         // SAFETY: a valid PD; `attr` is initialised and read during the call only.
         let mkey = nonnull("mlx5dv_create_mkey", unsafe { dv::mlx5dv_create_mkey(&mut attr) })?;
-        Ok(Mkey { mkey, _pd: pd.clone() })
+        Ok(Mkey { mkey, destroyed: AtomicBool::new(false), _pd: pd.clone() })
     }
 
     pub fn lkey(&self) -> u32 {
@@ -73,10 +81,25 @@ impl Mkey {
     }
 }
 
+impl Mkey {
+    /// Destroys the key; false if the library refused, in which case the key may still be
+    /// live in the NIC and the caller must keep every region it maps alive (leak them).
+    pub fn destroy(&self) -> bool {
+        if self.destroyed.load(Ordering::Acquire) {
+            return true;
+        }
+        // SAFETY: created by mlx5dv_create_mkey; `destroyed` makes a second call a no-op, and
+        // only the owning region's Drop (one thread) calls this.
+        let ok = unsafe { dv::mlx5dv_destroy_mkey(self.mkey.as_ptr()) } == 0;
+        self.destroyed.store(ok, Ordering::Release);
+        ok
+    }
+}
+
 impl Drop for Mkey {
     fn drop(&mut self) {
-        // SAFETY: created by mlx5dv_create_mkey, destroyed once.
-        if unsafe { dv::mlx5dv_destroy_mkey(self.mkey.as_ptr()) } != 0 {
+        // A failure was reported (and the memory leaked) by whoever called destroy first.
+        if !self.destroy() {
             tracing::error!(lkey = self.lkey(), "mlx5dv_destroy_mkey failed");
         }
     }
@@ -332,6 +355,8 @@ impl Mkey {
 pub(crate) struct Alias {
     obj: NonNull<dv::mlx5dv_devx_obj>,
     key: u32,
+    /// Set once `mlx5dv_devx_obj_destroy` succeeded.
+    destroyed: AtomicBool,
     _pd: Arc<PdShared>,
 }
 
@@ -348,10 +373,24 @@ impl Alias {
     }
 }
 
+impl Alias {
+    /// Destroys the alias object; false if the firmware refused (the alias may still
+    /// reach the host's memory, so the caller leaks what it holds).
+    pub fn destroy(&self) -> bool {
+        if self.destroyed.load(Ordering::Acquire) {
+            return true;
+        }
+        // SAFETY: created by mlx5dv_devx_obj_create; `destroyed` makes a second call a no-op,
+        // and only the owning region's Drop (one thread) calls this.
+        let ok = unsafe { dv::mlx5dv_devx_obj_destroy(self.obj.as_ptr()) } == 0;
+        self.destroyed.store(ok, Ordering::Release);
+        ok
+    }
+}
+
 impl Drop for Alias {
     fn drop(&mut self) {
-        // SAFETY: created by mlx5dv_devx_obj_create, destroyed once.
-        if unsafe { dv::mlx5dv_devx_obj_destroy(self.obj.as_ptr()) } != 0 {
+        if !self.destroy() {
             tracing::error!(key = self.key, "mlx5dv_devx_obj_destroy (mkey alias) failed");
         }
     }
@@ -392,7 +431,7 @@ impl super::Pd {
             )));
         };
         let obj_id = be32(&out, 8);
-        Ok(Alias { obj, key: obj_id << 8, _pd: self.inner.clone() })
+        Ok(Alias { obj, key: obj_id << 8, destroyed: AtomicBool::new(false), _pd: self.inner.clone() })
     }
 }
 
