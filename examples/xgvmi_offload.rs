@@ -3,7 +3,7 @@
 //! the DPU's cache.
 //!
 //! Per iteration the host takes a temporary buffer from a registration cache, fills it,
-//! exports it (a UMR bind of a pooled key) and sends the 66-byte packed key to the DPU; the
+//! exports it (a UMR bind of a pooled key) and sends the 74-byte packed key to the DPU; the
 //! DPU imports it (an alias-cache hit after the first time) and RDMA-writes the host's bytes
 //! to the remote peer; the host then releases the export (LOCAL_INV, key back to the pool).
 //!

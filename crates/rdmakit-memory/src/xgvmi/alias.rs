@@ -28,6 +28,9 @@ pub struct AliasStats {
     pub stale: u64,
     /// Imports of plain (non-pool) keys: an alias created for that import alone.
     pub uncached: u64,
+    /// Imports refused because a newer export of the same key had been imported: the host
+    /// had re-bound the key to another buffer since.
+    pub refused_stale: u64,
     /// Aliases in the cache now.
     pub cached: u64,
 }
@@ -44,7 +47,16 @@ pub struct ImportedAlias<A> {
 
 struct Entry<A> {
     uuid: u64,
+    /// The newest export generation imported for this key incarnation.
+    latest_gen: u64,
     alias: Arc<A>,
+}
+
+fn stale_export(key: &PackedKey, latest: u64) -> Error {
+    Error::PermissionDenied(format!(
+        "stale export of key {:#x} (vHCA {}): generation {} was re-bound since (newest seen: {latest})",
+        key.mkey, key.vhca_id, key.export_gen
+    ))
 }
 
 /// The map and its counters, under one lock.
@@ -92,8 +104,13 @@ impl<O: AliasOps> AliasCache<O> {
         let stale = {
             let mut g = self.lock();
             let (map, stats) = &mut *g;
-            match map.get(&mk) {
+            match map.get_mut(&mk) {
                 Some(e) if e.uuid == key.uuid => {
+                    if key.export_gen < e.latest_gen {
+                        stats.refused_stale += 1;
+                        return Err(stale_export(key, e.latest_gen));
+                    }
+                    e.latest_gen = key.export_gen;
                     stats.hits += 1;
                     return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
                 }
@@ -109,17 +126,46 @@ impl<O: AliasOps> AliasCache<O> {
         let alias = Arc::new(self.ops.create_alias(key)?);
         let mut g = self.lock();
         let (map, stats) = &mut *g;
+        // A concurrent import of the same incarnation may have won the race: keep one.
+        let entry = map.entry(mk).or_insert_with(|| Entry {
+            uuid: key.uuid,
+            latest_gen: key.export_gen,
+            alias: alias.clone(),
+        });
+        if entry.uuid != key.uuid {
+            *entry = Entry { uuid: key.uuid, latest_gen: key.export_gen, alias: alias.clone() };
+        } else if key.export_gen < entry.latest_gen {
+            stats.refused_stale += 1;
+            return Err(stale_export(key, entry.latest_gen));
+        }
+        entry.latest_gen = key.export_gen;
         if was_stale {
             stats.stale += 1;
         } else {
             stats.misses += 1;
         }
-        // A concurrent import of the same incarnation may have won the race: keep one.
-        let entry = map.entry(mk).or_insert_with(|| Entry { uuid: key.uuid, alias: alias.clone() });
-        if entry.uuid != key.uuid {
-            *entry = Entry { uuid: key.uuid, alias: alias.clone() };
-        }
         Ok(ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false })
+    }
+
+    /// Whether `imported` is still the newest export of its key that this cache has seen:
+    /// an error once a newer export of the same pool key was imported (the host re-bound
+    /// the key to another buffer, and this alias now reaches that one), or the key's entry
+    /// was evicted or replaced. A DPU holding an import across calls checks it before each
+    /// use; it costs a hash lookup. Plain keys are never re-bound: always current.
+    pub fn check_current(&self, imported: &ImportedAlias<O::Alias>) -> Result<()> {
+        let key = &imported.key;
+        if !key.pooled {
+            return Ok(());
+        }
+        let g = self.lock();
+        match g.0.get(&key.map_key()) {
+            Some(e) if e.uuid == key.uuid && e.latest_gen == key.export_gen => Ok(()),
+            Some(e) if e.uuid == key.uuid => Err(stale_export(key, e.latest_gen)),
+            _ => Err(Error::PermissionDenied(format!(
+                "export of key {:#x} (vHCA {}) is no longer cached: the key was re-created or evicted",
+                key.mkey, key.vhca_id
+            ))),
+        }
     }
 
     /// Drops the cached alias of `(vhca_id, mkey)`, if any (when the host says the key is

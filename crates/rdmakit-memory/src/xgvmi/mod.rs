@@ -12,7 +12,8 @@
 //! So, as UCX's UMR mkey pool does:
 //! - the **host** keeps a LIFO [`UmrMkeyPool`] of indirect mkeys, each created and opened to
 //!   other vHCAs once. [`UmrMkeyPool::export`] takes the key at the head, binds it to the
-//!   region with a UMR work request, and returns a [`PackedKey`] `{mkey, vhca_id, uuid}`;
+//!   region with a UMR work request, and returns a [`PackedKey`] `{mkey, vhca_id, uuid,
+//!   export_gen}`;
 //!   releasing the export invalidates the key (`LOCAL_INV`) and puts it back at the head.
 //!   Keys are created lazily (or pre-created up to a configured count) and never beyond
 //!   what is in use at once. A region UMR cannot serve (over 2 GiB on mlx5) gets a plain
@@ -22,7 +23,11 @@
 //!   export of a key serves every later one: a hit costs a hash lookup. The `uuid` names the
 //!   incarnation of the host key; a different uuid under the same map key means the host
 //!   key was destroyed and its number reused, so the cached alias is stale and is destroyed
-//!   and re-created. Only pool keys are cached.
+//!   and re-created. Only pool keys are cached. The `export_gen` is fresh at every bind: once
+//!   the DPU has imported a newer export of a key, an older one (whose buffer the host has
+//!   taken back, and which the shared alias no longer reaches) is refused, and an import held
+//!   across the re-bind fails [`AliasCache::check_current`] instead of writing into the next
+//!   export's buffer.
 //! - a [`RegistrationCache`] lets short-lived buffers reuse registrations, the case where
 //!   the pool pays off (a buffer per iteration, exported each time).
 //!

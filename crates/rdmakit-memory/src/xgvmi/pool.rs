@@ -92,6 +92,8 @@ struct Inner<O: HostKeyOps> {
     state: Mutex<State<O::Key>>,
     uuid_base: u64,
     next_uuid: AtomicU64,
+    /// Export generations: increasing, one per bind (see `PackedKey::export_gen`).
+    next_gen: AtomicU64,
 }
 
 /// A LIFO pool of UMR mkeys opened to other vHCAs (the host side of cross-GVMI).
@@ -122,6 +124,7 @@ impl<O: HostKeyOps> UmrMkeyPool<O> {
             state: Mutex::new(State { free: Vec::new(), live: 0, stats: PoolStats::default() }),
             uuid_base,
             next_uuid: AtomicU64::new(1),
+            next_gen: AtomicU64::new(1),
         });
         let pool = UmrMkeyPool { inner };
         for _ in 0..pool.inner.config.precreate.min(pool.inner.config.max_keys) {
@@ -225,11 +228,14 @@ impl<O: HostKeyOps> UmrMkeyPool<O> {
         Ok(Export { pool: self.clone(), key: Some(pk), pooled: false, region: region.clone(), packed })
     }
 
+    /// The packed form of a key just bound (or made) for one export: with a fresh export
+    /// generation, so an older export of the same key is recognisably stale.
     fn packed(&self, pk: &PoolKey<O::Key>, len: u64, pooled: bool) -> PackedKey {
         PackedKey {
             mkey: O::mkey(&pk.key),
             vhca_id: self.inner.ops.vhca_id(),
             uuid: pk.uuid,
+            export_gen: self.inner.next_gen.fetch_add(1, Ordering::Relaxed),
             addr: 0,
             len,
             pooled,

@@ -269,6 +269,40 @@ fn alias_cache_hits_misses_and_stale_incarnations() {
     assert_eq!(dpu.created.get(), 2);
 }
 
+/// Every bind of a pool key is a new export generation: once the DPU has imported the newer
+/// export, the older one (whose buffer the host has taken back) is refused, and an import
+/// held across the re-bind reports itself stale instead of writing into the new buffer.
+#[test]
+fn a_stale_export_of_a_rebound_key_is_refused() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let cache = AliasCache::new(Dpu { host: model.clone(), created: Rc::default() });
+
+    let e1 = pool.export(&region(1)).unwrap();
+    let p1 = e1.packed();
+    let a1 = cache.import(&p1).unwrap();
+    cache.check_current(&a1).unwrap();
+    e1.release().unwrap();
+
+    let e2 = pool.export(&region(2)).unwrap();
+    let p2 = e2.packed();
+    assert_eq!((p2.mkey, p2.uuid), (p1.mkey, p1.uuid), "the same pool key, re-bound");
+    assert!(p2.export_gen > p1.export_gen, "every bind is a new generation");
+    let a2 = cache.import(&p2).unwrap();
+    assert!(a2.hit, "the alias is still shared across binds");
+    cache.check_current(&a2).unwrap();
+
+    // The old export, replayed or still held, no longer passes.
+    let Err(err) = cache.import(&p1) else { panic!("a stale export must be refused") };
+    assert!(err.to_string().contains("stale export"), "{err}");
+    let Err(err) = cache.check_current(&a1) else { panic!("the old import is stale") };
+    assert!(matches!(err, rdmakit_verbs::Error::PermissionDenied(_)), "{err}");
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses, s.refused_stale), (1, 1, 1));
+    // Its encoding carries the generation across the wire.
+    assert_eq!(PackedKey::decode(&p1.encode()).unwrap().export_gen, p1.export_gen);
+}
+
 fn e1_key(a: &ImportedAlias<Alias>) -> u64 {
     a.key.map_key()
 }
@@ -300,6 +334,7 @@ fn packed_keys_round_trip_and_reject_garbage() {
         mkey: 0x1234_5678,
         vhca_id: 3,
         uuid: u64::MAX - 5,
+        export_gen: 0x0102_0304_0506_0708,
         addr: 0,
         len: 1 << 40,
         pooled: true,
@@ -310,8 +345,8 @@ fn packed_keys_round_trip_and_reject_garbage() {
     assert_eq!(k.map_key(), (3 << 32) | 0x1234_5678);
     assert!(matches!(PackedKey::decode(&b[..10]), Err(PackedKeyError::Length { .. })));
     let mut bad = b;
-    bad[0] = 2;
-    assert_eq!(PackedKey::decode(&bad), Err(PackedKeyError::Version(2)));
+    bad[0] = 1; // the format before export generations
+    assert_eq!(PackedKey::decode(&bad), Err(PackedKeyError::Version(1)));
     let mut bad = b;
     bad[1] = 9;
     assert_eq!(PackedKey::decode(&bad), Err(PackedKeyError::Flags(9)));
