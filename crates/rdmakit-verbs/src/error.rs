@@ -5,7 +5,7 @@
 use std::fmt;
 use std::io;
 
-use crate::qp::QpState;
+use crate::types::QpState;
 use crate::wc::WcOpcode;
 
 /// A work completion status, `enum ibv_wc_status`, as a transparent newtype.

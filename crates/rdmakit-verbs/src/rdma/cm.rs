@@ -32,8 +32,7 @@ use super::conv::{self, errno_ret};
 use crate::error::{Error, Result};
 use crate::types::{AccessFlags, ConnectOptions};
 
-/// `IBV_LINK_LAYER_INFINIBAND`.
-const LINK_LAYER_INFINIBAND: u8 = 1;
+use super::LINK_LAYER_INFINIBAND;
 
 /// Mask bits 21-23 that old rdma_ucm kernels set for RoCE; librdmacm clears them on
 /// InfiniBand ports before `ibv_modify_qp` (see `ucma_modify_qp_rtr`), and so do we.

@@ -1,0 +1,138 @@
+//! Completion queues with their completion channels: polling, notification, overrun detection.
+
+use std::mem::MaybeUninit;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use rdmakit_sys as sys;
+
+use super::conv::errno_ret;
+use super::*;
+use crate::error::{Error, Result, WcStatus};
+use crate::wc::{WcOpcode, WorkCompletion};
+
+/// A completion queue with its own completion channel.
+pub(crate) struct Cq {
+    pub(super) cq: NonNull<sys::ibv_cq>,
+    pub(super) channel: NonNull<sys::ibv_comp_channel>,
+    pub(super) dev: Arc<Device>,
+    /// When the async event queue was last read for overruns (ns since `created`).
+    pub(super) last_event_check: std::sync::atomic::AtomicU64,
+    pub(super) created: std::time::Instant,
+}
+
+// SAFETY: ibv_poll_cq, ibv_req_notify_cq and channel reads are thread-safe in rdma-core
+// (providers lock the CQ); the safe layer also serialises polling.
+unsafe impl Send for Cq {}
+// SAFETY: as above.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    pub fn capacity(&self) -> u32 {
+        // SAFETY: valid CQ.
+        unsafe { (*self.cq.as_ptr()).cqe }.max(0) as u32
+    }
+
+    pub fn fd(&self) -> i32 {
+        // SAFETY: valid channel.
+        unsafe { (*self.channel.as_ptr()).fd }
+    }
+
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        const CHUNK: usize = 16;
+        let mut done = 0;
+        while done < out.len() {
+            let want = (out.len() - done).min(CHUNK);
+            let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::uninit();
+            // SAFETY: valid CQ; room for `want` ibv_wc entries.
+            let n = unsafe { sys::ibv_poll_cq(self.cq.as_ptr(), want as i32, wcs.as_mut_ptr().cast()) };
+            if n < 0 {
+                return Err(Error::Os { call: "ibv_poll_cq", source: std::io::Error::from_raw_os_error(-n) });
+            }
+            let base = wcs.as_ptr().cast::<sys::ibv_wc>();
+            for i in 0..n as usize {
+                // SAFETY: ibv_poll_cq initialised the first `n` entries.
+                let wc = unsafe { &*base.add(i) };
+                out[done + i] = convert_wc(wc);
+            }
+            done += n as usize;
+            if (n as usize) < want {
+                break;
+            }
+        }
+        if done == 0 && self.event_check_due() {
+            // An overrun is reported by an async event, not by poll: check for it when the
+            // queue looks empty (a lost completion would otherwise go unnoticed), at most
+            // once a millisecond so that a spinning poller does not make a syscall per spin.
+            self.dev.drain_async_events();
+            if self.dev.overrun.lock().expect("overrun set").contains(&(self.cq.as_ptr() as usize)) {
+                return Err(Error::CqOverrun { capacity: self.capacity() });
+            }
+        }
+        Ok(done)
+    }
+
+    pub(super) fn event_check_due(&self) -> bool {
+        let now = self.created.elapsed().as_nanos() as u64;
+        let last = self.last_event_check.load(Ordering::Relaxed);
+        now.saturating_sub(last) >= 1_000_000
+            && self.last_event_check.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    }
+
+    pub fn req_notify(&self) -> Result<()> {
+        // SAFETY: valid CQ.
+        errno_ret("ibv_req_notify_cq", unsafe { sys::ibv_req_notify_cq(self.cq.as_ptr(), 0) })
+    }
+
+    /// Reads and acknowledges every pending channel event.
+    pub fn take_events(&self) {
+        let mut n = 0u32;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut ctx = ptr::null_mut();
+            // SAFETY: valid channel (non-blocking fd); out-pointers are locals.
+            if unsafe { sys::ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut ctx) } != 0 {
+                break;
+            }
+            n += 1;
+        }
+        if n > 0 {
+            // SAFETY: acknowledges exactly the events read from this CQ's own channel.
+            unsafe { sys::ibv_ack_cq_events(self.cq.as_ptr(), n) };
+        }
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.take_events();
+        // Acknowledge any async event still naming this CQ (destroy would wait for it).
+        self.dev.drain_async_events();
+        // SAFETY: created by ibv_create_cq; QPs using it hold the public CQ, so none is
+        // left; all events are acknowledged (destroy would wait for them otherwise).
+        if unsafe { sys::ibv_destroy_cq(self.cq.as_ptr()) } != 0 {
+            tracing::error!("ibv_destroy_cq failed");
+        } else {
+            // The overrun flag is keyed by address: it must not outlive the CQ, or a new CQ
+            // allocated at the same address would report an overrun it never had.
+            self.dev.overrun.lock().expect("overrun set").remove(&(self.cq.as_ptr() as usize));
+        }
+        // SAFETY: its only CQ is destroyed.
+        unsafe { sys::ibv_destroy_comp_channel(self.channel.as_ptr()) };
+    }
+}
+
+pub(super) fn convert_wc(wc: &sys::ibv_wc) -> WorkCompletion {
+    let with_imm = wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+    WorkCompletion {
+        wr_id: wc.wr_id,
+        status: WcStatus(wc.status),
+        opcode: WcOpcode(wc.opcode),
+        byte_len: wc.byte_len,
+        // SAFETY: reading the immediate member of a plain-integer union.
+        imm: with_imm.then(|| u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data })),
+        qp_num: wc.qp_num,
+        vendor_err: wc.vendor_err,
+    }
+}

@@ -1,0 +1,359 @@
+//! The device: listing, opening (`ibv_open_device`), attributes, ports and GIDs, async events.
+
+use std::collections::HashSet;
+use std::ffi::CStr;
+use std::mem::MaybeUninit;
+use std::ptr::{self, NonNull};
+use std::sync::{Arc, Mutex};
+
+use rdmakit_sys as sys;
+
+use super::conv::{errno_ret, nonnull};
+use super::*;
+use crate::error::{Error, Result};
+use crate::types::{DeviceAttr, GidEntry, GidKind, ProviderKind};
+
+/// Lists the names of the verbs devices.
+///
+/// # Errors
+/// [`Error::NoDevice`] when rdma-core cannot list devices at all (no RDMA support in the
+/// kernel: `ENOSYS`), with the errno in the reason.
+pub(crate) fn device_names() -> Result<Vec<String>> {
+    let list = DeviceList::get()?;
+    Ok(list.iter().map(device_name).collect())
+}
+
+/// `ibv_get_device_list`, freed on drop.
+pub(super) struct DeviceList {
+    pub(super) list: NonNull<*mut sys::ibv_device>,
+    pub(super) len: usize,
+}
+
+impl DeviceList {
+    pub(super) fn get() -> Result<DeviceList> {
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-pointer; the call allocates the list it returns.
+        let list = unsafe { sys::ibv_get_device_list(&mut n) };
+        match NonNull::new(list) {
+            Some(list) => Ok(DeviceList { list, len: n.max(0) as usize }),
+            None => Err(Error::NoDevice {
+                provider: "verbs",
+                reason: format!("ibv_get_device_list: {}", std::io::Error::last_os_error()),
+            }),
+        }
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = *mut sys::ibv_device> + '_ {
+        // SAFETY: the list holds `len` device pointers, valid until it is freed (on drop,
+        // which the borrow of `self` prevents while iterating).
+        (0..self.len).map(move |i| unsafe { *self.list.as_ptr().add(i) })
+    }
+}
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: returned by ibv_get_device_list, freed once.
+        unsafe { sys::ibv_free_device_list(self.list.as_ptr()) };
+    }
+}
+
+pub(super) fn device_name(dev: *mut sys::ibv_device) -> String {
+    // SAFETY: `dev` comes from a live device list; the name is a NUL-terminated string
+    // inside the device struct.
+    let name = unsafe { sys::ibv_get_device_name(dev) };
+    if name.is_null() {
+        return String::from("?");
+    }
+    // SAFETY: non-null, NUL-terminated per ibv_get_device_name(3).
+    unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+}
+
+/// The open device (`ibv_context`), shared by every object made from it.
+pub(super) struct Device {
+    pub(super) ctx: NonNull<sys::ibv_context>,
+    pub(super) name: String,
+    pub(super) max_qp_rd_atom: u8,
+    /// CQs that reported `IBV_EVENT_CQ_ERR` (overrun), by address.
+    pub(super) overrun: Mutex<HashSet<usize>>,
+}
+
+// SAFETY: libibverbs contexts are thread-safe (rdma-core documents verbs calls as safe to
+// make from several threads); the only Rust-side state is behind a mutex.
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: opened by ibv_open_device; every child holds an `Arc<Device>`, so all
+        // were destroyed before this runs.
+        let rc = unsafe { sys::ibv_close_device(self.ctx.as_ptr()) };
+        if rc != 0 {
+            tracing::error!(device = %self.name, "ibv_close_device failed");
+        }
+    }
+}
+
+impl Device {
+    pub(super) fn port(&self, port_num: u8) -> Result<sys::ibv_port_attr> {
+        let mut pa = MaybeUninit::<sys::ibv_port_attr>::zeroed();
+        // SAFETY: open context, valid out-struct (zeroed, so fields an older kernel does not
+        // fill read as 0).
+        errno_ret("ibv_query_port", unsafe {
+            sys::___ibv_query_port(self.ctx.as_ptr(), port_num, pa.as_mut_ptr())
+        })?;
+        // SAFETY: filled by a successful query.
+        Ok(unsafe { pa.assume_init() })
+    }
+
+    pub(super) fn gid(&self, port_num: u8, index: u8) -> Result<[u8; 16]> {
+        let mut gid = MaybeUninit::<sys::ibv_gid>::zeroed();
+        // SAFETY: open context, valid out-pointer.
+        errno_ret("ibv_query_gid", unsafe {
+            sys::ibv_query_gid(self.ctx.as_ptr(), port_num, i32::from(index), gid.as_mut_ptr())
+        })?;
+        // SAFETY: filled by a successful query; `raw` covers the whole union.
+        Ok(unsafe { gid.assume_init().raw })
+    }
+
+    /// The GID table entry's type (`ibv_query_gid_ex`); `None` when the entry is empty or the
+    /// kernel cannot say.
+    pub(super) fn gid_kind(&self, port_num: u8, index: u8) -> Option<GidKind> {
+        let mut entry = MaybeUninit::<sys::ibv_gid_entry>::zeroed();
+        // SAFETY: open context, valid out-pointer, flags 0.
+        let rc = unsafe {
+            sys::ibv_query_gid_ex(
+                self.ctx.as_ptr(),
+                u32::from(port_num),
+                u32::from(index),
+                entry.as_mut_ptr(),
+                0,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        // SAFETY: filled by a successful query.
+        let entry = unsafe { entry.assume_init() };
+        Some(match entry.gid_type {
+            sys::IBV_GID_TYPE_IB => GidKind::Ib,
+            sys::IBV_GID_TYPE_ROCE_V1 => GidKind::RoceV1,
+            sys::IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
+            other => GidKind::Other(other),
+        })
+    }
+
+    /// The GID a connection uses: `explicit`, then `RDMAKIT_GID_INDEX`, then on RoCE the first
+    /// RoCE v2 entry with an IPv4-mapped address, then the first RoCE v2 entry, then (kernels
+    /// that cannot report types) the first IPv4-mapped entry; on InfiniBand index 0. RoCE v2
+    /// is what perftest, UCX and rdma_cm users expect; on ConnectX the v1 and v2 entries of an
+    /// address alternate, so "the first IPv4-mapped entry" alone would pick v1.
+    pub(super) fn choose_gid(
+        &self,
+        port_num: u8,
+        explicit: Option<u8>,
+        port: &sys::ibv_port_attr,
+    ) -> GidChoice {
+        let pick = |index: u8| GidChoice { index, kind: self.gid_kind(port_num, index) };
+        if let Some(i) = explicit {
+            return pick(i);
+        }
+        if let Some(i) = std::env::var("RDMAKIT_GID_INDEX").ok().and_then(|v| v.parse().ok()) {
+            return pick(i);
+        }
+        if port.link_layer != LINK_LAYER_ETHERNET {
+            return pick(0);
+        }
+        let ipv4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+        let mut first_v2 = None;
+        let mut first_mapped = None;
+        for i in 0..port.gid_tbl_len.clamp(0, 255) as u8 {
+            let Ok(g) = self.gid(port_num, i) else { continue };
+            if g == [0; 16] {
+                continue;
+            }
+            let kind = self.gid_kind(port_num, i);
+            let mapped = ipv4_mapped(&g);
+            if kind == Some(GidKind::RoceV2) && mapped {
+                return GidChoice { index: i, kind };
+            }
+            if kind == Some(GidKind::RoceV2) && first_v2.is_none() {
+                first_v2 = Some(GidChoice { index: i, kind });
+            }
+            if mapped && first_mapped.is_none() {
+                first_mapped = Some(GidChoice { index: i, kind });
+            }
+        }
+        first_v2.or(first_mapped).unwrap_or_else(|| pick(0))
+    }
+
+    /// Reads pending async events without blocking, recording CQ overruns.
+    pub(super) fn drain_async_events(&self) {
+        loop {
+            let mut ev = MaybeUninit::<sys::ibv_async_event>::zeroed();
+            // SAFETY: the context is open; its async fd was made non-blocking at open, so
+            // this returns -1 (EAGAIN) instead of blocking when no event is pending.
+            let rc = unsafe { sys::ibv_get_async_event(self.ctx.as_ptr(), ev.as_mut_ptr()) };
+            if rc != 0 {
+                return;
+            }
+            // SAFETY: filled by a successful ibv_get_async_event. The event type is read as
+            // a plain u32 so that a value unknown to rdma-sys's Rust enum is not UB.
+            let kind = unsafe { ptr::addr_of!((*ev.as_ptr()).event_type).cast::<u32>().read() };
+            if kind == EVENT_CQ_ERR {
+                // SAFETY: for CQ events the element union holds the CQ pointer.
+                let cq = unsafe { (*ev.as_ptr()).element.cq } as usize;
+                self.overrun.lock().expect("overrun set").insert(cq);
+            }
+            tracing::warn!(device = %self.name, event = kind, "verbs async event");
+            // SAFETY: acknowledges the event just read.
+            unsafe { sys::ibv_ack_async_event(ev.as_mut_ptr()) };
+        }
+    }
+}
+
+/// A GID table entry chosen for connections (see [`Device::choose_gid`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GidChoice {
+    pub(super) index: u8,
+    pub(super) kind: Option<GidKind>,
+}
+
+/// An open verbs device.
+pub(crate) struct Context {
+    pub(super) dev: Arc<Device>,
+}
+
+impl Context {
+    pub fn open(name: Option<&str>) -> Result<Context> {
+        let list = DeviceList::get()?;
+        let found = list.iter().find(|d| name.is_none_or(|n| device_name(*d) == n));
+        let Some(dev) = found else {
+            return Err(match name {
+                Some(n) => Error::DeviceNotFound(n.to_owned()),
+                None => Error::NoDevice { provider: "verbs", reason: "rdma-core lists no devices".into() },
+            });
+        };
+        let dev_name = device_name(dev);
+        // On mlx5, open with DEVX so that `crate::mlx5` can issue firmware commands; fall
+        // back to a plain open (DEVX needs a capable kernel and device).
+        let ctx = match mlx5dv::open_devx(dev) {
+            Some(ctx) => ctx,
+            // SAFETY: `dev` is from the live list; opening does not need the list afterwards.
+            None => nonnull("ibv_open_device", unsafe { sys::ibv_open_device(dev) })?,
+        };
+        // SAFETY: the context is open; its async_fd is a valid descriptor we may set flags on.
+        unsafe { conv::set_nonblocking((*ctx.as_ptr()).async_fd) }?;
+        let mut device =
+            Device { ctx, name: dev_name, max_qp_rd_atom: 1, overrun: Mutex::new(HashSet::new()) };
+        let attr = query_device(&device)?;
+        device.max_qp_rd_atom = attr.max_qp_rd_atom.min(255) as u8;
+        Ok(Context { dev: Arc::new(device) })
+    }
+
+    pub fn query(&self) -> Result<DeviceAttr> {
+        query_device(&self.dev)
+    }
+
+    /// The GID entry a connection on `port_num` uses (see `Device::choose_gid`).
+    pub fn gid(&self, port_num: u8, explicit: Option<u8>) -> Result<GidEntry> {
+        let port = self.dev.port(port_num)?;
+        let choice = self.dev.choose_gid(port_num, explicit, &port);
+        Ok(GidEntry { index: choice.index, gid: self.dev.gid(port_num, choice.index)?, kind: choice.kind })
+    }
+
+    pub fn alloc_pd(&self) -> Result<Pd> {
+        // SAFETY: the context is open.
+        let pd = nonnull("ibv_alloc_pd", unsafe { sys::ibv_alloc_pd(self.dev.ctx.as_ptr()) })?;
+        Ok(Pd { inner: Arc::new(PdShared { pd, dev: self.dev.clone() }) })
+    }
+
+    pub fn create_cq(&self, cqe: u32) -> Result<Cq> {
+        let ctx = self.dev.ctx.as_ptr();
+        // SAFETY: the context is open.
+        let channel = nonnull("ibv_create_comp_channel", unsafe { sys::ibv_create_comp_channel(ctx) })?;
+        // SAFETY: the channel was just created; its fd is valid.
+        if let Err(e) = unsafe { conv::set_nonblocking((*channel.as_ptr()).fd) } {
+            // SAFETY: destroying the channel we created, unused.
+            unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
+            return Err(e);
+        }
+        let cqe = i32::try_from(cqe).map_err(|_| Error::InvalidArgument("CQ size too large".into()))?;
+        // SAFETY: open context, valid channel; no cq_context.
+        let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel.as_ptr(), 0) };
+        match nonnull("ibv_create_cq", cq) {
+            Ok(cq) => Ok(Cq {
+                cq,
+                channel,
+                dev: self.dev.clone(),
+                last_event_check: std::sync::atomic::AtomicU64::new(0),
+                created: std::time::Instant::now(),
+            }),
+            Err(e) => {
+                // SAFETY: as above.
+                unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
+                Err(e)
+            }
+        }
+    }
+
+    pub fn alloc_dm(&self, len: u64, max: u64) -> Result<Dm> {
+        let mut attr = sys::ibv_alloc_dm_attr {
+            length: len as usize,
+            // 8-byte alignment: device-memory atomics need it.
+            log_align_req: 3,
+            comp_mask: 0,
+        };
+        // SAFETY: open context; `attr` is a valid, initialised attribute struct.
+        let dm = unsafe { sys::ibv_alloc_dm(self.dev.ctx.as_ptr(), &mut attr) };
+        let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        // The header's inline sets EOPNOTSUPP when the provider has no `alloc_dm` at all.
+        match NonNull::new(dm) {
+            None => match errno() {
+                libc::ENOMEM | libc::ENOSPC => {
+                    Err(Error::DeviceMemoryExhausted { requested: len, available: 0, capacity: max })
+                }
+                libc::EOPNOTSUPP | libc::ENOSYS => {
+                    Err(Error::Unsupported(format!("{}: device memory not supported", self.dev.name)))
+                }
+                e => Err(Error::errno("ibv_alloc_dm", e)),
+            },
+            Some(dm) => Ok(Dm { dm, dev: self.dev.clone() }),
+        }
+    }
+}
+
+pub(super) fn query_device(dev: &Device) -> Result<DeviceAttr> {
+    let ctx = dev.ctx.as_ptr();
+    let input = sys::ibv_query_device_ex_input { comp_mask: 0 };
+    let mut ex = MaybeUninit::<sys::ibv_device_attr_ex>::zeroed();
+    // SAFETY: open context, valid input and zeroed output (rdma-sys's fallback path does not
+    // clear it, so it must start zeroed).
+    let rc = unsafe { sys::ibv_query_device_ex(ctx, &input, ex.as_mut_ptr()) };
+    let (attr, max_dm_size) = if rc == 0 {
+        // SAFETY: filled by a successful query (and zero-initialised before).
+        let ex = unsafe { ex.assume_init() };
+        (ex.orig_attr, ex.max_dm_size)
+    } else {
+        let mut a = MaybeUninit::<sys::ibv_device_attr>::zeroed();
+        // SAFETY: open context, valid output.
+        errno_ret("ibv_query_device", unsafe { sys::ibv_query_device(ctx, a.as_mut_ptr()) })?;
+        // SAFETY: filled by a successful query.
+        (unsafe { a.assume_init() }, 0)
+    };
+    let fw: Vec<u8> = attr.fw_ver.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    Ok(DeviceAttr {
+        name: dev.name.clone(),
+        provider: ProviderKind::Verbs,
+        fw_ver: String::from_utf8_lossy(&fw).into_owned(),
+        vendor_id: attr.vendor_id,
+        max_mr_size: attr.max_mr_size,
+        max_qp_wr: attr.max_qp_wr.max(0) as u32,
+        max_cqe: attr.max_cqe.max(0) as u32,
+        max_sge: attr.max_sge.max(0) as u32,
+        max_qp_rd_atom: attr.max_qp_rd_atom.max(0) as u32,
+        atomic_cap: attr.atomic_cap,
+        max_dm_size,
+        phys_port_cnt: attr.phys_port_cnt,
+    })
+}
