@@ -106,11 +106,15 @@ pub struct AliasMkey {
 
 /// A queue for UMR work requests (re-binding indirect keys, `LOCAL_INV`), with its own
 /// completion queue, as UCX keeps a dedicated UMR QP.
+///
+/// On mlx5 every `UmrQueue` of a protection domain shares one UMR QP and CQ, created on first
+/// use (by [`ProtectionDomain::create_umr_queue`] or a KSM key) and destroyed with the PD: a
+/// UMR only modifies keys of its own PD, and the PD is what UCX's memory domain has one of.
 pub struct UmrQueue {
     pd: ProtectionDomain,
-    /// The mlx5 UMR QP on the verbs provider (one request at a time).
+    /// The PD's mlx5 UMR QP on the verbs provider (one request at a time).
     #[cfg(rdmakit_verbs)]
-    verbs: Option<Mutex<crate::rdma::mlx5dv::UmrQp>>,
+    verbs: Option<Arc<Mutex<crate::rdma::mlx5dv::UmrQp>>>,
 }
 
 impl std::fmt::Debug for UmrQueue {
@@ -254,7 +258,14 @@ impl ProtectionDomain {
             }),
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), CtxBackend::Verbs(vctx)) => {
-                Ok(UmrQueue { pd: self.clone(), verbs: Some(Mutex::new(vpd.create_umr_qp(vctx)?)) })
+                let mut shared = self.inner.umr.lock().unwrap_or_else(|e| e.into_inner());
+                let umr = match &*shared {
+                    Some(umr) => umr.clone(),
+                    None => shared
+                        .insert(Arc::new(Mutex::new(vpd.create_umr_qp(vctx, VERBS_MAX_ENTRIES)?)))
+                        .clone(),
+                };
+                Ok(UmrQueue { pd: self.clone(), verbs: Some(umr) })
             }
             #[cfg(rdmakit_verbs)]
             _ => unreachable!("a PD and its context share a provider"),

@@ -21,6 +21,10 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) backend: PdBackend,
     pub(crate) ctx: Context,
+    /// The PD's UMR queue on mlx5 (a dedicated QP and CQ), made on first use and shared by
+    /// every key of the PD (`crate::mlx5::UmrQueue`). It holds the provider PD, not this.
+    #[cfg(rdmakit_verbs)]
+    pub(crate) umr: std::sync::Mutex<Option<Arc<std::sync::Mutex<crate::rdma::mlx5dv::UmrQp>>>>,
 }
 
 pub(crate) enum PdBackend {
@@ -42,7 +46,14 @@ impl ProtectionDomain {
             #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(c) => PdBackend::Verbs(c.alloc_pd()?),
         };
-        Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), backend }) })
+        Ok(ProtectionDomain {
+            inner: Arc::new(PdInner {
+                ctx: ctx.clone(),
+                backend,
+                #[cfg(rdmakit_verbs)]
+                umr: std::sync::Mutex::new(None),
+            }),
+        })
     }
 
     /// The device this PD belongs to.

@@ -34,6 +34,9 @@ use crate::error::{Error, Result, WcStatus};
 use crate::types::{AccessFlags, ConnectOptions, QpCaps};
 use crate::wc::WorkCompletion;
 
+/// Bytes of one entry of a UMR's inline KLM list (`struct mlx5_wqe_data_seg`).
+const KLM_ENTRY_BYTES: u32 = std::mem::size_of::<dv::mlx5_wqe_data_seg>() as u32;
+
 /// How long a UMR or LOCAL_INV may take before it is reported stuck.
 const UMR_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -109,6 +112,9 @@ impl Drop for Mkey {
 pub(crate) struct UmrQp {
     /// Destroyed (first: fields drop in order) before its CQ.
     _qp: Qp,
+    /// Most entries one UMR can carry: its KLM list goes inline in the WQE, 16 bytes an
+    /// entry, within the QP's `max_inline_data`.
+    max_entries: usize,
     qpx: NonNull<sys::ibv_qp_ex>,
     mqpx: NonNull<dv::mlx5dv_qp_ex>,
     cq: Cq,
@@ -121,7 +127,7 @@ unsafe impl Send for UmrQp {}
 unsafe impl Sync for UmrQp {}
 
 impl UmrQp {
-    fn create(ctx: &super::Context, pd: &Arc<PdShared>) -> Result<UmrQp> {
+    fn create(ctx: &super::Context, pd: &Arc<PdShared>, max_entries: u16) -> Result<UmrQp> {
         supported(&pd.dev)?;
         let cq = ctx.create_cq(64)?;
         // SAFETY: all-zero is a valid ibv_qp_init_attr_ex (null pointers, no comp_mask bits).
@@ -134,7 +140,8 @@ impl UmrQp {
             max_recv_wr: 1,
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: 64,
+            // The entry list of `mlx5dv_wr_mr_list` is copied inline (IBV_SEND_INLINE).
+            max_inline_data: u32::from(max_entries) * KLM_ENTRY_BYTES,
         };
         init.pd = pd.pd.as_ptr();
         init.comp_mask = sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
@@ -171,11 +178,19 @@ impl UmrQp {
         qp.modify_to_init(&opts)?;
         qp.modify_to_rtr(&me, &opts)?;
         qp.modify_to_rts(&opts, 0)?;
-        Ok(UmrQp { _qp: qp, qpx, mqpx, cq })
+        let max_entries = (qp.caps.max_inline_data / KLM_ENTRY_BYTES) as usize;
+        Ok(UmrQp { _qp: qp, max_entries, qpx, mqpx, cq })
     }
 
     /// Binds `mkey` to the (address, length, lkey) entries, zero-based, and waits.
     pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[(u64, u32, u32)]) -> Result<()> {
+        if entries.len() > self.max_entries {
+            return Err(Error::Unsupported(format!(
+                "a UMR carries at most {} entries inline on this QP ({} asked)",
+                self.max_entries,
+                entries.len()
+            )));
+        }
         let mut sges: Vec<sys::ibv_sge> =
             entries.iter().map(|&(addr, length, lkey)| sys::ibv_sge { addr, length, lkey }).collect();
         let n =
@@ -248,9 +263,9 @@ impl super::Pd {
         Mkey::create(&self.inner, max_entries)
     }
 
-    /// A UMR queue on this PD, on `ctx`'s device.
-    pub(crate) fn create_umr_qp(&self, ctx: &super::Context) -> Result<UmrQp> {
-        UmrQp::create(ctx, &self.inner)
+    /// A UMR queue on this PD, on `ctx`'s device, for keys of up to `max_entries` entries.
+    pub(crate) fn create_umr_qp(&self, ctx: &super::Context, max_entries: u16) -> Result<UmrQp> {
+        UmrQp::create(ctx, &self.inner, max_entries)
     }
 }
 
