@@ -93,6 +93,21 @@ msrv_check() {
     return 1
 }
 
+prm_tier() {
+    # The hand-built mlx5 firmware commands against the kernel's own mlx5_ifc.h (Debian's
+    # linux-headers-*-common ships it; no kernel is installed, only headers under /usr/src).
+    if ! ls /usr/src/linux-headers-*/include/linux/mlx5/mlx5_ifc.h >/dev/null 2>&1; then
+        local pkg
+        pkg=$(apt-cache search --names-only '^linux-headers-[0-9.]+.*-common$' 2>/dev/null | awk '{print $1}' | sort -V | tail -n 1)
+        if [ -z "$pkg" ] || ! as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null; then
+            skip "mlx5 PRM layouts: no linux-headers-*-common package to read mlx5_ifc.h from"
+            return 0
+        fi
+    fi
+    cargo test -q -p rdmakit-verbs --lib prm_fields_match_the_kernel -- --ignored --nocapture 2>&1 | grep -E 'PRM check|panicked|test result'
+    return "${PIPESTATUS[0]}"
+}
+
 passed=0
 failed=0
 skipped=0
@@ -186,6 +201,7 @@ test)
     step "build without rdma-core's files (RDMAKIT_SYS_VERBS=off: what a machine with only Rust gets)" \
         env RDMAKIT_SYS_VERBS=off cargo clippy --workspace --all-targets --target-dir target/no-rdma-core -- -D warnings
     step "verbs provider built with the newest libclang the distribution ships" libclang_tier
+    step "mlx5 PRM command layouts against the kernel's mlx5_ifc.h" prm_tier
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
     step "Miri on the soft NIC and the memory crate" miri_tier

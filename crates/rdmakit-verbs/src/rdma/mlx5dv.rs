@@ -284,6 +284,106 @@ const OP_CREATE_GENERAL_OBJECT: u16 = 0xa00;
 const OP_ALLOW_OTHER_VHCA_ACCESS: u16 = 0xb16;
 /// `MLX5_OBJ_TYPE_MKEY` (general object type of memory keys).
 const OBJ_TYPE_MKEY: u16 = 0xff01;
+/// `op_mod` of QUERY_HCA_CAP: `MLX5_SET_HCA_CAP_OP_MOD_GENERAL_DEVICE << 1 | HCA_CAP_OPMOD_GET_CUR`.
+const OP_MOD_GENERAL_CURRENT: u16 = 1;
+
+/// One field of a firmware command, where rdmakit reads or writes it: the PRM layout it
+/// belongs to (`mlx5_ifc_<layout>_bits` in the kernel's `mlx5_ifc.h`), its path there
+/// (`.`-separated; members of anonymous unions are named directly), and the bit offset and
+/// width rdmakit uses. A test compares every one of them with the kernel header.
+#[derive(Clone, Copy, Debug)]
+struct PrmField {
+    layout: &'static str,
+    path: &'static str,
+    bit: usize,
+    width: usize,
+}
+
+const fn prm(layout: &'static str, path: &'static str, bit: usize, width: usize) -> PrmField {
+    PrmField { layout, path, bit, width }
+}
+
+// QUERY_HCA_CAP, general capabilities: 16 bytes in, 16-byte header + 4096 bytes out.
+const HCA_CAP_IN_BYTES: usize = 16;
+const HCA_CAP_OUT_BYTES: usize = 16 + 4096;
+const HCA_CAP_OPCODE: PrmField = prm("query_hca_cap_in", "opcode", 0x0, 0x10);
+const HCA_CAP_OP_MOD: PrmField = prm("query_hca_cap_in", "op_mod", 0x30, 0x10);
+const HCA_CAP_STATUS: PrmField = prm("query_hca_cap_out", "status", 0x0, 0x8);
+const HCA_CAP_SYNDROME: PrmField = prm("query_hca_cap_out", "syndrome", 0x20, 0x20);
+const HCA_CAP_VHCA_ID: PrmField = prm("query_hca_cap_out", "capability.cmd_hca_cap.vhca_id", 0xb0, 0x10);
+
+// ALLOW_OTHER_VHCA_ACCESS: 64 bytes in, 16 out.
+const ALLOW_IN_BYTES: usize = 64;
+const ALLOW_OPCODE: PrmField = prm("allow_other_vhca_access_in", "opcode", 0x0, 0x10);
+const ALLOW_OBJ_TYPE: PrmField = prm("allow_other_vhca_access_in", "object_type_to_be_accessed", 0x90, 0x10);
+const ALLOW_OBJ_ID: PrmField = prm("allow_other_vhca_access_in", "object_id_to_be_accessed", 0xa0, 0x20);
+const ALLOW_ACCESS_KEY: PrmField = prm("allow_other_vhca_access_in", "access_key_raw", 0x100, 0x100);
+
+// CREATE_GENERAL_OBJECT of an mkey alias: header (16 bytes) + alias context (64 bytes) in,
+// 16 bytes out.
+const ALIAS_IN_BYTES: usize = 80;
+const ALIAS_OPCODE: PrmField = prm("create_alias_obj_in", "hdr.opcode", 0x0, 0x10);
+const ALIAS_OBJ_TYPE: PrmField = prm("create_alias_obj_in", "hdr.obj_type", 0x30, 0x10);
+const ALIAS_FLAG: PrmField = prm("create_alias_obj_in", "hdr.op_param.create.alias_object", 0x60, 0x1);
+const ALIAS_VHCA: PrmField = prm("create_alias_obj_in", "alias_ctx.vhca_id_to_be_accessed", 0x80, 0x10);
+const ALIAS_OBJ_ID: PrmField = prm("create_alias_obj_in", "alias_ctx.object_id_to_be_accessed", 0xa0, 0x20);
+const ALIAS_ACCESS_KEY: PrmField = prm("create_alias_obj_in", "alias_ctx.access_key_raw", 0x100, 0x100);
+const OBJ_OUT_STATUS: PrmField = prm("general_obj_out_cmd_hdr", "status", 0x0, 0x8);
+const OBJ_OUT_SYNDROME: PrmField = prm("general_obj_out_cmd_hdr", "syndrome", 0x20, 0x20);
+const OBJ_OUT_ID: PrmField = prm("general_obj_out_cmd_hdr", "obj_id", 0x40, 0x20);
+
+/// Every field above with the command buffer size it lives in, for the layout test.
+#[cfg(test)]
+const PRM_FIELDS: &[(PrmField, usize)] = &[
+    (HCA_CAP_OPCODE, HCA_CAP_IN_BYTES),
+    (HCA_CAP_OP_MOD, HCA_CAP_IN_BYTES),
+    (HCA_CAP_STATUS, HCA_CAP_OUT_BYTES),
+    (HCA_CAP_SYNDROME, HCA_CAP_OUT_BYTES),
+    (HCA_CAP_VHCA_ID, HCA_CAP_OUT_BYTES),
+    (ALLOW_OPCODE, ALLOW_IN_BYTES),
+    (ALLOW_OBJ_TYPE, ALLOW_IN_BYTES),
+    (ALLOW_OBJ_ID, ALLOW_IN_BYTES),
+    (ALLOW_ACCESS_KEY, ALLOW_IN_BYTES),
+    (ALIAS_OPCODE, ALIAS_IN_BYTES),
+    (ALIAS_OBJ_TYPE, ALIAS_IN_BYTES),
+    (ALIAS_FLAG, ALIAS_IN_BYTES),
+    (ALIAS_VHCA, ALIAS_IN_BYTES),
+    (ALIAS_OBJ_ID, ALIAS_IN_BYTES),
+    (ALIAS_ACCESS_KEY, ALIAS_IN_BYTES),
+    (OBJ_OUT_STATUS, 16),
+    (OBJ_OUT_SYNDROME, 16),
+    (OBJ_OUT_ID, 16),
+];
+
+/// Writes `v` into `f` of `b`, big-endian, bit 0 being the most significant bit of byte 0
+/// (the PRM's numbering). Fields are at most 64 bits wide.
+fn put(b: &mut [u8], f: PrmField, v: u64) {
+    debug_assert!(f.width <= 64 && (f.width == 64 || v >> f.width == 0), "{f:?} cannot hold {v:#x}");
+    for i in 0..f.width {
+        let bit = f.bit + i;
+        let set = (v >> (f.width - 1 - i)) & 1 == 1;
+        let mask = 0x80u8 >> (bit % 8);
+        if set {
+            b[bit / 8] |= mask;
+        } else {
+            b[bit / 8] &= !mask;
+        }
+    }
+}
+
+/// Reads field `f` of `b` (see [`put`]).
+fn get(b: &[u8], f: PrmField) -> u64 {
+    (0..f.width).fold(0u64, |v, i| {
+        let bit = f.bit + i;
+        (v << 1) | u64::from((b[bit / 8] >> (7 - bit % 8)) & 1)
+    })
+}
+
+/// Copies `bytes` into a byte-aligned field exactly its size (the 32-byte access keys).
+fn put_bytes(b: &mut [u8], f: PrmField, bytes: &[u8]) {
+    assert!(f.bit % 8 == 0 && f.width == bytes.len() * 8, "{f:?} is not {} whole bytes", bytes.len());
+    b[f.bit / 8..f.bit / 8 + bytes.len()].copy_from_slice(bytes);
+}
 
 /// Opens `dev` with DEVX (`mlx5dv_open_device` with `MLX5DV_CONTEXT_FLAGS_DEVX`) if it is
 /// an mlx5 device that allows it.
@@ -297,25 +397,14 @@ pub(crate) fn open_devx(dev: *mut sys::ibv_device) -> Option<NonNull<sys::ibv_co
     NonNull::new(unsafe { dv::mlx5dv_open_device(dev, &mut attr) })
 }
 
-fn put_be16(b: &mut [u8], at: usize, v: u16) {
-    b[at..at + 2].copy_from_slice(&v.to_be_bytes());
-}
-
-fn put_be32(b: &mut [u8], at: usize, v: u32) {
-    b[at..at + 4].copy_from_slice(&v.to_be_bytes());
-}
-
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-/// Checks a command's output header: `status` (byte 0) and `syndrome` (bytes 4..8).
+/// Checks a command's output header: `status` and `syndrome` (the same place in every
+/// command's output).
 fn cmd_status(what: &'static str, rc: i32, out: &[u8]) -> Result<()> {
-    if rc != 0 || out[0] != 0 {
+    let status = get(out, OBJ_OUT_STATUS);
+    if rc != 0 || status != 0 {
         return Err(Error::Unsupported(format!(
-            "{what}: DEVX command failed (rc {rc}, status {:#x}, syndrome {:#x})",
-            out[0],
-            be32(out, 4)
+            "{what}: DEVX command failed (rc {rc}, status {status:#x}, syndrome {:#x})",
+            get(out, OBJ_OUT_SYNDROME)
         )));
     }
     Ok(())
@@ -340,27 +429,24 @@ impl super::Context {
     /// field `vhca_id` at bit 0x30 of `cmd_hca_cap`.
     pub(crate) fn vhca_id(&self) -> Result<u32> {
         supported(&self.dev)?;
-        let mut input = [0u8; 16];
-        put_be16(&mut input, 0, OP_QUERY_HCA_CAP);
-        // op_mod: capability type GENERAL (0) << 1 | current values (1).
-        put_be16(&mut input, 6, 1);
-        // Output header (16 bytes), then the capability union (0x8000 bits).
-        let mut out = vec![0u8; 16 + 4096];
+        let mut input = [0u8; HCA_CAP_IN_BYTES];
+        put(&mut input, HCA_CAP_OPCODE, OP_QUERY_HCA_CAP.into());
+        put(&mut input, HCA_CAP_OP_MOD, OP_MOD_GENERAL_CURRENT.into());
+        let mut out = vec![0u8; HCA_CAP_OUT_BYTES];
         general_cmd(&self.dev, "QUERY_HCA_CAP", &input, &mut out)?;
-        Ok(u32::from(u16::from_be_bytes([out[16 + 6], out[16 + 7]])))
+        Ok(get(&out, HCA_CAP_VHCA_ID) as u32)
     }
 }
 
 impl Mkey {
     /// `ALLOW_OTHER_VHCA_ACCESS` for this mkey with `access_key`.
     pub fn allow_other_vhca_access(&self, access_key: &[u8; 32]) -> Result<()> {
-        let mut input = [0u8; 64];
-        put_be16(&mut input, 0, OP_ALLOW_OTHER_VHCA_ACCESS);
-        // object_type_to_be_accessed at bit 0x90, object_id_to_be_accessed at 0xa0 (the
-        // mkey index: the key without its 8-bit variant), access_key at 0x100.
-        put_be16(&mut input, 18, OBJ_TYPE_MKEY);
-        put_be32(&mut input, 20, self.lkey() >> 8);
-        input[32..64].copy_from_slice(access_key);
+        let mut input = [0u8; ALLOW_IN_BYTES];
+        put(&mut input, ALLOW_OPCODE, OP_ALLOW_OTHER_VHCA_ACCESS.into());
+        put(&mut input, ALLOW_OBJ_TYPE, OBJ_TYPE_MKEY.into());
+        // The mkey index: the key without its 8-bit variant.
+        put(&mut input, ALLOW_OBJ_ID, (self.lkey() >> 8).into());
+        put_bytes(&mut input, ALLOW_ACCESS_KEY, access_key);
         let mut out = [0u8; 16];
         general_cmd(&self._pd.dev, "ALLOW_OTHER_VHCA_ACCESS", &input, &mut out)
     }
@@ -418,14 +504,13 @@ impl super::Pd {
         supported(dev)?;
         let vhca =
             u16::try_from(vhca_id).map_err(|_| Error::InvalidArgument("vHCA ids are 16-bit".into()))?;
-        // general_obj_in_cmd_hdr (16 bytes) then alias_context (64 bytes).
-        let mut input = [0u8; 80];
-        put_be16(&mut input, 0, OP_CREATE_GENERAL_OBJECT);
-        put_be16(&mut input, 6, OBJ_TYPE_MKEY);
-        input[12] = 0x80; // alias_object, bit 0x60
-        put_be16(&mut input, 16, vhca); // vhca_id_to_be_accessed
-        put_be32(&mut input, 20, mkey >> 8); // object_id_to_be_accessed
-        input[32..64].copy_from_slice(access_key); // access_key at bit 0x80 of the context
+        let mut input = [0u8; ALIAS_IN_BYTES];
+        put(&mut input, ALIAS_OPCODE, OP_CREATE_GENERAL_OBJECT.into());
+        put(&mut input, ALIAS_OBJ_TYPE, OBJ_TYPE_MKEY.into());
+        put(&mut input, ALIAS_FLAG, 1);
+        put(&mut input, ALIAS_VHCA, vhca.into());
+        put(&mut input, ALIAS_OBJ_ID, (mkey >> 8).into());
+        put_bytes(&mut input, ALIAS_ACCESS_KEY, access_key);
         let mut out = [0u8; 16];
         // SAFETY: an open context; `input` and `out` are valid for their lengths.
         let obj = unsafe {
@@ -441,30 +526,14 @@ impl super::Pd {
             return Err(Error::Unsupported(format!(
                 "mkey alias: DEVX CREATE_GENERAL_OBJECT failed ({}, status {:#x}, syndrome {:#x})",
                 std::io::Error::last_os_error(),
-                out[0],
-                be32(&out, 4)
+                get(&out, OBJ_OUT_STATUS),
+                get(&out, OBJ_OUT_SYNDROME)
             )));
         };
-        let obj_id = be32(&out, 8);
+        let obj_id = get(&out, OBJ_OUT_ID) as u32;
         Ok(Alias { obj, key: obj_id << 8, destroyed: AtomicBool::new(false), _pd: self.inner.clone() })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prm_fields_land_at_their_bit_offsets() {
-        let mut b = [0u8; 64];
-        put_be16(&mut b, 18, OBJ_TYPE_MKEY);
-        put_be32(&mut b, 20, 0x0012_3456);
-        // object_type_to_be_accessed at bit 0x90 = byte 18, big-endian.
-        assert_eq!(&b[18..24], &[0xff, 0x01, 0x00, 0x12, 0x34, 0x56]);
-        assert_eq!(be32(&b, 20), 0x0012_3456);
-        let out = [0u8, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0];
-        assert!(cmd_status("x", 0, &out).is_ok());
-        let bad = [3u8, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0];
-        assert!(matches!(cmd_status("x", 0, &bad), Err(Error::Unsupported(m)) if m.contains("syndrome 0x7")));
-    }
-}
+mod tests;
