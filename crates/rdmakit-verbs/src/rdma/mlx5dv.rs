@@ -318,6 +318,8 @@ const ALLOW_OPCODE: PrmField = prm("allow_other_vhca_access_in", "opcode", 0x0, 
 const ALLOW_OBJ_TYPE: PrmField = prm("allow_other_vhca_access_in", "object_type_to_be_accessed", 0x90, 0x10);
 const ALLOW_OBJ_ID: PrmField = prm("allow_other_vhca_access_in", "object_id_to_be_accessed", 0xa0, 0x20);
 const ALLOW_ACCESS_KEY: PrmField = prm("allow_other_vhca_access_in", "access_key_raw", 0x100, 0x100);
+const ALLOW_OUT_STATUS: PrmField = prm("allow_other_vhca_access_out", "status", 0x0, 0x8);
+const ALLOW_OUT_SYNDROME: PrmField = prm("allow_other_vhca_access_out", "syndrome", 0x20, 0x20);
 
 // CREATE_GENERAL_OBJECT of an mkey alias: header (16 bytes) + alias context (64 bytes) in,
 // 16 bytes out.
@@ -344,6 +346,8 @@ const PRM_FIELDS: &[(PrmField, usize)] = &[
     (ALLOW_OBJ_TYPE, ALLOW_IN_BYTES),
     (ALLOW_OBJ_ID, ALLOW_IN_BYTES),
     (ALLOW_ACCESS_KEY, ALLOW_IN_BYTES),
+    (ALLOW_OUT_STATUS, 16),
+    (ALLOW_OUT_SYNDROME, 16),
     (ALIAS_OPCODE, ALIAS_IN_BYTES),
     (ALIAS_OBJ_TYPE, ALIAS_IN_BYTES),
     (ALIAS_FLAG, ALIAS_IN_BYTES),
@@ -358,7 +362,13 @@ const PRM_FIELDS: &[(PrmField, usize)] = &[
 /// Writes `v` into `f` of `b`, big-endian, bit 0 being the most significant bit of byte 0
 /// (the PRM's numbering). Fields are at most 64 bits wide.
 fn put(b: &mut [u8], f: PrmField, v: u64) {
-    debug_assert!(f.width <= 64 && (f.width == 64 || v >> f.width == 0), "{f:?} cannot hold {v:#x}");
+    debug_assert!(
+        f.width <= 64 && (f.width == 64 || v >> f.width == 0),
+        "{}.{} ({} bits) cannot hold {v:#x}",
+        f.layout,
+        f.path,
+        f.width
+    );
     for i in 0..f.width {
         let bit = f.bit + i;
         let set = (v >> (f.width - 1 - i)) & 1 == 1;
@@ -397,20 +407,26 @@ pub(crate) fn open_devx(dev: *mut sys::ibv_device) -> Option<NonNull<sys::ibv_co
     NonNull::new(unsafe { dv::mlx5dv_open_device(dev, &mut attr) })
 }
 
-/// Checks a command's output header: `status` and `syndrome` (the same place in every
-/// command's output).
-fn cmd_status(what: &'static str, rc: i32, out: &[u8]) -> Result<()> {
-    let status = get(out, OBJ_OUT_STATUS);
-    if rc != 0 || status != 0 {
+/// Checks a command's output: its `status` and `syndrome` fields.
+fn cmd_status(what: &'static str, rc: i32, out: &[u8], status: PrmField, syndrome: PrmField) -> Result<()> {
+    let code = get(out, status);
+    if rc != 0 || code != 0 {
         return Err(Error::Unsupported(format!(
-            "{what}: DEVX command failed (rc {rc}, status {status:#x}, syndrome {:#x})",
-            get(out, OBJ_OUT_SYNDROME)
+            "{what}: DEVX command failed (rc {rc}, status {code:#x}, syndrome {:#x})",
+            get(out, syndrome)
         )));
     }
     Ok(())
 }
 
-fn general_cmd(dev: &Device, what: &'static str, input: &[u8], out: &mut [u8]) -> Result<()> {
+/// `mlx5dv_devx_general_cmd`; `status` and `syndrome` are the output layout's fields.
+fn general_cmd(
+    dev: &Device,
+    what: &'static str,
+    input: &[u8],
+    out: &mut [u8],
+    (status, syndrome): (PrmField, PrmField),
+) -> Result<()> {
     // SAFETY: an open context; `input` and `out` are valid for their lengths during the call.
     let rc = unsafe {
         dv::mlx5dv_devx_general_cmd(
@@ -421,7 +437,7 @@ fn general_cmd(dev: &Device, what: &'static str, input: &[u8], out: &mut [u8]) -
             out.len(),
         )
     };
-    cmd_status(what, rc, out)
+    cmd_status(what, rc, out, status, syndrome)
 }
 
 impl super::Context {
@@ -433,7 +449,7 @@ impl super::Context {
         put(&mut input, HCA_CAP_OPCODE, OP_QUERY_HCA_CAP.into());
         put(&mut input, HCA_CAP_OP_MOD, OP_MOD_GENERAL_CURRENT.into());
         let mut out = vec![0u8; HCA_CAP_OUT_BYTES];
-        general_cmd(&self.dev, "QUERY_HCA_CAP", &input, &mut out)?;
+        general_cmd(&self.dev, "QUERY_HCA_CAP", &input, &mut out, (HCA_CAP_STATUS, HCA_CAP_SYNDROME))?;
         Ok(get(&out, HCA_CAP_VHCA_ID) as u32)
     }
 }
@@ -448,7 +464,13 @@ impl Mkey {
         put(&mut input, ALLOW_OBJ_ID, (self.lkey() >> 8).into());
         put_bytes(&mut input, ALLOW_ACCESS_KEY, access_key);
         let mut out = [0u8; 16];
-        general_cmd(&self._pd.dev, "ALLOW_OTHER_VHCA_ACCESS", &input, &mut out)
+        general_cmd(
+            &self._pd.dev,
+            "ALLOW_OTHER_VHCA_ACCESS",
+            &input,
+            &mut out,
+            (ALLOW_OUT_STATUS, ALLOW_OUT_SYNDROME),
+        )
     }
 }
 
