@@ -3,7 +3,7 @@
 //! has no device memory, they check the fallback and the typed refusal.
 
 use libtest_mimic::Failed;
-use rdmakit::memory::memic::{CounterPool, Location, Memic, Placement};
+use rdmakit::memory::memic::{CounterPool, Location, Mapping, Memic, Placement};
 use rdmakit::*;
 
 use crate::cases::{Case, case};
@@ -53,7 +53,24 @@ fn memic_nic_preferred(env: &Env) -> Result<(), Failed> {
     let expected = if memic.unavailable_reason().is_none() { Location::Nic } else { Location::Host };
     check_eq!(region.location(), expected);
     check_eq!(region.len(), 128);
-    check!(region.remote().addr != 0, "a MEMIC region needs a non-zero address");
+    // Where peers find it, per provider and capability:
+    // - soft NIC: NIC memory at the reserved address (its KSM key always maps one);
+    // - verbs with device memory: at the reserved address through a DEVX KSM key, or, where
+    //   the device refuses DEVX, at address 0 of a zero-based UMR key of its own (never
+    //   expected on the soft NIC, and never on rxe, which has no device memory);
+    // - verbs without device memory (rxe): host memory, an ordinary region.
+    match (env.provider, region.location(), region.mapping()) {
+        (_, Location::Nic, Mapping::ReservedAddress) => {
+            check_eq!(Some(region.remote().addr), region.reserved_addr());
+            check!(region.remote().addr != 0, "the reserved address is never 0");
+        }
+        (ProviderKind::Verbs, Location::Nic, Mapping::ZeroBased) => check_eq!(region.remote().addr, 0),
+        (_, Location::Host, Mapping::Host) => {
+            check!(region.reserved_addr().is_none(), "a host region has no reservation");
+            check!(region.remote().addr != 0, "a host region has its buffer's address");
+        }
+        other => return Err(format!("unexpected placement {other:?}").into()),
+    }
     let result = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
     let target = region.remote().slice(64, 8)?;
     for _ in 0..3 {

@@ -197,11 +197,12 @@ impl ProtectionDomain {
             }
             #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
-                // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a non-zero base
-                // needs a KSM mkey created through DEVX, which is not implemented.
+                // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a key at a non-zero
+                // base is made already mapped, by `create_ksm_mkey` (DEVX CREATE_MKEY).
                 if base != 0 {
                     return Err(Error::Unsupported(
-                        "verbs indirect keys are zero-based (UMR); a non-zero base needs DEVX KSM".into(),
+                        "verbs indirect keys bound by UMR are zero-based: use create_ksm_mkey for a non-zero base"
+                            .into(),
                     ));
                 }
                 let mk = vpd.create_indirect_mkey(VERBS_MAX_ENTRIES)?;
@@ -227,9 +228,13 @@ impl ProtectionDomain {
         }
     }
 
-    /// Creates an indirect key already mapping `entries` from `base` (a KSM mkey created
-    /// through DEVX on mlx5): for ranges UMR cannot bind, and for keys that never change,
-    /// such as a MEMIC region's.
+    /// Creates an indirect key already mapping `entries` from `base`: for ranges UMR cannot
+    /// bind, and for keys that never change, such as a MEMIC region's.
+    ///
+    /// On mlx5 a non-zero `base` makes a KSM mkey with DEVX `CREATE_MKEY` (the entries must
+    /// then be equal power-of-two spans, and the key cannot be re-bound or invalidated);
+    /// `Error::Unsupported` where DEVX refuses. A `base` of 0 makes a zero-based indirect key
+    /// bound by UMR. The soft NIC takes any base and entries.
     pub fn create_ksm_mkey(
         &self,
         base: u64,
@@ -238,14 +243,80 @@ impl ProtectionDomain {
     ) -> Result<IndirectMkey> {
         let len = entries.iter().try_fold(0u64, |a, e| a.checked_add(e.len));
         let len = len.ok_or_else(|| Error::InvalidArgument("KSM entries overflow".into()))?;
-        let key = self.create_indirect_mkey(base, len, access)?;
         match &self.inner.backend {
-            PdBackend::Soft(_) => bind_soft(&key, entries)?,
-            // On mlx5 through a UMR at creation (zero-based), not a DEVX KSM command.
+            PdBackend::Soft(_) => {
+                let key = self.create_indirect_mkey(base, len, access)?;
+                bind_soft(&key, entries)?;
+                Ok(key)
+            }
+            // At a non-zero base: a KSM mkey by DEVX CREATE_MKEY, the only way mlx5 gives an
+            // indirect key a start address of our choosing.
             #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(_) => self.create_umr_queue()?.bind(&key, entries)?,
+            PdBackend::Verbs(vpd) if base != 0 => self.create_devx_ksm(vpd, base, len, entries, access),
+            // At address 0: a UMR-bound indirect key (zero-based, as `mlx5dv_wr_mr_list` makes them).
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(_) => {
+                let key = self.create_indirect_mkey(0, len, access)?;
+                self.create_umr_queue()?.bind(&key, entries)?;
+                Ok(key)
+            }
         }
-        Ok(key)
+    }
+
+    /// DEVX `CREATE_MKEY` of a KSM key from `base`: the entries must be equal power-of-two
+    /// spans (KSM maps fixed-size entities), each inside its own region of this PD. The key is
+    /// fixed: it cannot be re-bound or invalidated, only dropped.
+    #[cfg(rdmakit_verbs)]
+    fn create_devx_ksm(
+        &self,
+        vpd: &crate::rdma::Pd,
+        base: u64,
+        len: u64,
+        entries: &[KsmEntry],
+        access: AccessFlags,
+    ) -> Result<IndirectMkey> {
+        access.validate()?;
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!("KSM key range {base:#x}+{len} is empty or wraps")));
+        }
+        let entity = entries[0].len;
+        if !entity.is_power_of_two() || entries.iter().any(|e| e.len != entity) {
+            return Err(Error::Unsupported(
+                "a KSM key maps equal power-of-two entities; these entries differ in length".into(),
+            ));
+        }
+        let mut raw = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
+                return Err(Error::InvalidArgument(format!("KSM entry {i}: outside its region")));
+            }
+            if !Arc::ptr_eq(&e.region.inner.pd.inner, &self.inner) {
+                return Err(Error::InvalidArgument(format!(
+                    "KSM entry {i}: region of another protection domain"
+                )));
+            }
+            raw.push((e.region.lkey(), e.region.addr() + e.offset));
+        }
+        let ksm = vpd.create_ksm_key(base, entity.trailing_zeros() as u8, &raw, access)?;
+        let key = ksm.key();
+        Ok(IndirectMkey {
+            region: MemoryRegion {
+                inner: Arc::new(MrInner {
+                    backend: MrBackend::VerbsKsm(ksm),
+                    mem: MrMemory::Mkey(Arc::new(MkeyState {
+                        kind: Kind::Indirect,
+                        // The entries' regions stay registered while the key lives.
+                        bound: Mutex::new(entries.iter().map(|e| e.region.clone()).collect()),
+                    })),
+                    pd: self.clone(),
+                    access,
+                    addr: base,
+                    len,
+                    lkey: key,
+                    rkey: key,
+                }),
+            },
+        })
     }
 
     /// Creates a queue for UMR work requests on this PD's keys.
@@ -506,6 +577,12 @@ impl UmrQueue {
     #[doc(alias = "IBV_WR_LOCAL_INV")]
     pub fn invalidate(&self, key: &IndirectMkey) -> Result<()> {
         self.check_key(key)?;
+        #[cfg(rdmakit_verbs)]
+        if let MrBackend::VerbsKsm(_) = &key.region.inner.backend {
+            return Err(Error::InvalidArgument(
+                "a KSM key made by CREATE_MKEY maps its entries for life: drop it instead".into(),
+            ));
+        }
         #[cfg(rdmakit_verbs)]
         if let (Some(umr), MrBackend::VerbsMkey(mk)) = (&self.verbs, &key.region.inner.backend) {
             let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());

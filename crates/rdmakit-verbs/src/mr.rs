@@ -134,6 +134,9 @@ pub(crate) enum MrBackend {
     /// An mlx5 indirect mkey (`crate::mlx5`), destroyed when dropped.
     #[cfg(rdmakit_verbs)]
     VerbsMkey(crate::rdma::mlx5dv::Mkey),
+    /// An mlx5 KSM mkey made by DEVX `CREATE_MKEY` (`crate::mlx5`), destroyed when dropped.
+    #[cfg(rdmakit_verbs)]
+    VerbsKsm(crate::rdma::mlx5dv::KsmKey),
     /// An mlx5 mkey alias of another vHCA's key (`crate::mlx5`), destroyed when dropped.
     #[cfg(rdmakit_verbs)]
     VerbsAlias(crate::rdma::mlx5dv::Alias),
@@ -184,6 +187,12 @@ impl Drop for MrInner {
             MrBackend::VerbsMkey(mkey) => {
                 if !mkey.destroy() {
                     self.leak_memory("mlx5dv_destroy_mkey");
+                }
+            }
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsKsm(ksm) => {
+                if !ksm.destroy() {
+                    self.leak_memory("mlx5dv_devx_obj_destroy (KSM mkey)");
                 }
             }
             #[cfg(rdmakit_verbs)]

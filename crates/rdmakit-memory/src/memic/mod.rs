@@ -27,11 +27,13 @@
 //! [`CounterPool`] sub-allocates many 8-byte atomic counters from one region.
 //!
 //! On the soft NIC all of this runs (device memory, zero-based registration and the KSM
-//! key are emulated). On mlx5 the key at the reserved address would be a DEVX KSM mkey,
-//! which rdmakit does not create yet; it uses a zero-based indirect key bound by UMR
-//! instead, so the region's descriptor has address 0 (and its own rkey). Untested on
-//! hardware; rxe has no device memory at all, so there the probe fails and `NicPreferred`
-//! regions live in host memory.
+//! key are emulated). On mlx5 the key at the reserved address is a KSM mkey made with DEVX
+//! `CREATE_MKEY` (start address = the reservation, one entity = the whole zero-based DM
+//! registration); where the device refuses DEVX, the documented fallback is a zero-based
+//! indirect key bound by UMR, whose descriptor has address 0 (and its own rkey), and
+//! [`MemicRegion::mapping`] says which one a region got. Untested on hardware; rxe has no
+//! device memory at all, so there the probe fails and `NicPreferred` regions live in host
+//! memory.
 //!
 //! # Example
 //! ```
@@ -148,6 +150,7 @@ impl Memic {
 #[derive(Debug)]
 struct NicRegion {
     key: IndirectMkey,
+    mapping: Mapping,
     dm_mr: MemoryRegion,
     dm: DeviceMemory,
     reservation: Reservation,
@@ -166,12 +169,16 @@ impl NicRegion {
         let reservation = Reservation::new(size)?;
         let dm_mr = pd.register_dm(&dm, 0, size, AccessFlags::ALL_REMOTE)?;
         let entries = [KsmEntry::whole(&dm_mr)];
-        let key = match pd.create_ksm_mkey(reservation.addr(), &entries, AccessFlags::ALL_REMOTE) {
-            // mlx5 through UMR: the key is zero-based (address 0), still a key of its own.
-            Err(Error::Unsupported(_)) => pd.create_ksm_mkey(0, &entries, AccessFlags::ALL_REMOTE)?,
-            other => other?,
+        let (key, mapping) = match pd.create_ksm_mkey(reservation.addr(), &entries, AccessFlags::ALL_REMOTE) {
+            Ok(key) => (key, Mapping::ReservedAddress),
+            // mlx5 without DEVX: a UMR-bound key, zero-based (address 0), still a key of its own.
+            Err(Error::Unsupported(why)) => {
+                tracing::debug!(%why, "MEMIC: no KSM key at the reserved address; zero-based UMR key");
+                (pd.create_ksm_mkey(0, &entries, AccessFlags::ALL_REMOTE)?, Mapping::ZeroBased)
+            }
+            Err(e) => return Err(e),
         };
-        Ok(NicRegion { key, dm_mr, dm, reservation })
+        Ok(NicRegion { key, mapping, dm_mr, dm, reservation })
     }
 }
 
@@ -179,6 +186,19 @@ impl NicRegion {
 enum Backing {
     Nic(NicRegion),
     Host(MemoryRegion),
+}
+
+/// How a region's bytes appear to peers (see [`MemicRegion::mapping`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mapping {
+    /// NIC memory at the reserved, unique, non-zero address, through a KSM key (the seed's
+    /// design: the soft NIC, and mlx5 with DEVX).
+    ReservedAddress,
+    /// NIC memory at address 0 of a key of its own (mlx5 without DEVX: a zero-based indirect
+    /// key bound by UMR).
+    ZeroBased,
+    /// Host memory (the `NicPreferred` fallback): an ordinary registered region.
+    Host,
 }
 
 /// A MEMIC region: NIC memory at a unique address, or host memory for a fallback.
@@ -197,6 +217,14 @@ impl MemicRegion {
         match self.backing {
             Backing::Nic(_) => Location::Nic,
             Backing::Host(_) => Location::Host,
+        }
+    }
+
+    /// How peers address the region: at its reserved address, zero-based, or in host memory.
+    pub fn mapping(&self) -> Mapping {
+        match &self.backing {
+            Backing::Nic(n) => n.mapping,
+            Backing::Host(_) => Mapping::Host,
         }
     }
 

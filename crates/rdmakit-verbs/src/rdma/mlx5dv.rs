@@ -284,6 +284,10 @@ const OP_CREATE_GENERAL_OBJECT: u16 = 0xa00;
 const OP_ALLOW_OTHER_VHCA_ACCESS: u16 = 0xb16;
 /// `MLX5_OBJ_TYPE_MKEY` (general object type of memory keys).
 const OBJ_TYPE_MKEY: u16 = 0xff01;
+/// `MLX5_CMD_OP_CREATE_MKEY`.
+const OP_CREATE_MKEY: u16 = 0x200;
+/// `MLX5_MKC_ACCESS_MODE_KSM`: the key maps fixed-size entities onto other keys.
+const ACCESS_MODE_KSM: u64 = 0x3;
 /// `op_mod` of QUERY_HCA_CAP: `MLX5_SET_HCA_CAP_OP_MOD_GENERAL_DEVICE << 1 | HCA_CAP_OPMOD_GET_CUR`.
 const OP_MOD_GENERAL_CURRENT: u16 = 1;
 
@@ -334,6 +338,33 @@ const OBJ_OUT_STATUS: PrmField = prm("general_obj_out_cmd_hdr", "status", 0x0, 0
 const OBJ_OUT_SYNDROME: PrmField = prm("general_obj_out_cmd_hdr", "syndrome", 0x20, 0x20);
 const OBJ_OUT_ID: PrmField = prm("general_obj_out_cmd_hdr", "obj_id", 0x40, 0x20);
 
+// CREATE_MKEY of a KSM key: the command (272 bytes) then one 16-byte KSM entry per
+// translation (`struct mlx5_ksm {reserved, key, va}`), 16 bytes out.
+const CREATE_MKEY_IN_BYTES: usize = 0x880 / 8;
+const KSM_ENTRY_BYTES: usize = 16;
+const CM_OPCODE: PrmField = prm("create_mkey_in", "opcode", 0x0, 0x10);
+const CM_ACCESS_A: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.a", 0x91, 0x1);
+const CM_ACCESS_RW: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.rw", 0x92, 0x1);
+const CM_ACCESS_RR: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.rr", 0x93, 0x1);
+const CM_ACCESS_LW: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.lw", 0x94, 0x1);
+const CM_ACCESS_LR: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.lr", 0x95, 0x1);
+const CM_ACCESS_MODE_1_0: PrmField =
+    prm("create_mkey_in", "memory_key_mkey_entry.access_mode_1_0", 0x96, 0x2);
+const CM_QPN: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.qpn", 0xa0, 0x18);
+const CM_MKEY_7_0: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.mkey_7_0", 0xb8, 0x8);
+const CM_PD: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.pd", 0xe8, 0x18);
+const CM_START_ADDR: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.start_addr", 0x100, 0x40);
+const CM_LEN: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.len", 0x140, 0x40);
+const CM_TRANSLATIONS: PrmField =
+    prm("create_mkey_in", "memory_key_mkey_entry.translations_octword_size", 0x220, 0x20);
+const CM_LOG_ENTITY: PrmField = prm("create_mkey_in", "memory_key_mkey_entry.log_page_size", 0x25a, 0x6);
+const CM_TRANSLATIONS_ACTUAL: PrmField =
+    prm("create_mkey_in", "translations_octword_actual_size", 0x300, 0x20);
+const CM_KSM_LIST: PrmField = prm("create_mkey_in", "klm_pas_mtt", 0x880, 0);
+const CM_OUT_STATUS: PrmField = prm("create_mkey_out", "status", 0x0, 0x8);
+const CM_OUT_SYNDROME: PrmField = prm("create_mkey_out", "syndrome", 0x20, 0x20);
+const CM_OUT_INDEX: PrmField = prm("create_mkey_out", "mkey_index", 0x48, 0x18);
+
 /// Every field above with the command buffer size it lives in, for the layout test.
 #[cfg(test)]
 const PRM_FIELDS: &[(PrmField, usize)] = &[
@@ -357,6 +388,25 @@ const PRM_FIELDS: &[(PrmField, usize)] = &[
     (OBJ_OUT_STATUS, 16),
     (OBJ_OUT_SYNDROME, 16),
     (OBJ_OUT_ID, 16),
+    (CM_OPCODE, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_A, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_RW, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_RR, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_LW, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_LR, CREATE_MKEY_IN_BYTES),
+    (CM_ACCESS_MODE_1_0, CREATE_MKEY_IN_BYTES),
+    (CM_QPN, CREATE_MKEY_IN_BYTES),
+    (CM_MKEY_7_0, CREATE_MKEY_IN_BYTES),
+    (CM_PD, CREATE_MKEY_IN_BYTES),
+    (CM_START_ADDR, CREATE_MKEY_IN_BYTES),
+    (CM_LEN, CREATE_MKEY_IN_BYTES),
+    (CM_TRANSLATIONS, CREATE_MKEY_IN_BYTES),
+    (CM_LOG_ENTITY, CREATE_MKEY_IN_BYTES),
+    (CM_TRANSLATIONS_ACTUAL, CREATE_MKEY_IN_BYTES),
+    (CM_KSM_LIST, CREATE_MKEY_IN_BYTES),
+    (CM_OUT_STATUS, 16),
+    (CM_OUT_SYNDROME, 16),
+    (CM_OUT_INDEX, 16),
 ];
 
 /// Writes `v` into `f` of `b`, big-endian, bit 0 being the most significant bit of byte 0
@@ -519,7 +569,146 @@ impl Drop for Alias {
     }
 }
 
+/// A KSM mkey made by DEVX `CREATE_MKEY`: `len` bytes from a chosen start address, in equal
+/// power-of-two entities, each mapped onto (key, address) of another key of the PD. This is
+/// how a MEMIC region gets its unique host-like address: the start is a reserved
+/// `PROT_NONE` range and the one entity is the device memory's zero-based registration.
+pub(crate) struct KsmKey {
+    obj: NonNull<dv::mlx5dv_devx_obj>,
+    key: u32,
+    /// Set once `mlx5dv_devx_obj_destroy` succeeded.
+    destroyed: AtomicBool,
+    _pd: Arc<PdShared>,
+}
+
+// SAFETY: an immutable handle; destroyed once (guarded by `destroyed`), from the owner's Drop.
+unsafe impl Send for KsmKey {}
+// SAFETY: shared references only read `key`; destruction is guarded as above.
+unsafe impl Sync for KsmKey {}
+
+impl KsmKey {
+    /// The key (lkey and rkey): the firmware's index over the 8-bit variant rdmakit chose.
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// Destroys the key; false if the firmware refused (the caller keeps what it maps).
+    pub fn destroy(&self) -> bool {
+        if self.destroyed.load(Ordering::Acquire) {
+            return true;
+        }
+        // SAFETY: created by mlx5dv_devx_obj_create; `destroyed` makes a second call a no-op,
+        // and only the owning region's Drop (one thread) calls this.
+        let ok = unsafe { dv::mlx5dv_devx_obj_destroy(self.obj.as_ptr()) } == 0;
+        self.destroyed.store(ok, Ordering::Release);
+        ok
+    }
+}
+
+impl Drop for KsmKey {
+    fn drop(&mut self) {
+        if !self.destroy() {
+            tracing::error!(key = self.key, "mlx5dv_devx_obj_destroy (KSM mkey) failed");
+        }
+    }
+}
+
+/// The CREATE_MKEY command of a KSM key (see [`KsmKey`]); `entries` are (lkey, address)
+/// pairs, each covering `1 << log_entity` bytes.
+fn create_ksm_cmd(
+    pdn: u32,
+    start: u64,
+    log_entity: u8,
+    entries: &[(u32, u64)],
+    access: AccessFlags,
+    variant: u8,
+) -> Result<Vec<u8>> {
+    let n =
+        u32::try_from(entries.len()).map_err(|_| Error::InvalidArgument("too many KSM entries".into()))?;
+    let len = (entries.len() as u64)
+        .checked_shl(u32::from(log_entity))
+        .filter(|l| l >> log_entity == entries.len() as u64)
+        .ok_or_else(|| Error::InvalidArgument("KSM key length overflows".into()))?;
+    let mut input = vec![0u8; CREATE_MKEY_IN_BYTES + entries.len() * KSM_ENTRY_BYTES];
+    put(&mut input, CM_OPCODE, OP_CREATE_MKEY.into());
+    put(&mut input, CM_ACCESS_MODE_1_0, ACCESS_MODE_KSM);
+    put(&mut input, CM_ACCESS_LR, 1);
+    put(&mut input, CM_ACCESS_LW, u64::from(access.contains(AccessFlags::LOCAL_WRITE)));
+    put(&mut input, CM_ACCESS_RR, u64::from(access.contains(AccessFlags::REMOTE_READ)));
+    put(&mut input, CM_ACCESS_RW, u64::from(access.contains(AccessFlags::REMOTE_WRITE)));
+    put(&mut input, CM_ACCESS_A, u64::from(access.contains(AccessFlags::REMOTE_ATOMIC)));
+    // Not bound to a QP.
+    put(&mut input, CM_QPN, 0xff_ffff);
+    put(&mut input, CM_MKEY_7_0, variant.into());
+    put(&mut input, CM_PD, pdn.into());
+    put(&mut input, CM_START_ADDR, start);
+    put(&mut input, CM_LEN, len);
+    // A KSM entry is one octword (16 bytes).
+    put(&mut input, CM_TRANSLATIONS, n.into());
+    put(&mut input, CM_TRANSLATIONS_ACTUAL, n.into());
+    put(&mut input, CM_LOG_ENTITY, log_entity.into());
+    for (i, &(lkey, addr)) in entries.iter().enumerate() {
+        let at = CM_KSM_LIST.bit / 8 + i * KSM_ENTRY_BYTES;
+        // struct mlx5_ksm: reserved (4 bytes), key (big-endian), va (big-endian).
+        input[at + 4..at + 8].copy_from_slice(&lkey.to_be_bytes());
+        input[at + 8..at + 16].copy_from_slice(&addr.to_be_bytes());
+    }
+    Ok(input)
+}
+
 impl super::Pd {
+    /// The PD's number in the firmware (`mlx5dv_init_obj` with `MLX5DV_OBJ_PD`).
+    fn pdn(&self) -> Result<u32> {
+        // SAFETY: all-zero is a valid mlx5dv_obj / mlx5dv_pd (null pointers, zero numbers).
+        let mut out: dv::mlx5dv_pd = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut obj: dv::mlx5dv_obj = unsafe { std::mem::zeroed() };
+        obj.pd.in_ = self.inner.pd.as_ptr();
+        obj.pd.out = &mut out;
+        // SAFETY: a live PD of an mlx5 context; `out` is written during the call only.
+        let rc = unsafe { dv::mlx5dv_init_obj(&mut obj, u64::from(dv::MLX5DV_OBJ_PD)) };
+        super::conv::errno_ret("mlx5dv_init_obj(PD)", rc)?;
+        Ok(out.pdn)
+    }
+
+    /// A KSM mkey through DEVX `CREATE_MKEY` (see [`KsmKey`]).
+    pub(crate) fn create_ksm_key(
+        &self,
+        start: u64,
+        log_entity: u8,
+        entries: &[(u32, u64)],
+        access: AccessFlags,
+    ) -> Result<KsmKey> {
+        let dev = &self.inner.dev;
+        supported(dev)?;
+        // A variant byte of our own (the key's low 8 bits), different for each key this process
+        // makes, so a key number the firmware hands out again reads differently.
+        static NEXT_VARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
+        let variant = NEXT_VARIANT.fetch_add(1, Ordering::Relaxed);
+        let input = create_ksm_cmd(self.pdn()?, start, log_entity, entries, access, variant)?;
+        let mut out = [0u8; 16];
+        // SAFETY: an open (DEVX) context; `input` and `out` are valid for their lengths.
+        let obj = unsafe {
+            dv::mlx5dv_devx_obj_create(
+                dev.ctx.as_ptr(),
+                input.as_ptr().cast(),
+                input.len(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        let Some(obj) = NonNull::new(obj) else {
+            return Err(Error::Unsupported(format!(
+                "KSM mkey: DEVX CREATE_MKEY failed ({}, status {:#x}, syndrome {:#x})",
+                std::io::Error::last_os_error(),
+                get(&out, CM_OUT_STATUS),
+                get(&out, CM_OUT_SYNDROME)
+            )));
+        };
+        let key = ((get(&out, CM_OUT_INDEX) as u32) << 8) | u32::from(variant);
+        Ok(KsmKey { obj, key, destroyed: AtomicBool::new(false), _pd: self.inner.clone() })
+    }
+
     /// An alias in this PD's function of `mkey` of vHCA `vhca_id`, presenting `access_key`.
     pub(crate) fn create_alias(&self, vhca_id: u32, mkey: u32, access_key: &[u8; 32]) -> Result<Alias> {
         let dev = &self.inner.dev;

@@ -112,11 +112,13 @@ fn prm_fields_match_the_kernel_mlx5_ifc_h() {
         ("MLX5_CMD_OP_CREATE_GENERAL_OBJECT", u64::from(OP_CREATE_GENERAL_OBJECT)),
         ("MLX5_CMD_OP_ALLOW_OTHER_VHCA_ACCESS", u64::from(OP_ALLOW_OTHER_VHCA_ACCESS)),
         ("MLX5_OBJ_TYPE_MKEY", u64::from(OBJ_TYPE_MKEY)),
+        ("MLX5_CMD_OP_CREATE_MKEY", u64::from(OP_CREATE_MKEY)),
+        ("MLX5_MKC_ACCESS_MODE_KSM", ACCESS_MODE_KSM),
     ] {
         assert_eq!(enum_value(&text, name), Some(value), "{name}");
     }
     println!(
-        "PRM check: {} fields of {} layouts and 4 constants match {} ({} structs parsed)",
+        "PRM check: {} fields of {} layouts and 6 constants match {} ({} structs parsed)",
         PRM_FIELDS.len(),
         layouts.len(),
         path.display(),
@@ -391,4 +393,29 @@ fn the_parser_reads_nesting_unions_and_arrays() {
     assert_eq!(locate(&defs, outer, "u.p.b", 0), Some((0x54, 0xc)));
     assert_eq!(locate(&defs, outer, "nope", 0), None);
     assert_eq!(enum_value(h, "MLX5_THING"), Some(0x2a));
+}
+
+/// The KSM CREATE_MKEY command as MEMIC builds it: one entity (the whole zero-based DM
+/// registration) at the reserved address, the access bits of the flags, the entry after the
+/// fixed part of the command.
+#[test]
+fn ksm_create_mkey_command_carries_the_region() {
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+    let cmd = create_ksm_cmd(0x42, 0x7f00_dead_0000, 12, &[(0x1234_5601, 0)], access, 0x9a).unwrap();
+    assert_eq!(cmd.len(), 272 + 16);
+    assert_eq!(get(&cmd, CM_OPCODE), 0x200);
+    assert_eq!(get(&cmd, CM_ACCESS_MODE_1_0), ACCESS_MODE_KSM);
+    assert_eq!(
+        [CM_ACCESS_LR, CM_ACCESS_LW, CM_ACCESS_RR, CM_ACCESS_RW, CM_ACCESS_A].map(|f| get(&cmd, f)),
+        [1, 1, 1, 0, 1]
+    );
+    assert_eq!(get(&cmd, CM_PD), 0x42);
+    assert_eq!(get(&cmd, CM_START_ADDR), 0x7f00_dead_0000);
+    assert_eq!(get(&cmd, CM_LEN), 4096, "one entity of 2^12 bytes");
+    assert_eq!((get(&cmd, CM_TRANSLATIONS), get(&cmd, CM_TRANSLATIONS_ACTUAL)), (1, 1));
+    assert_eq!(get(&cmd, CM_LOG_ENTITY), 12);
+    assert_eq!((get(&cmd, CM_QPN), get(&cmd, CM_MKEY_7_0)), (0xff_ffff, 0x9a));
+    assert_eq!(&cmd[272..288], &[0, 0, 0, 0, 0x12, 0x34, 0x56, 0x01, 0, 0, 0, 0, 0, 0, 0, 0]);
+    // A length that does not fit 64 bits is an error, not a wrapped key.
+    assert!(create_ksm_cmd(1, 0, 63, &[(1, 0), (2, 0)], access, 0).is_err());
 }
