@@ -7,6 +7,10 @@
 //! DPU imports it (an alias-cache hit after the first time) and RDMA-writes the host's bytes
 //! to the remote peer; the host then releases the export (LOCAL_INV, key back to the pool).
 //!
+//! Then the seed's pull flow: the host exports one more buffer, the DPU packs an rkey of its
+//! alias for the remote peer, which RDMA-reads the host's bytes through it; after the host
+//! releases the export, the same read fails with `REM_ACCESS_ERR`.
+//!
 //! `cargo run --example xgvmi_offload`
 
 use std::sync::mpsc;
@@ -42,6 +46,7 @@ fn main() -> Result<()> {
 
     let (to_dpu, dpu_rx) = mpsc::channel::<[u8; PackedKey::ENCODED_LEN]>();
     let (to_host, host_rx) = mpsc::channel::<()>();
+    let pull_pd = dpd.clone();
     let dpu_side = std::thread::spawn(move || -> Result<AliasStats> {
         let cache = AliasCache::new(DpuFunction::new(&dpd, AccessFlags::LOCAL_WRITE));
         for (i, wire) in dpu_rx.iter().enumerate() {
@@ -81,5 +86,35 @@ fn main() -> Result<()> {
     println!("DPU aliases: {alias_stats:?}");
     println!("host buffers (registration cache): {:?}", buffers.stats());
     assert!(ok);
+
+    // The pull flow: host export -> DPU alias -> packed alias rkey -> remote RDMA READ.
+    let (pcq, qcq) = (dpu.create_cq(4)?, remote.create_cq(4)?);
+    let pqp = pull_pd.create_qp(&pcq, &pcq, QpCaps::default())?;
+    let qqp = rpd.create_qp(&qcq, &qcq, QpCaps::default())?;
+    pqp.connect(&qqp.endpoint()?, &ConnectOptions::default())?;
+    qqp.connect(&pqp.endpoint()?, &ConnectOptions::default())?;
+    let buf = buffers.get(LEN as usize)?;
+    buf.write_at(0, &vec![0xa5; LEN as usize])?;
+    let export = pool.export(buf.region())?;
+    let wire = export.packed().encode();
+    let cache =
+        AliasCache::new(DpuFunction::new(&pull_pd, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ));
+    let packed = PackedKey::decode(&wire)
+        .map_err(|e| Error::Malformed { what: "packed key", reason: e.to_string() })?;
+    let rkey_for_peer = cache.import(&packed)?.remote().encode();
+    let desc = RemoteRegion::decode(&rkey_for_peer)?;
+    let landing = rpd.alloc_mr(LEN as usize, AccessFlags::LOCAL_WRITE)?;
+    qqp.post_send(SendWr::read(landing.local()?, desc.slice(0, LEN)?))?;
+    qcq.wait(Some(Duration::from_secs(10)))?.ok()?;
+    let pulled = landing.to_vec()?.iter().all(|&b| b == 0xa5);
+    println!(
+        "remote peer read {LEN} host bytes through the DPU alias rkey: {}",
+        if pulled { "intact" } else { "CORRUPT" }
+    );
+    export.release()?;
+    qqp.post_send(SendWr::read(landing.local()?, desc.slice(0, LEN)?))?;
+    let after = qcq.wait(Some(Duration::from_secs(10)))?;
+    println!("the same read after the host's LOCAL_INV: {:?}", after.status);
+    assert!(pulled && after.status == WcStatus::REM_ACCESS_ERR);
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The pool's and the cache's device operations over `rdmakit_verbs::mlx5`.
 
 use rdmakit_verbs::mlx5::{AliasMkey, IndirectMkey, KsmEntry, UMR_MAX_LEN, UmrQueue};
-use rdmakit_verbs::{AccessFlags, MemoryRegion, ProtectionDomain, Result};
+use rdmakit_verbs::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion, Result};
 
 use super::{AliasOps, HostKeyOps, PackedKey};
 
@@ -84,6 +84,16 @@ impl DpuFunction {
     /// The DPU side on `pd`.
     pub fn new(pd: &ProtectionDomain, access: AccessFlags) -> DpuFunction {
         DpuFunction { pd: pd.clone(), access }
+    }
+}
+
+impl super::ImportedAlias<AliasMkey> {
+    /// The descriptor a remote peer reads or writes the host's buffer with, through this
+    /// alias: the alias's rkey, the export's address and length (the seed's "DPU packs an
+    /// rkey" step). The DPU function must have been made with the remote access it hands
+    /// out; once the host releases the export, using it is a `REM_ACCESS_ERR` at the peer.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion { addr: self.key.addr, len: self.key.len, rkey: self.alias.region().rkey() }
     }
 }
 
