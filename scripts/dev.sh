@@ -135,6 +135,12 @@ test)
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace
     step "cross-process soft NIC across two network namespaces" netns_tier
     step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
+    # The soft NIC copies the bulk of every write back to front in this build: flag-mode
+    # pipes and put handles must still see whole messages, since only the last word (the
+    # sequence word) is ordered. Its own target directory keeps the main build's cache.
+    step "flag-mode pipes and put handles with the NIC's bulk copy reversed (--cfg rdmakit_reverse_copy)" \
+        env RUSTFLAGS="--cfg rdmakit_reverse_copy" CARGO_TARGET_DIR=target/reverse-copy \
+        cargo test -p rdmakit-channel --test pipe --test put --test pipe_cross_process
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
     step "Miri on the soft NIC and the memory crate" miri_tier

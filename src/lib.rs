@@ -4,9 +4,10 @@
 //! - [`verbs`] (`rdmakit-verbs`): devices, protection domains, memory regions, completion
 //!   queues, RC queue pairs, work requests, device memory, over two providers (rdma-core
 //!   and the soft NIC). Its items are also re-exported at the top level.
-//! - [`memory`] (`rdmakit-memory`): NIC memory management; so far the allocator core of
-//!   asymmetric remote heaps ([`memory::heap`]).
-//! - [`channel`] (`rdmakit-channel`): async pipes and persistent put handles.
+//! - [`memory`] (`rdmakit-memory`): NIC memory management: MEMIC regions, cross-GVMI keys,
+//!   and the allocator core of asymmetric remote heaps ([`memory::heap`]), without transport.
+//! - [`channel`] (`rdmakit-channel`): async pipes, persistent put handles and the remote
+//!   heaps' transport ([`channel::heap`]), over one control channel with peer liveness.
 //!
 //! ```
 //! let ctx = rdmakit::Context::open_soft();
