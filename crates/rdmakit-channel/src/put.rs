@@ -103,11 +103,11 @@ impl HandleDesc {
         if seq.len != 8 {
             return Err(ChannelError::Protocol("a handle's sequence word is 8 bytes".into()));
         }
-        Ok(HandleDesc {
-            id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
-            buf: RemoteRegion::decode(&b[4..24])?,
-            seq,
-        })
+        let buf = RemoteRegion::decode(&b[4..24])?;
+        if buf.addr.checked_add(buf.len).is_none() || seq.addr.checked_add(seq.len).is_none() {
+            return Err(ChannelError::Protocol("a handle descriptor's region overflows".into()));
+        }
+        Ok(HandleDesc { id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")), buf, seq })
     }
 }
 
@@ -596,6 +596,9 @@ mod tests {
         assert!(matches!(HandleDesc::decode(&d.encode()[..43]), Err(ChannelError::Protocol(_))));
         let mut bad = d;
         bad.seq.len = 16;
+        assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));
+        let mut bad = d;
+        bad.buf.addr = u64::MAX - 10;
         assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));
     }
 }

@@ -237,3 +237,55 @@ fn a_malformed_message_does_not_lose_the_valid_one_behind_it() {
     assert!(wc.status.is_success() && wc.opcode == WcOpcode::RECV, "{wc:?}");
     assert_eq!(owner.owner_stats(HeapId(7)).unwrap().total, 1 << 20);
 }
+
+/// A peer may not make this side register more than `max_total_bytes` across all the
+/// heaps it creates (the per-heap limit alone let it create heaps without end).
+#[test]
+fn heaps_a_peer_creates_are_bounded_in_total() {
+    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20, max_total_bytes: 256 << 10 };
+    let (mut a, mut b, _pd) = in_process(limits);
+    for h in 0..4 {
+        create(&mut a, &mut b, HeapConfig::new(HeapId(h), AllocPolicy::NextFit), 64 << 10);
+    }
+    let stop = AtomicBool::new(false);
+    let err = std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                b.poll_messages().unwrap();
+            }
+        });
+        let err = a.create_heap(HeapConfig::new(HeapId(4), AllocPolicy::NextFit), 64 << 10).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+        err
+    });
+    assert!(matches!(err, ChannelError::Heap(HeapError::GrowthRefused { .. })), "{err}");
+    assert!(b.owner_stats(HeapId(4)).is_err(), "a refused heap leaves nothing behind");
+}
+
+/// Answers nobody asked for pile up only to a bound: beyond it, a protocol error.
+#[test]
+fn unsolicited_answers_are_bounded() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(4096).unwrap(), ctx.create_cq(4096).unwrap());
+    let raw = pd.create_qp(&ca, &ca, QpCaps { max_inline_data: 64, ..QpCaps::default() }).unwrap();
+    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
+    raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut ep = HeapEndpoint::new(b, cb, OwnerLimits::default(), T).unwrap();
+    let freed = Message::HeapFreed { heap: HeapId(3) }.encode();
+    let mut err = None;
+    for i in 0..1100 {
+        raw.post_send(SendWr::send_inline(&freed)).unwrap();
+        assert!(ca.wait(Some(T)).unwrap().status.is_success());
+        if i % 16 == 15 {
+            if let Err(e) = ep.poll_messages() {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    let err = err.or_else(|| ep.poll_messages().err()).expect("1100 unasked answers must be refused");
+    assert!(matches!(err, ChannelError::Protocol(_)), "{err}");
+}
