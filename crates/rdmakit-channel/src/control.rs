@@ -528,6 +528,14 @@ pub(crate) struct ControlConfig {
     pub keepalive: Duration,
 }
 
+impl ControlConfig {
+    /// `slots` receive slots of `slot_len` bytes, inline sends only, a backlog of at most
+    /// `backlog` messages, keep-alives every [`KEEPALIVE_INTERVAL`].
+    pub fn new(slots: u32, slot_len: u32, backlog: usize) -> ControlConfig {
+        ControlConfig { slots, slot_len, send_slots: 0, backlog, keepalive: KEEPALIVE_INTERVAL }
+    }
+}
+
 /// What a completion meant, once the control channel has applied its part.
 #[derive(Debug)]
 pub(crate) enum Event {

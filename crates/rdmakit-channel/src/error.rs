@@ -60,6 +60,14 @@ impl ChannelError {
     }
 }
 
+/// `offset .. offset + len` within `size` bytes of `what`, else `OutOfBounds`.
+pub(crate) fn check_range(what: &'static str, offset: u64, len: usize, size: u64) -> Result<()> {
+    if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+        return Err(rdmakit_verbs::Error::OutOfBounds { what, offset, len: len as u64, size }.into());
+    }
+    Ok(())
+}
+
 /// Result of channel operations.
 pub type Result<T> = std::result::Result<T, ChannelError>;
 

@@ -48,8 +48,8 @@ use rdmakit_verbs::{
     AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, SendWr,
 };
 
-use crate::control::{ControlConfig, ControlSlots, Event, KEEPALIVE_INTERVAL, Message};
-use crate::error::{ChannelError, Result};
+use crate::control::{ControlConfig, ControlSlots, Event, Message};
+use crate::error::{ChannelError, Result, check_range};
 
 /// Receive buffers each side keeps posted.
 pub const RECV_SLOTS: u32 = 32;
@@ -150,16 +150,9 @@ impl HeapEndpoint {
     /// to `cq`. Posts the receive buffers. `timeout` bounds every wait for the peer.
     pub fn new(qp: QueuePair, cq: CompletionQueue, limits: OwnerLimits, timeout: Duration) -> Result<Self> {
         let pd = qp.pd().clone();
-        let ctl = ControlSlots::new(
-            qp,
-            ControlConfig {
-                slots: RECV_SLOTS,
-                slot_len: SLOT_LEN,
-                send_slots: RECV_SLOTS,
-                backlog: 4096,
-                keepalive: KEEPALIVE_INTERVAL,
-            },
-        )?;
+        let config =
+            ControlConfig { send_slots: RECV_SLOTS, ..ControlConfig::new(RECV_SLOTS, SLOT_LEN, 4096) };
+        let ctl = ControlSlots::new(qp, config)?;
         Ok(HeapEndpoint {
             ctl,
             cq,
@@ -328,15 +321,7 @@ impl HeapEndpoint {
     pub fn read(&self, landed: &LandedBlock, offset: u64, out: &mut [u8]) -> Result<()> {
         let owned = self.owned.get(&landed.heap).ok_or(ChannelError::UnknownHeap(landed.heap))?;
         let b = landed.block;
-        if offset.checked_add(out.len() as u64).is_none_or(|e| e > b.len) {
-            return Err(rdmakit_verbs::Error::OutOfBounds {
-                what: "heap block",
-                offset,
-                len: out.len() as u64,
-                size: b.len,
-            }
-            .into());
-        }
+        check_range("heap block", offset, out.len(), b.len)?;
         let mr = owned.segments.get(b.segment as usize).ok_or(HeapError::UnknownBlock { addr: b.addr })?;
         let at = (b.addr.checked_sub(mr.addr()))
             .and_then(|x| x.checked_add(offset))

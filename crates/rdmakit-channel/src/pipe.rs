@@ -48,9 +48,9 @@ use rdmakit_verbs::{
     WorkCompletion,
 };
 
-use crate::control::{ControlConfig, ControlSlots, Event, KEEPALIVE_INTERVAL, MAILBOX_SLOT, Message};
+use crate::control::{ControlConfig, ControlSlots, Event, MAILBOX_SLOT, Message};
 use crate::driver::{Controlled, Driver, PollMode};
-use crate::error::{BufResult, ChannelError, Result};
+use crate::error::{BufResult, ChannelError, Result, check_range};
 
 const HEAP: HeapId = HeapId(0);
 /// Receive buffers each end keeps posted for control messages and immediates.
@@ -233,16 +233,8 @@ impl Pipe {
             return Err(ChannelError::Invalid("PipeConfig::slots must be in 1..=64"));
         }
         let pd = qp.pd().clone();
-        let ctl = ControlSlots::new(
-            qp.clone(),
-            ControlConfig {
-                slots: RECV_SLOTS,
-                slot_len: MSG_LEN,
-                send_slots: 0,
-                backlog: 4 * RECV_SLOTS as usize,
-                keepalive: KEEPALIVE_INTERVAL,
-            },
-        )?;
+        let ctl =
+            ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
         let ring = match config.ring_len {
             0 => None,
             n => Some(pd.alloc_mr(
@@ -779,15 +771,7 @@ impl RecvGuard {
 
     /// Copies bytes of the message from `offset` into `out`.
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        if offset.checked_add(out.len() as u64).is_none_or(|e| e > self.len) {
-            return Err(rdmakit_verbs::Error::OutOfBounds {
-                what: "pipe message",
-                offset,
-                len: out.len() as u64,
-                size: self.len,
-            }
-            .into());
-        }
+        check_range("pipe message", offset, out.len(), self.len)?;
         let ring = self.ring();
         Ok(ring.read_at(self.addr - ring.addr() + offset, out)?)
     }

@@ -45,7 +45,7 @@ use rdmakit_verbs::{
     AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RemoteRegion, SendWr, WorkCompletion,
 };
 
-use crate::control::{ControlConfig, ControlSlots, Event, KEEPALIVE_INTERVAL, Message};
+use crate::control::{ControlConfig, ControlSlots, Event, Message};
 use crate::driver::{Controlled, Driver, PollMode};
 use crate::error::{ChannelError, Result};
 
@@ -192,16 +192,8 @@ impl PutEndpoint {
         let pd = qp.pd().clone();
         let words = (MAX_HANDLES * 8) as usize;
         let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let ctl = ControlSlots::new(
-            qp.clone(),
-            ControlConfig {
-                slots: RECV_SLOTS,
-                slot_len: MSG_LEN,
-                send_slots: 0,
-                backlog: 4 * MAX_HANDLES as usize,
-                keepalive: KEEPALIVE_INTERVAL,
-            },
-        )?;
+        let ctl =
+            ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * MAX_HANDLES as usize))?;
         let inner = Arc::new(Inner {
             seq_words: pd.alloc_mr(words, remote)?,
             ready_words: pd.alloc_mr(words, remote)?,

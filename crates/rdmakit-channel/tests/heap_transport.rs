@@ -15,15 +15,12 @@ use rdmakit_verbs::*;
 
 const T: Duration = Duration::from_secs(10);
 
+mod common;
+
 fn in_process(limits: OwnerLimits) -> (HeapEndpoint, HeapEndpoint, ProtectionDomain) {
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
-    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    (HeapEndpoint::new(a, ca, limits, T).unwrap(), HeapEndpoint::new(b, cb, limits, T).unwrap(), pd)
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (a, b) = common::heap_endpoints(&pd, limits, T);
+    (a, b, pd)
 }
 
 fn checksum(b: &[u8]) -> u64 {

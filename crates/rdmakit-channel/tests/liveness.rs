@@ -5,9 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use rdmakit_channel::put::PutEndpoint;
 use rdmakit_channel::*;
 use rdmakit_verbs::*;
+
+mod common;
+use common::put_endpoints;
 
 /// Generous: the keep-alive interval plus the default transport budget (4.096 µs × 2^14 ×
 /// 8 tries, about 0.54 s) is under a second on an idle machine.
@@ -103,17 +105,6 @@ async fn blocked_stream_read_fails_after_the_writer_is_dropped() {
     eprintln!("liveness: poll_read failed after {:?}: {e}", start.elapsed());
 }
 
-fn put_endpoints(pd: &ProtectionDomain) -> (PutEndpoint, PutEndpoint) {
-    let ctx = pd.context();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let caps = QpCaps { max_inline_data: 64, ..QpCaps::default() };
-    let a = pd.create_qp(&ca, &ca, caps).unwrap();
-    let b = pd.create_qp(&cb, &cb, caps).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    (PutEndpoint::new(a, ca, PollMode::Busy).unwrap(), PutEndpoint::new(b, cb, PollMode::Busy).unwrap())
-}
-
 /// Polls `f` until it errors; panics after [`BOUND`].
 fn sync_fails_within(what: &str, mut f: impl FnMut() -> rdmakit_channel::Result<()>) -> Duration {
     let start = Instant::now();
@@ -164,21 +155,6 @@ fn busy_put_fails_after_the_receiver_is_dropped() {
     });
 }
 
-fn heap_endpoints(
-    limits: rdmakit_channel::heap::OwnerLimits,
-    timeout: Duration,
-) -> (rdmakit_channel::heap::HeapEndpoint, rdmakit_channel::heap::HeapEndpoint) {
-    use rdmakit_channel::heap::HeapEndpoint;
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
-    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    (HeapEndpoint::new(a, ca, limits, timeout).unwrap(), HeapEndpoint::new(b, cb, limits, timeout).unwrap())
-}
-
 #[test]
 fn blocked_rmalloc_fails_after_the_owner_is_dropped() {
     use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapId, SyncMode};
@@ -186,7 +162,8 @@ fn blocked_rmalloc_fails_after_the_owner_is_dropped() {
     let timeout = Duration::from_secs(60);
     for sync in [SyncMode::Deferred, SyncMode::Immediate] {
         let limits = rdmakit_channel::heap::OwnerLimits { segment_len: 64 << 10, ..Default::default() };
-        let (mut a, mut b) = heap_endpoints(limits, timeout);
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let (mut a, mut b) = common::heap_endpoints(&pd, limits, timeout);
         let heap = HeapId(1);
         let config = HeapConfig::new(heap, AllocPolicy::NextFit).with_sync(sync);
         std::thread::scope(|s| {

@@ -17,23 +17,15 @@ use rdmakit_channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit_channel::put::{HandleDesc, PutEndpoint};
 use rdmakit_channel::*;
 use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapId, SyncMode};
-use rdmakit_verbs::cm::{CmOptions, Listener, connect};
+use rdmakit_verbs::cm::{Listener, connect};
 use rdmakit_verbs::*;
+
+mod common;
+use common::cm_options;
 
 /// Transport budget: 4.096 µs × 2^16 per try, 4 tries (about 1.07 s); the keep-alive
 /// interval adds 0.1 s. The bound leaves a wide margin for a loaded machine.
 const BOUND: Duration = Duration::from_secs(15);
-
-fn cm_options() -> CmOptions {
-    let mut o = CmOptions::default();
-    o.caps.max_inline_data = 64;
-    o.caps.max_recv_wr = 160;
-    o.caps.max_send_wr = 256;
-    o.cqe = 1024;
-    o.connect.timeout = 16;
-    o.connect.retry_cnt = 3;
-    o
-}
 
 fn pipe_config() -> PipeConfig {
     PipeConfig { ring_len: 64 << 10, slots: 4, ..PipeConfig::default() }
