@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use rdmakit::memory::heap::endpoint::{HeapEndpoint, OwnerLimits};
+use rdmakit::channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit::memory::heap::{AllocPolicy, HeapConfig, HeapId};
 use rdmakit::*;
 
@@ -19,7 +19,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let r = pd.create_qp(&cr, &cr, QpCaps::default())?;
     w.connect(&r.endpoint()?, &ConnectOptions::default())?;
     r.connect(&w.endpoint()?, &ConnectOptions::default())?;
-    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20 };
+    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20, ..OwnerLimits::default() };
     let mut writer = HeapEndpoint::new(w, cw, limits, Duration::from_secs(5))?;
     let mut reader = HeapEndpoint::new(r, cr, limits, Duration::from_secs(5))?;
     let heap = HeapId(1);
@@ -31,13 +31,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let landed = loop {
                 match reader.try_recv_block(heap) {
                     Ok(Some(l)) => break l,
-                    Ok(None) | Err(rdmakit::memory::heap::endpoint::EndpointError::UnknownHeap(_)) => {
+                    Ok(None) | Err(rdmakit::channel::ChannelError::UnknownHeap(_)) => {
                         reader.poll_messages().map_err(|e| e.to_string())?
                     }
                     Err(e) => return Err(e.to_string()),
                 }
             };
-            let mut text = vec![0u8; landed.block.len as usize];
+            let mut text = vec![0u8; landed.len() as usize];
             reader.read(&landed, 0, &mut text).map_err(|e| e.to_string())?;
             let text = String::from_utf8_lossy(&text);
             let text = text.trim_end_matches('\0');
@@ -45,8 +45,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 let head: String = text.chars().take(16).collect();
                 println!(
                     "reader: block {:#x}+{} holds {} bytes: {head:?}...",
-                    landed.block.addr,
-                    landed.block.len,
+                    landed.block().addr,
+                    landed.len(),
                     text.len()
                 );
             }

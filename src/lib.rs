@@ -5,8 +5,10 @@
 //!   queues, RC queue pairs, work requests, device memory, over two providers (rdma-core
 //!   and the soft NIC). Its items are also re-exported at the top level.
 //! - [`memory`] (`rdmakit-memory`): MEMIC regions in NIC memory, the cross-GVMI UMR mkey
-//!   pool and alias cache, and asymmetric remote heaps ([`memory::heap`]).
-//! - [`channel`] (`rdmakit-channel`): async pipes and persistent put handles.
+//!   pool and alias cache, and the allocator core of asymmetric remote heaps
+//!   ([`memory::heap`]), without transport.
+//! - [`channel`] (`rdmakit-channel`): async pipes, persistent put handles and the remote
+//!   heaps' transport ([`channel::heap`]), over one control channel with peer liveness.
 //!
 //! ```
 //! let ctx = rdmakit::Context::open_soft();

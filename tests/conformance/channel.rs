@@ -15,7 +15,52 @@ pub const CASES: &[Case] = &[
     case("pipe_write_imm_round_trips", pipe_write_imm),
     case("pipe_flag_round_trips", pipe_flag),
     case("put_handle_round_trips", put_handle),
+    case("pipe_blocked_write_fails_when_the_reader_is_dropped", pipe_liveness),
 ];
+
+/// Liveness bound of the default connection options: the keep-alive interval plus the
+/// transport budget (4.096 µs × 2^14 × 8 tries, about 0.54 s), with a wide margin for a
+/// loaded machine or VM.
+const LIVENESS_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A writer blocked on credits (nothing in flight) whose reader's QP is destroyed: its
+/// keep-alive goes unanswered and the blocked `rwrite` fails with a broken connection
+/// within the bound, on either provider.
+fn pipe_liveness(env: &Env) -> Result<(), Failed> {
+    let p = env.pair_with(caps(), 1024, env.opts())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let cfg = PipeConfig { ring_len: 64 << 10, slots: 4, ..PipeConfig::default() };
+    rt.block_on(async {
+        let (a, b) = tokio::try_join!(Pipe::connect(p.a, p.cq_a, cfg), Pipe::connect(p.b, p.cq_b, cfg))?;
+        let src = p.pd.alloc_mr(1024, AccessFlags::LOCAL_WRITE)?;
+        for _ in 0..4 {
+            a.rwrite(src.local()?).await.0?;
+        }
+        let blocked =
+            tokio::time::timeout(std::time::Duration::from_millis(100), a.rwrite(src.local()?)).await;
+        if blocked.is_ok() {
+            return Err("the fifth write should wait for credits".into());
+        }
+        drop(b); // the reader's QP is destroyed: nothing answers the writer any more
+        let start = std::time::Instant::now();
+        let r = tokio::time::timeout(LIVENESS_BOUND, a.rwrite(src.local()?)).await;
+        match r {
+            Err(_) => {
+                Err(format!("rwrite still blocked {LIVENESS_BOUND:?} after the reader went away").into())
+            }
+            Ok((Ok(()), _)) => Err("rwrite succeeded with the reader gone".into()),
+            Ok((Err(e), _)) if e.is_peer_gone() => {
+                eprintln!(
+                    "conformance: {} blocked rwrite failed after {:?}: {e}",
+                    env.provider,
+                    start.elapsed()
+                );
+                Ok(())
+            }
+            Ok((Err(e), _)) => Err(format!("expected a peer-gone error, got {e}").into()),
+        }
+    })
+}
 
 fn caps() -> QpCaps {
     QpCaps { max_send_wr: 256, max_recv_wr: 160, max_inline_data: 64, ..QpCaps::default() }

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use libtest_mimic::Failed;
-use rdmakit::memory::heap::endpoint::{HeapEndpoint, OwnerLimits};
+use rdmakit::channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit::memory::heap::{AllocPolicy, HeapConfig, HeapId};
 use rdmakit::*;
 
@@ -20,7 +20,7 @@ pub const CASES: &[Case] = &[
 
 fn endpoints(env: &Env) -> Result<(HeapEndpoint, HeapEndpoint, ProtectionDomain), Failed> {
     let p = env.pair()?;
-    let limits = OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 4 << 20 };
+    let limits = OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 4 << 20, ..OwnerLimits::default() };
     let a = HeapEndpoint::new(p.a, p.cq_a, limits, WAIT)?;
     let b = HeapEndpoint::new(p.b, p.cq_b, limits, WAIT)?;
     Ok((a, b, p.pd))

@@ -12,15 +12,29 @@
 //! it to the state, so dropping a waiting future loses nothing; the buffers of requests in
 //! flight are held by the verbs layer's in-flight table until their completion is reaped,
 //! whoever reaps it. Waiting allocates nothing.
+//!
+//! Liveness: while a wait is blocked, the state's [`ControlSlots`] gets a
+//! [`tick`](ControlSlots::tick) every keep-alive interval (a timer in event mode, a clock
+//! check between polls in busy mode), which sends a keep-alive when nothing is in flight;
+//! a dead peer then fails it, and the failure is what the waiting condition returns.
 
 use std::future::Future;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::time::{Duration, Instant};
+
 use rdmakit_verbs::{CompletionQueue, WorkCompletion};
 use tokio::sync::Notify;
 
+use crate::control::ControlSlots;
 use crate::error::Result;
+
+/// A driver's state: it holds the connection's control channel.
+pub(crate) trait Controlled {
+    /// The control channel.
+    fn control(&mut self) -> &mut ControlSlots;
+}
 
 /// Rounds a busy-mode wait polls before it first yields to the executor.
 const BUSY_SPIN_ROUNDS: u32 = 64;
@@ -37,9 +51,10 @@ pub enum PollMode {
 
 /// Progress for one CQ whose completions update a state `S`.
 #[derive(Debug)]
-pub struct Driver<S> {
+pub(crate) struct Driver<S> {
     cq: CompletionQueue,
     mode: PollMode,
+    keepalive: Duration,
     state: Mutex<S>,
     notify: Notify,
     /// Futures registered to be woken: wake-ups are skipped (no lock taken) when zero.
@@ -55,30 +70,28 @@ impl Drop for Waiting<'_> {
     }
 }
 
-impl<S> Driver<S> {
+impl<S: Controlled> Driver<S> {
     /// A driver over `cq` for `state`.
-    pub fn new(cq: CompletionQueue, mode: PollMode, state: S) -> Self {
-        Driver { cq, mode, state: Mutex::new(state), notify: Notify::new(), waiters: AtomicUsize::new(0) }
-    }
-
-    /// The poll mode.
-    pub fn mode(&self) -> PollMode {
-        self.mode
-    }
-
-    /// The CQ.
-    pub fn cq(&self) -> &CompletionQueue {
-        &self.cq
+    pub(crate) fn new(cq: CompletionQueue, mode: PollMode, mut state: S) -> Self {
+        let keepalive = state.control().keepalive_interval();
+        Driver {
+            cq,
+            mode,
+            keepalive,
+            state: Mutex::new(state),
+            notify: Notify::new(),
+            waiters: AtomicUsize::new(0),
+        }
     }
 
     /// Runs `f` on the state (never across an await).
-    pub fn with<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut g)
     }
 
     /// Wakes every waiter (after a state change they may care about).
-    pub fn wake_all(&self) {
+    pub(crate) fn wake_all(&self) {
         // Pairs with the waiter's increment-then-recheck in `wait_mode`: either the waiter
         // sees the change on its re-check, or this sees the waiter and wakes it.
         if self.waiters.load(Ordering::SeqCst) > 0 {
@@ -87,7 +100,7 @@ impl<S> Driver<S> {
     }
 
     /// Takes every completion available now and applies it with `handle`. Returns how many.
-    pub fn progress(&self, handle: &mut impl FnMut(&mut S, &WorkCompletion)) -> Result<usize> {
+    pub(crate) fn progress(&self, handle: &mut impl FnMut(&mut S, &WorkCompletion)) -> Result<usize> {
         let mut wcs = [WorkCompletion::default(); 32];
         let mut total = 0;
         loop {
@@ -108,23 +121,29 @@ impl<S> Driver<S> {
         Ok(total)
     }
 
-    /// Waits until `ready` returns `Some`, making progress with `handle` meanwhile.
-    /// `ready` runs under the state lock; it must not block.
-    pub async fn wait<R>(
+    /// Sends a keep-alive if one is due (see [`ControlSlots::tick`]).
+    fn tick(&self) {
+        self.with(|s| s.control().tick());
+    }
+
+    /// Runs `post_or_done` (under the state lock) until it returns `Some`, making
+    /// progress with `handle` meanwhile. `post_or_done` posts what the operation can post
+    /// now and returns `Some` once it has finished (or failed); it must not block.
+    pub(crate) async fn wait<R>(
         &self,
         handle: impl FnMut(&mut S, &WorkCompletion),
-        ready: impl FnMut(&mut S) -> Option<Result<R>>,
+        post_or_done: impl FnMut(&mut S) -> Option<Result<R>>,
     ) -> Result<R> {
-        self.wait_mode(self.mode, handle, ready).await
+        self.wait_mode(self.mode, handle, post_or_done).await
     }
 
     /// [`wait`](Self::wait) in the given mode: [`PollMode::Busy`] for conditions no
     /// completion announces (a flag in memory).
-    pub async fn wait_mode<R>(
+    pub(crate) async fn wait_mode<R>(
         &self,
         mode: PollMode,
         mut handle: impl FnMut(&mut S, &WorkCompletion),
-        mut ready: impl FnMut(&mut S) -> Option<Result<R>>,
+        mut post_or_done: impl FnMut(&mut S) -> Option<Result<R>>,
     ) -> Result<R> {
         // Fast path, without registering: a post and its completion often take two rounds
         // (the condition posts a request, the next round finds its completion). Busy mode
@@ -132,10 +151,11 @@ impl<S> Driver<S> {
         let rounds = if mode == PollMode::Busy { BUSY_SPIN_ROUNDS } else { 2 };
         for _ in 0..rounds {
             self.progress(&mut handle)?;
-            if let Some(r) = self.with(&mut ready) {
+            if let Some(r) = self.with(&mut post_or_done) {
                 return r;
             }
         }
+        let mut last_tick = Instant::now();
         loop {
             let notified = self.notify.notified();
             tokio::pin!(notified);
@@ -144,11 +164,17 @@ impl<S> Driver<S> {
             let _waiting = Waiting(&self.waiters);
             // (Re-)check now that a wake-up cannot be missed.
             self.progress(&mut handle)?;
-            if let Some(r) = self.with(&mut ready) {
+            if let Some(r) = self.with(&mut post_or_done) {
                 return r;
             }
             match mode {
-                PollMode::Busy => tokio::task::yield_now().await,
+                PollMode::Busy => {
+                    if last_tick.elapsed() >= self.keepalive {
+                        last_tick = Instant::now();
+                        self.tick();
+                    }
+                    tokio::task::yield_now().await
+                }
                 PollMode::Event => {
                     // The completion `next` takes must be applied in the same step, under
                     // the state lock: applied after the lock is re-taken, a concurrent
@@ -166,6 +192,10 @@ impl<S> Driver<S> {
                             self.wake_all();
                         }
                         _ = &mut notified => {}
+                        _ = tokio::time::sleep(self.keepalive.saturating_sub(last_tick.elapsed())) => {
+                            last_tick = Instant::now();
+                            self.tick();
+                        }
                     }
                 }
             }

@@ -21,6 +21,12 @@ pub enum ChannelError {
         /// What the failed request was doing.
         what: &'static str,
     },
+    /// A control message from the peer does not decode.
+    #[error("malformed control message: {0}")]
+    Malformed(#[from] crate::control::DecodeError),
+    /// No such heap on this heap endpoint.
+    #[error("no heap {0:?} on this endpoint")]
+    UnknownHeap(rdmakit_memory::heap::HeapId),
     /// The peer sent something the protocol does not allow.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -43,6 +49,23 @@ pub enum ChannelError {
     /// A wait ran out of time.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),
+}
+
+impl ChannelError {
+    /// Whether this error means the peer is gone (or the connection to it is): a failed
+    /// work request, such as the keep-alive of a blocked operation whose retries ran out
+    /// (`RETRY_EXC_ERR`).
+    pub fn is_peer_gone(&self) -> bool {
+        matches!(self, ChannelError::Broken { .. })
+    }
+}
+
+/// `offset .. offset + len` within `size` bytes of `what`, else `OutOfBounds`.
+pub(crate) fn check_range(what: &'static str, offset: u64, len: usize, size: u64) -> Result<()> {
+    if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+        return Err(rdmakit_verbs::Error::OutOfBounds { what, offset, len: len as u64, size }.into());
+    }
+    Ok(())
 }
 
 /// Result of channel operations.

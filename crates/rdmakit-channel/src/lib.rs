@@ -10,21 +10,31 @@
 //! - [`put`]: CkDirect-style persistent put handles: a receive buffer set up once, a
 //!   sender associated once, then one RDMA write per iteration, detected by a sequence word
 //!   written after the data (so any payload is seen, unlike CkDirect's sentinel).
+//! - [`heap`]: the rmalloc paper's remote heaps between two endpoints (the allocator core is
+//!   `rdmakit_memory::heap`; this is its transport).
+//!
+//! All three speak through one [`control`] channel: receive slots, typed [`Message`]s with a
+//! total decoder, a send backlog, and **liveness**: an operation blocked with nothing in
+//! flight sends keep-alives, so a dead peer becomes [`ChannelError::Broken`] within
+//! [`KEEPALIVE_INTERVAL`] plus the QP's transport budget (see [`control`]).
 //!
 //! **Cancel safety.** Operations take ownership of their buffers and return them with the
 //! result ([`BufResult`]). Once a request is posted, the verbs layer's in-flight table holds
 //! its memory region until the NIC's completion is reaped, whoever reaps it; dropping a
 //! future therefore never frees or reuses memory the NIC may still touch, and the
 //! completion it was waiting for is applied by the next operation that makes progress
-//! ([`driver`]). Receive guards and put handles never hand out `&[u8]` over memory a peer
+//! (the crate's completion driver). Receive guards and put handles never hand out `&[u8]` over memory a peer
 //! may write, except through `unsafe fn`s.
 
-pub mod driver;
+pub mod control;
+mod driver;
 mod error;
+pub mod heap;
 pub mod pipe;
 pub mod put;
 pub mod stream;
 
+pub use control::{DecodeError, KEEPALIVE_INTERVAL, Message};
 pub use driver::PollMode;
 pub use error::{BufResult, ChannelError, Result};
 pub use pipe::{NotifyMode, Pipe, PipeConfig, RecvGuard};

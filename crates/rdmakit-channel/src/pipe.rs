@@ -22,9 +22,11 @@
 //!   promise placement order of bytes that are polled before a completion. The receiver
 //!   polls memory, so `recv` spins (yielding) in this mode whatever the [`PollMode`].
 //!
-//! Control messages (hello, credits, publish, read-done) are inline sends of at most 64
-//! bytes into receive buffers each end keeps posted, so the QP needs
-//! `max_inline_data >= 64`; the QP should retry RNR without limit (the default).
+//! Control messages (hello, credits, publish, read-done; [`Message`]) go
+//! through the connection's [control channel](crate::control) as inline sends of at most
+//! 64 bytes, so the QP needs `max_inline_data >= 64`; the QP should retry RNR without limit
+//! (the default). A blocked operation sends keep-alives there, so a dead peer ends it with
+//! [`ChannelError::Broken`] (see [`control`](crate::control) for the bound).
 //!
 //! Cancel safety: an `rwrite` future owns its source slice; once the writes are posted,
 //! dropping the future leaves the block handed over to the reader and the slice held by
@@ -37,31 +39,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdmakit_memory::heap::{
-    AllocNotice, AllocPolicy, FreeBatch, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner,
-    RemoteBlock, RemoteSegment,
+    AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock,
+    RemoteSegment,
 };
 use rdmakit_verbs::cm::Connection;
 use rdmakit_verbs::{
-    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr,
-    WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RemoteRegion, RemoteSlice, SendWr,
+    WorkCompletion,
 };
 
-use crate::driver::{Driver, PollMode};
-use crate::error::{BufResult, ChannelError, Result};
+use crate::control::{ControlConfig, ControlSlots, Event, MAILBOX_SLOT, Message};
+use crate::driver::{Controlled, Driver, PollMode};
+use crate::error::{BufResult, ChannelError, Result, check_range};
 
 const HEAP: HeapId = HeapId(0);
 /// Receive buffers each end keeps posted for control messages and immediates.
 const RECV_SLOTS: u32 = 128;
 /// Size of one control message buffer; control messages go inline, so at most this.
 const MSG_LEN: u32 = 64;
-/// Bytes per mailbox slot: `offset u64, len u64, seq u64`.
-const MAILBOX_SLOT: u64 = 24;
-
-const TAG_HELLO: u8 = 1;
-const TAG_CREDIT: u8 = 2;
-const TAG_PUBLISHED: u8 = 3;
-const TAG_READ_DONE: u8 = 4;
-const TAG_NEED: u8 = 5;
+/// Most publications from the peer waiting for an `rread`, and read-done answers waiting
+/// for their `publish`: beyond, the peer is flooding.
+const MAX_QUEUED: usize = 1024;
 
 /// How a receiver learns that a block landed (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -111,15 +109,19 @@ struct Hello {
 #[derive(Clone, Copy, Debug)]
 struct Published {
     id: u64,
-    remote: RemoteRegion,
+    remote: RemoteSlice,
+}
+
+struct Publishing {
+    /// Keeps the published region alive (and registered) while the peer may read it.
+    #[allow(dead_code)]
+    src: LocalSlice,
+    /// The `publish` future was dropped: nobody waits for the answer.
+    abandoned: bool,
 }
 
 struct State {
-    broken: Option<(WcStatus, &'static str)>,
-    protocol: Option<String>,
-    /// Signalled send-queue requests posted and completed (they complete in order).
-    posted: u64,
-    done: u64,
+    ctl: ControlSlots,
     peer: Option<Hello>,
     // ---- writer role (into the peer's ring)
     alloc: Option<HeapAllocator>,
@@ -131,23 +133,26 @@ struct State {
     owner: Option<HeapOwner>,
     imm_ready: VecDeque<(u64, u64)>,
     consumed: u64,
-    /// Credits that could not be posted yet (the send queue was full).
-    unsent: VecDeque<Vec<u8>>,
     // ---- publish / rread
     next_pub: u64,
     published_in: VecDeque<Published>,
+    /// Reads posted for publications (ticket, id): the read-done goes out when the read
+    /// completes, whoever reaps it.
+    reads: VecDeque<(u64, u64)>,
+    /// This end's publications the peer has not answered: their slices stay alive.
+    publishing: std::collections::HashMap<u64, Publishing>,
     read_done: Vec<(u64, bool)>,
 }
 
 impl State {
     fn check(&self) -> Result<()> {
-        if let Some((status, what)) = self.broken {
-            return Err(ChannelError::Broken { status, what });
-        }
-        if let Some(p) = &self.protocol {
-            return Err(ChannelError::Protocol(p.clone()));
-        }
-        Ok(())
+        self.ctl.check()
+    }
+}
+
+impl Controlled for State {
+    fn control(&mut self) -> &mut ControlSlots {
+        &mut self.ctl
     }
 }
 
@@ -155,7 +160,6 @@ struct Inner {
     qp: QueuePair,
     driver: Driver<State>,
     config: PipeConfig,
-    recv: MemoryRegion,
     ring: Option<MemoryRegion>,
     mailbox: MemoryRegion,
     _conn: Option<Connection>,
@@ -229,7 +233,8 @@ impl Pipe {
             return Err(ChannelError::Invalid("PipeConfig::slots must be in 1..=64"));
         }
         let pd = qp.pd().clone();
-        let recv = pd.alloc_mr((RECV_SLOTS * MSG_LEN) as usize, AccessFlags::LOCAL_WRITE)?;
+        let ctl =
+            ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
         let ring = match config.ring_len {
             0 => None,
             n => Some(pd.alloc_mr(
@@ -250,10 +255,7 @@ impl Pipe {
             None => None,
         };
         let state = State {
-            broken: None,
-            protocol: None,
-            posted: 0,
-            done: 0,
+            ctl,
             peer: None,
             alloc: None,
             notes_sent: 0,
@@ -262,32 +264,29 @@ impl Pipe {
             owner,
             imm_ready: VecDeque::new(),
             consumed: 0,
-            unsent: VecDeque::new(),
             next_pub: 1,
             published_in: VecDeque::new(),
+            reads: VecDeque::new(),
+            publishing: std::collections::HashMap::new(),
             read_done: Vec::new(),
         };
         let inner = Arc::new(Inner {
             qp,
             driver: Driver::new(cq, config.poll, state),
             config,
-            recv,
             ring,
             mailbox,
             _conn: conn,
         });
-        for slot in 0..RECV_SLOTS {
-            inner.post_recv(slot)?;
-        }
         // Hello: our ring and mailbox (empty descriptors when we have no ring).
         let empty = RemoteRegion { addr: 0, len: 0, rkey: 0 };
-        let ring_desc = inner.ring.as_ref().map_or(empty, MemoryRegion::remote);
-        let mut hello = vec![TAG_HELLO];
-        hello.extend_from_slice(&ring_desc.encode());
-        hello.extend_from_slice(&inner.mailbox.remote().encode());
-        hello.push(u8::from(config.notify == NotifyMode::WriteImm));
-        hello.extend_from_slice(&config.slots.to_le_bytes());
-        inner.driver.with(|st| inner.send_inline(st, &hello))?;
+        let hello = Message::PipeHello {
+            ring: inner.ring.as_ref().map_or(empty, MemoryRegion::remote),
+            mailbox: inner.mailbox.remote(),
+            notify: config.notify,
+            slots: config.slots,
+        };
+        inner.driver.with(|st| st.ctl.send(&hello))?;
         let pipe = Pipe { inner };
         let wait = pipe.inner.wait(|st| {
             if let Err(e) = st.check() {
@@ -312,6 +311,17 @@ impl Pipe {
         &self.inner.qp
     }
 
+    /// Messages `rwrite` has handed to the NIC so far (each arrives exactly once, whether
+    /// or not its future was awaited to the end).
+    pub fn messages_sent(&self) -> u64 {
+        self.inner.driver.with(|st| st.notes_sent)
+    }
+
+    /// Bytes of the receive ring the peer offers (0: it only sends).
+    pub fn peer_ring_len(&self) -> u64 {
+        self.inner.driver.with(|st| st.peer.map_or(0, |p| p.ring.len))
+    }
+
     /// rwrite: RDMA-writes `src` into a block of the peer's ring and notifies the peer.
     /// Waits for ring space (and a notification slot) first: the reader releasing blocks
     /// is the credit. Resolves when `src` may be reused, returning it.
@@ -334,7 +344,7 @@ impl Pipe {
                     return Some(Err(e));
                 }
                 if let Some(t) = ticket {
-                    return (st.done >= t).then_some(Ok(()));
+                    return (st.ctl.done() >= t).then_some(Ok(()));
                 }
                 let peer = st.peer?;
                 if peer.ring.len == 0 {
@@ -392,6 +402,9 @@ impl Pipe {
 
     /// The owner side of `rread`: publishes `src` (a slice of a region with remote read
     /// access) to the peer and waits until the peer has read it. Returns `src`.
+    ///
+    /// Cancel safety: once published, the pipe keeps `src`'s region alive until the peer
+    /// answers, even if this future is dropped, so the peer never reads freed memory.
     pub async fn publish(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
         let r = self.publish_inner(&src).await;
         (r, src)
@@ -405,17 +418,34 @@ impl Pipe {
         let inner = &self.inner;
         let id = inner.driver.with(|st| -> Result<u64> {
             st.check()?;
+            if st.publishing.len() >= MAX_QUEUED {
+                return Err(ChannelError::TooLarge {
+                    what: "publications awaiting the peer",
+                    len: st.publishing.len() as u64 + 1,
+                    limit: MAX_QUEUED as u64,
+                });
+            }
             let id = st.next_pub;
             st.next_pub += 1;
-            let mut m = vec![TAG_PUBLISHED];
-            m.extend_from_slice(&id.to_le_bytes());
-            m.extend_from_slice(&remote.addr.to_le_bytes());
-            m.extend_from_slice(&remote.len.to_le_bytes());
-            m.extend_from_slice(&remote.rkey.to_le_bytes());
-            inner.send_inline(st, &m)?;
+            st.ctl.send(&Message::Published { id, remote })?;
+            st.publishing.insert(id, Publishing { src: src.clone(), abandoned: false });
             Ok(id)
         })?;
-        inner
+        // Dropped before the answer: the publication stays alive, marked abandoned.
+        struct Abandon<'a>(&'a Inner, u64, bool);
+        impl Drop for Abandon<'_> {
+            fn drop(&mut self) {
+                if !self.2 {
+                    self.0.driver.with(|st| {
+                        if let Some(p) = st.publishing.get_mut(&self.1) {
+                            p.abandoned = true;
+                        }
+                    });
+                }
+            }
+        }
+        let mut guard = Abandon(inner, id, false);
+        let r = inner
             .wait(|st| match st.read_done.iter().position(|(i, _)| *i == id) {
                 Some(k) => {
                     let (_, ok) = st.read_done.swap_remove(k);
@@ -427,12 +457,18 @@ impl Pipe {
                 }
                 None => st.check().err().map(Err),
             })
-            .await
+            .await;
+        guard.2 = true;
+        r
     }
 
     /// rread: waits for the peer's next published slice, RDMA-reads it into `dst`, and
     /// tells the peer. Returns the bytes read and `dst`. A publication larger than `dst` is
     /// refused (the peer's `publish` fails) and reported as [`ChannelError::TooLarge`].
+    ///
+    /// Cancel safety: a publication is taken in the same step that posts its read, and the
+    /// peer is told when the read completes whoever reaps it: dropping this future never
+    /// loses a publication or leaves the peer's `publish` waiting.
     pub async fn rread(&self, dst: LocalSlice) -> BufResult<usize, LocalSlice> {
         let r = self.rread_inner(&dst).await;
         (r, dst)
@@ -440,57 +476,51 @@ impl Pipe {
 
     async fn rread_inner(&self, dst: &LocalSlice) -> Result<usize> {
         let inner = &self.inner;
-        let p = inner
-            .wait(|st| st.published_in.pop_front().map(Ok).or_else(|| st.check().err().map(Err)))
+        let (len, ticket) = inner
+            .wait(|st| {
+                if let Err(e) = st.check() {
+                    return Some(Err(e));
+                }
+                let p = st.published_in.pop_front()?;
+                let len = p.remote.len;
+                if len > dst.len() {
+                    if let Err(e) = st.ctl.send(&Message::ReadDone { id: p.id, ok: false }) {
+                        return Some(Err(e));
+                    }
+                    return Some(Err(ChannelError::TooLarge {
+                        what: "publication",
+                        len: u64::from(len),
+                        limit: u64::from(dst.len()),
+                    }));
+                }
+                let posted = dst
+                    .region()
+                    .slice(dst.offset(), len)
+                    .map_err(ChannelError::from)
+                    .and_then(|local| st.ctl.post(SendWr::read(local, p.remote)));
+                match posted {
+                    Ok(ticket) => {
+                        st.reads.push_back((ticket, p.id));
+                        Some(Ok((len, ticket)))
+                    }
+                    Err(e) => {
+                        // Not read: back at the front for the next rread.
+                        st.published_in.push_front(p);
+                        Some(Err(e))
+                    }
+                }
+            })
             .await?;
-        let len = p.remote.len;
-        let done = |ok: bool| {
-            let mut m = vec![TAG_READ_DONE];
-            m.extend_from_slice(&p.id.to_le_bytes());
-            m.push(u8::from(ok));
-            m
-        };
-        if len > u64::from(dst.len()) {
-            inner.driver.with(|st| inner.send_inline(st, &done(false)))?;
-            return Err(ChannelError::TooLarge { what: "publication", len, limit: u64::from(dst.len()) });
-        }
-        let local = dst.region().slice(dst.offset(), len as u32)?;
-        let ticket = inner.driver.with(|st| -> Result<u64> {
-            st.check()?;
-            inner.qp.post_send(SendWr::read(local, p.remote.slice(0, len as u32)?))?;
-            st.posted += 1;
-            Ok(st.posted)
-        })?;
-        inner.wait(|st| if st.done >= ticket { Some(Ok(())) } else { st.check().err().map(Err) }).await?;
-        inner.driver.with(|st| inner.send_inline(st, &done(true)))?;
+        inner
+            .wait(|st| if st.ctl.done() >= ticket { Some(Ok(())) } else { st.check().err().map(Err) })
+            .await?;
         Ok(len as usize)
     }
 }
 
 impl Inner {
-    fn post_recv(&self, slot: u32) -> Result<()> {
-        let s = self.recv.slice(u64::from(slot * MSG_LEN), MSG_LEN)?;
-        self.qp.post_recv(RecvWr::new(s).wr_id(u64::from(slot)))?;
-        Ok(())
-    }
-
-    async fn wait<R>(&self, ready: impl FnMut(&mut State) -> Option<Result<R>>) -> Result<R> {
-        self.driver.wait(|st, wc| self.on_wc(st, wc), ready).await
-    }
-
-    /// Posts a signalled inline send; on a full send queue, keeps it for later.
-    fn send_inline(&self, st: &mut State, m: &[u8]) -> Result<()> {
-        match self.qp.post_send(SendWr::send_inline(m)) {
-            Ok(()) => {
-                st.posted += 1;
-                Ok(())
-            }
-            Err(rdmakit_verbs::Error::QueueFull { .. }) => {
-                st.unsent.push_back(m.to_vec());
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+    async fn wait<R>(&self, post_or_done: impl FnMut(&mut State) -> Option<Result<R>>) -> Result<R> {
+        self.driver.wait(|st, wc| self.on_wc(st, wc), post_or_done).await
     }
 
     fn post_rwrite(
@@ -501,37 +531,41 @@ impl Inner {
         block: RemoteBlock,
         len: u64,
     ) -> Result<u64> {
-        let dst = block.region().slice(0, len as u32)?;
+        let dst = block.region().slice(0, src.len())?;
         let offset = block.addr - peer.ring.addr;
         let r = match peer.notify {
             NotifyMode::WriteImm => {
                 let imm =
                     u32::try_from(offset / 8).map_err(|_| ChannelError::Invalid("ring beyond 32 GiB"))?;
-                self.qp.post_send(SendWr::write(src.clone(), dst).with_imm(imm))
+                st.ctl.post(SendWr::write(src.clone(), dst).with_imm(imm))
             }
             NotifyMode::Flag => {
                 let slot = st.notes_sent % u64::from(peer.slots);
                 let mut h = [0u8; MAILBOX_SLOT as usize];
                 h[0..8].copy_from_slice(&offset.to_le_bytes());
                 h[8..16].copy_from_slice(&len.to_le_bytes());
-                // The sequence word last: the reader polls it.
+                // The sequence word last: the reader polls it (and the NIC stores a write's
+                // last aligned word last, with release semantics).
                 h[16..24].copy_from_slice(&(st.notes_sent + 1).to_le_bytes());
                 let flag = peer.mailbox.slice(slot * MAILBOX_SLOT, MAILBOX_SLOT as u32)?;
                 // Two posts rather than a batch: no allocation per message. (A failure
                 // between them is as final as a batch refused part-way.)
-                self.qp
-                    .post_send(SendWr::write(src.clone(), dst).unsignaled())
-                    .and_then(|()| self.qp.post_send(SendWr::write_inline(&h, flag)))
+                st.ctl
+                    .post_unsignaled(SendWr::write(src.clone(), dst))
+                    .and_then(|()| st.ctl.post(SendWr::write_inline(&h, flag)))
             }
         };
-        if let Err(e) = r {
-            // The block is lost to the ring; the pipe cannot recover its accounting.
-            st.protocol = Some(format!("posting an rwrite failed: {e}"));
-            return Err(e.into());
+        match r {
+            Ok(ticket) => {
+                st.notes_sent += 1;
+                Ok(ticket)
+            }
+            Err(e) => {
+                // The block is lost to the ring; the pipe cannot recover its accounting.
+                st.ctl.fail(format!("posting an rwrite failed: {e}"));
+                Err(e)
+            }
         }
-        st.posted += 1;
-        st.notes_sent += 1;
-        Ok(st.posted)
     }
 
     /// The next landed block, registered with the owner and taken by the consumer.
@@ -542,7 +576,9 @@ impl Inner {
             NotifyMode::Flag => {
                 let slot = st.consumed % u64::from(self.config.slots);
                 let at = slot * MAILBOX_SLOT;
-                let seq = self.mailbox.read_u64(at + 16).ok()?;
+                // Acquire: the NIC stores the sequence word last, with release semantics,
+                // so the offset and length read below are the ones written with it.
+                let seq = self.mailbox.load_u64_acquire(at + 16).ok()?;
                 if seq != st.consumed + 1 {
                     return None;
                 }
@@ -550,18 +586,23 @@ impl Inner {
             }
         };
         st.consumed += 1;
-        let block = RemoteBlock {
-            addr: ring.addr() + offset,
-            len: len.next_multiple_of(8),
-            rkey: ring.rkey(),
-            segment: 0,
+        // Peer-controlled words: checked before any arithmetic.
+        let block = (|| {
+            let addr = ring.addr().checked_add(offset)?;
+            let padded = len.checked_next_multiple_of(8)?;
+            (len > 0).then_some(RemoteBlock { addr, len: padded, rkey: ring.rkey(), segment: 0 })
+        })();
+        let Some(block) = block else {
+            let e = format!("the writer announced an invalid block (offset {offset}, {len} bytes)");
+            st.ctl.fail(e.clone());
+            return Some(Err(ChannelError::Protocol(e)));
         };
         let owner = st.owner.as_mut().expect("a ring has an owner");
         let r = owner.register(&AllocNotice::new(HEAP, block)).and_then(|()| owner.consume(block.addr));
         Some(match r {
             Ok(_) => Ok((block.addr, len)),
             Err(e) => {
-                st.protocol = Some(format!("the writer sent an invalid block: {e}"));
+                st.ctl.fail(format!("the writer sent an invalid block: {e}"));
                 Err(e.into())
             }
         })
@@ -571,7 +612,7 @@ impl Inner {
     fn ask_for_credit<R>(&self, st: &mut State) -> Option<Result<R>> {
         if !st.need_sent {
             st.need_sent = true;
-            if let Err(e) = self.send_inline(st, &[TAG_NEED]) {
+            if let Err(e) = st.ctl.send(&Message::NeedCredit) {
                 return Some(Err(e));
             }
         }
@@ -603,10 +644,7 @@ impl Inner {
                 return;
             }
             let batch = owner.take_free_batch(1);
-            let mut m = vec![TAG_CREDIT];
-            m.extend_from_slice(&st.consumed.to_le_bytes());
-            batch.encode_into(&mut m);
-            if let Err(e) = self.send_inline(st, &m) {
+            if let Err(e) = st.ctl.send(&Message::Credit { consumed: st.consumed, batch: Some(batch) }) {
                 tracing::warn!(error = %e, "pipe: returning credit failed");
                 return;
             }
@@ -615,67 +653,39 @@ impl Inner {
 
     /// Applies one completion to the state.
     fn on_wc(&self, st: &mut State, wc: &WorkCompletion) {
-        if !wc.status.is_success() {
-            if st.broken.is_none() {
-                let what = match wc.opcode {
-                    WcOpcode::RECV | WcOpcode::RECV_RDMA_WITH_IMM => "a receive",
-                    WcOpcode::RDMA_READ => "an rread",
-                    _ => "a send or write",
-                };
-                st.broken = Some((wc.status, what));
+        match st.ctl.on_wc(wc) {
+            None => {}
+            Some(Event::Imm { imm, byte_len }) => {
+                if self.ring.is_none() || st.imm_ready.len() >= self.config.slots as usize {
+                    st.ctl.fail("the writer exceeded its notification credits".into());
+                } else {
+                    st.imm_ready.push_back((u64::from(imm) * 8, u64::from(byte_len)));
+                }
             }
-            return;
+            Some(Event::Message(m)) => {
+                if let Err(e) = self.on_message(st, m) {
+                    st.ctl.fail(e);
+                }
+            }
+            Some(Event::Malformed(e)) => st.ctl.fail_malformed(e),
         }
-        match wc.opcode {
-            WcOpcode::RECV_RDMA_WITH_IMM => {
-                self.repost(st, wc.wr_id);
-                let offset = u64::from(wc.imm.unwrap_or(0)) * 8;
-                st.imm_ready.push_back((offset, u64::from(wc.byte_len)));
+        // Reads that completed, whoever reaped them: tell the publisher.
+        while let Some(&(ticket, id)) = st.reads.front() {
+            if st.ctl.done() < ticket {
+                break;
             }
-            WcOpcode::RECV => {
-                let mut m = [0u8; MSG_LEN as usize];
-                let n = (wc.byte_len as usize).min(m.len());
-                let slot = wc.wr_id.min(u64::from(RECV_SLOTS - 1));
-                let ok = self.recv.read_at(slot * u64::from(MSG_LEN), &mut m[..n]).is_ok();
-                self.repost(st, wc.wr_id);
-                if ok {
-                    if let Err(e) = self.on_message(st, &m[..n]) {
-                        st.protocol.get_or_insert(e);
-                    }
-                }
-            }
-            _ => {
-                st.done += 1;
-                // Room on the send queue again: post credits that had to wait.
-                while let Some(m) = st.unsent.pop_front() {
-                    if self.qp.post_send(SendWr::send_inline(&m)).is_err() {
-                        st.unsent.push_front(m);
-                        break;
-                    }
-                    st.posted += 1;
-                }
+            st.reads.pop_front();
+            if let Err(e) = st.ctl.send(&Message::ReadDone { id, ok: true }) {
+                tracing::warn!(error = %e, "pipe: answering a publication failed");
             }
         }
     }
 
-    fn repost(&self, st: &mut State, wr_id: u64) {
-        let posted = u32::try_from(wr_id).ok().filter(|s| *s < RECV_SLOTS).map(|s| self.post_recv(s));
-        if !matches!(posted, Some(Ok(()))) {
-            st.protocol.get_or_insert_with(|| format!("cannot repost receive {wr_id}"));
-        }
-    }
-
-    fn on_message(&self, st: &mut State, m: &[u8]) -> std::result::Result<(), String> {
-        let bad = |what: &str| format!("malformed {what} message ({} bytes)", m.len());
-        let u64_at = |i: usize| m.get(i..i + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
-        match m.first().copied() {
-            Some(TAG_HELLO) if m.len() == 46 => {
-                let ring = RemoteRegion::decode(&m[1..21]).map_err(|e| e.to_string())?;
-                let mailbox = RemoteRegion::decode(&m[21..41]).map_err(|e| e.to_string())?;
-                let notify = if m[41] == 1 { NotifyMode::WriteImm } else { NotifyMode::Flag };
-                let slots = u32::from_le_bytes(m[42..46].try_into().expect("4 bytes"));
-                if st.peer.is_some() || slots == 0 || u64::from(slots) * MAILBOX_SLOT > mailbox.len {
-                    return Err(bad("hello"));
+    fn on_message(&self, st: &mut State, m: Message) -> std::result::Result<(), String> {
+        match m {
+            Message::PipeHello { ring, mailbox, notify, slots } => {
+                if st.peer.is_some() {
+                    return Err("a second hello".into());
                 }
                 if ring.len > 0 {
                     let mut a = HeapAllocator::new(HeapConfig::new(HEAP, AllocPolicy::NextFit));
@@ -685,47 +695,43 @@ impl Inner {
                 st.peer = Some(Hello { ring, mailbox, notify, slots });
                 Ok(())
             }
-            Some(TAG_CREDIT) => {
-                let consumed = u64_at(1).ok_or_else(|| bad("credit"))?;
+            Message::Credit { consumed, batch } => {
                 if consumed > st.notes_sent {
-                    return Err(bad("credit"));
+                    return Err(format!("credit for {consumed} messages, {} sent", st.notes_sent));
                 }
                 st.peer_consumed = st.peer_consumed.max(consumed);
                 st.need_sent = false;
-                if m.len() == 9 {
-                    return Ok(()); // notification slots only
-                }
-                let batch = FreeBatch::decode(&m[9..]).map_err(|e| e.to_string())?;
-                let alloc = st.alloc.as_mut().ok_or_else(|| bad("credit"))?;
+                let Some(batch) = batch else { return Ok(()) }; // notification slots only
+                let alloc = st.alloc.as_mut().ok_or("a free batch, but the peer has no ring")?;
                 alloc.apply_free_batch(&batch).map_err(|e| e.to_string())
             }
-            Some(TAG_PUBLISHED) if m.len() == 25 => {
-                let id = u64_at(1).ok_or_else(|| bad("publish"))?;
-                let addr = u64_at(9).ok_or_else(|| bad("publish"))?;
-                let len = u32::from_le_bytes(m[17..21].try_into().expect("4 bytes"));
-                let rkey = u32::from_le_bytes(m[21..25].try_into().expect("4 bytes"));
-                st.published_in
-                    .push_back(Published { id, remote: RemoteRegion { addr, len: u64::from(len), rkey } });
+            Message::Published { id, remote } => {
+                if st.published_in.len() >= MAX_QUEUED {
+                    return Err(format!("more than {MAX_QUEUED} publications unread"));
+                }
+                st.published_in.push_back(Published { id, remote });
                 Ok(())
             }
-            Some(TAG_NEED) if m.len() == 1 => {
+            Message::NeedCredit => {
                 // The writer is blocked: return everything freed, even below the batch size,
                 // and the notification slots taken so far.
                 if st.owner.as_ref().is_some_and(|o| o.pending_free_blocks() > 0) {
                     self.flush_credits(st);
+                    Ok(())
                 } else {
                     // Notification slots only: a credit without a free batch.
-                    let mut m = vec![TAG_CREDIT];
-                    m.extend_from_slice(&st.consumed.to_le_bytes());
-                    self.send_inline(st, &m).map_err(|e| e.to_string())?;
+                    let m = Message::Credit { consumed: st.consumed, batch: None };
+                    st.ctl.send(&m).map_err(|e| e.to_string())
+                }
+            }
+            Message::ReadDone { id, ok } => {
+                let p = st.publishing.remove(&id).ok_or_else(|| format!("read-done for publication {id}"))?;
+                if !p.abandoned {
+                    st.read_done.push((id, ok));
                 }
                 Ok(())
             }
-            Some(TAG_READ_DONE) if m.len() == 10 => {
-                st.read_done.push((u64_at(1).ok_or_else(|| bad("read-done"))?, m[9] == 1));
-                Ok(())
-            }
-            _ => Err(bad("unknown")),
+            other => Err(format!("unexpected message on a pipe: {other:?}")),
         }
     }
 }
@@ -765,15 +771,7 @@ impl RecvGuard {
 
     /// Copies bytes of the message from `offset` into `out`.
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        if offset.checked_add(out.len() as u64).is_none_or(|e| e > self.len) {
-            return Err(rdmakit_verbs::Error::OutOfBounds {
-                what: "pipe message",
-                offset,
-                len: out.len() as u64,
-                size: self.len,
-            }
-            .into());
-        }
+        check_range("pipe message", offset, out.len(), self.len)?;
         let ring = self.ring();
         Ok(ring.read_at(self.addr - ring.addr() + offset, out)?)
     }

@@ -42,23 +42,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdmakit_verbs::{
-    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr,
-    WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, QueuePair, RemoteRegion, SendWr, WorkCompletion,
 };
 
-use crate::driver::{Driver, PollMode};
+use crate::control::{ControlConfig, ControlSlots, Event, Message};
+use crate::driver::{Controlled, Driver, PollMode};
 use crate::error::{ChannelError, Result};
 
 /// Most handles per endpoint and role.
 pub const MAX_HANDLES: u32 = 256;
 const RECV_SLOTS: u32 = 32;
 const MSG_LEN: u32 = 64;
-const TAG_ASSOC: u8 = 1;
-const TAG_DEASSOC: u8 = 2;
-/// `TAG_ASSOC`, handle id, ready word address and rkey, epoch.
-const ASSOC_LEN: usize = 1 + 4 + 8 + 4 + 4;
-/// `TAG_DEASSOC`, handle id, epoch.
-const DEASSOC_LEN: usize = 1 + 4 + 4;
 /// Sequence and ready words hold an association epoch above a 40-bit count.
 const COUNT_BITS: u32 = 40;
 const EPOCH_MASK: u32 = (1 << (64 - COUNT_BITS)) - 1;
@@ -109,11 +103,11 @@ impl HandleDesc {
         if seq.len != 8 {
             return Err(ChannelError::Protocol("a handle's sequence word is 8 bytes".into()));
         }
-        Ok(HandleDesc {
-            id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
-            buf: RemoteRegion::decode(&b[4..24])?,
-            seq,
-        })
+        let buf = RemoteRegion::decode(&b[4..24])?;
+        if buf.addr.checked_add(buf.len).is_none() || seq.addr.checked_add(seq.len).is_none() {
+            return Err(ChannelError::Protocol("a handle descriptor's region overflows".into()));
+        }
+        Ok(HandleDesc { id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")), buf, seq })
     }
 }
 
@@ -146,7 +140,7 @@ struct SendEntry {
 }
 
 struct State {
-    broken: Option<(WcStatus, &'static str)>,
+    ctl: ControlSlots,
     recv: Vec<Option<RecvEntry>>,
     send: Vec<Option<SendEntry>>,
     marked: VecDeque<u32>,
@@ -156,14 +150,18 @@ struct State {
     next_incarnation: u64,
 }
 
+impl Controlled for State {
+    fn control(&mut self) -> &mut ControlSlots {
+        &mut self.ctl
+    }
+}
+
 struct Inner {
-    qp: QueuePair,
     driver: Driver<State>,
     /// Receiver role: one sequence word per handle (peers write it).
     seq_words: MemoryRegion,
     /// Sender role: one ready word per handle (the receiver writes it).
     ready_words: MemoryRegion,
-    msgs: MemoryRegion,
 }
 
 /// Both roles of persistent put handles over one connected RC queue pair.
@@ -194,15 +192,16 @@ impl PutEndpoint {
         let pd = qp.pd().clone();
         let words = (MAX_HANDLES * 8) as usize;
         let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let ctl =
+            ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * MAX_HANDLES as usize))?;
         let inner = Arc::new(Inner {
             seq_words: pd.alloc_mr(words, remote)?,
             ready_words: pd.alloc_mr(words, remote)?,
-            msgs: pd.alloc_mr((RECV_SLOTS * MSG_LEN) as usize, AccessFlags::LOCAL_WRITE)?,
             driver: Driver::new(
                 cq,
                 poll,
                 State {
-                    broken: None,
+                    ctl,
                     recv: Vec::new(),
                     send: Vec::new(),
                     marked: VecDeque::new(),
@@ -210,11 +209,7 @@ impl PutEndpoint {
                     next_incarnation: 0,
                 },
             ),
-            qp,
         });
-        for s in 0..RECV_SLOTS {
-            inner.post_recv(s)?;
-        }
         Ok(PutEndpoint { inner })
     }
 
@@ -286,17 +281,16 @@ impl PutEndpoint {
         let handle = SendHandle { ep: self.clone(), id };
         inner.ready_words.write_u64(u64::from(id) * 8, 0)?;
         let ready = inner.ready_words.remote().slice(u64::from(id) * 8, 8)?;
-        let mut m = vec![TAG_ASSOC];
-        m.extend_from_slice(&desc.id.to_le_bytes());
-        m.extend_from_slice(&ready.addr.to_le_bytes());
-        m.extend_from_slice(&ready.rkey.to_le_bytes());
-        m.extend_from_slice(&epoch.to_le_bytes());
-        inner.qp.post_send(SendWr::send_inline(&m))?;
+        let m = Message::Assoc { handle: desc.id, ready, epoch };
+        inner.driver.with(|st| st.ctl.send(&m))?;
         Ok(handle)
     }
 
     /// Receiver: checks every marked handle (and only those) and runs the callback of each
     /// whose put has landed, on this thread. Returns how many fired.
+    ///
+    /// Called in a loop while waiting, it also keeps the connection watched: a dead sender
+    /// makes it return [`ChannelError::Broken`] within the bound of [`crate::control`].
     pub fn ready_poll(&self) -> Result<usize> {
         let inner = &self.inner;
         inner.progress()?;
@@ -307,7 +301,7 @@ impl PutEndpoint {
             let job = inner.driver.with(|st| -> Result<Option<(u32, u64, Callback, MemoryRegion)>> {
                 st.check()?;
                 let Some(id) = st.marked.pop_front() else { return Ok(None) };
-                let w = inner.seq_words.read_u64(u64::from(id) * 8)?;
+                let w = inner.seq_words.load_u64_acquire(u64::from(id) * 8)?;
                 let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
                 let seq = count_for(w, e.epoch);
                 if seq <= e.seen {
@@ -341,67 +335,58 @@ impl PutEndpoint {
 }
 
 impl Inner {
-    fn post_recv(&self, slot: u32) -> Result<()> {
-        let s = self.msgs.slice(u64::from(slot * MSG_LEN), MSG_LEN)?;
-        self.qp.post_recv(RecvWr::new(s).wr_id(u64::from(slot)))?;
-        Ok(())
-    }
-
+    /// Applies what has completed, keeps the connection watched, and reports a failure.
     fn progress(&self) -> Result<()> {
         self.driver.progress(&mut |st, wc| self.on_wc(st, wc))?;
-        self.driver.with(|st| st.check())
+        self.driver.with(|st| {
+            st.ctl.tick();
+            st.check()
+        })
     }
 
     fn on_wc(&self, st: &mut State, wc: &WorkCompletion) {
-        if !wc.status.is_success() {
-            let what = if wc.opcode == WcOpcode::RECV { "a receive" } else { "a put or ready signal" };
-            st.broken.get_or_insert((wc.status, what));
-            return;
-        }
-        if wc.opcode != WcOpcode::RECV {
-            return;
-        }
-        let slot = u32::try_from(wc.wr_id).unwrap_or(u32::MAX).min(RECV_SLOTS - 1);
-        let mut m = [0u8; MSG_LEN as usize];
-        let n = (wc.byte_len as usize).min(m.len());
-        let read = self.msgs.read_at(u64::from(slot * MSG_LEN), &mut m[..n]);
-        if self.post_recv(slot).is_err() || read.is_err() {
-            st.broken.get_or_insert((WcStatus::GENERAL_ERR, "reposting a receive"));
-            return;
-        }
-        let m = &m[..n];
-        let id = m.get(1..5).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
-        let entry = id.and_then(|id| st.recv.get_mut(id as usize)).and_then(Option::as_mut);
-        match (m.first(), entry) {
-            (Some(&TAG_ASSOC), Some(e)) if n == ASSOC_LEN => {
-                let addr = u64::from_le_bytes(m[5..13].try_into().expect("8 bytes"));
-                let rkey = u32::from_le_bytes(m[13..17].try_into().expect("4 bytes"));
-                let epoch = u32::from_le_bytes(m[17..21].try_into().expect("4 bytes"));
+        let m = match st.ctl.on_wc(wc) {
+            Some(Event::Message(m)) => m,
+            None => return,
+            Some(Event::Malformed(e)) => {
+                // Handles are independent: a bad message is the peer's loss, not the endpoint's.
+                tracing::warn!(error = %e, "put endpoint: ignoring a malformed control message");
+                return;
+            }
+            Some(Event::Imm { .. }) => {
+                tracing::warn!("put endpoint: ignoring a write with immediate");
+                return;
+            }
+        };
+        match m {
+            Message::Assoc { handle, ready, epoch } => {
+                let Some(e) = st.recv.get_mut(handle as usize).and_then(Option::as_mut) else {
+                    tracing::warn!(handle, "put endpoint: association with an unknown handle");
+                    return;
+                };
                 // A new association counts its puts from zero, in its own epoch.
-                e.sender_ready = Some(RemoteRegion { addr, len: 8, rkey });
+                e.sender_ready = Some(RemoteRegion { addr: ready.addr, len: 8, rkey: ready.rkey });
                 e.epoch = Some(epoch);
                 e.seen = 0;
                 e.consumed = 0;
             }
-            (Some(&TAG_DEASSOC), Some(e)) if n == DEASSOC_LEN => {
-                let epoch = u32::from_le_bytes(m[5..9].try_into().expect("4 bytes"));
+            Message::Deassoc { handle, epoch } => {
                 // Only the current association's: a late one must not end a newer one.
-                if e.epoch == Some(epoch) {
-                    e.sender_ready = None;
-                    e.epoch = None;
+                if let Some(e) = st.recv.get_mut(handle as usize).and_then(Option::as_mut) {
+                    if e.epoch == Some(epoch) {
+                        e.sender_ready = None;
+                        e.epoch = None;
+                    }
                 }
             }
-            _ => tracing::warn!(len = n, "put endpoint: ignoring a malformed or stale control message"),
+            other => tracing::warn!(message = ?other, "put endpoint: ignoring a message of another protocol"),
         }
     }
 }
 
 impl State {
     fn check(&self) -> Result<()> {
-        match self.broken {
-            Some((status, what)) => Err(ChannelError::Broken { status, what }),
-            None => Ok(()),
-        }
+        self.ctl.check()
     }
 }
 
@@ -442,7 +427,8 @@ impl RecvHandle {
             e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
             e.consumed = e.seen;
             let v = word(epoch, e.consumed).to_le_bytes();
-            inner.qp.post_send(SendWr::write_inline(&v, target.slice(0, 8)?))?;
+            let dst = target.slice(0, 8)?;
+            st.ctl.post(SendWr::write_inline(&v, dst))?;
             Ok(())
         })
     }
@@ -461,7 +447,7 @@ impl RecvHandle {
                     if let Err(e) = st.check() {
                         return Some(Err(e));
                     }
-                    let w = match inner.seq_words.read_u64(u64::from(id) * 8) {
+                    let w = match inner.seq_words.load_u64_acquire(u64::from(id) * 8) {
                         Ok(w) => w,
                         Err(e) => return Some(Err(e.into())),
                     };
@@ -521,16 +507,19 @@ impl SendHandle {
         inner.driver.with(|st| -> Result<()> {
             st.check()?;
             let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
-            let ready = count_for(inner.ready_words.read_u64(u64::from(self.id) * 8)?, Some(e.epoch));
+            let ready = count_for(inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?, Some(e.epoch));
             if ready < e.puts {
                 return Err(ChannelError::Busy);
             }
             let seq = word(e.epoch, e.puts + 1).to_le_bytes();
-            let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?).unsignaled();
+            let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
+            let seq_dst = e.desc.seq.slice(0, 8)?;
             // Two posts rather than a batch: no allocation per put.
-            inner.qp.post_send(data)?;
-            inner.qp.post_send(SendWr::write_inline(&seq, e.desc.seq.slice(0, 8)?))?;
-            e.puts += 1;
+            st.ctl.post_unsignaled(data)?;
+            st.ctl.post(SendWr::write_inline(&seq, seq_dst))?;
+            if let Some(e) = st.send[self.id as usize].as_mut() {
+                e.puts += 1;
+            }
             Ok(())
         })
     }
@@ -544,7 +533,7 @@ impl SendHandle {
     pub fn is_ready(&self) -> Result<bool> {
         let inner = &self.ep.inner;
         inner.progress()?;
-        let w = inner.ready_words.read_u64(u64::from(self.id) * 8)?;
+        let w = inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?;
         Ok(inner.driver.with(|st| {
             st.send[self.id as usize].as_ref().is_some_and(|e| count_for(w, Some(e.epoch)) >= e.puts)
         }))
@@ -554,11 +543,8 @@ impl SendHandle {
     pub fn deassociate(self) -> Result<()> {
         let inner = &self.ep.inner;
         let assoc = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| (e.desc.id, e.epoch)));
-        if let Some((id, epoch)) = assoc {
-            let mut m = vec![TAG_DEASSOC];
-            m.extend_from_slice(&id.to_le_bytes());
-            m.extend_from_slice(&epoch.to_le_bytes());
-            inner.qp.post_send(SendWr::send_inline(&m))?;
+        if let Some((handle, epoch)) = assoc {
+            inner.driver.with(|st| st.ctl.send(&Message::Deassoc { handle, epoch }))?;
         }
         Ok(())
     }
@@ -602,6 +588,9 @@ mod tests {
         assert!(matches!(HandleDesc::decode(&d.encode()[..43]), Err(ChannelError::Protocol(_))));
         let mut bad = d;
         bad.seq.len = 16;
+        assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));
+        let mut bad = d;
+        bad.buf.addr = u64::MAX - 10;
         assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));
     }
 }

@@ -57,10 +57,17 @@ fn io_err(e: ChannelError) -> io::Error {
 
 impl PipeStream {
     /// A stream over `pipe`, writing in messages of at most `chunk` bytes (capped to half
-    /// the peer's ring, so two can be in the ring at once).
+    /// the peer's ring less the kind byte, so two can be in the ring at once, and to what
+    /// one message can carry).
     pub fn new(pipe: Pipe, chunk: usize) -> Result<PipeStream> {
         if chunk == 0 {
             return Err(ChannelError::Invalid("a stream chunk needs at least one byte"));
+        }
+        let half = usize::try_from(pipe.peer_ring_len() / 2).unwrap_or(usize::MAX);
+        // A message's length is a u32; one byte of it is the kind.
+        let mut chunk = chunk.min(u32::MAX as usize - 1);
+        if half > 1 {
+            chunk = chunk.min(half - 1);
         }
         let staging = pipe.qp().pd().alloc_mr(chunk + 1, AccessFlags::LOCAL_WRITE)?;
         Ok(PipeStream { pipe, staging, writing: None, recv: None, current: None, eof: false, shut: false })
@@ -68,6 +75,11 @@ impl PipeStream {
 
     fn chunk(&self) -> usize {
         self.staging.len() - 1
+    }
+
+    /// The largest message body this stream writes.
+    pub fn chunk_len(&self) -> usize {
+        self.chunk()
     }
 
     /// Drives the message in flight; `Ready(Ok)` when there is none.
@@ -83,7 +95,10 @@ impl PipeStream {
     fn start(&mut self, kind: u8, data: &[u8]) -> io::Result<()> {
         self.staging.write_at(0, &[kind]).map_err(|e| io_err(e.into()))?;
         self.staging.write_at(1, data).map_err(|e| io_err(e.into()))?;
-        let slice = self.staging.slice(0, data.len() as u32 + 1).map_err(|e| io_err(e.into()))?;
+        // `data` is at most a chunk, which fits a u32 with the kind byte (see `new`).
+        let len =
+            u32::try_from(data.len() + 1).map_err(|_| io_err(ChannelError::Invalid("chunk too large")))?;
+        let slice = self.staging.slice(0, len).map_err(|e| io_err(e.into()))?;
         let pipe = self.pipe.clone();
         self.writing = Some(Box::pin(async move { pipe.rwrite(slice).await }));
         Ok(())

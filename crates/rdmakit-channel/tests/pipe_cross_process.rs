@@ -11,8 +11,11 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use rdmakit_channel::*;
-use rdmakit_verbs::cm::{CmOptions, Listener, connect};
+use rdmakit_verbs::cm::{Listener, connect};
 use rdmakit_verbs::*;
+
+mod common;
+use common::cm_options;
 
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
@@ -22,19 +25,6 @@ fn payload(i: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i.wrapping_mul(151) ^ j.wrapping_mul(13) ^ (j >> 8)) as u8).collect()
 }
 
-/// A transport budget of about a second (4.096 µs × 2^16 per try, 3 retries): a dead
-/// peer shows quickly, a peer slowed by a loaded machine does not look dead.
-fn cm_options() -> CmOptions {
-    let mut o = CmOptions::default();
-    o.caps.max_inline_data = 64;
-    o.caps.max_recv_wr = 160;
-    o.caps.max_send_wr = 256;
-    o.cqe = 1024;
-    o.connect.timeout = 16;
-    o.connect.retry_cnt = 3;
-    o
-}
-
 fn pipe_config(mode: &str) -> PipeConfig {
     let notify = if mode == "flag" { NotifyMode::Flag } else { NotifyMode::WriteImm };
     PipeConfig { notify, ring_len: 256 << 10, ..PipeConfig::default() }
@@ -42,8 +32,10 @@ fn pipe_config(mode: &str) -> PipeConfig {
 
 const MAX: usize = 40_000;
 
-/// The echo peer (only when run as the child of the tests below).
+/// The echo peer: a helper, not a test (reported as ignored); the tests below run it with
+/// `--ignored` in the child process.
 #[test]
+#[ignore = "helper: runs only as the peer process of this file's tests"]
 fn pipe_echo_peer() {
     let Ok(mode) = std::env::var("RDMAKIT_PIPE_PEER") else {
         return;
@@ -86,7 +78,7 @@ impl Drop for Peer {
 
 fn spawn_peer(mode: &str) -> (Peer, SocketAddr) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pipe_echo_peer", "--nocapture", "--test-threads=1"])
+        .args(["--exact", "pipe_echo_peer", "--ignored", "--nocapture", "--test-threads=1"])
         .env("RDMAKIT_PIPE_PEER", mode)
         .stdout(Stdio::piped())
         .spawn()

@@ -7,9 +7,6 @@ use std::time::Duration;
 use rdmakit_channel::*;
 use rdmakit_verbs::*;
 
-const TAG_HELLO: u8 = 1;
-const TAG_CREDIT: u8 = 2;
-
 struct Raw {
     qp: QueuePair,
     cq: CompletionQueue,
@@ -55,20 +52,21 @@ async fn pipe_hello(raw: &Raw) -> (RemoteRegion, RemoteRegion, bool) {
     .expect("the pipe sends its hello");
     let mut m = vec![0u8; wc.byte_len as usize];
     raw.rx.read_at(wc.wr_id * 64, &mut m).unwrap();
-    assert_eq!((m[0], m.len()), (TAG_HELLO, 46), "hello layout");
-    let ring = RemoteRegion::decode(&m[1..21]).unwrap();
-    let mailbox = RemoteRegion::decode(&m[21..41]).unwrap();
-    (ring, mailbox, m[41] == 1)
+    match Message::decode(&m).unwrap() {
+        Message::PipeHello { ring, mailbox, notify, .. } => (ring, mailbox, notify == NotifyMode::WriteImm),
+        other => panic!("expected a hello, got {other:?}"),
+    }
 }
 
 /// A well-formed hello from the raw peer: no ring of its own, a mailbox it never reads.
 fn raw_hello(mailbox: &MemoryRegion) -> Vec<u8> {
-    let mut m = vec![TAG_HELLO];
-    m.extend_from_slice(&RemoteRegion { addr: 0, len: 0, rkey: 0 }.encode());
-    m.extend_from_slice(&mailbox.remote().encode());
-    m.push(1);
-    m.extend_from_slice(&4u32.to_le_bytes());
-    m
+    Message::PipeHello {
+        ring: RemoteRegion { addr: 0, len: 0, rkey: 0 },
+        mailbox: mailbox.remote(),
+        notify: NotifyMode::WriteImm,
+        slots: 4,
+    }
+    .encode()
 }
 
 fn send(raw: &Raw, m: &[u8]) {
@@ -80,9 +78,10 @@ async fn malformed_hello_is_a_protocol_error() {
     let (qa, ca, raw) = setup();
     let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
     pipe_hello(&raw).await;
-    send(&raw, &[TAG_HELLO, 1, 2, 3]); // truncated
+    let hello = raw_hello(&raw.rx);
+    send(&raw, &hello[..4]); // truncated
     let r = connecting.await.unwrap();
-    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+    assert!(matches!(r, Err(ChannelError::Malformed(DecodeError::Length { .. }))), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +91,7 @@ async fn unknown_tag_is_a_protocol_error() {
     pipe_hello(&raw).await;
     send(&raw, &[0xEE; 10]);
     let r = connecting.await.unwrap();
-    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+    assert!(matches!(r, Err(ChannelError::Malformed(DecodeError::UnknownTag(0xEE)))), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,9 +112,7 @@ async fn credit_for_messages_never_sent_is_a_protocol_error() {
     send(&raw, &raw_hello(&mailbox));
     let pipe = connecting.await.unwrap().unwrap();
     // The peer claims to have consumed 999 notifications: the pipe sent none.
-    let mut m = vec![TAG_CREDIT];
-    m.extend_from_slice(&999u64.to_le_bytes());
-    send(&raw, &m);
+    send(&raw, &Message::Credit { consumed: 999, batch: None }.encode());
     let r = pipe.recv_timeout(Duration::from_secs(5)).await;
     assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
     // Every later operation reports it too (the pipe's accounting cannot be trusted).
@@ -155,4 +152,62 @@ async fn a_valid_raw_write_with_imm_is_received() {
     raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
     let g = pipe.recv_timeout(Duration::from_secs(5)).await.unwrap();
     assert_eq!(g.to_vec().unwrap(), b"rawbytes");
+}
+
+/// A flag-mode pipe whose raw writer announces a block with peer-chosen words that would
+/// overflow `ring + offset` and the length's rounding: a typed error, no wrap or panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mailbox_with_overflowing_words_is_refused() {
+    for (offset, len) in [(u64::MAX - 3, 8u64), (0, u64::MAX - 2), (0, 0)] {
+        let (qa, ca, raw) = setup();
+        let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+        let cfg = PipeConfig { notify: NotifyMode::Flag, ..config() };
+        let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
+        let (_, pipe_mailbox, imm) = pipe_hello(&raw).await;
+        assert!(!imm, "the pipe asked for flag notifications");
+        send(&raw, &raw_hello(&mailbox));
+        let pipe = connecting.await.unwrap().unwrap();
+        let words = raw.pd.alloc_mr(24, AccessFlags::LOCAL_WRITE).unwrap();
+        words.write_at(0, &offset.to_le_bytes()).unwrap();
+        words.write_at(8, &len.to_le_bytes()).unwrap();
+        words.write_at(16, &1u64.to_le_bytes()).unwrap();
+        raw.qp.post_send(SendWr::write(words.local().unwrap(), pipe_mailbox.slice(0, 24).unwrap())).unwrap();
+        let r = pipe.recv_timeout(Duration::from_secs(5)).await;
+        assert!(
+            matches!(r, Err(ChannelError::Protocol(_)) | Err(ChannelError::Heap(_))),
+            "{offset} {len}: {r:?}"
+        );
+    }
+}
+
+/// A peer flooding write-with-immediate notifications beyond its credits is a protocol
+/// error, not an unbounded queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_beyond_the_credits_are_refused() {
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let cfg = PipeConfig { slots: 4, ..config() };
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
+    let (ring, _, _) = pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    // Distinct blocks, so only the count is wrong.
+    for i in 0..40u32 {
+        let dst = ring.slice(u64::from(i) * 8, 8).unwrap();
+        raw.qp.post_send(SendWr::write(src.local().unwrap(), dst).with_imm(i)).unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The first is a message; the flood behind it breaks the pipe.
+    let mut r = Ok(());
+    for _ in 0..8 {
+        match pipe.recv_timeout(Duration::from_secs(5)).await {
+            Ok(g) => std::mem::forget(g),
+            Err(e) => {
+                r = Err(e);
+                break;
+            }
+        }
+    }
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
 }

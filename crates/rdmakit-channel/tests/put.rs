@@ -10,16 +10,8 @@ use rdmakit_channel::*;
 use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
 
-fn endpoints(pd: &ProtectionDomain) -> (PutEndpoint, PutEndpoint) {
-    let ctx = pd.context();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let caps = QpCaps { max_inline_data: 64, ..QpCaps::default() };
-    let a = pd.create_qp(&ca, &ca, caps).unwrap();
-    let b = pd.create_qp(&cb, &cb, caps).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    (PutEndpoint::new(a, ca, PollMode::Busy).unwrap(), PutEndpoint::new(b, cb, PollMode::Busy).unwrap())
-}
+mod common;
+use common::put_endpoints as endpoints;
 
 fn spin_poll(ep: &PutEndpoint, want: usize) -> usize {
     let start = std::time::Instant::now();

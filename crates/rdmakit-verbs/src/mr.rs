@@ -487,6 +487,33 @@ impl MemoryRegion {
         Ok(u64::from_ne_bytes(b))
     }
 
+    /// Loads the native-endian `u64` at `offset` with acquire ordering: a flag or sequence
+    /// word a peer writes after the data it announces. The soft NIC stores the last aligned
+    /// word of every write last, with release ordering, so bytes read from the region after
+    /// seeing the word are at least as new as the write that carried it. The word must be
+    /// 8-aligned in memory.
+    pub fn load_u64_acquire(&self, offset: u64) -> Result<u64> {
+        self.check(offset, 8)?;
+        match &self.inner.mem {
+            MrMemory::Host(b) => {
+                let p = b.ptr().wrapping_add(offset as usize);
+                if p as usize % 8 != 0 {
+                    return Err(Error::Unsupported("an acquire load needs an 8-aligned word".into()));
+                }
+                // SAFETY: `p .. p + 8` is inside the buffer (bounds checked above), which lives
+                // as long as `self`; `p` is 8-aligned (checked); every access to registered host
+                // memory is atomic (through `shared_mem`), so an atomic load does not race.
+                let word = unsafe { shared_mem::atomic_u64(p) };
+                Ok(word.load(std::sync::atomic::Ordering::Acquire))
+            }
+            _ => {
+                let v = self.read_u64(offset)?;
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                Ok(v)
+            }
+        }
+    }
+
     /// Writes a native-endian `u64` at `offset` (e.g. an atomic target's initial value).
     pub fn write_u64(&self, offset: u64, v: u64) -> Result<()> {
         self.write_at(offset, &v.to_ne_bytes())

@@ -14,6 +14,14 @@
 //! access to shared memory is an aligned `AtomicU64` operation (partial words merged by
 //! compare-exchange), so copies never race mixed-size with the NIC's 8-byte atomics.
 //!
+//! **Order.** A copy into shared memory stores the *last aligned word* it touches last,
+//! with release ordering, after the rest (the bulk) is stored. Protocols that poll a
+//! sequence word placed at the end of a write (a pipe's flag-mode mailbox, a put handle's
+//! sequence word) load it with acquire ordering (`MemoryRegion::load_u64_acquire`): once the
+//! reader sees the word, every other byte of that write is visible to it. Nothing in the
+//! order of the bulk itself is promised: a build with `--cfg rdmakit_reverse_copy` copies
+//! the bulk back to front to prove that nothing relies on it.
+//!
 //! That needs the *padding invariant*: registered memory lies in an allocation that starts
 //! 8-byte aligned and whose size is a multiple of 8, so every aligned word touching a
 //! region is inside its allocation. `mr::HostBuffer` and `soft::dm::DmPool` ensure it.
@@ -61,6 +69,14 @@ impl Dst {
             Dst::Shared(p) | Dst::Private(p) => p,
         }
     }
+
+    #[cfg_attr(not(any(rdmakit_reverse_copy, test)), allow(dead_code))]
+    fn add(self, n: usize) -> Dst {
+        match self {
+            Dst::Shared(p) => Dst::Shared(p.wrapping_add(n)),
+            Dst::Private(p) => Dst::Private(p.wrapping_add(n)),
+        }
+    }
 }
 
 /// Copies `len` bytes from `src` to `dst`.
@@ -76,7 +92,65 @@ pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
     if len == 0 {
         return;
     }
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    match dst {
+        Dst::Private(_) => {
+            // SAFETY: forwarded contract.
+            unsafe { bulk(src, dst, len) }
+        }
+        Dst::Shared(d) => {
+            // The bytes in the last aligned word the copy touches go last, with release.
+            let end = (d as usize).wrapping_add(len);
+            let tail = (end - 1) & !7;
+            let head = tail.saturating_sub(d as usize).min(len);
+            // SAFETY: `head <= len`: the first `head` bytes of both ranges (caller's contract).
+            unsafe { bulk(src, dst, head) };
+            // SAFETY: the remaining `len - head` (1..=8) bytes lie in the one aligned word at
+            // `d + head - (d + head) % 8`, inside the shared allocation (padding invariant).
+            unsafe { store_last_word(src.add(head), d.wrapping_add(head), len - head) };
+        }
+    }
+}
+
+/// Stores `n` bytes (all within one aligned word) from `src` into shared memory at `d`,
+/// as one atomic read-modify-write (or store) with release ordering.
+///
+/// # Safety
+/// As for [`copy`] with a `Shared` destination, for `n` bytes that share an aligned word.
+unsafe fn store_last_word(src: Src, d: *mut u8, n: usize) {
+    let off = d as usize % 8;
+    debug_assert!(n >= 1 && off + n <= 8);
+    let mut word = [0u8; 8];
+    // SAFETY: `n` bytes of `src` are in range (caller).
+    unsafe { gather(src, &mut word[off..off + n]) };
+    // SAFETY: the aligned word holding `d` lies inside the shared allocation (padding
+    // invariant) and every other access to it is atomic.
+    let cell = unsafe { atomic_u64(d.wrapping_sub(off)) };
+    if n == 8 {
+        cell.store(u64::from_ne_bytes(word), Ordering::Release);
+    } else {
+        let _ = cell.fetch_update(Ordering::Release, Ordering::Relaxed, |cur| {
+            let mut w = cur.to_ne_bytes();
+            w[off..off + n].copy_from_slice(&word[off..off + n]);
+            Some(u64::from_ne_bytes(w))
+        });
+    }
+}
+
+/// The bulk of a copy, in no promised order.
+///
+/// # Safety
+/// As for [`copy`].
+#[inline]
+unsafe fn bulk(src: Src, dst: Dst, len: usize) {
+    if len == 0 {
+        return;
+    }
+    #[cfg(rdmakit_reverse_copy)]
+    {
+        // SAFETY: forwarded contract.
+        unsafe { copy_backwards(src, dst, len) }
+    }
+    #[cfg(all(target_arch = "x86_64", not(miri), not(rdmakit_reverse_copy)))]
     {
         // SAFETY: both ranges are valid for `len` bytes and disjoint (caller); `rep movsb` copies
         // forward (DF clear per the ABI), each byte access atomic in hardware — the byte-wise
@@ -91,10 +165,27 @@ pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
             );
         }
     }
-    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    #[cfg(all(not(all(target_arch = "x86_64", not(miri))), not(rdmakit_reverse_copy)))]
     {
         // SAFETY: forwarded contract.
         unsafe { copy_words(src, dst, len) }
+    }
+}
+
+/// The bulk copied back to front, one aligned word (or part of one) at a time: a test
+/// build's proof that no protocol relies on the bulk's order.
+///
+/// # Safety
+/// As for [`copy`].
+#[cfg(any(rdmakit_reverse_copy, test))]
+unsafe fn copy_backwards(src: Src, dst: Dst, len: usize) {
+    let mut end = len;
+    while end > 0 {
+        let at = (dst.ptr() as usize).wrapping_add(end - 1);
+        let n = (at % 8 + 1).min(end);
+        // SAFETY: `end - n .. end` is within the `len` bytes of both ranges.
+        unsafe { copy_words(src.add(end - n), dst.add(end - n), n) };
+        end -= n;
     }
 }
 
@@ -103,7 +194,7 @@ pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
 ///
 /// # Safety
 /// As for [`copy`].
-#[cfg_attr(all(target_arch = "x86_64", not(miri), not(test)), allow(dead_code))]
+#[cfg_attr(all(target_arch = "x86_64", not(miri), not(test), not(rdmakit_reverse_copy)), allow(dead_code))]
 unsafe fn copy_words(src: Src, dst: Dst, len: usize) {
     let mut i = 0;
     while i < len {
@@ -216,6 +307,12 @@ mod tests {
         }
         let (ga, gb) = (bytes(&a), bytes(&b));
         assert_eq!(ga, gb);
+        // The back-to-front bulk (the `rdmakit_reverse_copy` build) copies the same bytes.
+        let r = shared(len + 16);
+        let rp = r.as_ptr().cast::<u8>() as *mut u8;
+        // SAFETY: as above.
+        unsafe { copy_backwards(Src::Private(data.as_ptr().add(soff)), Dst::Shared(rp.add(doff)), len) };
+        assert_eq!(bytes(&r), ga);
         assert_eq!(&ga[doff..doff + len], &data[soff..soff + len]);
         assert!(ga[..doff].iter().chain(&ga[doff + len..]).all(|&x| x == 0));
         // shared -> shared (different phases) and shared -> private

@@ -10,7 +10,7 @@
 //! side, [`HeapOwner`] on the owner's side, and the messages between them ([`AllocNotice`],
 //! [`AllocAck`], [`FreeBatch`]) as plain data with a compact little-endian encoding whose
 //! decoder rejects malformed input with a [`WireError`] and never panics. Carrying the
-//! messages over RDMA is the transport's job.
+//! messages over RDMA is the transport's job: `rdmakit_channel::heap` (the `HeapEndpoint`).
 //!
 //! # Protocol
 //!
@@ -85,7 +85,6 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
-pub mod endpoint;
 mod free_space;
 mod owner;
 mod segments;

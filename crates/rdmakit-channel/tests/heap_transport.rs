@@ -6,22 +6,21 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rdmakit_memory::heap::endpoint::{EndpointError, HeapEndpoint, LandedBlock, OwnerLimits};
+use rdmakit_channel::ChannelError;
+use rdmakit_channel::control::Message;
+use rdmakit_channel::heap::{HeapEndpoint, LandedBlock, OwnerLimits};
 use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapError, HeapId};
 use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
 
 const T: Duration = Duration::from_secs(10);
 
+mod common;
+
 fn in_process(limits: OwnerLimits) -> (HeapEndpoint, HeapEndpoint, ProtectionDomain) {
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
-    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    (HeapEndpoint::new(a, ca, limits, T).unwrap(), HeapEndpoint::new(b, cb, limits, T).unwrap(), pd)
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (a, b) = common::heap_endpoints(&pd, limits, T);
+    (a, b, pd)
 }
 
 fn checksum(b: &[u8]) -> u64 {
@@ -45,7 +44,8 @@ fn create(alloc: &mut HeapEndpoint, owner: &mut HeapEndpoint, config: HeapConfig
 
 #[test]
 fn next_fit_deferred_round_trips_with_checksums() {
-    let (mut a, mut b, pd) = in_process(OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 1 << 20 });
+    let (mut a, mut b, pd) =
+        in_process(OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 1 << 20, ..OwnerLimits::default() });
     let heap = HeapId(1);
     create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 256 << 10);
     let src = pd.alloc_mr(64 << 10, AccessFlags::LOCAL_WRITE).unwrap();
@@ -63,13 +63,13 @@ fn next_fit_deferred_round_trips_with_checksums() {
             Err(e) => panic!("rmalloc {i}: {e}"),
         };
         for l in &held {
-            let (x, n) = (l.block.addr, l.block.len);
+            let (x, n) = (l.block().addr, l.block().len);
             assert!(block.addr + block.len <= x || x + n <= block.addr, "overlaps a block the owner holds");
         }
         a.write(heap, &block, 0, src.slice(0, len as u32).unwrap()).unwrap();
         sent.insert(block.addr, (len, checksum(&data)));
         let landed = b.recv_block(heap).unwrap();
-        let (len, sum) = sent[&landed.block.addr];
+        let (len, sum) = sent[&landed.block().addr];
         let mut got = vec![0u8; len];
         b.read(&landed, 0, &mut got).unwrap();
         assert_eq!(checksum(&got), sum, "message {i}");
@@ -118,7 +118,11 @@ fn best_and_worst_fit_synchronise_immediately() {
 
 #[test]
 fn growth_is_granted_then_refused_at_the_limit() {
-    let (mut a, mut b, pd) = in_process(OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 192 << 10 });
+    let (mut a, mut b, pd) = in_process(OwnerLimits {
+        segment_len: 64 << 10,
+        max_heap_bytes: 192 << 10,
+        ..OwnerLimits::default()
+    });
     let heap = HeapId(4);
     create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
     let src = pd.alloc_mr(32 << 10, AccessFlags::LOCAL_WRITE).unwrap();
@@ -141,7 +145,7 @@ fn growth_is_granted_then_refused_at_the_limit() {
     }
     assert_eq!(a.heap_stats(heap).unwrap().segments, 3);
     let err = a.rmalloc(heap, 32 << 10).unwrap_err();
-    assert!(matches!(err, EndpointError::Heap(HeapError::GrowthRefused { .. })), "{err}");
+    assert!(matches!(err, ChannelError::Heap(HeapError::GrowthRefused { .. })), "{err}");
     done.store(true, Ordering::Relaxed);
     assert_eq!(owner.join().unwrap(), 6);
 }
@@ -192,5 +196,93 @@ fn over_soft_tcp_and_a_peer_that_goes_away() {
             Err(e) => break e,
         }
     };
-    assert!(matches!(err, EndpointError::Verbs(_) | EndpointError::Timeout(_)), "{err}");
+    assert!(err.is_peer_gone(), "{err}");
+}
+
+/// Attack 5: a malformed message followed, in the same poll, by a valid `Create`: the
+/// error is reported, but the `Create` is processed (a grant comes back) and its slot
+/// reposted.
+#[test]
+fn a_malformed_message_does_not_lose_the_valid_one_behind_it() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(64).unwrap(), ctx.create_cq(1024).unwrap());
+    let raw = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
+    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
+    raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut owner = HeapEndpoint::new(b, cb, OwnerLimits::default(), T).unwrap();
+    let answer = pd.alloc_mr(16 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    raw.post_recv(RecvWr::new(answer.local().unwrap())).unwrap();
+    let out = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let create =
+        Message::HeapCreate { config: HeapConfig::new(HeapId(7), AllocPolicy::NextFit), len: 64 << 10 }
+            .encode();
+    let malformed = &create[..2]; // a Create cut short
+    out.write_at(0, malformed).unwrap();
+    out.write_at(64, &create).unwrap();
+    raw.post_send(SendWr::send(out.slice(0, malformed.len() as u32).unwrap())).unwrap();
+    raw.post_send(SendWr::send(out.slice(64, create.len() as u32).unwrap())).unwrap();
+    for _ in 0..2 {
+        assert!(ca.wait(Some(T)).unwrap().status.is_success());
+    }
+    // Both messages are in the owner's CQ now: one poll reaps both.
+    let first = owner.poll_messages();
+    assert!(first.is_err(), "the malformed message must be reported");
+    let _ = owner.poll_messages();
+    let wc = ca.wait(Some(Duration::from_secs(3))).expect("the Create behind the malformed message was lost");
+    assert!(wc.status.is_success() && wc.opcode == WcOpcode::RECV, "{wc:?}");
+    assert_eq!(owner.owner_stats(HeapId(7)).unwrap().total, 1 << 20);
+}
+
+/// A peer may not make this side register more than `max_total_bytes` across all the
+/// heaps it creates (the per-heap limit alone let it create heaps without end).
+#[test]
+fn heaps_a_peer_creates_are_bounded_in_total() {
+    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20, max_total_bytes: 256 << 10 };
+    let (mut a, mut b, _pd) = in_process(limits);
+    for h in 0..4 {
+        create(&mut a, &mut b, HeapConfig::new(HeapId(h), AllocPolicy::NextFit), 64 << 10);
+    }
+    let stop = AtomicBool::new(false);
+    let err = std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                b.poll_messages().unwrap();
+            }
+        });
+        let err = a.create_heap(HeapConfig::new(HeapId(4), AllocPolicy::NextFit), 64 << 10).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+        err
+    });
+    assert!(matches!(err, ChannelError::Heap(HeapError::GrowthRefused { .. })), "{err}");
+    assert!(b.owner_stats(HeapId(4)).is_err(), "a refused heap leaves nothing behind");
+}
+
+/// Answers nobody asked for pile up only to a bound: beyond it, a protocol error.
+#[test]
+fn unsolicited_answers_are_bounded() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(4096).unwrap(), ctx.create_cq(4096).unwrap());
+    let raw = pd.create_qp(&ca, &ca, QpCaps { max_inline_data: 64, ..QpCaps::default() }).unwrap();
+    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
+    raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut ep = HeapEndpoint::new(b, cb, OwnerLimits::default(), T).unwrap();
+    let freed = Message::HeapFreed { heap: HeapId(3) }.encode();
+    let mut err = None;
+    for i in 0..1100 {
+        raw.post_send(SendWr::send_inline(&freed)).unwrap();
+        assert!(ca.wait(Some(T)).unwrap().status.is_success());
+        if i % 16 == 15 {
+            if let Err(e) = ep.poll_messages() {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    let err = err.or_else(|| ep.poll_messages().err()).expect("1100 unasked answers must be refused");
+    assert!(matches!(err, ChannelError::Protocol(_)), "{err}");
 }

@@ -5,19 +5,21 @@
 //! their segments and consume what lands there) and allocate in the other side's heaps;
 //! heaps are created on demand by the allocating side and named by [`HeapId`]s.
 //!
-//! Control messages travel as sends on the same RC queue pair as the data writes, into
-//! receive buffers each side keeps posted ([`RECV_SLOTS`] of [`SLOT_LEN`] bytes):
+//! This is the transport of the allocator core in `rdmakit_memory::heap`. Control messages
+//! travel through the connection's [control channel](crate::control) (sends on the same RC
+//! queue pair as the data writes, into [`RECV_SLOTS`] receive buffers of [`SLOT_LEN`] bytes
+//! each side keeps posted):
 //!
 //! | message | from | meaning |
 //! | --- | --- | --- |
-//! | `Create` | allocating side | make heap `h` with this policy, sync mode, alignment and a first segment of at least `n` bytes |
-//! | `Grow` | allocating side | heap `h` is full: a segment of at least `n` bytes, please |
-//! | `Grant` / `Refuse` | owner | here is a new segment (base, length, rkey) / no |
+//! | [`HeapCreate`](Message::HeapCreate) | allocating side | make heap `h` with this policy, sync mode, alignment and a first segment of at least `n` bytes |
+//! | [`HeapGrow`](Message::HeapGrow) | allocating side | heap `h` is full: a segment of at least `n` bytes, please |
+//! | [`HeapGrant`](Message::HeapGrant) / [`HeapRefuse`](Message::HeapRefuse) | owner | here is a new segment (base, length, rkey) / no |
 //! | [`AllocNotice`] | allocating side | deferred mode: block `b` holds data (sent *after* the data's RDMA write on the same QP, so RC ordering places the data first); immediate mode: may I use block `b`? |
 //! | [`AllocAck`] | owner | immediate mode: yes, and here are the ranges freed since the last one |
-//! | `Ready` | allocating side | immediate mode: the data of acknowledged block `b` has landed |
-//! | `Freed` | owner | answer to `Grow`: the frees just sent may suffice; try again |
-//! | [`FreeBatch`](super::FreeBatch) | owner | these ranges are free again (coalesced, numbered) |
+//! | [`HeapReady`](Message::HeapReady) | allocating side | immediate mode: the data of acknowledged block `b` has landed |
+//! | [`HeapFreed`](Message::HeapFreed) | owner | answer to `Grow`: the frees just sent may suffice; try again |
+//! | [`FreeBatch`](rdmakit_memory::heap::FreeBatch) | owner | these ranges are free again (coalesced, numbered) |
 //!
 //! **Credits.** Each side reposts a receive as soon as it has taken a message out, and
 //! connects with an unlimited RNR retry budget: a sender that outruns the receiver's
@@ -25,21 +27,29 @@
 //! free batch once [`FREE_BATCH_BLOCKS`] blocks or a quarter of a heap's bytes wait, and
 //! at once when the allocating side asks to grow, so frees return before the heap grows.
 //!
-//! Every wait has a deadline: a peer that dies gives [`EndpointError::Timeout`] or an error
-//! completion, never a hang. Malformed messages are [`EndpointError::Protocol`].
+//! **Limits.** A peer decides how many heaps it creates and how often it asks to grow
+//! them: [`OwnerLimits`] bounds the bytes per heap and in all heaps this side owns, and the
+//! answers queued unasked for.
+//!
+//! Every wait has a deadline, and a wait with nothing in flight sends keep-alives: a peer
+//! that dies gives [`ChannelError::Broken`] within the bound of [`crate::control`] (or
+//! [`ChannelError::Timeout`] at the latest), never a hang. A malformed message is reported
+//! ([`ChannelError::Malformed`], [`ChannelError::Protocol`]) without losing the messages
+//! behind it.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use rdmakit_memory::heap::{
+    AllocAck, AllocNotice, HeapAllocator, HeapConfig, HeapError, HeapId, HeapMessage, HeapOwner, HeapStats,
+    OwnerStats, RemoteBlock, RemoteSegment, SyncMode,
+};
 use rdmakit_verbs::{
-    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, SendWr,
-    WcOpcode, WorkCompletion,
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, SendWr,
 };
 
-use super::{
-    AllocAck, AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapMessage, HeapOwner,
-    HeapStats, OwnerStats, RemoteBlock, RemoteSegment, SyncMode, WireError,
-};
+use crate::control::{ControlConfig, ControlSlots, Event, Message};
+use crate::error::{ChannelError, Result, check_range};
 
 /// Receive buffers each side keeps posted.
 pub const RECV_SLOTS: u32 = 32;
@@ -51,61 +61,55 @@ pub const MAX_BATCH_RANGES: usize = 512;
 /// An owner returns frees once this many blocks wait.
 pub const FREE_BATCH_BLOCKS: usize = 64;
 
-const TAG_CREATE: u8 = 0x41;
-const TAG_GRANT: u8 = 0x42;
-const TAG_REFUSE: u8 = 0x43;
-const TAG_GROW: u8 = 0x44;
-const TAG_READY: u8 = 0x45;
-const TAG_FREED: u8 = 0x46;
+/// Most messages queued that the peer sends unasked: answers nobody waits for yet.
+const MAX_ANSWERS: usize = 1024;
 
-/// What can go wrong between two heap endpoints.
-#[derive(Debug, thiserror::Error)]
-pub enum EndpointError {
-    /// The verbs layer failed (posting, an error completion, the QP in the error state).
-    #[error(transparent)]
-    Verbs(#[from] rdmakit_verbs::Error),
-    /// The heap refused the operation (exhausted, double free, unknown block, ...).
-    #[error(transparent)]
-    Heap(#[from] HeapError),
-    /// A control message could not be decoded.
-    #[error("malformed heap message: {0}")]
-    Wire(#[from] WireError),
-    /// The peer broke the protocol.
-    #[error("heap protocol error: {0}")]
-    Protocol(String),
-    /// No such heap on this side.
-    #[error("no heap {0:?} on this endpoint")]
-    UnknownHeap(HeapId),
-    /// The peer did not answer in time (it may have died).
-    #[error("no answer from the peer within {0:?}")]
-    Timeout(Duration),
-}
-
-/// Result of heap endpoint operations.
-pub type Result<T> = std::result::Result<T, EndpointError>;
-
-/// How an owner grows its heaps.
+/// How an owner grows its heaps, and what one peer may make it hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OwnerLimits {
     /// Smallest segment registered (requests ask for at least the block that did not fit).
     pub segment_len: u64,
     /// Most bytes of segments per heap; growth beyond is refused.
     pub max_heap_bytes: u64,
+    /// Most bytes of segments in all heaps the peer creates on this side; beyond, creation
+    /// and growth are refused.
+    pub max_total_bytes: u64,
 }
 
 impl Default for OwnerLimits {
     fn default() -> Self {
-        OwnerLimits { segment_len: 1 << 20, max_heap_bytes: 64 << 20 }
+        OwnerLimits { segment_len: 1 << 20, max_heap_bytes: 64 << 20, max_total_bytes: 256 << 20 }
     }
 }
 
-/// A block that landed in a heap this side owns, taken by the consumer.
+/// A block that landed in a heap this side owns, taken by the consumer. Only the endpoint
+/// makes them, so its address always lies in one of its segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LandedBlock {
+    heap: HeapId,
+    block: RemoteBlock,
+}
+
+impl LandedBlock {
     /// The heap.
-    pub heap: HeapId,
+    pub fn heap(&self) -> HeapId {
+        self.heap
+    }
+
     /// The block (its address is in this side's segment address space).
-    pub block: RemoteBlock,
+    pub fn block(&self) -> RemoteBlock {
+        self.block
+    }
+
+    /// Bytes in the block.
+    pub fn len(&self) -> u64 {
+        self.block.len
+    }
+
+    /// True for an empty block (never: the allocator hands out none).
+    pub fn is_empty(&self) -> bool {
+        self.block.len == 0
+    }
 }
 
 struct Owned {
@@ -126,52 +130,41 @@ enum Answer {
 
 /// One side of an endpoint pair's remote heaps, over a connected RC queue pair.
 pub struct HeapEndpoint {
-    qp: QueuePair,
+    ctl: ControlSlots,
     cq: CompletionQueue,
     pd: ProtectionDomain,
-    recv: MemoryRegion,
-    send: MemoryRegion,
-    /// Rotating send slot (sends complete in order, so a slot is free once the one
-    /// `RECV_SLOTS` later is posted after waiting for it).
-    send_slot: u32,
     limits: OwnerLimits,
     timeout: Duration,
     allocating: HashMap<HeapId, HeapAllocator>,
     owned: HashMap<HeapId, Owned>,
+    /// Bytes of segments in all owned heaps.
+    owned_bytes: u64,
     answers: VecDeque<Answer>,
-    /// Signalled sends not yet completed.
-    unacked_sends: u32,
     /// The connection the QP came from, kept open while the endpoint lives.
     _conn: Option<rdmakit_verbs::cm::Connection>,
 }
 
 impl HeapEndpoint {
     /// One side of the pair over `qp` (connected, with an unlimited RNR retry budget
-    /// preferably), whose send and receive completions both go to `cq`. Posts the receive
-    /// buffers. `timeout` bounds every wait for the peer.
+    /// preferably, `max_recv_wr >= RECV_SLOTS`), whose send and receive completions both go
+    /// to `cq`. Posts the receive buffers. `timeout` bounds every wait for the peer.
     pub fn new(qp: QueuePair, cq: CompletionQueue, limits: OwnerLimits, timeout: Duration) -> Result<Self> {
         let pd = qp.pd().clone();
-        let recv = pd.alloc_mr((RECV_SLOTS * SLOT_LEN) as usize, AccessFlags::LOCAL_WRITE)?;
-        let send = pd.alloc_mr((RECV_SLOTS * SLOT_LEN) as usize, AccessFlags::LOCAL_WRITE)?;
-        let ep = HeapEndpoint {
-            qp,
+        let config =
+            ControlConfig { send_slots: RECV_SLOTS, ..ControlConfig::new(RECV_SLOTS, SLOT_LEN, 4096) };
+        let ctl = ControlSlots::new(qp, config)?;
+        Ok(HeapEndpoint {
+            ctl,
             cq,
             pd,
-            recv,
-            send,
-            send_slot: 0,
             limits,
             timeout,
             allocating: HashMap::new(),
             owned: HashMap::new(),
+            owned_bytes: 0,
             answers: VecDeque::new(),
-            unacked_sends: 0,
             _conn: None,
-        };
-        for slot in 0..RECV_SLOTS {
-            ep.post_recv(slot)?;
-        }
-        Ok(ep)
+        })
     }
 
     /// One side of the pair over an established connection (`rdmakit_verbs::cm`: rdma_cm on
@@ -186,15 +179,9 @@ impl HeapEndpoint {
         Ok(ep)
     }
 
-    fn post_recv(&self, slot: u32) -> Result<()> {
-        let s = self.recv.slice(u64::from(slot * SLOT_LEN), SLOT_LEN)?;
-        self.qp.post_recv(RecvWr::new(s).wr_id(u64::from(slot)))?;
-        Ok(())
-    }
-
     /// The queue pair.
     pub fn qp(&self) -> &QueuePair {
-        &self.qp
+        self.ctl.qp()
     }
 
     // ---- allocating side ----
@@ -204,15 +191,9 @@ impl HeapEndpoint {
     pub fn create_heap(&mut self, config: HeapConfig, initial_len: u64) -> Result<()> {
         let heap = config.heap();
         if self.allocating.contains_key(&heap) {
-            return Err(EndpointError::Protocol(format!("heap {heap:?} exists already")));
+            return Err(ChannelError::Protocol(format!("heap {heap:?} exists already")));
         }
-        let mut m = vec![TAG_CREATE];
-        m.extend_from_slice(&heap.0.to_le_bytes());
-        m.push(policy_code(config.policy()));
-        m.push(u8::from(config.sync() == SyncMode::Immediate));
-        m.extend_from_slice(&config.align().to_le_bytes());
-        m.extend_from_slice(&initial_len.to_le_bytes());
-        self.send_msg(&m)?;
+        self.ctl.send(&Message::HeapCreate { config, len: initial_len })?;
         match self.wait_answer(heap)? {
             Answer::Grant(_, seg) => {
                 let mut a = HeapAllocator::new(config);
@@ -222,7 +203,7 @@ impl HeapEndpoint {
             }
             Answer::Refuse(_, n) => Err(HeapError::GrowthRefused { requested: n }.into()),
             Answer::Ack(_) | Answer::Freed(_) => {
-                Err(EndpointError::Protocol("unexpected answer to a heap creation".into()))
+                Err(ChannelError::Protocol("unexpected answer to a heap creation".into()))
             }
         }
     }
@@ -239,10 +220,10 @@ impl HeapEndpoint {
             Err(e) => return Err(e.into()),
         };
         if self.allocator(heap)?.config().sync() == SyncMode::Immediate {
-            self.send_msg(&AllocNotice::new(heap, block).encode())?;
+            self.ctl.send(&Message::HeapSync(AllocNotice::new(heap, block).into()))?;
             let ack = match self.wait_answer(heap)? {
                 Answer::Ack(a) => a,
-                _ => return Err(EndpointError::Protocol("expected an acknowledgement".into())),
+                _ => return Err(ChannelError::Protocol("expected an acknowledgement".into())),
             };
             return Ok(self.allocator(heap)?.confirm(&ack)?);
         }
@@ -252,10 +233,7 @@ impl HeapEndpoint {
     fn grow_and_alloc(&mut self, heap: HeapId, size: u64, requested: u64) -> Result<RemoteBlock> {
         // At most: one round returning the owner's pending frees, one growing.
         for _ in 0..3 {
-            let mut m = vec![TAG_GROW];
-            m.extend_from_slice(&heap.0.to_le_bytes());
-            m.extend_from_slice(&requested.to_le_bytes());
-            self.send_msg(&m)?;
+            self.ctl.send(&Message::HeapGrow { heap, len: requested })?;
             match self.wait_answer(heap)? {
                 Answer::Grant(_, seg) => {
                     self.allocator(heap)?.add_segment(seg)?;
@@ -275,11 +253,11 @@ impl HeapEndpoint {
                     other => return Ok(other?),
                 },
                 Answer::Ack(_) => {
-                    return Err(EndpointError::Protocol("acknowledgement for a growth request".into()));
+                    return Err(ChannelError::Protocol("acknowledgement for a growth request".into()));
                 }
             }
         }
-        Err(EndpointError::Protocol("the owner keeps answering growth requests with frees".into()))
+        Err(ChannelError::Protocol("the owner keeps answering growth requests with frees".into()))
     }
 
     /// Writes `src` into `block` at `offset` with an RDMA write and tells the owner the data
@@ -289,26 +267,22 @@ impl HeapEndpoint {
     pub fn write(&mut self, heap: HeapId, block: &RemoteBlock, offset: u64, src: LocalSlice) -> Result<()> {
         let sync = self.allocator(heap)?.config().sync();
         let dst = block.region().slice(offset, src.len())?;
-        self.qp.post_send(SendWr::write(src, dst).unsignaled())?;
+        self.ctl.check()?;
+        self.ctl.post_unsignaled(SendWr::write(src, dst))?;
         match sync {
-            SyncMode::Deferred => self.send_msg(&AllocNotice::new(heap, *block).encode())?,
-            SyncMode::Immediate => {
-                let mut m = vec![TAG_READY];
-                m.extend_from_slice(&heap.0.to_le_bytes());
-                m.extend_from_slice(&block.addr.to_le_bytes());
-                self.send_msg(&m)?;
-            }
+            SyncMode::Deferred => self.ctl.send(&Message::HeapSync(AllocNotice::new(heap, *block).into()))?,
+            SyncMode::Immediate => self.ctl.send(&Message::HeapReady { heap, addr: block.addr })?,
         }
         self.drain_sends()
     }
 
     /// The allocating side's view of heap `heap`.
     pub fn heap_stats(&self, heap: HeapId) -> Result<HeapStats> {
-        Ok(self.allocating.get(&heap).ok_or(EndpointError::UnknownHeap(heap))?.stats())
+        Ok(self.allocating.get(&heap).ok_or(ChannelError::UnknownHeap(heap))?.stats())
     }
 
     fn allocator(&mut self, heap: HeapId) -> Result<&mut HeapAllocator> {
-        self.allocating.get_mut(&heap).ok_or(EndpointError::UnknownHeap(heap))
+        self.allocating.get_mut(&heap).ok_or(ChannelError::UnknownHeap(heap))
     }
 
     // ---- owner side ----
@@ -333,7 +307,7 @@ impl HeapEndpoint {
     /// first, without waiting).
     pub fn try_recv_block(&mut self, heap: HeapId) -> Result<Option<LandedBlock>> {
         self.poll_messages()?;
-        let owned = self.owned.get_mut(&heap).ok_or(EndpointError::UnknownHeap(heap))?;
+        let owned = self.owned.get_mut(&heap).ok_or(ChannelError::UnknownHeap(heap))?;
         match owned.ready.pop_front() {
             Some(block) => {
                 owned.owner.consume(block.addr)?;
@@ -345,25 +319,20 @@ impl HeapEndpoint {
 
     /// Copies `out.len()` bytes of a landed block from `offset` out of this side's memory.
     pub fn read(&self, landed: &LandedBlock, offset: u64, out: &mut [u8]) -> Result<()> {
-        let owned = self.owned.get(&landed.heap).ok_or(EndpointError::UnknownHeap(landed.heap))?;
+        let owned = self.owned.get(&landed.heap).ok_or(ChannelError::UnknownHeap(landed.heap))?;
         let b = landed.block;
-        if offset.checked_add(out.len() as u64).is_none_or(|e| e > b.len) {
-            return Err(rdmakit_verbs::Error::OutOfBounds {
-                what: "heap block",
-                offset,
-                len: out.len() as u64,
-                size: b.len,
-            }
-            .into());
-        }
+        check_range("heap block", offset, out.len(), b.len)?;
         let mr = owned.segments.get(b.segment as usize).ok_or(HeapError::UnknownBlock { addr: b.addr })?;
-        Ok(mr.read_at(b.addr - mr.addr() + offset, out)?)
+        let at = (b.addr.checked_sub(mr.addr()))
+            .and_then(|x| x.checked_add(offset))
+            .ok_or(HeapError::UnknownBlock { addr: b.addr })?;
+        Ok(mr.read_at(at, out)?)
     }
 
     /// rfree: the consumer is done with the block; it returns to the allocating side in a
     /// batch (see the module docs for when).
     pub fn rfree(&mut self, landed: LandedBlock) -> Result<()> {
-        let owned = self.owned.get_mut(&landed.heap).ok_or(EndpointError::UnknownHeap(landed.heap))?;
+        let owned = self.owned.get_mut(&landed.heap).ok_or(ChannelError::UnknownHeap(landed.heap))?;
         owned.owner.rfree(landed.block.addr)?;
         let due = owned.owner.pending_free_blocks() >= FREE_BATCH_BLOCKS
             || owned.owner.pending_free_bytes() >= owned.bytes / 4;
@@ -377,7 +346,7 @@ impl HeapEndpoint {
     /// on their way.
     pub fn flush_frees(&mut self, heap: HeapId) -> Result<()> {
         if !self.owned.contains_key(&heap) {
-            return Err(EndpointError::UnknownHeap(heap));
+            return Err(ChannelError::UnknownHeap(heap));
         }
         self.flush_frees_nowait(heap)?;
         self.drain_sends()
@@ -385,37 +354,53 @@ impl HeapEndpoint {
 
     /// The owner's view of heap `heap`.
     pub fn owner_stats(&self, heap: HeapId) -> Result<OwnerStats> {
-        Ok(self.owned.get(&heap).ok_or(EndpointError::UnknownHeap(heap))?.owner.stats())
+        Ok(self.owned.get(&heap).ok_or(ChannelError::UnknownHeap(heap))?.owner.stats())
     }
 
     /// Processes whatever control messages have arrived, without waiting: the owner side
     /// answers creation and growth requests and records landed blocks, the allocating side
-    /// takes in free batches. Call it when the owner side is otherwise idle.
+    /// takes in free batches. Call it when the owner side is otherwise idle (in a loop, it
+    /// also keeps the connection watched).
+    ///
+    /// Every completion reaped is processed: a malformed message is reported (the first
+    /// error is returned) but the messages behind it are kept and every slot reposted.
     pub fn poll_messages(&mut self) -> Result<()> {
-        let mut wcs = [WorkCompletion::default(); 16];
+        let mut wcs = [rdmakit_verbs::WorkCompletion::default(); 16];
+        let mut first: Option<ChannelError> = None;
         loop {
             let n = self.cq.poll(&mut wcs)?;
             for wc in &wcs[..n] {
-                self.on_completion(wc)?;
+                if let Err(e) = self.on_completion(wc) {
+                    first.get_or_insert(e);
+                }
             }
             if n < wcs.len() {
-                return Ok(());
+                break;
             }
+        }
+        self.ctl.tick();
+        match first {
+            Some(e) => Err(e),
+            None => self.ctl.check(),
         }
     }
 
     // ---- machinery ----
 
     fn progress_until(&mut self, deadline: Instant) -> Result<()> {
+        self.ctl.check()?;
         let now = Instant::now();
         if now >= deadline {
-            return Err(EndpointError::Timeout(self.timeout));
+            return Err(ChannelError::Timeout(self.timeout));
         }
-        match self.cq.wait(Some((deadline - now).min(Duration::from_millis(50)))) {
+        let wait = (deadline - now).min(Duration::from_millis(50)).min(self.ctl.keepalive_interval());
+        let r = match self.cq.wait(Some(wait)) {
             Ok(wc) => self.on_completion(&wc),
             Err(rdmakit_verbs::Error::Timeout(_)) => Ok(()),
             Err(e) => Err(e.into()),
-        }
+        };
+        self.ctl.tick();
+        r.and_then(|()| self.ctl.check())
     }
 
     fn wait_answer(&mut self, heap: HeapId) -> Result<Answer> {
@@ -430,122 +415,63 @@ impl HeapEndpoint {
 
     fn drain_sends(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
-        while self.unacked_sends > 0 {
+        while !self.ctl.idle() {
             self.progress_until(deadline)?;
         }
         Ok(())
     }
 
-    fn send_msg(&mut self, bytes: &[u8]) -> Result<()> {
-        if bytes.len() > SLOT_LEN as usize {
-            return Err(EndpointError::Protocol(format!(
-                "a {}-byte control message exceeds a slot",
-                bytes.len()
-            )));
+    fn on_completion(&mut self, wc: &rdmakit_verbs::WorkCompletion) -> Result<()> {
+        match self.ctl.on_wc(wc) {
+            None => self.ctl.check(),
+            Some(Event::Message(m)) => self.on_message(m),
+            Some(Event::Malformed(e)) => Err(e.into()),
+            Some(Event::Imm { .. }) => {
+                Err(ChannelError::Protocol("a write with immediate on a heap endpoint".into()))
+            }
         }
-        // Keep fewer signalled sends outstanding than there are send slots, so a slot is
-        // never rewritten while its send may still read it.
-        let deadline = Instant::now() + self.timeout;
-        while self.unacked_sends + 1 >= RECV_SLOTS {
-            self.progress_until(deadline)?;
+    }
+
+    fn answer(&mut self, a: Answer) -> Result<()> {
+        if self.answers.len() >= MAX_ANSWERS {
+            return Err(ChannelError::Protocol(format!("more than {MAX_ANSWERS} answers nobody asked for")));
         }
-        let slot = self.send_slot;
-        self.send_slot = (slot + 1) % RECV_SLOTS;
-        let at = u64::from(slot * SLOT_LEN);
-        self.send.write_at(at, bytes)?;
-        self.qp.post_send(SendWr::send(self.send.slice(at, bytes.len() as u32)?).wr_id(u64::MAX))?;
-        self.unacked_sends += 1;
+        self.answers.push_back(a);
         Ok(())
     }
 
-    fn on_completion(&mut self, wc: &WorkCompletion) -> Result<()> {
-        let wc = wc.ok()?;
-        if wc.opcode != WcOpcode::RECV {
-            // One of our sends (RDMA writes are unsignalled).
-            self.unacked_sends = self.unacked_sends.saturating_sub(1);
-            return Ok(());
-        }
-        let slot = u32::try_from(wc.wr_id).ok().filter(|s| *s < RECV_SLOTS);
-        let slot = slot.ok_or_else(|| EndpointError::Protocol(format!("receive with wr_id {}", wc.wr_id)))?;
-        let mut msg = vec![0u8; wc.byte_len as usize];
-        self.recv.read_at(u64::from(slot * SLOT_LEN), &mut msg)?;
-        self.post_recv(slot)?;
-        self.on_message(&msg)
-    }
-
-    fn on_message(&mut self, m: &[u8]) -> Result<()> {
-        let proto =
-            |what: &str| EndpointError::Protocol(format!("malformed {what} message ({} bytes)", m.len()));
-        match m.first().copied() {
-            Some(TAG_CREATE) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("create"))?;
-                if rest.len() != 18 {
-                    return Err(proto("create"));
-                }
-                let policy = policy_from(rest[0]).ok_or_else(|| proto("create"))?;
-                let sync = if rest[1] == 1 { SyncMode::Immediate } else { SyncMode::Deferred };
-                let align = u64::from_le_bytes(rest[2..10].try_into().expect("8 bytes"));
-                let len = u64::from_le_bytes(rest[10..18].try_into().expect("8 bytes"));
-                let config = HeapConfig::new(heap, policy).with_sync(sync).with_align(align)?;
-                self.on_create(config, len)
-            }
-            Some(TAG_GROW) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("grow"))?;
-                let len = u64::from_le_bytes(rest.try_into().map_err(|_| proto("grow"))?);
-                self.on_grow(heap, len)
-            }
-            Some(TAG_GRANT) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("grant"))?;
-                if rest.len() != 20 {
-                    return Err(proto("grant"));
-                }
-                let base = u64::from_le_bytes(rest[0..8].try_into().expect("8 bytes"));
-                let len = u64::from_le_bytes(rest[8..16].try_into().expect("8 bytes"));
-                let rkey = u32::from_le_bytes(rest[16..20].try_into().expect("4 bytes"));
-                self.answers.push_back(Answer::Grant(heap, RemoteSegment::new(base, len, rkey)));
-                Ok(())
-            }
-            Some(TAG_REFUSE) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("refuse"))?;
-                let len = u64::from_le_bytes(rest.try_into().map_err(|_| proto("refuse"))?);
-                self.answers.push_back(Answer::Refuse(heap, len));
-                Ok(())
-            }
-            Some(TAG_FREED) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("freed"))?;
-                if !rest.is_empty() {
-                    return Err(proto("freed"));
-                }
-                self.answers.push_back(Answer::Freed(heap));
-                Ok(())
-            }
-            Some(TAG_READY) => {
-                let (heap, rest) = take_heap(m).ok_or_else(|| proto("ready"))?;
-                let addr = u64::from_le_bytes(rest.try_into().map_err(|_| proto("ready"))?);
-                let owned = self.owned.get_mut(&heap).ok_or(EndpointError::UnknownHeap(heap))?;
+    fn on_message(&mut self, m: Message) -> Result<()> {
+        match m {
+            Message::HeapCreate { config, len } => self.on_create(config, len),
+            Message::HeapGrow { heap, len } => self.on_grow(heap, len),
+            Message::HeapGrant { heap, segment } => self.answer(Answer::Grant(heap, segment)),
+            Message::HeapRefuse { heap, len } => self.answer(Answer::Refuse(heap, len)),
+            Message::HeapFreed { heap } => self.answer(Answer::Freed(heap)),
+            Message::HeapReady { heap, addr } => {
+                let owned = self.owned.get_mut(&heap).ok_or(ChannelError::UnknownHeap(heap))?;
                 let block = owned
                     .owner
                     .blocks()
                     .find(|(b, _)| b.addr == addr)
                     .map(|(b, _)| b)
                     .ok_or(HeapError::UnknownBlock { addr })?;
+                if owned.ready.iter().any(|b| b.addr == addr) {
+                    return Err(ChannelError::Protocol(format!("block {addr:#x} announced twice")));
+                }
                 owned.ready.push_back(block);
                 Ok(())
             }
-            Some(_) => match HeapMessage::decode(m)? {
-                HeapMessage::FreeBatch(b) => Ok(self.allocator(b.heap())?.apply_free_batch(&b)?),
-                HeapMessage::AllocAck(a) => {
-                    self.answers.push_back(Answer::Ack(a));
-                    Ok(())
-                }
-                HeapMessage::AllocNotice(n) => self.on_notice(&n),
-            },
-            None => Err(proto("empty")),
+            Message::HeapSync(HeapMessage::FreeBatch(b)) => {
+                Ok(self.allocator(b.heap())?.apply_free_batch(&b)?)
+            }
+            Message::HeapSync(HeapMessage::AllocAck(a)) => self.answer(Answer::Ack(a)),
+            Message::HeapSync(HeapMessage::AllocNotice(n)) => self.on_notice(&n),
+            other => Err(ChannelError::Protocol(format!("unexpected message on a heap endpoint: {other:?}"))),
         }
     }
 
     fn on_notice(&mut self, n: &AllocNotice) -> Result<()> {
-        let owned = self.owned.get_mut(&n.heap).ok_or(EndpointError::UnknownHeap(n.heap))?;
+        let owned = self.owned.get_mut(&n.heap).ok_or(ChannelError::UnknownHeap(n.heap))?;
         match owned.sync {
             SyncMode::Deferred => {
                 owned.owner.register(n)?;
@@ -557,16 +483,16 @@ impl HeapEndpoint {
                 if owned.owner.pending_free_blocks() > MAX_BATCH_RANGES {
                     self.flush_frees_nowait(n.heap)?;
                 }
-                let owned = self.owned.get_mut(&n.heap).ok_or(EndpointError::UnknownHeap(n.heap))?;
+                let owned = self.owned.get_mut(&n.heap).ok_or(ChannelError::UnknownHeap(n.heap))?;
                 let ack = owned.owner.acknowledge(n)?;
-                self.send_msg(&ack.encode())
+                self.ctl.send(&Message::HeapSync(ack.into()))
             }
         }
     }
 
     fn on_create(&mut self, config: HeapConfig, len: u64) -> Result<()> {
         let heap = config.heap();
-        if self.owned.contains_key(&heap) {
+        if self.owned.contains_key(&heap) || !self.may_register(0, len) {
             return self.refuse(heap, len);
         }
         self.owned.insert(
@@ -579,7 +505,12 @@ impl HeapEndpoint {
                 ready: VecDeque::new(),
             },
         );
-        self.grant(heap, len)
+        let r = self.grant(heap, len);
+        // Refused after all (registration failed): no empty heap stays behind.
+        if self.owned.get(&heap).is_some_and(|o| o.bytes == 0) {
+            self.owned.remove(&heap);
+        }
+        r
     }
 
     fn on_grow(&mut self, heap: HeapId, len: u64) -> Result<()> {
@@ -587,9 +518,7 @@ impl HeapEndpoint {
         if owned.owner.pending_free_blocks() > 0 {
             // Return what the consumer has freed first: it may be all the allocator needs.
             self.flush_frees_nowait(heap)?;
-            let mut m = vec![TAG_FREED];
-            m.extend_from_slice(&heap.0.to_le_bytes());
-            return self.send_msg(&m);
+            return self.ctl.send(&Message::HeapFreed { heap });
         }
         self.grant(heap, len)
     }
@@ -601,17 +530,27 @@ impl HeapEndpoint {
                 return Ok(());
             }
             let batch = o.owner.take_free_batch(MAX_BATCH_RANGES);
-            self.send_msg(&batch.encode())?;
+            self.ctl.send(&Message::HeapSync(batch.into()))?;
         }
+    }
+
+    /// Whether a segment of `len` (at least `segment_len`) bytes more fits the limits, for
+    /// a heap holding `heap_bytes`.
+    fn may_register(&self, heap_bytes: u64, min_len: u64) -> bool {
+        let len = min_len.max(self.limits.segment_len);
+        min_len > 0
+            && heap_bytes.checked_add(len).is_some_and(|b| b <= self.limits.max_heap_bytes)
+            && self.owned_bytes.checked_add(len).is_some_and(|b| b <= self.limits.max_total_bytes)
     }
 
     fn grant(&mut self, heap: HeapId, min_len: u64) -> Result<()> {
         let limits = self.limits;
-        let owned = self.owned.get_mut(&heap).ok_or(EndpointError::UnknownHeap(heap))?;
-        let len = min_len.max(limits.segment_len);
-        if min_len == 0 || owned.bytes.saturating_add(len) > limits.max_heap_bytes {
+        let heap_bytes = self.owned.get(&heap).ok_or(ChannelError::UnknownHeap(heap))?.bytes;
+        if !self.may_register(heap_bytes, min_len) {
             return self.refuse(heap, min_len);
         }
+        let len = min_len.max(limits.segment_len);
+        let owned = self.owned.get_mut(&heap).ok_or(ChannelError::UnknownHeap(heap))?;
         let Ok(ulen) = usize::try_from(len) else { return self.refuse(heap, min_len) };
         let mr = match self.pd.alloc_mr(ulen, AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE) {
             Ok(mr) => mr,
@@ -624,19 +563,12 @@ impl HeapEndpoint {
         owned.owner.add_segment(seg)?;
         owned.segments.push(mr);
         owned.bytes += len;
-        let mut m = vec![TAG_GRANT];
-        m.extend_from_slice(&heap.0.to_le_bytes());
-        m.extend_from_slice(&seg.base.to_le_bytes());
-        m.extend_from_slice(&seg.len.to_le_bytes());
-        m.extend_from_slice(&seg.rkey.to_le_bytes());
-        self.send_msg(&m)
+        self.owned_bytes += len;
+        self.ctl.send(&Message::HeapGrant { heap, segment: seg })
     }
 
     fn refuse(&mut self, heap: HeapId, len: u64) -> Result<()> {
-        let mut m = vec![TAG_REFUSE];
-        m.extend_from_slice(&heap.0.to_le_bytes());
-        m.extend_from_slice(&len.to_le_bytes());
-        self.send_msg(&m)
+        self.ctl.send(&Message::HeapRefuse { heap, len })
     }
 }
 
@@ -647,28 +579,10 @@ fn answer_heap(a: &Answer) -> HeapId {
     }
 }
 
-fn take_heap(m: &[u8]) -> Option<(HeapId, &[u8])> {
-    let id = m.get(1..5)?;
-    Some((HeapId(u32::from_le_bytes(id.try_into().ok()?)), &m[5..]))
-}
-
-fn policy_code(p: AllocPolicy) -> u8 {
-    match p {
-        AllocPolicy::NextFit => 0,
-        AllocPolicy::FirstFit => 1,
-        AllocPolicy::BestFit => 2,
-        AllocPolicy::WorstFit => 3,
-    }
-}
-
-fn policy_from(b: u8) -> Option<AllocPolicy> {
-    AllocPolicy::ALL.get(usize::from(b)).copied()
-}
-
 impl std::fmt::Debug for HeapEndpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HeapEndpoint")
-            .field("qp", &self.qp.qp_num())
+            .field("qp", &self.ctl.qp().qp_num())
             .field("allocating", &self.allocating.keys().collect::<Vec<_>>())
             .field("owned", &self.owned.keys().collect::<Vec<_>>())
             .finish()
