@@ -19,7 +19,7 @@ pub const CASES: &[Case] = &[
 ];
 
 /// Liveness bound of the default connection options: the keep-alive interval plus the
-/// transport budget (4.096 µs × 2^14 × 8 tries, about 0.54 s), with a wide margin for a
+/// transport budget (4.096 µs × 2^14 × 7 tries, about 0.47 s), with a wide margin for a
 /// loaded machine or VM.
 const LIVENESS_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
 

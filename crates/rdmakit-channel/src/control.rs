@@ -45,7 +45,7 @@
 //! which breaks the channel: every blocked operation returns
 //! [`ChannelError::Broken`] (see [`ChannelError::is_peer_gone`]). The bound after the
 //! peer's death is the interval plus the QP's transport budget,
-//! `4.096 µs × 2^timeout × (retry_cnt + 1)` (about 0.54 s with the default
+//! `4.096 µs × 2^timeout × (retry_cnt + 1)` (about 0.47 s with the default
 //! `ConnectOptions`).
 //!
 //! A keep-alive takes one of the peer's receive slots until the peer polls again; the

@@ -12,7 +12,7 @@ mod common;
 use common::put_endpoints;
 
 /// Generous: the keep-alive interval plus the default transport budget (4.096 µs × 2^14 ×
-/// 8 tries, about 0.54 s) is under a second on an idle machine.
+/// 7 tries, about 0.47 s) is under a second on an idle machine.
 const BOUND: Duration = Duration::from_secs(10);
 
 fn config(notify: NotifyMode, poll: PollMode) -> PipeConfig {

@@ -232,7 +232,11 @@ pub struct ConnectOptions {
     pub access: AccessFlags,
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout (0: infinite).
     pub timeout: u8,
-    /// Transport retries before `RETRY_EXC_ERR` (0–7).
+    /// Transport retries before `RETRY_EXC_ERR` (0–7). The default is 6, not the 7 perftest
+    /// and UCX use: Soft-RoCE (`rdma_rxe`) treats 7 as "retry forever" (the IB spec reserves
+    /// that meaning for `rnr_retry`), so with 7 a dead peer is never reported there, and
+    /// nothing built on the connection could notice it. With 6 the budget stays finite on
+    /// every provider: 7 tries × 4.096 µs × 2^timeout, about 0.47 s by default.
     pub retry_cnt: u8,
     /// RNR retries before `RNR_RETRY_EXC_ERR` (0–6, 7 means infinite).
     pub rnr_retry: u8,
@@ -277,7 +281,7 @@ impl Default for ConnectOptions {
             mtu: None,
             access: AccessFlags::ALL_REMOTE,
             timeout: 14,
-            retry_cnt: 7,
+            retry_cnt: 6,
             rnr_retry: 7,
             min_rnr_timer: 12,
             max_rd_atomic: 16,
