@@ -5,7 +5,7 @@ use rdmakit::*;
 fn main() -> Result<()> {
     let pd = Context::open_soft().alloc_pd()?;
     let mr = pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
-    let bytes: &[u8] = mr.as_slice();
+    let bytes: &[u8] = mr.as_slice().expect("host memory");
     println!("{}", bytes[0]);
     Ok(())
 }
