@@ -166,7 +166,22 @@ fn libclang_version() -> String {
 fn find_rdma_core() -> Result<RdmaCore, String> {
     let mut include_paths: Vec<PathBuf> = Vec::new();
     let mut missing = Vec::new();
-    for lib in ["libibverbs", "librdmacm", "libmlx5"] {
+    let pkg_config = env::var_os("PKG_CONFIG").unwrap_or_else(|| "pkg-config".into());
+    let have_pkg_config = std::process::Command::new(&pkg_config)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let libs: &[&str] = if have_pkg_config {
+        &["libibverbs", "librdmacm", "libmlx5"]
+    } else {
+        missing.push(
+            "pkg-config (not installed, so libibverbs, librdmacm and libmlx5 cannot be looked up)".into(),
+        );
+        &[]
+    };
+    for &lib in libs {
         match pkg_config::Config::new().cargo_metadata(false).env_metadata(false).probe(lib) {
             Ok(found) => {
                 for path in found.include_paths {
@@ -175,12 +190,25 @@ fn find_rdma_core() -> Result<RdmaCore, String> {
                     }
                 }
             }
-            Err(err) => missing.push(format!("{lib} ({})", first_line(&err.to_string()))),
+            Err(err) => {
+                let err = err.to_string();
+                let why = if err.contains("was not found in the pkg-config search path") {
+                    "no .pc file: its -dev package is not installed"
+                } else {
+                    first_line(&err)
+                };
+                missing.push(format!("{lib} ({why})"));
+            }
         }
     }
     let mut libclang = String::new();
     if let Err(err) = clang_sys::load() {
-        missing.push(format!("libclang, which bindgen loads ({})", first_line(&err)));
+        let why = if err.contains("couldn't find any valid shared libraries") {
+            "not found; set LIBCLANG_PATH if it is installed somewhere unusual".to_string()
+        } else {
+            first_line(&err).to_string()
+        };
+        missing.push(format!("libclang, which bindgen loads ({why})"));
     } else {
         libclang = libclang_version();
         // bindgen loads its own copy; this one was only a probe.
@@ -258,7 +286,7 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed={}", header.display());
     println!("cargo::rerun-if-changed=src/layout.c");
-    for var in ["RDMAKIT_SYS_VERBS", "LIBCLANG_PATH", "PKG_CONFIG_PATH"] {
+    for var in ["RDMAKIT_SYS_VERBS", "LIBCLANG_PATH", "PKG_CONFIG_PATH", "PKG_CONFIG"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
 
