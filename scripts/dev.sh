@@ -16,8 +16,9 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 
-# rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen.
-PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config clang libclang-dev)
+# rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen;
+# chromium for the web gauge's real-browser test.
+PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config clang libclang-dev chromium)
 
 say() { printf '\n==> %s\n' "$*"; }
 warn() { printf '\n!!! %s\n' "$*" >&2; }
@@ -134,6 +135,8 @@ test)
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace
     step "cross-process soft NIC across two network namespaces" netns_tier
+    step "the web gauge in headless Chromium (screenshot in target/tmp)" \
+        cargo test -p rdmakit-perf --test transfer -- --ignored --exact headless_chromium_sees_the_gauge_move
     step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
