@@ -11,6 +11,11 @@ use rdmakit::channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit::memory::heap::{AllocPolicy, HeapConfig, HeapId};
 use rdmakit::*;
 
+/// The `i`-th message: 11 to 3012 bytes.
+fn message(i: u32) -> String {
+    format!("message {i}: {}", "x".repeat((i as usize * 37) % 3000))
+}
+
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd()?;
@@ -39,8 +44,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             };
             let mut text = vec![0u8; landed.len() as usize];
             reader.read(&landed, 0, &mut text).map_err(|e| e.to_string())?;
-            let text = String::from_utf8_lossy(&text);
-            let text = text.trim_end_matches('\0');
+            // Blocks are rounded up to 8 bytes, and a reused block keeps older bytes past
+            // the message: check the message itself, which the reader can recompute.
+            let want = message(i);
+            if !text.starts_with(want.as_bytes()) {
+                return Err(format!("message {i} arrived corrupted in block {:?}", landed.block()));
+            }
+            let text = want.as_str();
             if i % 50 == 0 {
                 let head: String = text.chars().take(16).collect();
                 println!(
@@ -59,13 +69,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     writer.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10)?;
     let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+    let mut sent = 0;
     for i in 0..200u32 {
-        let msg = format!("message {i}: {}", "x".repeat((i as usize * 37) % 3000));
+        let msg = message(i);
+        sent += msg.len();
         src.write_at(0, msg.as_bytes())?; // rmem: the writer's registered source
         let block = writer.rmalloc(heap, msg.len() as u64)?; // rmalloc
         writer.write(heap, &block, 0, src.slice(0, msg.len() as u32)?)?; // rwrite + notice
     }
     let bytes = reader_thread.join().map_err(|_| "reader panicked")??;
+    assert_eq!(bytes, sent, "the reader consumed other bytes than the writer sent");
     std::thread::sleep(Duration::from_millis(50));
     writer.poll_messages()?; // take in the last free batch
     let s = writer.heap_stats(heap)?;
@@ -78,5 +91,6 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         "writer's view now: {} of {} bytes free in {} range(s), fragmentation {:.3}",
         s.free, s.total, s.free_blocks, s.fragmentation
     );
+    assert!(s.free <= s.total && s.total >= 64 << 10, "impossible heap figures: {s:?}");
     Ok(())
 }

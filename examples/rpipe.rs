@@ -59,12 +59,14 @@ async fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     }
     let received = consumer.await??;
     println!("rwrite: 1000 messages, {sent} bytes sent, {received} bytes consumed through a 64 KiB heap");
+    assert_eq!(received, sent, "the reader consumed other bytes than the writer sent");
 
     // rread: the data's owner stores it and raises the reader's flag; the reader pulls it.
+    const TEXT: &[u8] = b"pulled by rread, zero copy from the owner's memory";
     let owned = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
-    owned.write_at(0, b"pulled by rread, zero copy from the owner's memory")?;
+    owned.write_at(0, TEXT)?;
     let publisher = tokio::spawn(async move {
-        let (r, _) = writer.publish(owned.slice(0, 51).expect("slice")).await;
+        let (r, _) = writer.publish(owned.slice(0, TEXT.len() as u32).expect("slice")).await;
         r
     });
     let dst = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
@@ -74,5 +76,6 @@ async fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut text = vec![0u8; n];
     dst.read_at(0, &mut text)?;
     println!("rread: {:?}", String::from_utf8_lossy(&text));
+    assert_eq!(&text[..], TEXT, "rread brought the wrong bytes");
     Ok(())
 }

@@ -47,6 +47,7 @@ fn main() -> Result<()> {
     let mut seen = vec![0u8; msg.len()];
     b_mem.read_at(0, &mut seen)?;
     println!("write  (wr_id {}): B now holds {:?}", wc.wr_id, String::from_utf8_lossy(&seen));
+    assert_eq!(seen, msg, "the write did not land in B's memory");
 
     // 2. RDMA read: A fetches it back into another part of its own memory.
     a.post_send(SendWr::read(a_mem.slice(1024, len)?, b_remote.slice(0, len)?).wr_id(2))?;
@@ -54,13 +55,16 @@ fn main() -> Result<()> {
     let mut back = vec![0u8; msg.len()];
     a_mem.read_at(1024, &mut back)?;
     println!("read   (wr_id {}): {} bytes back, equal: {}", wc.wr_id, wc.byte_len, back == msg);
+    assert_eq!(back, msg, "the read did not bring B's bytes back");
 
     // 3. Fetch-and-add on a counter in B's memory; A gets the value before the add.
     b_mem.write_u64(2048, 40)?;
     for round in 0..2 {
         a.post_send(SendWr::fetch_add(a_mem.slice(2048, 8)?, b_remote.slice(2048, 8)?, 1).wr_id(3 + round))?;
         cq_a.wait(None)?.ok()?;
-        println!("fetch-add +1: old value {}, counter now {}", a_mem.read_u64(2048)?, b_mem.read_u64(2048)?);
+        let (old, now) = (a_mem.read_u64(2048)?, b_mem.read_u64(2048)?);
+        println!("fetch-add +1: old value {old}, counter now {now}");
+        assert_eq!((old, now), (40 + round, 41 + round), "fetch-and-add returned or left the wrong value");
     }
 
     // 4. A write outside B's region: B's NIC refuses it and A gets a typed error.
@@ -68,7 +72,7 @@ fn main() -> Result<()> {
     a.post_send(SendWr::write(a_mem.slice(0, 16)?, past_end).wr_id(9))?;
     match cq_a.wait(None)?.ok() {
         Err(e) => println!("out-of-bounds write refused: {e}"),
-        Ok(wc) => println!("unexpected success: {wc:?}"),
+        Ok(wc) => panic!("an out-of-bounds write succeeded: {wc:?}"),
     }
     println!("QP A is now {:?}; its later requests flush", a.state());
     Ok(())

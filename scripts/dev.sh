@@ -16,8 +16,9 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 
-# rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen.
-PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config libclang-dev)
+# rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen;
+# chromium for the web gauge's real-browser test.
+PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config libclang-dev chromium)
 
 say() { printf '\n==> %s\n' "$*"; }
 warn() { printf '\n!!! %s\n' "$*" >&2; }
@@ -177,6 +178,18 @@ netns_tier() {
     return "$rc"
 }
 
+examples_tier() {
+    # Every example is run, not only built; each checks its own result and exits non-zero
+    # on a wrong one.
+    local f name rc=0
+    for f in examples/*.rs; do
+        name=$(basename "$f" .rs)
+        say "example $name"
+        timeout -k 10 600 cargo run --quiet --example "$name" || { warn "example $name failed"; rc=1; }
+    done
+    return "$rc"
+}
+
 case "${1:-}" in
 deps)
     deps
@@ -197,6 +210,9 @@ test)
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace
     step "cross-process soft NIC across two network namespaces" netns_tier
+    step "every example, run (each checks its own result)" examples_tier
+    step "the web gauge in headless Chromium (screenshot in target/tmp)" \
+        cargo test -p rdmakit-perf --test transfer -- --ignored --exact headless_chromium_sees_the_gauge_move
     step "soft-only build (no rdma-core), clippy -D warnings" cargo clippy -p rdmakit-verbs --no-default-features --all-targets -- -D warnings
     step "build without rdma-core's files (RDMAKIT_SYS_VERBS=off: what a machine with only Rust gets)" \
         env RDMAKIT_SYS_VERBS=off cargo clippy --workspace --all-targets --target-dir target/no-rdma-core -- -D warnings

@@ -3,6 +3,10 @@
 //! and two regions, then only sleeps. Everything the client does to it is served by the
 //! peer's soft NIC progress engine, over TCP.
 //!
+//! The binary has its own `main` (`harness = false`, libtest-mimic): the peer is a mode of
+//! the binary, not a test, so it is never counted as one (it used to be a test function
+//! that returned at once outside its parent: a pass that tested nothing).
+//!
 //! `RDMAKIT_SOFT_ADDR` picks the address both sides listen on (loopback by default; the
 //! network-namespace test sets the veth addresses).
 
@@ -10,7 +14,35 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use libtest_mimic::{Arguments, Trial};
 use rdmakit::*;
+
+fn main() {
+    if std::env::var("RDMAKIT_TEST_PEER").as_deref() == Ok("1") {
+        peer_process();
+        return;
+    }
+    let args = Arguments::from_args();
+    let tests: [(&str, fn()); 4] = [
+        ("one_sided_and_two_sided_ops_across_processes", one_sided_and_two_sided_ops_across_processes),
+        ("send_waits_for_a_late_receive_across_processes", send_waits_for_a_late_receive_across_processes),
+        (
+            "killed_peer_gives_retry_exceeded_within_the_budget",
+            killed_peer_gives_retry_exceeded_within_the_budget,
+        ),
+        ("hostile_bytes_on_the_port_are_dropped", hostile_bytes_on_the_port_are_dropped),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| {
+            Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -25,14 +57,10 @@ fn opts() -> ConnectOptions {
     ConnectOptions { timeout: 12, retry_cnt: 3, ..ConnectOptions::default() }
 }
 
-/// The peer process. Prints `EP <endpoint> MR <region> RX <region>`, reads the client's
-/// endpoint, connects, posts a receive into RX after `RDMAKIT_TEST_RECV_DELAY_MS`, prints
-/// `READY`, then idles until its stdin closes.
-#[test]
+/// The peer process (this binary with `RDMAKIT_TEST_PEER=1`). Prints `EP <endpoint> MR
+/// <region> RX <region>`, reads the client's endpoint, connects, posts a receive into RX
+/// after `RDMAKIT_TEST_RECV_DELAY_MS`, prints `READY`, then idles until its stdin closes.
 fn peer_process() {
-    if std::env::var("RDMAKIT_TEST_PEER").as_deref() != Ok("1") {
-        return; // only meaningful as the child of the tests below
-    }
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64).unwrap();
@@ -102,7 +130,6 @@ fn peer_command() -> Command {
 
 fn spawn_peer(recv_delay_ms: u64) -> Peer {
     let mut child = peer_command()
-        .args(["--exact", "peer_process", "--nocapture", "--test-threads=1"])
         .env("RDMAKIT_TEST_PEER", "1")
         .env("RDMAKIT_TEST_RECV_DELAY_MS", recv_delay_ms.to_string())
         .stdin(Stdio::piped())
@@ -110,7 +137,6 @@ fn spawn_peer(recv_delay_ms: u64) -> Peer {
         .spawn()
         .expect("spawn the peer process");
     let mut out = BufReader::new(child.stdout.take().unwrap());
-    // libtest may print "test peer_process ... " on the same line, before our output.
     let mut line = String::new();
     let at = loop {
         line.clear();
@@ -177,7 +203,6 @@ fn local() -> Local {
     Local { pd, cq, qp }
 }
 
-#[test]
 fn one_sided_and_two_sided_ops_across_processes() {
     let mut peer = spawn_peer(0);
     let l = local();
@@ -236,7 +261,6 @@ fn one_sided_and_two_sided_ops_across_processes() {
     assert_eq!(l.qp.state(), QpState::Error);
 }
 
-#[test]
 fn send_waits_for_a_late_receive_across_processes() {
     // The peer posts its receive 300 ms after connecting: the send gets RNR NAKs and is
     // retried (infinite RNR retries) until it lands.
@@ -253,7 +277,6 @@ fn send_waits_for_a_late_receive_across_processes() {
     peer.wait_ready();
 }
 
-#[test]
 fn killed_peer_gives_retry_exceeded_within_the_budget() {
     let mut peer = spawn_peer(0);
     let l = local();
@@ -301,7 +324,6 @@ fn killed_peer_gives_retry_exceeded_within_the_budget() {
     wait(&cq).ok().unwrap();
 }
 
-#[test]
 fn hostile_bytes_on_the_port_are_dropped() {
     use std::net::TcpStream;
     let ctx = Context::open_soft();

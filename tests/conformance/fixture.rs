@@ -15,6 +15,10 @@ pub enum Needs {
     DeviceMemory,
     /// An IP address of the device for connection management (rdma_cm on verbs).
     CmAddress,
+    /// mlx5's indirect keys and UMR (mlx5dv on verbs; the soft NIC emulates them).
+    Mlx5,
+    /// A verbs device without mlx5dv, where the mlx5 calls must be clean refusals.
+    NotMlx5,
 }
 
 /// The IP to listen on for connection cases: loopback on the soft NIC; on verbs an address
@@ -45,6 +49,26 @@ pub fn requirement_unmet(provider: ProviderKind, needs: Needs) -> Option<String>
         Needs::CmAddress => cm_ip(provider)
             .is_none()
             .then(|| "no IP address for rdma_cm: set RDMAKIT_CM_IP to an address of the device".into()),
+        Needs::Mlx5 => match provider {
+            ProviderKind::Soft => None,
+            ProviderKind::Verbs => mlx5_refusal(provider).map(|why| format!("not an mlx5 device: {why}")),
+        },
+        Needs::NotMlx5 => match provider {
+            ProviderKind::Soft => Some("the soft NIC emulates mlx5's indirect keys and UMR".into()),
+            ProviderKind::Verbs => {
+                mlx5_refusal(provider).is_none().then(|| "an mlx5 device: the mlx5 cases run instead".into())
+            }
+        },
+    }
+}
+
+/// Why the device refuses an mlx5 indirect key (`Unsupported`: not mlx5), if it does.
+fn mlx5_refusal(provider: ProviderKind) -> Option<String> {
+    let ctx = open(provider).ok()?;
+    let pd = ctx.alloc_pd().ok()?;
+    match pd.create_indirect_mkey(0, 4096, AccessFlags::ALL_REMOTE) {
+        Err(Error::Unsupported(why)) => Some(format!("{}: {why}", ctx.name())),
+        _ => None,
     }
 }
 

@@ -33,8 +33,8 @@ fn main() {
                 ProviderKind::Soft => None,
             }
             .or_else(|| fixture::requirement_unmet(provider, case.needs));
-            if let (Some(reason), ProviderKind::Verbs) = (&skip, provider) {
-                if verbs_skip.is_none() {
+            if let Some(reason) = &skip {
+                if provider == ProviderKind::Soft || verbs_skip.is_none() {
                     eprintln!("conformance: {name} ignored: {reason}");
                 }
             }

@@ -15,7 +15,7 @@ use rdmakit_channel::put::PutEndpoint;
 use rdmakit_channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
 use rdmakit_verbs::{AccessFlags, Error, Result};
 
-use crate::measure::Measured;
+use crate::measure::{Bw, Measured, PEAK_MAX_ITERS};
 use crate::rig::{Params, Side, Test};
 
 fn chan(e: ChannelError) -> Error {
@@ -92,7 +92,13 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                 drop(pipe.recv().await.map_err(chan)?);
                 let secs = start.elapsed().as_secs_f64();
                 let bytes = u64::from(p.iters) * u64::from(p.size);
-                Ok(Measured::Bandwidth { bytes, secs, peak_bytes_per_sec: peak.max(bytes as f64 / secs) })
+                let avg = bytes as f64 / secs.max(1e-9);
+                Ok(Measured::Bandwidth(Bw {
+                    bytes_per_sec: avg,
+                    peak_bytes_per_sec: (p.iters <= PEAK_MAX_ITERS).then(|| peak.max(avg)),
+                    msgs_per_sec: f64::from(p.iters) / secs.max(1e-9),
+                    iters: u64::from(p.iters),
+                }))
             }
             _ => Err(Error::InvalidArgument(format!("{} is not a pipe test", p.test.name()))),
         }

@@ -32,8 +32,8 @@ const MB: f64 = (1u64 << 20) as f64;
 
 fn mb_per_sec(m: &Measured) -> f64 {
     match m {
-        Measured::Bandwidth { bytes, secs, .. } => *bytes as f64 / secs.max(1e-9) / MB,
-        Measured::Latency(_) => 0.0,
+        Measured::Bandwidth(b) => b.bytes_per_sec / MB,
+        Measured::Latency(_) | Measured::LatencyTimed { .. } => 0.0,
     }
 }
 
@@ -109,7 +109,7 @@ pub fn run(runs: u32) -> Result<Vec<Limit>> {
     // In-process: soft NIC write-bw (window 16) vs memcpy.
     let ctx = Context::open_soft();
     for (size, iters) in [(1u32 << 20, 2000u32), (65536, 20_000)] {
-        let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
+        let p = Params::simple(Test::WriteBw, size, iters, 16, Placement::Host);
         let (a, _b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
         let slots = rig::buffer_len(&p) / (size as usize).max(64);
         let (mut ours, mut limit) = (Vec::new(), Vec::new());
@@ -152,7 +152,7 @@ fn cross_process_mb_per_sec(ctx: &Context, size: u32, iters: u32, wait: CqWait) 
         .stderr(Stdio::null())
         .spawn()
         .map_err(|source| Error::Os { call: "spawn server", source })?;
-    let p = Params { test: Test::WriteBw, size, iters, window: 16, placement: Placement::Host };
+    let p = Params::simple(Test::WriteBw, size, iters, 16, Placement::Host);
     let measured = (|| {
         // The server needs a moment to listen.
         let mut tries = 0;

@@ -1,11 +1,15 @@
 //! `rdmakit-perf`: perftest-style benchmarks for rdmakit.
 //!
 //! With no arguments it runs a short suite on the soft NIC in loopback and prints one
-//! table. Each subcommand runs one test, in loopback (both sides in this process), as a
-//! server (`--server ADDR`) or as a client (`--connect ADDR`), on the soft NIC or on a
-//! verbs device (`--provider`, `--device`, `--gid-index`). Output uses perftest's column
-//! layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or JSON
-//! lines with `--json`.
+//! table (`--provider`, `--device`, `--gid-index` pick another device). The perftest-style
+//! subcommands (`write-bw`, `write-lat`, `read-bw`, `read-lat`, `send-bw`, `send-lat`,
+//! `atomic-bw`, `atomic-lat`, and the channel crate's `pipe-lat`, `pipe-bw`) run one test
+//! in loopback (both sides in this process), as a server (`--server ADDR`) or as a client
+//! (`--connect ADDR`), on the soft NIC or on a verbs device, and take perftest's flags
+//! (`-s -a -n -D -f -t -r -I -q -b -e -F --report_gbits --output`; README "perftest flags").
+//! `put-lat`, `fadd-contended` and `limits` run on one machine only. Output uses perftest's
+//! column layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or
+//! JSON lines with `--json`.
 
 mod channel;
 mod contended;
@@ -23,17 +27,33 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rdmakit_verbs::*;
 
+use crate::measure::{Bw, Measured};
+use crate::report::Level;
 use crate::rig::{Params, Placement, Test};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "rdmakit-perf",
     version,
-    about = "perftest-style RDMA benchmarks on rdmakit (soft NIC or rdma-core)"
+    about = "perftest-style RDMA benchmarks on rdmakit (soft NIC or rdma-core)",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
+    /// The suite's options, when no subcommand is given.
+    #[command(flatten)]
+    suite: SuiteArgs,
+}
+
+/// The default suite's options.
+#[derive(Args, Debug, Clone)]
+struct SuiteArgs {
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    dev: DeviceOpts,
 }
 
 #[derive(Subcommand, Debug)]
@@ -48,6 +68,8 @@ enum Cmd {
     ReadLat(Opts),
     /// Send bandwidth into posted receives.
     SendBw(Opts),
+    /// Send/receive ping-pong (as `ib_send_lat`); half the round trip.
+    SendLat(Opts),
     /// Fetch-and-add latency (full round trip).
     AtomicLat(Opts),
     /// Fetch-and-add message rate (window of outstanding atomics).
@@ -56,7 +78,8 @@ enum Cmd {
     PipeLat(Opts),
     /// Pipe rwrite bandwidth (window of writes in flight, the reader releasing).
     PipeBw(Opts),
-    /// Persistent put-handle ping-pong; half the round trip (loopback only).
+    /// Persistent put-handle ping-pong; half the round trip (loopback only: no
+    /// `--server`/`--connect`).
     PutLat(Opts),
     /// N processes hammer one shared counter with fetch-and-add (total and per-process
     /// rates, and a check of the final count).
@@ -76,12 +99,9 @@ enum Cmd {
     Transfer(transfer::TransferArgs),
     /// A TCP data generator to feed `transfer --input tcp://HOST:PORT`.
     Datagen(transfer::DatagenArgs),
-    /// The default suite on the soft NIC in loopback (what no arguments runs).
-    Suite {
-        /// Print JSON lines instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    /// The default suite in loopback (what no arguments runs): the soft NIC unless
+    /// `--provider`/`--device` say otherwise.
+    Suite(SuiteArgs),
 }
 
 /// The mode: loopback (neither), or one side of a two-process run.
@@ -116,7 +136,16 @@ impl DeviceOpts {
                 Some(d) => Context::open(d),
                 None => Ok(Context::open_soft()),
             },
-            "verbs" => Context::open_verbs(self.device.as_deref()),
+            // Never a silent fall-back to the soft NIC: software figures must not pass for
+            // the hardware's.
+            "verbs" => Context::open_verbs(self.device.as_deref()).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "--provider verbs: cannot open {}: {e}; rdmakit-perf does not fall back to \
+                     the soft NIC (use --provider soft for it); on an RDMA host, check that \
+                     `ibv_devices` lists the NIC and that rdma-core's provider for it is installed",
+                    self.device.as_deref().unwrap_or("an RDMA device")
+                ))
+            }),
             "auto" => Context::open_default(),
             other => Err(Error::InvalidArgument(format!("--provider {other}: expected soft, verbs or auto"))),
         }
@@ -127,20 +156,57 @@ impl DeviceOpts {
     }
 }
 
+/// The perftest-style tests' options: perftest's flags, meanings and defaults.
 #[derive(Args, Debug, Clone)]
 struct Opts {
-    /// Message size in bytes.
-    #[arg(short, long, default_value_t = 65536)]
-    size: u32,
-    /// Iterations.
-    #[arg(short = 'n', long, default_value_t = 5000)]
-    iters: u32,
-    /// Outstanding operations (bandwidth tests).
-    #[arg(short, long, default_value_t = 16)]
-    window: u32,
+    /// Message size in bytes (perftest's default: 2 for latency tests, 65536 for bandwidth
+    /// tests; atomics are always 8).
+    #[arg(short, long)]
+    size: Option<u32>,
+    /// Run every size from 2 to 2^23 bytes (powers of two), one row each.
+    #[arg(short = 'a', long = "all", conflicts_with = "size")]
+    all: bool,
+    /// Iterations, per QP and size (default 1000 for latency tests, 5000 for bandwidth
+    /// tests; at least 5).
+    #[arg(short = 'n', long)]
+    iters: Option<u32>,
+    /// Run for this many seconds instead of a number of iterations; the first and last
+    /// `--margin` seconds are not measured.
+    #[arg(short = 'D', long, conflicts_with_all = ["iters", "all"])]
+    duration: Option<u16>,
+    /// Seconds left out at each end of a `--duration` run.
+    #[arg(short = 'f', long, default_value_t = 2, requires = "duration")]
+    margin: u16,
+    /// Send queue depth: operations a bandwidth test keeps outstanding (default 128, at
+    /// most the iterations). `--window` is the old name.
+    #[arg(short = 't', long = "tx-depth", visible_alias = "window")]
+    tx_depth: Option<u32>,
+    /// Receive queue depth: receives the receiver of a send test keeps posted.
+    #[arg(short = 'r', long = "rx-depth", default_value_t = 512)]
+    rx_depth: u32,
+    /// Largest message sent inline (default 220 for write-lat, 236 for send-lat, 0 for the
+    /// others; reads and atomics never go inline).
+    #[arg(short = 'I', long = "inline_size", visible_alias = "inline-size")]
+    inline: Option<u32>,
+    /// Queue pairs run at once (bandwidth tests); each does `--iters`.
+    #[arg(short = 'q', long = "qp", default_value_t = 1)]
+    qps: u32,
+    /// Both sides run the test at once; the figures are the two directions' sum.
+    #[arg(short = 'b', long)]
+    bidirectional: bool,
+    /// Report bandwidth in Gb/sec (10^9 bits) instead of MiB/sec (2^20 bytes).
+    #[arg(long = "report_gbits", visible_alias = "report-gbits")]
+    report_gbits: bool,
+    /// Print only this figure, one line per result: bandwidth or message_rate (bandwidth
+    /// tests), latency (the average; latency tests).
+    #[arg(long, value_enum)]
+    output: Option<Level>,
+    /// Accepted for perftest compatibility: rdmakit-perf never fails on CPU frequency.
+    #[arg(short = 'F', long = "CPU-freq")]
+    cpu_freq: bool,
     /// Bandwidth tests sleep on the completion channel instead of busy-polling, as
-    /// perftest's `--use_event` (leaves the CPU to a software NIC on small machines).
-    #[arg(short = 'e', long)]
+    /// perftest's `-e` (leaves the CPU to a software NIC on small machines).
+    #[arg(short = 'e', long = "events", visible_alias = "use-event")]
     use_event: bool,
     /// Where the atomic target lives (on the server in client/server mode).
     #[arg(long, value_enum, default_value_t = Placement::Host)]
@@ -238,78 +304,250 @@ fn fadd_contended(c: &Contention) -> Result<()> {
     Ok(())
 }
 
-fn progress(iters: u32) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
+fn progress(iters: u64, timed: bool) -> ProgressBar {
+    if timed || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::new(u64::from(iters));
+    let bar = ProgressBar::new(iters);
     bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {per_sec}").expect("template"));
     bar
 }
 
+fn bad(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+/// perftest's rules and defaults, turned into the run's parameters.
 fn validate(test: Test, o: &Opts) -> Result<Params> {
-    if o.size == 0 || o.size > rig::MAX_SIZE {
-        return Err(Error::InvalidArgument(format!("--size must be 1..={}", rig::MAX_SIZE)));
+    let bw = !test.is_latency();
+    let raw_bw = matches!(test, Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw);
+    if test.is_atomic() && (o.all || o.size.is_some_and(|s| s != 8)) {
+        return Err(bad("atomic tests move 8 bytes: no --size or --all (as perftest)"));
     }
-    if o.iters == 0 {
-        return Err(Error::InvalidArgument("--iters must be at least 1".into()));
+    let size = match (o.size, test.is_atomic()) {
+        (_, true) => 8,
+        (Some(s), _) => s,
+        (None, _) if o.all => rig::MAX_SIZE,
+        (None, _) => {
+            if bw {
+                65536
+            } else {
+                2
+            }
+        }
+    };
+    if size == 0 || size > rig::MAX_SIZE {
+        return Err(bad(format!("--size must be 1..={}", rig::MAX_SIZE)));
     }
-    let size = if matches!(test, Test::AtomicLat | Test::AtomicBw) { 8 } else { o.size };
-    Ok(Params { test, size, iters: o.iters, window: o.window.clamp(1, 64), placement: o.placement })
+    let iters = o.iters.unwrap_or(if bw { 5000 } else { 1000 });
+    if iters < 5 {
+        return Err(bad("--iters must be at least 5 (as perftest)"));
+    }
+    let duration = o.duration.unwrap_or(0);
+    if o.duration.is_some() {
+        if duration <= 2 * o.margin {
+            return Err(bad(format!(
+                "--duration {duration} must be more than 2 x --margin ({}): the margins are not measured",
+                o.margin
+            )));
+        }
+        if o.use_event {
+            return Err(bad("--duration does not work with --events (as perftest)"));
+        }
+    }
+    if test.is_channel() && (o.all || o.duration.is_some() || o.bidirectional || o.qps != 1) {
+        return Err(bad(format!(
+            "{}: -a, -D, -b and -q are for the verbs tests (write/read/send/atomic); the channel tests take -s, -n, -t",
+            test.name()
+        )));
+    }
+    if !raw_bw && (o.bidirectional || o.qps != 1) {
+        return Err(bad(format!("{}: -b and -q are for bandwidth tests (as perftest)", test.name())));
+    }
+    if o.qps == 0 || o.qps > rig::MAX_QPS {
+        return Err(bad(format!("--qp must be 1..={}", rig::MAX_QPS)));
+    }
+    match (o.output, bw) {
+        (Some(Level::Latency), true) => {
+            return Err(bad("--output for a bandwidth test is bandwidth or message_rate"));
+        }
+        (Some(Level::Bandwidth | Level::MessageRate), false) => {
+            return Err(bad("--output for a latency test is latency"));
+        }
+        _ => {}
+    }
+    // perftest: tx depth 128 for bandwidth tests, never more than the iterations.
+    let window = match o.tx_depth {
+        Some(0) => return Err(bad("--tx-depth must be at least 1")),
+        Some(t) => t,
+        None if bw && duration == 0 => 128.min(iters),
+        None if bw => 128,
+        None => 1,
+    };
+    if window > rig::MAX_DEPTH || o.rx_depth == 0 || o.rx_depth > rig::MAX_DEPTH {
+        return Err(bad(format!("--tx-depth and --rx-depth must be 1..={}", rig::MAX_DEPTH)));
+    }
+    let inline = o.inline.unwrap_or(match test {
+        Test::WriteLat => 220,
+        Test::SendLat => 236,
+        _ => 0,
+    });
+    Ok(Params {
+        test,
+        size,
+        iters,
+        window,
+        rx_depth: o.rx_depth,
+        inline,
+        qps: o.qps,
+        bidir: o.bidirectional,
+        all: o.all,
+        duration,
+        margin: if duration > 0 { o.margin } else { 0 },
+        placement: o.placement,
+    })
+}
+
+fn join<T>(h: std::thread::ScopedJoinHandle<'_, Result<T>>) -> Result<T> {
+    h.join().map_err(|_| bad("a measuring thread panicked"))?
+}
+
+/// The server of one test: accepts the client's QPs (as many as it asks for) and serves
+/// every size of its run.
+fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) -> Result<()> {
+    if o.placement == Placement::Memic && ctx.attr().max_dm_size == 0 {
+        return Err(bad(format!("--placement memic: {} has no device memory", ctx.name())));
+    }
+    let listener = cm::Listener::bind(ctx, addr)?;
+    eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
+    let (p, first) = rig::server(ctx, &listener, copts, o.placement)?;
+    eprintln!(
+        "rdmakit-perf: client asked for {} of {} bytes x {}{} on {} QP(s){}",
+        p.test.name(),
+        p.size,
+        p.iters,
+        if p.all { " (all sizes)" } else { "" },
+        p.qps,
+        if p.bidir { ", bidirectional" } else { "" }
+    );
+    if p.test == Test::PutLat {
+        return Err(bad("put-lat runs in loopback only"));
+    }
+    let mut sides = vec![first];
+    while sides.len() < p.qps as usize {
+        let (q, side) = rig::server(ctx, &listener, copts, o.placement)?;
+        if q.test != p.test || q.qps != p.qps {
+            return Err(Error::Malformed {
+                what: "test parameters",
+                reason: format!("QP {} asked for {} on {} QPs", sides.len(), q.test.name(), q.qps),
+            });
+        }
+        sides.push(side);
+    }
+    std::thread::scope(|s| {
+        let hs: Vec<_> =
+            sides
+                .iter()
+                .map(|side| {
+                    s.spawn(move || {
+                        if p.test.is_channel() { channel::serve(side, &p) } else { measure::serve(side, &p) }
+                    })
+                })
+                .collect();
+        hs.into_iter().try_for_each(join)
+    })?;
+    // One-sided tests need nothing from us: wait for the client to finish.
+    for side in &sides {
+        if let Some(c) = &side.conn {
+            c.wait_disconnected(std::time::Duration::from_secs(3600))?;
+        }
+    }
+    Ok(())
 }
 
 fn one(test: Test, o: &Opts) -> Result<()> {
     let ctx = o.dev.open()?;
     let copts = o.dev.connect_options();
-    let out = report::Out::new(o.json);
+    if test == Test::PutLat && (o.peer.connect.is_some() || o.peer.server.is_some()) {
+        return Err(bad("put-lat runs in loopback only (no --server/--connect)"));
+    }
+    let out = report::Out::with(o.json, o.report_gbits, o.output);
     if let Some(addr) = o.peer.server {
-        let listener = cm::Listener::bind(&ctx, addr)?;
-        eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
-        let (p, side) = rig::server(&ctx, &listener, &copts, o.placement)?;
-        eprintln!("rdmakit-perf: client asked for {} of {} bytes x {}", p.test.name(), p.size, p.iters);
-        if p.test.is_channel() {
-            channel::serve(&side, &p)?;
-        } else {
-            measure::serve(&side, &p)?;
-        }
-        // One-sided tests need nothing from us: wait for the client to finish.
-        if let Some(c) = &side.conn {
-            c.wait_disconnected(std::time::Duration::from_secs(3600))?;
-        }
-        return Ok(());
+        return serve_one(&ctx, o, addr, &copts);
     }
     let p = validate(test, o)?;
-    let bar = progress(p.iters);
     let wait = if o.use_event { measure::CqWait::Event } else { measure::CqWait::Poll };
-    if p.test == Test::PutLat && o.peer.connect.is_some() {
-        return Err(Error::InvalidArgument("put-lat runs in loopback only".into()));
+    if !o.json
+        && o.output.is_none()
+        && !p.test.is_latency()
+        && p.duration == 0
+        && p.iters > measure::PEAK_MAX_ITERS
+    {
+        eprintln!(
+            " WARNING: BW peak won't be measured in this run (more than 20000 iterations, as perftest)."
+        );
     }
-    let client = |side: &rig::Side| {
-        if p.test.is_channel() {
-            channel::run(side, &p, &bar)
+    // The client sides (and, in loopback, their peers, served by threads of this process).
+    let mut clients = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..p.qps {
+        if let Some(addr) = o.peer.connect {
+            clients.push(rig::client(&ctx, addr, &p, &copts)?);
         } else {
-            measure::run_with(side, &p, &bar, wait)
+            let (a, b) = rig::loopback(&ctx, &p, &copts)?;
+            clients.push(a);
+            peers.push(b);
         }
-    };
-    let m = if let Some(addr) = o.peer.connect {
-        let side = rig::client(&ctx, addr, &p, &copts)?;
-        client(&side)?
-    } else if p.test == Test::PutLat {
-        let (a, b) = rig::loopback(&ctx, &p, &copts)?;
-        channel::put_lat(&a, &b, &p, &bar)?
-    } else {
-        let (a, b) = rig::loopback(&ctx, &p, &copts)?;
-        std::thread::scope(|s| {
-            let server =
-                s.spawn(|| if p.test.is_channel() { channel::serve(&b, &p) } else { measure::serve(&b, &p) });
-            let m = client(&a);
-            let served = server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?;
-            served.and(m)
-        })?
-    };
-    bar.finish_and_clear();
-    out.header(p.test);
-    out.row(&ctx, &p, &m);
+    }
+    out.header(p.test, p.duration > 0);
+    std::thread::scope(|s| -> Result<()> {
+        let servers: Vec<_> =
+            if p.test == Test::PutLat {
+                Vec::new()
+            } else {
+                peers
+                    .iter()
+                    .map(|b| {
+                        s.spawn(move || {
+                            if p.test.is_channel() { channel::serve(b, &p) } else { measure::serve(b, &p) }
+                        })
+                    })
+                    .collect()
+            };
+        let measured = (|| -> Result<()> {
+            for size in p.sizes() {
+                let p = p.at(size);
+                let bar = progress(u64::from(p.iters) * u64::from(p.qps), p.duration > 0);
+                let m = if p.test == Test::PutLat {
+                    channel::put_lat(&clients[0], &peers[0], &p, &bar)?
+                } else if p.test.is_channel() {
+                    channel::run(&clients[0], &p, &bar)?
+                } else if p.qps == 1 {
+                    measure::run_with(&clients[0], &p, &bar, wait)?
+                } else {
+                    let bws = std::thread::scope(|s| {
+                        let hs: Vec<_> = clients
+                            .iter()
+                            .map(|c| s.spawn(|| measure::run_with(c, &p, &bar, wait)))
+                            .collect();
+                        hs.into_iter().map(join).collect::<Result<Vec<_>>>()
+                    })?;
+                    let mut total: Option<Bw> = None;
+                    for m in bws {
+                        let Measured::Bandwidth(b) = m else { return Err(bad("a QP measured no bandwidth")) };
+                        total = Some(total.map_or(b, |t| t.add(b, p.duration > 0)));
+                    }
+                    Measured::Bandwidth(total.unwrap_or_default())
+                };
+                bar.finish_and_clear();
+                out.row(&ctx, &p, &m);
+            }
+            Ok(())
+        })();
+        let served: Result<()> = servers.into_iter().try_for_each(join);
+        measured.and(served)
+    })?;
+    out.footer();
     Ok(())
 }
 
@@ -336,10 +574,27 @@ fn limits(json: bool, runs: u32) -> Result<()> {
     Ok(())
 }
 
-/// The default suite: small and short, on the soft NIC in loopback.
-fn suite(json: bool) -> Result<()> {
-    let ctx = Context::open_soft();
-    let out = report::Out::new(json);
+/// The suite's first line: which provider and device every result below comes from, and
+/// whether that is the software NIC because no RDMA device is here.
+fn suite_banner(ctx: &Context) -> String {
+    let what = format!("provider {}, device {}, loopback in one process", ctx.provider(), ctx.name());
+    if ctx.provider() != ProviderKind::Soft {
+        return format!("rdmakit-perf suite on {} ({what})", ctx.name());
+    }
+    match verbs_unavailable_reason() {
+        Some(why) => format!(
+            "rdmakit-perf suite on the soft NIC (software RDMA, not hardware: no RDMA device here: {why}); every result is from {what}"
+        ),
+        None => format!(
+            "rdmakit-perf suite on the soft NIC (software RDMA; an RDMA device is present: --provider verbs measures it); every result is from {what}"
+        ),
+    }
+}
+
+/// The default suite: small and short, in loopback.
+fn suite(a: &SuiteArgs) -> Result<()> {
+    let ctx = a.dev.open()?;
+    let out = report::Out::new(a.json);
     let plan: [(Test, u32, u32, Placement); 12] = [
         (Test::WriteLat, 8, 20_000, Placement::Host),
         (Test::PipeLat, 8, 20_000, Placement::Host),
@@ -354,17 +609,24 @@ fn suite(json: bool) -> Result<()> {
         (Test::AtomicBw, 8, 200_000, Placement::Host),
         (Test::PipeBw, 1 << 20, 2_000, Placement::Host),
     ];
-    if !json {
-        println!(
-            "rdmakit-perf suite on {} ({} provider, loopback in one process)",
-            ctx.name(),
-            ctx.provider()
-        );
+    let banner = suite_banner(&ctx);
+    if a.json {
+        eprintln!("{banner}");
+    } else {
+        println!("{banner}");
     }
     out.suite_header();
+    let copts = a.dev.connect_options();
     for (test, size, iters, placement) in plan {
-        let p = Params { test, size, iters, window: 16, placement };
-        let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
+        if placement == Placement::Memic && ctx.attr().max_dm_size == 0 {
+            eprintln!("rdmakit-perf: {} in device memory skipped: {} has none", test.name(), ctx.name());
+            continue;
+        }
+        let p = Params {
+            inline: if test == Test::WriteLat { 64 } else { 0 },
+            ..Params::simple(test, size, iters, 16, placement)
+        };
+        let (a, b) = rig::loopback(&ctx, &p, &copts)?;
         let bar = ProgressBar::hidden();
         let m = if test == Test::PutLat {
             channel::put_lat(&a, &b, &p, &bar)?
@@ -387,13 +649,14 @@ fn suite(json: bool) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match &cli.cmd {
-        None => suite(false),
-        Some(Cmd::Suite { json }) => suite(*json),
+        None => suite(&cli.suite),
+        Some(Cmd::Suite(a)) => suite(a),
         Some(Cmd::WriteBw(o)) => one(Test::WriteBw, o),
         Some(Cmd::WriteLat(o)) => one(Test::WriteLat, o),
         Some(Cmd::ReadBw(o)) => one(Test::ReadBw, o),
         Some(Cmd::ReadLat(o)) => one(Test::ReadLat, o),
         Some(Cmd::SendBw(o)) => one(Test::SendBw, o),
+        Some(Cmd::SendLat(o)) => one(Test::SendLat, o),
         Some(Cmd::AtomicLat(o)) => one(Test::AtomicLat, o),
         Some(Cmd::AtomicBw(o)) => one(Test::AtomicBw, o),
         Some(Cmd::PipeLat(o)) => one(Test::PipeLat, o),

@@ -1,23 +1,100 @@
 //! The measurement loops, following perftest's definitions: latency tests time each
-//! operation's round trip (write-lat is a ping-pong reported as half the round trip), and
-//! bandwidth tests keep a window of requests outstanding and time the whole run.
+//! operation's round trip (write-lat and send-lat are ping-pongs reported as half the round
+//! trip), and bandwidth tests keep a window of requests outstanding and time the whole run.
+//!
+//! A run is counted in iterations, or timed (`-D`): then, as perftest does, the first and
+//! last `margin` seconds are left out and only what completes in between is counted.
+//!
+//! The peer learns that one size of a run is over from a stop mark: the byte [`STOP`] in
+//! the last byte of a write-lat ping, or the immediate [`STOP_IMM`] on a send. Neither side
+//! needs to know how many iterations the other will run, so timed runs and `-a` sweeps work
+//! across processes too.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rdmakit_verbs::*;
 
-use crate::rig::{Params, Side, Test};
+use crate::rig::{self, Params, Side, Test};
 
 /// How long one wait may take before the run is declared stuck.
 const STUCK: Duration = Duration::from_secs(30);
+
+/// The last byte of a write-lat ping that ends a size (stamps are 1..=250).
+const STOP: u8 = 255;
+/// The immediate of the send that ends a send test's size.
+const STOP_IMM: u32 = 0x5354_4f50;
+/// `wr_id` of that send.
+const STOP_WR: u64 = u64::MAX;
+/// `wr_id` of receives.
+const RECV_WR: u64 = u64::MAX - 1;
+
+/// Above this many iterations perftest does not measure the peak bandwidth.
+pub const PEAK_MAX_ITERS: u32 = 20_000;
+
+/// A bandwidth result: rates, so that directions and QPs add up as perftest adds them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Bw {
+    /// Average bytes per second.
+    pub bytes_per_sec: f64,
+    /// Best of 8 equal slices of the run; `None` where perftest does not measure it (timed
+    /// runs, more than 20000 iterations).
+    pub peak_bytes_per_sec: Option<f64>,
+    /// Messages per second.
+    pub msgs_per_sec: f64,
+    /// Operations counted (per QP in a counted run; all of them in a timed run).
+    pub iters: u64,
+}
+
+impl Bw {
+    /// Two directions, or two QPs, together: rates add.
+    pub fn add(self, o: Bw, sum_iters: bool) -> Bw {
+        Bw {
+            bytes_per_sec: self.bytes_per_sec + o.bytes_per_sec,
+            peak_bytes_per_sec: self.peak_bytes_per_sec.zip(o.peak_bytes_per_sec).map(|(a, b)| a + b),
+            msgs_per_sec: self.msgs_per_sec + o.msgs_per_sec,
+            iters: if sum_iters { self.iters + o.iters } else { self.iters.max(o.iters) },
+        }
+    }
+
+    const MAGIC: u64 = 0x7264_6d61_6b69_7452;
+
+    /// The 40-byte report a bidirectional peer writes into the other side's buffer.
+    fn encode(&self) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        b[..8].copy_from_slice(&Bw::MAGIC.to_le_bytes());
+        b[8..16].copy_from_slice(&self.bytes_per_sec.to_le_bytes());
+        b[16..24].copy_from_slice(&self.peak_bytes_per_sec.unwrap_or(f64::NAN).to_le_bytes());
+        b[24..32].copy_from_slice(&self.msgs_per_sec.to_le_bytes());
+        b[32..40].copy_from_slice(&self.iters.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; 40]) -> Option<Bw> {
+        let w = |i: usize| <[u8; 8]>::try_from(&b[i..i + 8]).expect("8");
+        if u64::from_le_bytes(w(0)) != Bw::MAGIC {
+            return None;
+        }
+        let f = |i: usize| f64::from_le_bytes(w(i));
+        let peak = f(16);
+        Some(Bw {
+            bytes_per_sec: f(8),
+            peak_bytes_per_sec: (!peak.is_nan()).then_some(peak),
+            msgs_per_sec: f(24),
+            iters: u64::from_le_bytes(w(32)),
+        })
+    }
+}
 
 /// What a run measured.
 pub enum Measured {
     /// Per-iteration latencies in microseconds.
     Latency(Vec<f64>),
-    /// Whole-run bandwidth: total bytes, seconds, and the best of 8 equal slices.
-    Bandwidth { bytes: u64, secs: f64, peak_bytes_per_sec: f64 },
+    /// A timed latency run: operations counted in the sampled window and their mean.
+    LatencyTimed { iters: u64, avg_us: f64, per_sec: f64 },
+    /// A bandwidth run.
+    Bandwidth(Bw),
 }
 
 fn err(what: &str) -> Error {
@@ -29,26 +106,36 @@ fn reap(cq: &CompletionQueue) -> Result<WorkCompletion> {
     wc.ok()
 }
 
-/// Spins until byte `at` of `mr` equals `v`.
-fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<()> {
+/// Spins until byte `at` of `mr` equals `v` or [`STOP`]; true for `v`.
+fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<bool> {
     let start = Instant::now();
     let mut b = [0u8; 1];
     loop {
         mr.read_at(at, &mut b)?;
-        if b[0] == v {
-            return Ok(());
+        if b[0] == v || b[0] == STOP {
+            return Ok(b[0] == v);
         }
         if start.elapsed() > STUCK {
-            return Err(Error::Timeout(STUCK));
+            return Err(err(&format!(
+                "no answer from the peer in {STUCK:?}: byte {at} of the buffer is {}, waited for {v}",
+                b[0]
+            )));
         }
         std::hint::spin_loop();
     }
 }
 
-/// For write-lat: a private copy of the message when it fits the QP's inline limit, so
-/// small pings go inline, as perftest's latency tests do.
-fn inline_payload(side: &Side, size: u32) -> Option<Vec<u8>> {
-    (size <= side.qp.caps().max_inline_data).then(|| vec![0; size as usize])
+/// The inline limit this side uses: the run's `-I`, within what its QP allows.
+fn inline_limit(side: &Side, p: &Params) -> u32 {
+    if matches!(p.test, Test::ReadLat | Test::ReadBw | Test::AtomicLat | Test::AtomicBw) {
+        return 0; // perftest: reads and atomics never go inline
+    }
+    p.inline.min(side.qp.caps().max_inline_data)
+}
+
+/// A private copy of the message when it goes inline.
+fn inline_payload(side: &Side, p: &Params) -> Option<Vec<u8>> {
+    (p.size <= inline_limit(side, p)).then(|| vec![0; p.size as usize])
 }
 
 /// One write-lat ping whose last byte is `v`: inline from `inline` when it is there, else
@@ -65,7 +152,7 @@ fn ping<'a>(inline: &'a mut Option<Vec<u8>>, src: &LocalSlice, dst: RemoteSlice,
     }
 }
 
-fn stamp(i: u32) -> u8 {
+fn stamp(i: u64) -> u8 {
     (i % 250) as u8 + 1
 }
 
@@ -75,156 +162,466 @@ pub enum CqWait {
     /// Busy-poll the CQ (perftest's default).
     #[default]
     Poll,
-    /// Sleep on the completion channel when nothing is ready (perftest's `--use_event`).
+    /// Sleep on the completion channel when nothing is ready (perftest's `--events`).
     /// On a machine with few cores this leaves the CPU to a software NIC's threads.
     Event,
 }
 
-/// The client's side of a test, busy-polling for completions.
+/// Where a run is: counted, or timed with perftest's margins.
+struct Span {
+    timed: Option<(Instant, Duration, Duration, Duration)>,
+    iters: u64,
+    sample_start: Option<(Instant, u64)>,
+    sample_end: Option<(Instant, u64)>,
+}
+
+impl Span {
+    fn new(p: &Params) -> Span {
+        let timed = (p.duration > 0).then(|| {
+            let margin = Duration::from_secs(u64::from(p.margin));
+            let total = Duration::from_secs(u64::from(p.duration));
+            (Instant::now(), margin, total.saturating_sub(margin), total)
+        });
+        Span { timed, iters: u64::from(p.iters), sample_start: None, sample_end: None }
+    }
+
+    /// Called with the operations done so far; false once the run is over.
+    fn go_on(&mut self, done: u64) -> bool {
+        let Some((start, margin, end, total)) = self.timed else {
+            return done < self.iters;
+        };
+        let t = start.elapsed();
+        if t >= margin && self.sample_start.is_none() {
+            self.sample_start = Some((Instant::now(), done));
+        }
+        if t >= end && self.sample_end.is_none() {
+            self.sample_end = Some((Instant::now(), done));
+        }
+        t < total
+    }
+
+    /// The sampled window of a timed run: operations and seconds.
+    fn sample(&self) -> Option<(u64, f64)> {
+        let ((t0, n0), (t1, n1)) = (self.sample_start?, self.sample_end?);
+        Some((n1 - n0, (t1 - t0).as_secs_f64()))
+    }
+
+    fn is_timed(&self) -> bool {
+        self.timed.is_some()
+    }
+}
+
+/// The client's side of one size of a test, busy-polling for completions.
 pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     run_with(side, p, bar, CqWait::Poll)
 }
 
-/// The client's side of a test; bandwidth tests wait for completions as `wait` says.
+/// The client's side of one size of a test; bandwidth tests wait for completions as `wait`
+/// says. In a bidirectional run the peer's direction is added from its report.
 pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Result<Measured> {
-    let size = p.size;
     match p.test {
-        Test::WriteLat => {
-            // Write from the upper half of our buffer into the lower half of the peer's; the
-            // peer answers into the lower half of ours. The last byte carries the round.
-            let src = side.buf.slice(u64::from(size.max(64)), size)?;
-            let dst = side.peer_buf.slice(0, size)?;
-            let mut lat = Vec::with_capacity(p.iters as usize);
-            let mut inline = inline_payload(side, size);
-            for i in 0..p.iters {
-                let v = stamp(i);
-                side.buf.write_at(u64::from(size.max(64) + size - 1), &[v])?;
-                let t = Instant::now();
-                side.qp.post_send(ping(&mut inline, &src, dst, v))?;
-                spin_byte(&side.buf, u64::from(size - 1), v)?;
-                lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-                reap(&side.cq)?;
-                tick(bar, i);
+        Test::WriteLat => write_lat(side, p, bar),
+        Test::SendLat => send_lat(side, p, bar),
+        Test::ReadLat | Test::AtomicLat => read_lat(side, p, bar),
+        Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw => {
+            let mine = bandwidth(side, p, bar, wait, true, p.bidir && p.test == Test::SendBw)?;
+            if !p.bidir {
+                return Ok(Measured::Bandwidth(mine));
             }
-            Ok(Measured::Latency(lat))
+            // The two sides swap reports: the peer's figures, and a barrier between sizes.
+            send_report(side, &mine)?;
+            let theirs = peer_report(side)?;
+            Ok(Measured::Bandwidth(mine.add(theirs, p.duration > 0)))
         }
-        Test::ReadLat | Test::AtomicLat => {
-            let mut lat = Vec::with_capacity(p.iters as usize);
-            for i in 0..p.iters {
-                let wr = match p.test {
-                    Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
-                    _ => SendWr::fetch_add(side.buf.slice(0, 8)?, side.peer_atomic.slice(0, 8)?, 1),
-                };
-                let t = Instant::now();
-                side.qp.post_send(wr)?;
-                reap(&side.cq)?;
-                lat.push(t.elapsed().as_secs_f64() * 1e6);
-                tick(bar, i);
-            }
-            Ok(Measured::Latency(lat))
-        }
-        Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw => bandwidth(side, p, bar, wait),
         Test::PipeLat | Test::PipeBw | Test::PutLat => {
             Err(err("channel tests run in the channel module (a bug if reached)"))
         }
     }
 }
 
-fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Result<Measured> {
-    let size = if p.test == Test::AtomicBw { 8 } else { p.size };
-    let slots = (side.buf.len() / size.max(64) as usize).max(1) as u32;
-    let window = p.window.clamp(1, side.qp.caps().max_send_wr);
-    let make = |i: u32| -> Result<SendWr<'static>> {
-        let slot = u64::from(i % slots) * u64::from(size.max(64));
+fn latency_result(span: &Span, lat: Vec<f64>, half: bool) -> Result<Measured> {
+    if !span.is_timed() {
+        return Ok(Measured::Latency(lat));
+    }
+    let (n, secs) = span.sample().ok_or_else(|| err("the timed run ended before its sample window"))?;
+    if n == 0 {
+        return Err(err("no operation completed in the sampled window"));
+    }
+    let rtt = if half { 2.0 } else { 1.0 };
+    Ok(Measured::LatencyTimed { iters: n, avg_us: secs * 1e6 / n as f64 / rtt, per_sec: n as f64 / secs })
+}
+
+/// Where write-lat's outgoing message starts: the upper half of the buffer, so that no size
+/// of a sweep sends from the byte a later size polls.
+fn upper_half(side: &Side) -> u64 {
+    ((side.buf.len() - rig::REPORT_LEN) / 2) as u64
+}
+
+fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    // Write from the upper half of our buffer into the lower half of the peer's; the peer
+    // answers into the lower half of ours. The last byte carries the round.
+    let size = p.size;
+    let stride = upper_half(side);
+    let src = side.buf.slice(stride, size)?;
+    let dst = side.peer_buf.slice(0, size)?;
+    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
+    let mut inline = inline_payload(side, p);
+    let mut span = Span::new(p);
+    let mut i = 0u64;
+    while span.go_on(i) {
+        let v = stamp(i);
+        side.buf.write_at(stride + u64::from(size - 1), &[v])?;
+        let t = Instant::now();
+        side.qp.post_send(ping(&mut inline, &src, dst, v))?;
+        if !spin_byte(&side.buf, u64::from(size - 1), v)? {
+            return Err(err("the peer ended the run early"));
+        }
+        if !span.is_timed() {
+            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+        reap(&side.cq)?;
+        i += 1;
+        tick(bar, i);
+    }
+    // Tell the peer this size is over, and wait for it to answer with the same mark: the
+    // next size's first ping must not overwrite this one before the peer has seen it.
+    side.buf.write_at(stride + u64::from(size - 1), &[STOP])?;
+    side.qp.post_send(ping(&mut inline, &src, dst, STOP))?;
+    reap(&side.cq)?;
+    spin_byte(&side.buf, u64::from(size - 1), STOP)?;
+    latency_result(&span, lat, true)
+}
+
+fn read_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    let size = p.size;
+    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
+    let mut span = Span::new(p);
+    let mut i = 0u64;
+    while span.go_on(i) {
+        let wr = match p.test {
+            Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
+            _ => SendWr::fetch_add(side.buf.slice(0, 8)?, side.peer_atomic.slice(0, 8)?, 1),
+        };
+        let t = Instant::now();
+        side.qp.post_send(wr)?;
+        reap(&side.cq)?;
+        if !span.is_timed() {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        i += 1;
+        tick(bar, i);
+    }
+    latency_result(&span, lat, false)
+}
+
+/// Keeps `want` receives posted on `side` (covering the whole buffer: any size fits).
+fn top_up_recvs(side: &Side, want: u32) -> Result<()> {
+    let want = want.min(side.qp.caps().max_recv_wr.saturating_sub(1)).max(1);
+    let len = (side.buf.len() - rig::REPORT_LEN) as u32;
+    while side.posted_recvs.load(Ordering::Relaxed) < want {
+        side.qp.post_recv(RecvWr::new(side.buf.slice(0, len)?).wr_id(RECV_WR))?;
+        side.posted_recvs.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// One received message: counts the receive off; true if it is the stop mark.
+fn received(side: &Side, wc: &WorkCompletion) -> bool {
+    side.posted_recvs.fetch_sub(1, Ordering::Relaxed);
+    wc.imm == Some(STOP_IMM)
+}
+
+/// A send of this size: inline from `inline` when it is there.
+fn send_wr<'a>(inline: &'a Option<Vec<u8>>, src: &LocalSlice) -> SendWr<'a> {
+    match inline {
+        Some(bytes) => SendWr::send_inline(bytes),
+        None => SendWr::send(src.clone()),
+    }
+}
+
+fn send_stop(side: &Side) -> Result<()> {
+    side.qp.post_send(SendWr::send_empty().with_imm(STOP_IMM).wr_id(STOP_WR))
+}
+
+/// Completions of a ping-pong that arrived before they were waited for (a peer's next
+/// message can land before our own send's completion is reaped).
+#[derive(Default)]
+struct Banked {
+    recvs: u32,
+    sends: u32,
+    stopped: bool,
+}
+
+impl Banked {
+    /// Waits until `recvs` receives and `sends` sends have completed (counting those
+    /// banked); returns whether a stop mark arrived among the receives.
+    fn wait(&mut self, side: &Side, recvs: u32, sends: u32) -> Result<bool> {
+        while self.recvs < recvs || self.sends < sends {
+            let wc = reap(&side.cq)?;
+            if wc.opcode == WcOpcode::RECV {
+                self.stopped |= received(side, &wc);
+                self.recvs += 1;
+            } else {
+                self.sends += 1;
+            }
+        }
+        self.recvs -= recvs;
+        self.sends -= sends;
+        Ok(recvs > 0 && std::mem::take(&mut self.stopped))
+    }
+}
+
+fn send_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
+    let src = side.buf.slice(0, p.size)?;
+    let inline = inline_payload(side, p);
+    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
+    let mut span = Span::new(p);
+    let mut i = 0u64;
+    let mut banked = Banked::default();
+    top_up_recvs(side, 2)?;
+    while span.go_on(i) {
+        let t = Instant::now();
+        side.qp.post_send(send_wr(&inline, &src))?;
+        if banked.wait(side, 1, 1)? {
+            return Err(err("the peer ended the run early"));
+        }
+        if !span.is_timed() {
+            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+        top_up_recvs(side, 2)?;
+        i += 1;
+        tick(bar, i);
+    }
+    send_stop(side)?;
+    banked.wait(side, 0, 1)?;
+    latency_result(&span, lat, true)
+}
+
+/// The bandwidth loop. `send`: this side issues the test's operations (writes, reads,
+/// sends, atomics) with a window of `p.window`; `recv`: it also receives the peer's sends
+/// until their stop mark. Returns this side's figures (zero if it only received).
+fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: bool, recv: bool) -> Result<Bw> {
+    let size = if p.test.is_atomic() { 8 } else { p.size };
+    let stride = u64::from(size.max(64));
+    let room = side.buf.len().min(side.peer_buf.len as usize);
+    let slots = rig::slots(room, size).min(p.window.max(1) as usize) as u64;
+    let window = u64::from(p.window.clamp(1, side.qp.caps().max_send_wr.saturating_sub(2).max(1)));
+    let inline = if send { inline_payload(side, p) } else { None };
+    let make = |i: u64| -> Result<SendWr<'_>> {
+        let slot = (i % slots) * stride;
         let local = side.buf.slice(slot, size)?;
         Ok(match p.test {
-            Test::WriteBw => SendWr::write(local, side.peer_buf.slice(slot, size)?),
+            Test::WriteBw => match &inline {
+                Some(bytes) => SendWr::write_inline(bytes, side.peer_buf.slice(slot, size)?),
+                None => SendWr::write(local, side.peer_buf.slice(slot, size)?),
+            },
             Test::ReadBw => SendWr::read(local, side.peer_buf.slice(slot, size)?),
-            Test::SendBw => SendWr::send(local),
+            Test::SendBw => send_wr(&inline, &local),
             _ => SendWr::fetch_add(local, side.peer_atomic.slice(0, 8)?, 1),
         })
     };
-    let slice = (p.iters / 8).max(1);
-    let mut slice_start = Instant::now();
-    let mut peak: f64 = 0.0;
+    if recv {
+        top_up_recvs(side, p.rx_depth)?;
+    }
+    let mut span = Span::new(p);
+    // perftest's peak: the best mean time per operation over any run of consecutive
+    // operations, from posting the first to completing the last; so it keeps every post and
+    // completion time, and skips the peak above 20000 iterations.
+    let peak_wanted = send && !span.is_timed() && p.iters <= PEAK_MAX_ITERS;
+    let (mut posted_at, mut completed_at) = (Vec::new(), Vec::new());
+    if peak_wanted {
+        posted_at.reserve(p.iters as usize);
+        completed_at.reserve(p.iters as usize);
+    }
     let start = Instant::now();
-    let (mut posted, mut done) = (0u32, 0u32);
+    let (mut posted, mut done) = (0u64, 0u64);
+    let mut sending = send;
+    let mut stop_sent = !(send && p.test == Test::SendBw);
+    let mut stop_done = stop_sent;
+    let mut recv_done = !recv;
+    let mut last_progress = Instant::now();
     let mut wcs = [WorkCompletion::default(); 16];
-    while done < p.iters {
-        while posted < p.iters && posted - done < window {
+    let mut secs = 0.0;
+    loop {
+        if sending && !span.go_on(done) {
+            sending = false;
+            secs = start.elapsed().as_secs_f64();
+        }
+        while sending && posted - done < window && (span.is_timed() || posted < u64::from(p.iters)) {
             side.qp.post_send(make(posted)?)?;
+            if peak_wanted {
+                posted_at.push(Instant::now());
+            }
             posted += 1;
         }
-        let mut n = side.cq.poll(&mut wcs)?;
+        if !sending && posted == done && !stop_sent {
+            send_stop(side)?;
+            stop_sent = true;
+        }
+        if !sending && posted == done && stop_done && recv_done {
+            break;
+        }
+        // A receiver takes one completion at a time: what follows this size's stop mark
+        // belongs to the next size (the sender may run ahead into receives posted earlier).
+        let batch = if recv { 1 } else { wcs.len() };
+        let mut n = side.cq.poll(&mut wcs[..batch])?;
         if n == 0 && wait == CqWait::Event {
             wcs[0] = side.cq.wait(Some(STUCK))?;
             n = 1;
         }
-        for wc in &wcs[..n] {
-            wc.ok()?;
-            done += 1;
-            if done % slice == 0 {
-                let secs = slice_start.elapsed().as_secs_f64();
-                peak = peak.max(f64::from(slice) * f64::from(size) / secs.max(1e-9));
-                slice_start = Instant::now();
+        if n == 0 {
+            if last_progress.elapsed() > STUCK {
+                return Err(Error::Timeout(STUCK));
             }
-            tick(bar, done);
+            continue;
         }
-        if n == 0 && start.elapsed() > STUCK * 4 {
+        last_progress = Instant::now();
+        for wc in &wcs[..n] {
+            let wc = wc.ok()?;
+            if wc.opcode == WcOpcode::RECV {
+                if received(side, &wc) {
+                    recv_done = true;
+                } else {
+                    top_up_recvs(side, p.rx_depth)?;
+                }
+            } else if wc.wr_id == STOP_WR {
+                stop_done = true;
+            } else {
+                done += 1;
+                if peak_wanted {
+                    completed_at.push(Instant::now());
+                }
+                tick(bar, done);
+            }
+        }
+    }
+    if !send {
+        return Ok(Bw::default());
+    }
+    let (ops, secs) = match span.sample() {
+        Some(s) => s,
+        None if span.is_timed() => return Err(err("the timed run ended before its sample window")),
+        None => (done, secs),
+    };
+    let secs = secs.max(1e-9);
+    let avg = ops as f64 * f64::from(size) / secs;
+    Ok(Bw {
+        bytes_per_sec: avg,
+        peak_bytes_per_sec: peak_wanted.then(|| peak_rate(&posted_at, &completed_at, size).max(avg)),
+        msgs_per_sec: ops as f64 / secs,
+        iters: if span.is_timed() { ops } else { u64::from(p.iters) },
+    })
+}
+
+/// perftest's peak bandwidth: the smallest mean time per operation over any run `i..=j` of
+/// consecutive operations (`completed[j] - posted[i]`, over `j - i + 1`), as bytes per
+/// second. Quadratic, which is why perftest stops measuring it above 20000 iterations.
+fn peak_rate(posted: &[Instant], completed: &[Instant], size: u32) -> f64 {
+    let mut best = f64::INFINITY;
+    for (i, p) in posted.iter().enumerate() {
+        for (k, c) in completed.iter().enumerate().skip(i) {
+            let per_op = c.saturating_duration_since(*p).as_secs_f64() / (k - i + 1) as f64;
+            best = best.min(per_op);
+        }
+    }
+    if best.is_finite() && best > 0.0 { f64::from(size) / best } else { 0.0 }
+}
+
+/// Where the bidirectional report lands in a buffer.
+fn report_at(len: u64) -> u64 {
+    len - rig::REPORT_LEN as u64
+}
+
+/// Writes this side's figures into the peer's buffer (bidirectional runs). Each side of a
+/// bidirectional run sends its report and then waits for the peer's, so neither starts the
+/// next size of a sweep before the other has finished this one.
+fn send_report(side: &Side, bw: &Bw) -> Result<()> {
+    let at = report_at(side.peer_buf.len);
+    side.qp.post_send(SendWr::write_inline(&bw.encode(), side.peer_buf.slice(at, 40)?))?;
+    reap(&side.cq).map(drop)
+}
+
+/// Waits for the peer's report, and clears it for the next size.
+fn peer_report(side: &Side) -> Result<Bw> {
+    let at = report_at(side.buf.len() as u64);
+    let start = Instant::now();
+    let mut b = [0u8; 40];
+    loop {
+        side.buf.read_at(at, &mut b)?;
+        if let Some(bw) = Bw::decode(&b) {
+            side.buf.write_at(at, &[0; 40])?;
+            return Ok(bw);
+        }
+        if start.elapsed() > STUCK * 4 {
             return Err(Error::Timeout(STUCK * 4));
         }
+        std::thread::yield_now();
     }
-    let secs = start.elapsed().as_secs_f64();
-    let bytes = u64::from(p.iters) * u64::from(size);
-    Ok(Measured::Bandwidth { bytes, secs, peak_bytes_per_sec: peak.max(bytes as f64 / secs) })
 }
 
-fn tick(bar: &ProgressBar, i: u32) {
+fn tick(bar: &ProgressBar, i: u64) {
     if i % 1024 == 0 {
-        bar.set_position(u64::from(i));
+        bar.set_position(i);
     }
 }
 
-/// The server's side of a test: answers write ping-pongs, keeps receives posted for
-/// send-bw, and otherwise stays out of the way (the NIC serves one-sided operations).
+/// The server's side of a test, every size of it: answers write-lat and send-lat
+/// ping-pongs, keeps receives posted for send-bw, runs its own direction of a
+/// bidirectional test (and reports it), and otherwise stays out of the way (the NIC serves
+/// one-sided operations).
 pub fn serve(side: &Side, p: &Params) -> Result<()> {
-    let size = p.size;
-    if size == 0 || size > crate::rig::MAX_SIZE {
+    if p.size == 0 || p.size > rig::MAX_SIZE {
         return Err(err("message size out of range"));
     }
-    match p.test {
-        Test::WriteLat => {
-            let src = side.buf.slice(u64::from(size.max(64)), size)?;
-            let dst = side.peer_buf.slice(0, size)?;
-            let mut inline = inline_payload(side, size);
-            for i in 0..p.iters {
-                let v = stamp(i);
-                spin_byte(&side.buf, u64::from(size - 1), v)?;
-                side.buf.write_at(u64::from(size.max(64) + size - 1), &[v])?;
-                side.qp.post_send(ping(&mut inline, &src, dst, v))?;
-                reap(&side.cq)?;
-            }
-            Ok(())
-        }
-        Test::SendBw => {
-            let window = side.qp.caps().max_recv_wr.min(p.window.max(1) + 4);
-            let recv = || side.buf.slice(0, size).map(RecvWr::new);
-            let mut posted = 0;
-            while posted < window.min(p.iters) {
-                side.qp.post_recv(recv()?)?;
-                posted += 1;
-            }
-            let mut got = 0;
-            while got < p.iters {
-                reap(&side.cq)?;
-                got += 1;
-                if posted < p.iters {
-                    side.qp.post_recv(recv()?)?;
-                    posted += 1;
+    // send-lat: a receive reaped early may be the next size's first message.
+    let mut banked = Banked::default();
+    for size in p.sizes() {
+        let p = p.at(size);
+        match p.test {
+            Test::WriteLat => {
+                let stride = upper_half(side);
+                let src = side.buf.slice(stride, size)?;
+                let dst = side.peer_buf.slice(0, size)?;
+                let mut inline = inline_payload(side, &p);
+                for i in 0u64.. {
+                    let v = stamp(i);
+                    let more = spin_byte(&side.buf, u64::from(size - 1), v)?;
+                    // Answer a ping with its stamp, the stop mark with the stop mark.
+                    let v = if more { v } else { STOP };
+                    side.buf.write_at(stride + u64::from(size - 1), &[v])?;
+                    side.qp.post_send(ping(&mut inline, &src, dst, v))?;
+                    reap(&side.cq)?;
+                    if !more {
+                        break;
+                    }
                 }
             }
-            Ok(())
+            Test::SendLat => {
+                let src = side.buf.slice(0, size)?;
+                let inline = inline_payload(side, &p);
+                loop {
+                    top_up_recvs(side, 2)?;
+                    if banked.wait(side, 1, 0)? {
+                        break;
+                    }
+                    side.qp.post_send(send_wr(&inline, &src))?;
+                    banked.wait(side, 0, 1)?;
+                }
+            }
+            Test::SendBw => {
+                let bw = bandwidth(side, &p, &ProgressBar::hidden(), CqWait::Poll, p.bidir, true)?;
+                if p.bidir {
+                    send_report(side, &bw)?;
+                    peer_report(side)?;
+                }
+            }
+            Test::WriteBw | Test::ReadBw | Test::AtomicBw if p.bidir => {
+                let bw = bandwidth(side, &p, &ProgressBar::hidden(), CqWait::Poll, true, false)?;
+                send_report(side, &bw)?;
+                peer_report(side)?;
+            }
+            _ => {}
         }
-        _ => Ok(()),
     }
+    Ok(())
 }

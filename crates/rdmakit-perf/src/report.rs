@@ -1,13 +1,17 @@
 //! Output in perftest's column layouts, or JSON lines.
 //!
 //! Latency: `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%` (µs;
-//! t_typical is the median). Bandwidth: `#bytes #iterations BW peak BW average MsgRate`,
-//! with perftest's "MB" meaning 2^20 bytes and the message rate in Mpps.
+//! t_typical is the median); a timed latency run (`-D`): `#bytes #iterations t_avg tps
+//! average`. Bandwidth: `#bytes #iterations BW peak BW average MsgRate`, in perftest's
+//! MiB/sec (2^20 bytes) or, with `--report_gbits`, Gb/sec (10^9 bits), the message rate in
+//! Mpps; a peak perftest does not measure (timed runs, more than 20000 iterations) prints
+//! as 0.00. Tables are framed by perftest's dashed lines. `--output=bandwidth|message_rate|
+//! latency` prints only that one figure per row, as perftest does.
 
 use rdmakit_verbs::Context;
 use serde::Serialize;
 
-use crate::measure::Measured;
+use crate::measure::{Bw, Measured};
 use crate::rig::{Params, Placement, Test};
 
 /// Latency statistics, microseconds.
@@ -44,14 +48,27 @@ fn lat_stats(v: &[f64]) -> Lat {
     }
 }
 
+/// A timed latency run's figures.
 #[derive(Serialize)]
-struct Bw {
-    bw_peak_mb_per_sec: f64,
+struct LatTimed {
+    t_avg: f64,
+    tps_average: f64,
+}
+
+#[derive(Serialize)]
+struct BwOut {
+    /// `null` where perftest does not measure a peak.
+    bw_peak_mb_per_sec: Option<f64>,
     bw_average_mb_per_sec: f64,
+    bw_peak_gbit_per_sec: Option<f64>,
+    bw_average_gbit_per_sec: f64,
     msg_rate_mpps: f64,
 }
 
-const MB: f64 = (1u64 << 20) as f64;
+/// perftest's MiB.
+const MIB: f64 = (1u64 << 20) as f64;
+/// perftest's Gb/sec in bytes per second: 10^9 bits.
+const GBIT: f64 = 125_000_000.0;
 
 #[derive(Serialize)]
 struct Line<'a> {
@@ -60,27 +77,61 @@ struct Line<'a> {
     device: &'a str,
     placement: Placement,
     bytes: u32,
-    iterations: u32,
+    iterations: u64,
+    qps: u32,
+    bidirectional: bool,
+    duration_secs: u16,
     #[serde(flatten)]
     lat: Option<Lat>,
     #[serde(flatten)]
-    bw: Option<Bw>,
+    lat_timed: Option<LatTimed>,
+    #[serde(flatten)]
+    bw: Option<BwOut>,
 }
+
+/// perftest's `--output`: only one figure per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum Level {
+    /// The average bandwidth (bandwidth tests).
+    Bandwidth,
+    /// The message rate (bandwidth tests).
+    MessageRate,
+    /// The average latency (latency tests).
+    Latency,
+}
+
+const DASHES: &str =
+    "---------------------------------------------------------------------------------------";
 
 pub struct Out {
     json: bool,
+    gbits: bool,
+    level: Option<Level>,
 }
 
 impl Out {
     pub fn new(json: bool) -> Out {
-        Out { json }
+        Out { json, gbits: false, level: None }
     }
 
-    pub fn header(&self, test: Test) {
-        if self.json {
+    /// perftest's `--report_gbits` and `--output`.
+    pub fn with(json: bool, gbits: bool, level: Option<Level>) -> Out {
+        Out { json, gbits, level }
+    }
+
+    fn table(&self) -> bool {
+        !self.json && self.level.is_none()
+    }
+
+    pub fn header(&self, test: Test, timed: bool) {
+        if !self.table() {
             return;
         }
-        if test.is_latency() {
+        println!("{DASHES}");
+        if test.is_latency() && timed {
+            println!(" {:<13} {:<16} {:>12} {:>14}", "#bytes", "#iterations", "t_avg[usec]", "tps average");
+        } else if test.is_latency() {
             println!(
                 " {:<10} {:<13} {:>12} {:>12} {:>15} {:>12} {:>14} {:>22} {:>24}",
                 "#bytes",
@@ -94,10 +145,21 @@ impl Out {
                 "99.9% percentile[usec]"
             );
         } else {
+            let u = if self.gbits { "Gb" } else { "MiB" };
             println!(
-                " {:<10} {:<13} {:>16} {:>19} {:>14}",
-                "#bytes", "#iterations", "BW peak[MB/sec]", "BW average[MB/sec]", "MsgRate[Mpps]"
+                " {:<10} {:<13} {:>18} {:>21} {:>14}",
+                "#bytes",
+                "#iterations",
+                format!("BW peak[{u}/sec]"),
+                format!("BW average[{u}/sec]"),
+                "MsgRate[Mpps]"
             );
+        }
+    }
+
+    pub fn footer(&self) {
+        if self.table() {
+            println!("{DASHES}");
         }
     }
 
@@ -107,34 +169,64 @@ impl Out {
             println!("{}", serde_json::to_string(&line).expect("serialisable"));
             return;
         }
-        match (&line.lat, &line.bw) {
-            (Some(l), _) => println!(
-                " {:<10} {:<13} {:>12.2} {:>12.2} {:>15.2} {:>12.2} {:>14.2} {:>22.2} {:>24.2}",
-                p.size, p.iters, l.t_min, l.t_max, l.t_typical, l.t_avg, l.t_stdev, l.p99, l.p99_9
-            ),
-            (None, Some(b)) => println!(
-                " {:<10} {:<13} {:>16.2} {:>19.2} {:>14.6}",
-                p.size, p.iters, b.bw_peak_mb_per_sec, b.bw_average_mb_per_sec, b.msg_rate_mpps
-            ),
-            (None, None) => {}
+        let unit = if self.gbits { GBIT } else { MIB };
+        match (self.level, m) {
+            (Some(Level::Latency), _) => {
+                let avg = line.lat.as_ref().map(|l| l.t_avg).or(line.lat_timed.as_ref().map(|l| l.t_avg));
+                println!("{:.6}", avg.unwrap_or(0.0));
+                return;
+            }
+            (Some(Level::Bandwidth), Measured::Bandwidth(b)) => {
+                println!("{:.6}", b.bytes_per_sec / unit);
+                return;
+            }
+            (Some(Level::MessageRate), Measured::Bandwidth(b)) => {
+                println!("{:.6}", b.msgs_per_sec / 1e6);
+                return;
+            }
+            _ => {}
+        }
+        match m {
+            Measured::Latency(_) => {
+                let l = line.lat.as_ref().expect("latency");
+                println!(
+                    " {:<10} {:<13} {:>12.2} {:>12.2} {:>15.2} {:>12.2} {:>14.2} {:>22.2} {:>24.2}",
+                    p.size,
+                    line.iterations,
+                    l.t_min,
+                    l.t_max,
+                    l.t_typical,
+                    l.t_avg,
+                    l.t_stdev,
+                    l.p99,
+                    l.p99_9
+                );
+            }
+            Measured::LatencyTimed { iters, avg_us, per_sec } => {
+                println!(" {:<13} {:<16} {:>12.2} {:>14.2}", p.size, iters, avg_us, per_sec);
+            }
+            Measured::Bandwidth(b) => {
+                // perftest prints more decimals when a Gb/sec figure is below 0.1.
+                let d = if self.gbits && b.bytes_per_sec / unit < 0.1 { 6 } else { 2 };
+                println!(
+                    " {:<10} {:<13} {:>18.d$} {:>21.d$} {:>14.6}",
+                    p.size,
+                    b.iters,
+                    b.peak_bytes_per_sec.unwrap_or(0.0) / unit,
+                    b.bytes_per_sec / unit,
+                    b.msgs_per_sec / 1e6
+                );
+            }
         }
     }
 
     fn line<'a>(&self, ctx: &'a Context, p: &Params, m: &Measured) -> Line<'a> {
-        let (lat, bw) = match m {
-            Measured::Latency(v) => (Some(lat_stats(v)), None),
-            Measured::Bandwidth { bytes, secs, peak_bytes_per_sec } => {
-                let avg = *bytes as f64 / secs.max(1e-9);
-                let rate = f64::from(p.iters) / secs.max(1e-9) / 1e6;
-                (
-                    None,
-                    Some(Bw {
-                        bw_peak_mb_per_sec: peak_bytes_per_sec / MB,
-                        bw_average_mb_per_sec: avg / MB,
-                        msg_rate_mpps: rate,
-                    }),
-                )
+        let (lat, lat_timed, bw, iterations) = match m {
+            Measured::Latency(v) => (Some(lat_stats(v)), None, None, v.len() as u64),
+            Measured::LatencyTimed { iters, avg_us, per_sec } => {
+                (None, Some(LatTimed { t_avg: *avg_us, tps_average: *per_sec }), None, *iters)
             }
+            Measured::Bandwidth(b) => (None, None, Some(bw_out(b)), b.iters),
         };
         Line {
             test: p.test,
@@ -142,8 +234,12 @@ impl Out {
             device: ctx.name(),
             placement: p.placement,
             bytes: p.size,
-            iterations: p.iters,
+            iterations,
+            qps: p.qps,
+            bidirectional: p.bidir,
+            duration_secs: p.duration,
             lat,
+            lat_timed,
             bw,
         }
     }
@@ -151,7 +247,7 @@ impl Out {
     pub fn suite_header(&self) {
         if !self.json {
             println!(
-                " {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>13} {:>11}",
+                " {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>14} {:>11}",
                 "test",
                 "placement",
                 "#bytes",
@@ -159,7 +255,7 @@ impl Out {
                 "t_typ[us]",
                 "t_avg[us]",
                 "99%[us]",
-                "BW avg[MB/s]",
+                "BW avg[MiB/s]",
                 "Mpps"
             );
         }
@@ -177,7 +273,7 @@ impl Out {
         };
         match (&line.lat, &line.bw) {
             (Some(l), _) => println!(
-                " {:<11} {:<9} {:>9} {:>11} {:>11.3} {:>11.3} {:>11.3} {:>13} {:>11}",
+                " {:<11} {:<9} {:>9} {:>11} {:>11.3} {:>11.3} {:>11.3} {:>14} {:>11}",
                 p.test.name(),
                 placement,
                 p.size,
@@ -189,7 +285,7 @@ impl Out {
                 "-"
             ),
             (None, Some(b)) => println!(
-                " {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>13.1} {:>11.3}",
+                " {:<11} {:<9} {:>9} {:>11} {:>11} {:>11} {:>11} {:>14.1} {:>11.3}",
                 p.test.name(),
                 placement,
                 p.size,
@@ -200,8 +296,18 @@ impl Out {
                 b.bw_average_mb_per_sec,
                 b.msg_rate_mpps
             ),
-            (None, None) => {}
+            _ => {}
         }
+    }
+}
+
+fn bw_out(b: &Bw) -> BwOut {
+    BwOut {
+        bw_peak_mb_per_sec: b.peak_bytes_per_sec.map(|v| v / MIB),
+        bw_average_mb_per_sec: b.bytes_per_sec / MIB,
+        bw_peak_gbit_per_sec: b.peak_bytes_per_sec.map(|v| v / GBIT),
+        bw_average_gbit_per_sec: b.bytes_per_sec / GBIT,
+        msg_rate_mpps: b.msgs_per_sec / 1e6,
     }
 }
 
@@ -220,10 +326,32 @@ mod tests {
 
     #[test]
     fn params_round_trip_and_reject_garbage() {
-        let p = Params { test: Test::SendBw, size: 4096, iters: 7, window: 3, placement: Placement::Memic };
+        let p = Params {
+            qps: 3,
+            bidir: true,
+            duration: 9,
+            margin: 2,
+            inline: 236,
+            rx_depth: 77,
+            ..Params::simple(Test::SendBw, 4096, 7, 3, Placement::Memic)
+        };
         let q = Params::decode(&p.encode()).unwrap();
         assert_eq!((q.test, q.size, q.iters, q.window, q.placement), (p.test, 4096, 7, 3, Placement::Memic));
+        assert_eq!(
+            (q.qps, q.bidir, q.all, q.duration, q.margin, q.inline, q.rx_depth),
+            (3, true, false, 9, 2, 236, 77)
+        );
         assert!(Params::decode(&[0; 5]).is_err());
-        assert!(Params::decode(&[99; 14]).is_err());
+        assert!(Params::decode(&[99; 23]).is_err());
+        // A hostile client's sizes and depths are refused, not allocated.
+        let mut b = p.encode();
+        b[2..6].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Params::decode(&b).unwrap_err().contains("size"));
+        let mut b = p.encode();
+        b[18] = 0;
+        assert!(Params::decode(&b).unwrap_err().contains("QPs"));
+        let mut b = p.encode();
+        b[19] = 0xff;
+        assert!(Params::decode(&b).unwrap_err().contains("flags"));
     }
 }

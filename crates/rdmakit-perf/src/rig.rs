@@ -22,6 +22,8 @@ pub enum Test {
     ReadBw,
     /// Send bandwidth into posted receives, as `ib_send_bw`.
     SendBw,
+    /// Send/receive ping-pong; half the round trip, as `ib_send_lat`.
+    SendLat,
     /// One atomic's round trip, as `ib_atomic_lat`.
     AtomicLat,
     /// Atomic message rate with a window.
@@ -41,7 +43,7 @@ impl Test {
 
     pub fn from_code(c: u8) -> Option<Test> {
         use Test::*;
-        [WriteLat, WriteBw, ReadLat, ReadBw, SendBw, AtomicLat, AtomicBw, PipeLat, PipeBw, PutLat]
+        [WriteLat, WriteBw, ReadLat, ReadBw, SendBw, SendLat, AtomicLat, AtomicBw, PipeLat, PipeBw, PutLat]
             .get(usize::from(c))
             .copied()
     }
@@ -53,6 +55,7 @@ impl Test {
             Test::ReadLat => "read-lat",
             Test::ReadBw => "read-bw",
             Test::SendBw => "send-bw",
+            Test::SendLat => "send-lat",
             Test::AtomicLat => "atomic-lat",
             Test::AtomicBw => "atomic-bw",
             Test::PipeLat => "pipe-lat",
@@ -62,7 +65,15 @@ impl Test {
     }
 
     pub fn is_latency(self) -> bool {
-        matches!(self, Test::WriteLat | Test::ReadLat | Test::AtomicLat | Test::PipeLat | Test::PutLat)
+        matches!(
+            self,
+            Test::WriteLat | Test::ReadLat | Test::SendLat | Test::AtomicLat | Test::PipeLat | Test::PutLat
+        )
+    }
+
+    /// Atomics move 8 bytes, always (perftest refuses another size).
+    pub fn is_atomic(self) -> bool {
+        matches!(self, Test::AtomicLat | Test::AtomicBw)
     }
 
     /// Runs on rdmakit-channel (pipes, put handles) rather than raw verbs.
@@ -85,36 +96,134 @@ pub enum Placement {
 #[derive(Clone, Copy, Debug)]
 pub struct Params {
     pub test: Test,
+    /// Message size; with `all`, the largest of the sweep (what buffers are sized for).
     pub size: u32,
+    /// Iterations per QP (per size with `all`); ignored when `duration` is set.
     pub iters: u32,
+    /// Send queue depth: operations kept outstanding by bandwidth tests (perftest's `-t`).
     pub window: u32,
+    /// Receives kept posted by the receiver of send tests (perftest's `-r`).
+    pub rx_depth: u32,
+    /// Messages up to this size go inline (perftest's `-I`).
+    pub inline: u32,
+    /// Queue pairs (connections) run at once (perftest's `-q`).
+    pub qps: u32,
+    /// Both sides send at once (perftest's `-b`).
+    pub bidir: bool,
+    /// Sweep the sizes 2, 4, ..., 2^23 (perftest's `-a`).
+    pub all: bool,
+    /// Run for this many seconds instead of `iters` (perftest's `-D`); 0 = by iterations.
+    pub duration: u16,
+    /// Seconds left out of the measurement at each end of a timed run (perftest's `-f`).
+    pub margin: u16,
     pub placement: Placement,
 }
 
+/// The sizes perftest's `-a` sweeps: 2^1 to 2^23.
+pub fn sweep_sizes() -> impl Iterator<Item = u32> {
+    (1..24).map(|i| 1u32 << i)
+}
+
 impl Params {
-    /// 14 bytes of private data: test, placement, size, iterations, window.
+    /// The default for tests and the suite: perftest's defaults for everything but size,
+    /// iterations and window.
+    pub fn simple(test: Test, size: u32, iters: u32, window: u32, placement: Placement) -> Params {
+        Params {
+            test,
+            size,
+            iters,
+            window,
+            rx_depth: 512,
+            inline: 0,
+            qps: 1,
+            bidir: false,
+            all: false,
+            duration: 0,
+            margin: 0,
+            placement,
+        }
+    }
+
+    /// The message sizes this run measures, one result row each.
+    pub fn sizes(&self) -> Vec<u32> {
+        if self.all { sweep_sizes().collect() } else { vec![self.size] }
+    }
+
+    /// This run at one size of its sweep.
+    pub fn at(&self, size: u32) -> Params {
+        Params { size, all: false, ..*self }
+    }
+
+    /// 23 bytes of private data: test, placement, size, iterations, window, rx depth,
+    /// inline size, QPs, flags (bidirectional, all sizes), duration, margin.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![self.test.code(), self.placement as u8];
         b.extend_from_slice(&self.size.to_le_bytes());
         b.extend_from_slice(&self.iters.to_le_bytes());
         b.extend_from_slice(&self.window.to_le_bytes());
+        b.extend_from_slice(&(self.rx_depth.min(u32::from(u16::MAX)) as u16).to_le_bytes());
+        b.extend_from_slice(&(self.inline.min(u32::from(u16::MAX)) as u16).to_le_bytes());
+        b.push(self.qps.min(255) as u8);
+        b.push(u8::from(self.bidir) | (u8::from(self.all) << 1));
+        b.extend_from_slice(&self.duration.to_le_bytes());
+        b.push(self.margin.min(255) as u8);
+        debug_assert_eq!(b.len(), Params::ENCODED_LEN);
         b
     }
 
+    /// Length of [`Params::encode`]'s output.
+    pub const ENCODED_LEN: usize = 23;
+
+    /// Decodes and checks what a client asked for (a peer may send anything).
     pub fn decode(b: &[u8]) -> Result<Params, String> {
-        if b.len() < 14 {
-            return Err(format!("test parameters: {} bytes, need 14", b.len()));
+        if b.len() < Params::ENCODED_LEN {
+            return Err(format!("test parameters: {} bytes, need {}", b.len(), Params::ENCODED_LEN));
         }
         let u = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4"));
+        let h = |i: usize| u16::from_le_bytes(b[i..i + 2].try_into().expect("2"));
         let test = Test::from_code(b[0]).ok_or_else(|| format!("unknown test code {}", b[0]))?;
         let placement = match b[1] {
             0 => Placement::Host,
             1 => Placement::Memic,
             p => return Err(format!("unknown placement {p}")),
         };
-        Ok(Params { test, placement, size: u(2), iters: u(6), window: u(10) })
+        if b[19] > 0b11 {
+            return Err(format!("unknown flags {:#04x}", b[19]));
+        }
+        let p = Params {
+            test,
+            placement,
+            size: u(2),
+            iters: u(6),
+            window: u(10),
+            rx_depth: u32::from(h(14)),
+            inline: u32::from(h(16)),
+            qps: u32::from(b[18]),
+            bidir: b[19] & 1 != 0,
+            all: b[19] & 2 != 0,
+            duration: h(20),
+            margin: u16::from(b[22]),
+        };
+        if p.size == 0 || p.size > MAX_SIZE {
+            return Err(format!("message size {} out of 1..={MAX_SIZE}", p.size));
+        }
+        if p.qps == 0 || p.qps > MAX_QPS {
+            return Err(format!("{} QPs out of 1..={MAX_QPS}", p.qps));
+        }
+        if p.window == 0 || p.window > MAX_DEPTH || p.rx_depth == 0 || p.rx_depth > MAX_DEPTH {
+            return Err(format!("queue depths {}/{} out of 1..={MAX_DEPTH}", p.window, p.rx_depth));
+        }
+        Ok(p)
     }
 }
+
+/// The send and receive queue depths a server offers.
+const SERVER_DEPTH: u32 = 2048;
+
+/// Most QPs `-q` may ask for.
+pub const MAX_QPS: u32 = 64;
+/// Deepest send or receive queue `-t`/`-r` may ask for.
+pub const MAX_DEPTH: u32 = 8192;
 
 /// One side's view: its QP, CQ, local buffer, and the peer's buffer.
 pub struct Side {
@@ -131,11 +240,32 @@ pub struct Side {
     pub conn: Option<cm::Connection>,
     /// Local atomic target (what the peer's atomics hit), kept alive.
     pub _atomic: MemoryRegion,
+    /// Receives posted on this QP and not yet consumed (they outlive one size of a sweep).
+    pub posted_recvs: std::sync::atomic::AtomicU32,
+}
+
+/// Bytes at the end of every buffer for the peer's report in bidirectional runs.
+pub const REPORT_LEN: usize = 64;
+
+/// A buffer's message slots cycle through at most this many bytes (as perftest's cyclic
+/// buffer), so large windows of large messages need no gigabytes.
+const CYCLE: usize = 4 << 20;
+
+/// Slots of `size` bytes (each at least 64) that a buffer of `len` bytes holds.
+pub fn slots(len: usize, size: u32) -> usize {
+    (len.saturating_sub(REPORT_LEN) / (size as usize).max(64)).max(1)
 }
 
 pub fn buffer_len(p: &Params) -> usize {
     // Two slots at least: latency tests write from one half and poll the other.
-    (p.size as usize).max(64) * (p.window as usize).clamp(2, 64)
+    let stride = (p.size as usize).max(64);
+    let slots = (p.window as usize).min(CYCLE / stride).clamp(2, 64);
+    stride * slots + REPORT_LEN
+}
+
+/// The largest buffer any client's parameters need (what a server offers).
+pub fn max_buffer_len() -> usize {
+    (MAX_SIZE as usize) * 2 + REPORT_LEN
 }
 
 fn atomic_target(ctx: &Context, pd: &ProtectionDomain, placement: Placement) -> Result<MemoryRegion> {
@@ -149,18 +279,18 @@ fn atomic_target(ctx: &Context, pd: &ProtectionDomain, placement: Placement) -> 
 }
 
 fn qp_caps(p: &Params) -> QpCaps {
-    let depth = (p.window + 8).max(16);
-    // Room for a pipe's or put endpoint's posted receives and inline control messages.
+    // Room for a pipe's or put endpoint's posted receives and inline control messages, and
+    // for the bidirectional report (an inline write of up to REPORT_LEN bytes).
     QpCaps {
-        max_send_wr: depth.max(256),
-        max_recv_wr: depth.max(160),
-        max_inline_data: 64,
+        max_send_wr: (p.window + 8).max(256),
+        max_recv_wr: (p.rx_depth + 8).max(160),
+        max_inline_data: p.inline.max(REPORT_LEN as u32),
         ..QpCaps::default()
     }
 }
 
 fn cqe(p: &Params) -> u32 {
-    (p.window * 2 + 16).max(1024)
+    (p.window + p.rx_depth + 16).max(1024)
 }
 
 /// Two connected sides in this process.
@@ -186,6 +316,7 @@ pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Sid
         buf: ba,
         conn: None,
         _atomic: aa,
+        posted_recvs: 0.into(),
     };
     let b = Side {
         _pd: pd,
@@ -196,6 +327,7 @@ pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Sid
         buf: bb,
         conn: None,
         _atomic: ab,
+        posted_recvs: 0.into(),
     };
     Ok((a, b))
 }
@@ -237,6 +369,7 @@ pub fn client(ctx: &Context, addr: SocketAddr, p: &Params, opts: &ConnectOptions
         peer_atomic,
         conn: Some(conn),
         _atomic: atomic,
+        posted_recvs: 0.into(),
     })
 }
 
@@ -250,15 +383,25 @@ pub fn server(
 ) -> Result<(Params, Side)> {
     // The client's parameters come with its request, but the server's buffer must exist
     // before it answers: size it for the largest test the CLI allows.
-    let max =
-        Params { test: Test::WriteBw, size: MAX_SIZE, iters: 1, window: 64, placement: Placement::Host };
+    // Deep enough queues for perftest's defaults and more; the loops clamp a client's
+    // depths to what this QP has. Inline up to 256 bytes covers perftest's latency defaults.
+    let max = Params {
+        rx_depth: SERVER_DEPTH,
+        inline: 256,
+        ..Params::simple(Test::WriteBw, MAX_SIZE, 1, SERVER_DEPTH, Placement::Host)
+    };
     let pd = ctx.alloc_pd()?;
-    let buf = pd.alloc_mr(buffer_len(&max), AccessFlags::ALL_REMOTE)?;
+    let buf = pd.alloc_mr(max_buffer_len(), AccessFlags::ALL_REMOTE)?;
     let atomic = atomic_target(ctx, &pd, placement)?;
     let conn = listener.accept(&pd, &cm_options(&max, opts), &regions(&buf, &atomic))?;
     let d = conn.peer_private_data();
     let p = Params::decode(d).map_err(|reason| Error::Malformed { what: "test parameters", reason })?;
-    let peer_buf = RemoteRegion::decode(&d[14..14 + RemoteRegion::ENCODED_LEN])?;
+    let at = Params::ENCODED_LEN;
+    let peer_buf =
+        RemoteRegion::decode(d.get(at..at + RemoteRegion::ENCODED_LEN).ok_or_else(|| Error::Malformed {
+            what: "test parameters",
+            reason: format!("{} bytes, no buffer descriptor", d.len()),
+        })?)?;
     let side = Side {
         _pd: pd,
         qp: conn.qp().clone(),
@@ -269,6 +412,7 @@ pub fn server(
         peer_atomic: peer_buf,
         conn: Some(conn),
         _atomic: atomic,
+        posted_recvs: 0.into(),
     };
     Ok((p, side))
 }

@@ -9,6 +9,14 @@ const BIN: &str = env!("CARGO_BIN_EXE_rdmakit-perf");
 fn default_suite_prints_one_json_line_per_test() {
     let out = Command::new(BIN).args(["suite", "--json"]).output().expect("run rdmakit-perf");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Its first line (stderr with --json, stdout in a table) says where every figure came
+    // from: the soft NIC, software, and why (no device here) when that is the case.
+    let banner = String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or_default().to_owned();
+    assert!(banner.contains("on the soft NIC (software RDMA"), "{banner}");
+    assert!(banner.contains("every result is from provider soft, device soft0"), "{banner}");
+    if rdmakit_has_no_device() {
+        assert!(banner.contains("no RDMA device here"), "{banner}");
+    }
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -24,6 +32,14 @@ fn default_suite_prints_one_json_line_per_test() {
     for t in ["pipe-lat", "put-lat", "pipe-bw"] {
         assert!(lines.iter().any(|l| l["test"] == t), "no {t} row");
     }
+}
+
+/// rdma-core sees no device here (`ibv_devices` lists none, or libibverbs is not usable).
+fn rdmakit_has_no_device() -> bool {
+    Command::new("ibv_devices").output().map_or(true, |o| {
+        let listed = String::from_utf8_lossy(&o.stdout).lines().skip(2).any(|l| !l.trim().is_empty());
+        !o.status.success() || !listed
+    })
 }
 
 #[test]

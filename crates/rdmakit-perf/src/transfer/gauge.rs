@@ -29,6 +29,9 @@ pub struct Progress {
     done: AtomicBool,
     /// 0 unknown, 1 checksum OK, 2 failed.
     verdict: AtomicU64,
+    /// Nanoseconds from `start` to the end, set with `done`: the final figures stay fixed
+    /// however long the gauge lingers.
+    end_nanos: AtomicU64,
 }
 
 impl Progress {
@@ -40,6 +43,7 @@ impl Progress {
             total,
             done: AtomicBool::new(false),
             verdict: AtomicU64::new(0),
+            end_nanos: AtomicU64::new(0),
         })
     }
 
@@ -51,6 +55,8 @@ impl Progress {
     /// Marks the end of the transfer, with whether it verified.
     pub fn finish(&self, ok: bool) {
         self.verdict.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
+        let end = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.end_nanos.store(end, Ordering::Relaxed);
         self.done.store(true, Ordering::Release);
     }
 
@@ -67,7 +73,11 @@ impl Progress {
         let done = self.is_done();
         let bytes = self.bytes();
         let now = Instant::now();
-        let elapsed = now.duration_since(self.start).as_secs_f64();
+        let elapsed = if done {
+            std::time::Duration::from_nanos(self.end_nanos.load(Ordering::Relaxed)).as_secs_f64()
+        } else {
+            now.duration_since(self.start).as_secs_f64()
+        };
         let rate = if done {
             bytes as f64 / elapsed.max(1e-9)
         } else {
@@ -317,5 +327,9 @@ mod tests {
         p.finish(true);
         let v: serde_json::Value = serde_json::from_str(&p.event(&mut prev)).unwrap();
         assert_eq!((v["done"].as_bool(), v["ok"].as_bool()), (Some(true), Some(true)));
+        // The final figures stay put while the gauge lingers.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let w: serde_json::Value = serde_json::from_str(&p.event(&mut prev)).unwrap();
+        assert_eq!((&v["rate"], &v["elapsed"]), (&w["rate"], &w["elapsed"]));
     }
 }
