@@ -313,20 +313,28 @@ fn new_qp(pd: &ProtectionDomain, opts: &CmOptions) -> Result<(QueuePair, Complet
 
 // ---- the soft provider's bootstrap protocol over TCP ----
 //
-// request:  "RKCM" 1 | endpoint (32) | len u8 | private data
-// reply:    "RKCM" 1 | status u8 (0 accepted) | endpoint (32) | len u8 | private data
-// ready:    "RKCM" 1 | 0xff            (the requester's QP is connected: start sending)
+// request:  "RKCM" 2 | endpoint (32) | token (16) | len u8 | private data
+// reply:    "RKCM" 2 | status u8 (0 accepted) | endpoint (32) | token (16) | len u8 | private data
+// ready:    "RKCM" 2 | 0xff            (the requester's QP is connected: start sending)
 // Then the stream stays open; closing it is the disconnect.
+//
+// Each side draws a random connection token and sends it: a requester of the other process
+// must present it in its soft NIC Hello (with both initial PSNs) before any of its requests
+// is served, so a client that did not take part in this exchange cannot forge one. The
+// token is soft-only: the verbs provider's exchange goes through rdma_cm and ignores it.
 
-const MAGIC: [u8; 5] = *b"RKCM\x01";
+const MAGIC: [u8; 5] = *b"RKCM\x02";
+const TOKEN_LEN: usize = 16;
 
 fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |source| Error::Os { call, source }
 }
 
-fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<(u8, Endpoint, Vec<u8>)> {
+type Msg = (u8, Endpoint, [u8; TOKEN_LEN], Vec<u8>);
+
+fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<Msg> {
     let bad = |reason: &str| Error::Malformed { what: "connection handshake", reason: reason.into() };
-    let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + 1];
+    let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + TOKEN_LEN + 1];
     let head = if with_status { &mut head[..] } else { &mut head[1..] };
     s.read_exact(head).map_err(io_err("read handshake"))?;
     if head[..5] != MAGIC {
@@ -334,19 +342,28 @@ fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<(u8, Endpoint, Vec<u
     }
     let (status, rest) = if with_status { (head[5], &head[6..]) } else { (0, &head[5..]) };
     let ep = Endpoint::decode(&rest[..Endpoint::ENCODED_LEN])?;
-    let len = rest[Endpoint::ENCODED_LEN] as usize;
+    let mut token = [0u8; TOKEN_LEN];
+    token.copy_from_slice(&rest[Endpoint::ENCODED_LEN..Endpoint::ENCODED_LEN + TOKEN_LEN]);
+    let len = rest[Endpoint::ENCODED_LEN + TOKEN_LEN] as usize;
     if len > MAX_PRIVATE_DATA {
         return Err(bad("private data too long"));
     }
     let mut data = vec![0u8; len];
     s.read_exact(&mut data).map_err(io_err("read handshake"))?;
-    Ok((status, ep, data))
+    Ok((status, ep, token, data))
 }
 
-fn write_msg(s: &mut TcpStream, status: Option<u8>, ep: &Endpoint, data: &[u8]) -> Result<()> {
+fn write_msg(
+    s: &mut TcpStream,
+    status: Option<u8>,
+    ep: &Endpoint,
+    token: &[u8; TOKEN_LEN],
+    data: &[u8],
+) -> Result<()> {
     let mut m = MAGIC.to_vec();
     m.extend(status);
     m.extend_from_slice(&ep.encode());
+    m.extend_from_slice(token);
     m.push(data.len() as u8);
     m.extend_from_slice(data);
     s.write_all(&m).map_err(io_err("write handshake"))
@@ -366,10 +383,12 @@ fn soft_accept(
     }
     let (mut s, _) = l.accept().map_err(io_err("accept"))?;
     s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
-    let (_, peer_ep, peer_data) = read_msg(&mut s, false)?;
+    let (_, peer_ep, peer_token, peer_data) = read_msg(&mut s, false)?;
     let (qp, cq) = new_qp(pd, opts)?;
+    let token: [u8; TOKEN_LEN] = crate::soft::random();
+    qp.set_soft_tokens(token, peer_token);
     qp.connect(&peer_ep, &opts.connect)?;
-    write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, private_data)?;
+    write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
     // Wait for the requester's "ready": its QP is connected, ours may send.
     let mut ready = [0u8; 6];
     s.read_exact(&mut ready).map_err(io_err("read handshake"))?;
@@ -399,14 +418,16 @@ fn soft_connect(
     s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
     let (qp, cq) = new_qp(pd, opts)?;
     qp.modify_to_init(&opts.connect)?;
-    write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, private_data)?;
-    let (status, peer_ep, peer_data) = read_msg(&mut s, true)?;
+    let token: [u8; TOKEN_LEN] = crate::soft::random();
+    write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
+    let (status, peer_ep, peer_token, peer_data) = read_msg(&mut s, true)?;
     if status != 0 {
         return Err(Error::ConnectionRejected {
             reason: format!("status {status}"),
             private_data: peer_data,
         });
     }
+    qp.set_soft_tokens(token, peer_token);
     qp.connect(&peer_ep, &opts.connect)?;
     let mut ready = MAGIC.to_vec();
     ready.push(0xff);

@@ -30,6 +30,10 @@ mod tcp;
 pub mod wire;
 
 pub use tcp::SOFT_ADDR_ENV;
+/// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
+/// stable API.
+#[doc(hidden)]
+pub use tcp::fuzz_read_frames;
 
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
@@ -97,13 +101,28 @@ static FABRIC: LazyLock<RwLock<HashMap<[u8; 16], Weak<SoftDevice>>>> =
 static DEVICE_SEQ: AtomicU32 = AtomicU32::new(1);
 static DEFAULT_DEVICE: OnceLock<Arc<SoftDevice>> = OnceLock::new();
 
+/// `N` bytes from the operating system's random source (`getrandom`): rkeys, initial PSNs
+/// and connection tokens, which peers must not be able to predict.
+pub(crate) fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    // The OS source does not fail on supported systems once seeded; a failure here is an
+    // environment fault no safe fallback exists for (predictable keys would be unsound).
+    getrandom::fill(&mut b).expect("the operating system's random source failed");
+    b
+}
+
 /// Name of the process-wide default soft device.
 pub const DEFAULT_NAME: &str = "soft0";
 
 impl SoftDevice {
     /// The process-wide `soft0` device (default configuration).
     pub(crate) fn default_device() -> Arc<SoftDevice> {
-        DEFAULT_DEVICE.get_or_init(|| SoftDevice::create(0, SoftConfig::default(), None)).clone()
+        DEFAULT_DEVICE
+            .get_or_init(|| {
+                SoftDevice::create(0, SoftConfig::default(), None)
+                    .expect("the default soft configuration is valid")
+            })
+            .clone()
     }
 
     /// A new, independent device (`softN`) on the in-process fabric.
@@ -118,12 +137,12 @@ impl SoftDevice {
                 qp::MAX_INLINE
             )));
         }
-        Ok(SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None))
+        SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None)
     }
 
     /// Another function (vHCA) of the same NIC as `self`, as a DPU's Arm-side function is
     /// to the host's: its own keys, PDs and QPs, and aliases onto keys `self` opens to it.
-    pub(crate) fn new_function(&self) -> Arc<SoftDevice> {
+    pub(crate) fn new_function(&self) -> Result<Arc<SoftDevice>> {
         SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), self.config.clone(), Some(self.nic))
     }
 
@@ -141,7 +160,7 @@ impl SoftDevice {
     }
 
     /// Device `index` is named `soft<index>`; index 0 is the default device.
-    fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Arc<SoftDevice> {
+    fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Result<Arc<SoftDevice>> {
         let name = format!("soft{index}");
         // GID: fe80:0000:<IPv4 of the port>:<pid>:<device index>. Unique per host, process
         // and device; peers in other processes reach the device at that IPv4 address.
@@ -155,9 +174,9 @@ impl SoftDevice {
         let dev = Arc::new(SoftDevice {
             name,
             gid,
-            dm: dm::DmPool::new(config.dm_capacity),
+            dm: dm::DmPool::new(config.dm_capacity)?,
             config,
-            mrs: Arc::new(mr::KeyTable::new(index)),
+            mrs: Arc::new(mr::KeyTable::new()),
             qps: Mutex::new(HashMap::new()),
             addr,
             port: OnceLock::new(),
@@ -169,7 +188,7 @@ impl SoftDevice {
         });
         FABRIC.write().expect("fabric lock").insert(gid, Arc::downgrade(&dev));
         VHCAS.write().expect("vhca registry").insert(index, Arc::downgrade(&dev));
-        dev
+        Ok(dev)
     }
 
     /// Finds a live device by GID on the in-process fabric.
