@@ -525,10 +525,12 @@ fn region_deregistered_mid_transfer() {
             SendWr::write(l.src.slice(0, 1 << 20).unwrap(), remote.slice((i % 4) << 20, 1 << 20).unwrap());
         l.qp.post_send(wr.wr_id(i)).unwrap();
     }
-    // Drop the victim's region while the writes stream in.
+    // The first write lands; then the victim drops its region while the rest stream in.
+    let first = l.cq.wait(Some(Duration::from_secs(10))).expect("the first write completes");
+    assert!(first.status.is_success(), "{first:?}");
     drop(big);
-    let (mut ok, mut failed) = (0, 0);
-    for _ in 0..64 {
+    let (mut ok, mut failed) = (1, 0);
+    for _ in 1..64 {
         let wc = l.cq.wait(Some(Duration::from_secs(10))).expect("every write completes");
         if wc.status.is_success() {
             ok += 1;
@@ -538,7 +540,7 @@ fn region_deregistered_mid_transfer() {
     }
     println!("deregistered mid-transfer: {ok} writes landed, {failed} failed");
     assert_eq!(ok + failed, 64);
-    assert!(failed > 0 || ok == 64);
+    assert!(ok >= 1 && (failed > 0 || ok == 64));
     // The victim is unharmed: a new legitimate pair works.
     let l2 = legit(&v);
     l2.write(&v, 0, 9);
