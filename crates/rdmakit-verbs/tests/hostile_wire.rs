@@ -546,6 +546,35 @@ fn region_deregistered_mid_transfer() {
     l2.write(&v, 0, 9);
 }
 
+// ---- transport timers stay bounded ----
+
+#[test]
+fn transport_timers_stay_bounded_over_many_bursts() {
+    let _g = serial();
+    let v = Victim::new();
+    // A long transport budget (4.096 µs × 2^20 × 8 ≈ 34 s): each timer would live that long.
+    let long = ConnectOptions { timeout: 20, retry_cnt: 7, ..ConnectOptions::default() };
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let src = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    vqp.connect(&qp.endpoint().unwrap(), &long).unwrap();
+    qp.connect(&far(&vqp.endpoint().unwrap()), &long).unwrap();
+    let before = rdmakit_verbs::soft::pending_timers();
+    // 300 bursts of one request each, every one answered.
+    for i in 0..300u64 {
+        let wr = SendWr::write(src.slice(0, 8).unwrap(), v.mr.remote().slice(0, 8).unwrap());
+        qp.post_send(wr.wr_id(i)).unwrap();
+        let wc = cq.wait(Some(Duration::from_secs(10))).unwrap();
+        assert!(wc.status.is_success(), "{wc:?}");
+    }
+    let after = rdmakit_verbs::soft::pending_timers();
+    println!("transport timers: {before} -> {after} pending after 300 bursts");
+    assert!(after <= before + 4, "timers pile up: {before} -> {after}");
+}
+
 // ---- a stalled responder: alive, but never reads ----
 
 #[test]

@@ -35,6 +35,13 @@ pub use tcp::SOFT_ADDR_ENV;
 #[doc(hidden)]
 pub use tcp::fuzz_read_frames;
 
+/// Soft NIC timers queued and not fired yet, process-wide (for tests that bound them); not
+/// a stable API.
+#[doc(hidden)]
+pub fn pending_timers() -> usize {
+    engine::pending()
+}
+
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -830,6 +830,13 @@ impl SoftQp {
         })
     }
 
+    /// The most data bytes an answer may carry now: what the oldest request sent over TCP
+    /// and not answered yet expects back (a read's length, an atomic's 8 bytes, else 0).
+    pub fn response_data_limit(&self) -> usize {
+        let sq = self.sq.lock().expect("sq lock");
+        sq.sent.front().and_then(|s| s.target.as_ref()).map_or(0, |t| t.len as usize)
+    }
+
     /// A response from the remote responder (called by the link's reader thread).
     pub fn on_remote_response(&self, f: Frame) {
         let mut d = Deferred::default();

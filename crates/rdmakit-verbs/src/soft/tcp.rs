@@ -389,11 +389,17 @@ impl Accept {
     }
 }
 
-/// Reads one frame: the header, its length checked against its kind and against what
-/// `accept` allows *before* anything is allocated for the payload, then the payload (a
+/// Reads one frame: the header, its length checked against its kind, against what
+/// `accept` allows and against `data_limit(kind)` (the most data bytes the reader can use
+/// for that kind now) *before* anything is allocated for the payload, then the payload (a
 /// data-carrying frame's data read straight into the vector the frame keeps).
 /// `Ok(None)` at a clean end of stream.
-pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>, accept: Accept) -> Result<Option<Frame>, String> {
+pub fn read_frame(
+    r: &mut impl Read,
+    buf: &mut Vec<u8>,
+    accept: Accept,
+    data_limit: impl Fn(u8) -> usize,
+) -> Result<Option<Frame>, String> {
     let mut h = [0u8; wire::HEADER];
     match r.read_exact(&mut h) {
         Ok(()) => {}
@@ -413,6 +419,13 @@ pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>, accept: Accept) -> Resul
         // `len >= fixed` and the data is at most `MAX_MESSAGE`; the vector grows only as
         // bytes arrive.
         Some(fixed) if len >= fixed => {
+            let limit = data_limit(kind);
+            if len - fixed > limit {
+                return Err(format!(
+                    "frame kind {kind} with {} data bytes where at most {limit} fit",
+                    len - fixed
+                ));
+            }
             buf.resize(fixed, 0);
             r.read_exact(buf).map_err(|e| e.to_string())?;
             let n = len - fixed;
@@ -555,7 +568,7 @@ fn serve(
             }
         }
         r.get_mut().deadline = Some(Instant::now() + FRAME_TIMEOUT);
-        let frame = read_frame(&mut r, &mut buf, Accept::Requests);
+        let frame = read_frame(&mut r, &mut buf, Accept::Requests, |_| wire::MAX_MESSAGE as usize);
         r.get_mut().deadline = None;
         let frame = match frame {
             Ok(Some(f)) => f,
@@ -696,7 +709,7 @@ fn spawn_io(
     std::thread::Builder::new().name("rdmakit-soft-rx".into()).spawn(move || {
         let mut r = BufReader::with_capacity(256 * 1024, read_half);
         let mut buf = Vec::new();
-        let acked = match read_frame(&mut r, &mut buf, Accept::HelloAck) {
+        let acked = match read_frame(&mut r, &mut buf, Accept::HelloAck, |_| 0) {
             Ok(Some(Frame::HelloAck { status: 0 })) => true,
             Ok(Some(_)) => {
                 warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
@@ -710,7 +723,9 @@ fn spawn_io(
         };
         if acked {
             loop {
-                match read_frame(&mut r, &mut buf, Accept::Responses) {
+                // An answer carries at most what the oldest outstanding request asked for.
+                let limit = |_| qp.upgrade().map_or(0, |q| q.response_data_limit());
+                match read_frame(&mut r, &mut buf, Accept::Responses, limit) {
                     Ok(Some(f)) => match qp.upgrade() {
                         Some(qp) => qp.on_remote_response(f),
                         None => break,
@@ -740,7 +755,7 @@ pub fn fuzz_read_frames(bytes: &[u8]) -> Vec<Result<Frame, String>> {
         let mut r = BufReader::with_capacity(7, bytes);
         let mut buf = Vec::new();
         loop {
-            match read_frame(&mut r, &mut buf, accept) {
+            match read_frame(&mut r, &mut buf, accept, |_| wire::MAX_MESSAGE as usize) {
                 Ok(Some(f)) => out.push(Ok(f)),
                 Ok(None) => break,
                 Err(e) => {
@@ -751,4 +766,74 @@ pub fn fuzz_read_frames(bytes: &[u8]) -> Vec<Result<Frame, String>> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(frames: &[Frame]) -> Vec<u8> {
+        let mut b = Vec::new();
+        for f in frames {
+            wire::encode(f, &mut b);
+        }
+        b
+    }
+
+    fn read_all(b: &[u8], accept: Accept, limit: usize) -> Vec<Result<Frame, String>> {
+        let mut r = BufReader::with_capacity(7, b);
+        let (mut buf, mut out) = (Vec::new(), Vec::new());
+        loop {
+            match read_frame(&mut r, &mut buf, accept, |_| limit) {
+                Ok(Some(f)) => out.push(Ok(f)),
+                Ok(None) => return out,
+                Err(e) => {
+                    out.push(Err(e));
+                    return out;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reads_frames_across_small_buffers() {
+        let frames = [
+            Frame::Write { psn: 1, addr: 8, rkey: 3, imm: Some(4), data: vec![5; 300] },
+            Frame::Read { psn: 2, addr: 8, rkey: 3, len: 16 },
+            Frame::Send { psn: 3, imm: None, data: vec![6; 9] },
+        ];
+        let got = read_all(&bytes(&frames), Accept::Requests, 1 << 20);
+        assert_eq!(got, frames.iter().cloned().map(Ok).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn refuses_from_the_header_before_reading_the_payload() {
+        // A "Hello" declaring 64 MiB: refused from its 8 header bytes (the payload is not
+        // there; a reader that tried to read it would report a short read instead).
+        let mut h = bytes(&[Frame::HelloAck { status: 0 }]);
+        h.truncate(wire::HEADER);
+        h[3] = wire::KIND_HELLO;
+        h[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
+        let got = read_all(&h, Accept::Requests, usize::MAX);
+        assert!(matches!(&got[..], [Err(e)] if e.contains("with a")), "{got:?}");
+        // A kind the stream does not take (a response on a responder's stream).
+        let ack = bytes(&[Frame::Ack { psn: 1, status: 0, data: vec![1; 8] }]);
+        let got = read_all(&ack[..wire::HEADER], Accept::Requests, usize::MAX);
+        assert!(matches!(&got[..], [Err(e)] if e.contains("not expected")), "{got:?}");
+        // More data than the reader can use now (an answer longer than its request).
+        let got = read_all(&ack[..wire::HEADER], Accept::Responses, 4);
+        assert!(matches!(&got[..], [Err(e)] if e.contains("at most 4")), "{got:?}");
+        assert_eq!(
+            read_all(&ack, Accept::Responses, 8),
+            vec![Ok(Frame::Ack { psn: 1, status: 0, data: vec![1; 8] })]
+        );
+    }
+
+    #[test]
+    fn rate_limit_lets_one_through_per_second() {
+        let l = RateLimit::new();
+        assert_eq!(l.allow(), Some(0));
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.allow(), None);
+    }
 }
