@@ -332,11 +332,37 @@ fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
 
 type Msg = (u8, Endpoint, [u8; TOKEN_LEN], Vec<u8>);
 
-fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<Msg> {
+/// Reads exactly `buf.len()` bytes before `deadline`: the whole handshake has one time
+/// budget, so a peer trickling bytes cannot hold an `accept` or `connect` (a per-read
+/// timeout would restart with every byte).
+fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, budget: Duration) -> Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(budget));
+        }
+        s.set_read_timeout(Some(left)).map_err(io_err("setsockopt"))?;
+        match s.read(buf) {
+            Ok(0) => {
+                let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                return Err(Error::Os { call: "read handshake", source: eof });
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(Error::Timeout(budget));
+            }
+            Err(e) => return Err(Error::Os { call: "read handshake", source: e }),
+        }
+    }
+    Ok(())
+}
+
+fn read_msg(s: &mut TcpStream, with_status: bool, deadline: Instant, budget: Duration) -> Result<Msg> {
     let bad = |reason: &str| Error::Malformed { what: "connection handshake", reason: reason.into() };
     let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + TOKEN_LEN + 1];
     let head = if with_status { &mut head[..] } else { &mut head[1..] };
-    s.read_exact(head).map_err(io_err("read handshake"))?;
+    read_by(s, head, deadline, budget)?;
     if head[..5] != MAGIC {
         return Err(bad("bad magic"));
     }
@@ -349,7 +375,7 @@ fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<Msg> {
         return Err(bad("private data too long"));
     }
     let mut data = vec![0u8; len];
-    s.read_exact(&mut data).map_err(io_err("read handshake"))?;
+    read_by(s, &mut data, deadline, budget)?;
     Ok((status, ep, token, data))
 }
 
@@ -382,8 +408,9 @@ fn soft_accept(
         }
     }
     let (mut s, _) = l.accept().map_err(io_err("accept"))?;
-    s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
-    let (_, peer_ep, peer_token, peer_data) = read_msg(&mut s, false)?;
+    let deadline = Instant::now() + opts.timeout;
+    let _ = s.set_write_timeout(Some(opts.timeout));
+    let (_, peer_ep, peer_token, peer_data) = read_msg(&mut s, false, deadline, opts.timeout)?;
     let (qp, cq) = new_qp(pd, opts)?;
     let token: [u8; TOKEN_LEN] = crate::soft::random();
     qp.set_soft_tokens(token, peer_token);
@@ -391,7 +418,7 @@ fn soft_accept(
     write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
     // Wait for the requester's "ready": its QP is connected, ours may send.
     let mut ready = [0u8; 6];
-    s.read_exact(&mut ready).map_err(io_err("read handshake"))?;
+    read_by(&mut s, &mut ready, deadline, opts.timeout)?;
     if ready[..5] != MAGIC || ready[5] != 0xff {
         return Err(Error::Malformed { what: "connection handshake", reason: "bad ready message".into() });
     }
@@ -415,12 +442,13 @@ fn soft_connect(
             Error::Os { call: "connect", source: e }
         }
     })?;
-    s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
+    let deadline = Instant::now() + opts.timeout;
+    let _ = s.set_write_timeout(Some(opts.timeout));
     let (qp, cq) = new_qp(pd, opts)?;
     qp.modify_to_init(&opts.connect)?;
     let token: [u8; TOKEN_LEN] = crate::soft::random();
     write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
-    let (status, peer_ep, peer_token, peer_data) = read_msg(&mut s, true)?;
+    let (status, peer_ep, peer_token, peer_data) = read_msg(&mut s, true, deadline, opts.timeout)?;
     if status != 0 {
         return Err(Error::ConnectionRejected {
             reason: format!("status {status}"),

@@ -546,6 +546,47 @@ fn region_deregistered_mid_transfer() {
     l2.write(&v, 0, 9);
 }
 
+// ---- the soft CM bootstrap: a trickling client cannot hold accept ----
+
+#[test]
+fn bootstrap_slow_loris_cannot_hold_accept() {
+    let _g = serial();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = l.local_addr().unwrap();
+    let opts = cm::CmOptions { timeout: Duration::from_secs(2), ..cm::CmOptions::default() };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let trickle = std::thread::spawn(move || {
+        let mut s = attacker(addr.port());
+        // One byte every 300 ms for up to 15 s: each read succeeds well within 2 s.
+        for _ in 0..50 {
+            if stop2.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(b"R").is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let start = Instant::now();
+    let r = l.accept_timeout(&pd, &opts, &[], Some(Duration::from_secs(5)));
+    let took = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickle.join().unwrap();
+    println!("bootstrap slow loris: accept returned {:?} after {took:?}", r.as_ref().err());
+    assert!(r.is_err(), "a trickling client completed a handshake");
+    assert!(took < Duration::from_secs(6), "a trickling client held accept for {took:?}");
+    // A legitimate connection to the same listener still works.
+    let server = std::thread::spawn(move || {
+        let c = l.accept(&pd, &cm::CmOptions::default(), b"hi").unwrap();
+        c.peer_private_data().to_vec()
+    });
+    let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+    let c = cm::connect(&cpd, addr, &cm::CmOptions::default(), b"yo").unwrap();
+    assert_eq!(c.peer_private_data(), b"hi");
+    assert_eq!(server.join().unwrap(), b"yo");
+}
+
 // ---- transport timers stay bounded ----
 
 #[test]
