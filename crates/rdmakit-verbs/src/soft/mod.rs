@@ -169,12 +169,15 @@ impl SoftDevice {
     /// Device `index` is named `soft<index>`; index 0 is the default device.
     fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Result<Arc<SoftDevice>> {
         let name = format!("soft{index}");
-        // GID: fe80:0000:<IPv4 of the port>:<pid>:<device index>. Unique per host, process
-        // and device; peers in other processes reach the device at that IPv4 address.
+        // GID: fe80:<16 random bits>:<IPv4 of the port>:<pid>:<device index>. Unique per
+        // host, process and device; peers in other processes reach the device at that IPv4
+        // address. The random bits make a device's GID, which a requester's Hello must name,
+        // unguessable from its address and pid.
         let addr = tcp::configured_addr();
         let mut gid = [0u8; 16];
         gid[0] = 0xfe;
         gid[1] = 0x80;
+        gid[2..4].copy_from_slice(&random::<2>());
         gid[4..8].copy_from_slice(&addr.ip().octets());
         gid[8..12].copy_from_slice(&std::process::id().to_be_bytes());
         gid[12..16].copy_from_slice(&index.to_be_bytes());
