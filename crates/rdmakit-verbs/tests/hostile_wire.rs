@@ -268,6 +268,8 @@ fn absurd_device_memory_capacity_is_a_typed_error() {
             Err(_) => panic!("dm_capacity {cap} panicked"),
         }
     }
+    let cfg = SoftConfig { max_qp_wr: u32::MAX, ..SoftConfig::default() };
+    assert!(matches!(Context::open_soft_with(cfg), Err(Error::InvalidArgument(_))));
 }
 
 #[test]

@@ -53,12 +53,16 @@ use crate::types::{DeviceAttr, ProviderKind};
 /// PCI-style vendor id the soft NIC reports: "SOFT".
 pub const SOFT_VENDOR_ID: u32 = 0x534f_4654;
 
+/// The largest `SoftConfig::max_qp_wr` a soft device takes (real HCAs: 32K).
+pub const MAX_QP_WR: u32 = 1 << 20;
+
 /// Settings of a soft NIC device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SoftConfig {
-    /// Device memory capacity in bytes (`max_dm_size`). ConnectX-6 has 256 KiB.
+    /// Device memory capacity in bytes (`max_dm_size`), at most 1 GiB. ConnectX-6 has
+    /// 256 KiB.
     pub dm_capacity: u64,
-    /// Most outstanding work requests per queue.
+    /// Most outstanding work requests per queue (at most [`MAX_QP_WR`]).
     pub max_qp_wr: u32,
     /// Most entries per completion queue.
     pub max_cqe: u32,
@@ -136,6 +140,14 @@ impl SoftDevice {
     pub(crate) fn new_device(config: SoftConfig) -> Result<Arc<SoftDevice>> {
         if config.max_qp_wr == 0 || config.max_cqe == 0 {
             return Err(Error::InvalidArgument("soft NIC queue limits must be non-zero".into()));
+        }
+        // Queues preallocate per work request: a limit beyond this would let one QP ask for
+        // more memory than any machine has (an allocation failure aborts).
+        if config.max_qp_wr > MAX_QP_WR {
+            return Err(Error::InvalidArgument(format!(
+                "max_qp_wr {} exceeds the soft NIC's {MAX_QP_WR}",
+                config.max_qp_wr
+            )));
         }
         if config.max_inline_data as usize > qp::MAX_INLINE {
             return Err(Error::InvalidArgument(format!(
