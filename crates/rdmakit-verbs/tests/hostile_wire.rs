@@ -467,6 +467,42 @@ fn replayed_and_out_of_order_psns_are_refused() {
 }
 
 #[test]
+fn oversized_write_is_refused_without_being_stored() {
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let target = v.mr.remote();
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let rss0 = rss_mib();
+    // A write of 48 MiB into the victim's 1 MiB region: its data is streamed in full.
+    let n: u32 = 48 << 20;
+    let w = Frame::Write { psn: pep.psn, addr: target.addr, rkey: target.rkey, imm: None, data: Vec::new() };
+    let mut head = frame(&w);
+    let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) + n;
+    head[4..8].copy_from_slice(&len.to_le_bytes());
+    s.write_all(&head).unwrap();
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut peak = rss0;
+    for _ in 0..48 {
+        s.write_all(&chunk).unwrap();
+        peak = peak.max(rss_mib());
+    }
+    let reply = read_reply(&mut s, Duration::from_secs(10));
+    peak = peak.max(rss_mib());
+    println!("oversized write (48 MiB into a 1 MiB region): reply {reply:?}; RSS {rss0} -> peak {peak} MiB");
+    assert!(
+        matches!(reply, Some(Frame::Ack { status, .. }) if status == WcStatus::REM_ACCESS_ERR.0),
+        "{reply:?}"
+    );
+    assert!(peak.saturating_sub(rss0) < 16, "RSS grew {rss0} -> {peak} MiB");
+    let mut first = [0u8; 8];
+    v.mr.read_at(0, &mut first).unwrap();
+    assert_eq!(first, [0u8; 8], "a refused write landed");
+}
+
+#[test]
 fn garbage_after_a_valid_hello_drops_only_that_connection() {
     let _g = serial();
     let v = Victim::new();

@@ -966,6 +966,38 @@ impl SoftQp {
         })
     }
 
+    /// The most data bytes a write to `addr` with `rkey` can land: the bytes of the key's
+    /// range from `addr` if the QP and the key allow remote writes there, else 0.
+    pub fn write_data_limit(&self, addr: u64, rkey: u32) -> usize {
+        let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
+        if !qp_access.contains(AccessFlags::REMOTE_WRITE) {
+            return 0;
+        }
+        let Some(top) = self.device.mrs.lookup(rkey) else { return 0 };
+        if self.device.mrs.resolve(rkey, self.pd, addr, 1, AccessFlags::REMOTE_WRITE).is_err() {
+            return 0;
+        }
+        let end = top.base.saturating_add(top.len);
+        end.saturating_sub(addr).min(u64::from(wire::MAX_MESSAGE)) as usize
+    }
+
+    /// Answers a write whose `data_len` bytes of data were too many for its target (read
+    /// and dropped by the connection): the error the target check gives for that length,
+    /// and the responder error that follows, as if the data had been kept.
+    pub fn refuse_write(&self, from: &Requester<'_>, f: Frame, data_len: usize) -> Option<Frame> {
+        if !self.accepts_from(from) {
+            return None;
+        }
+        let Frame::Write { psn, addr, rkey, .. } = f else { return None };
+        let len = u32::try_from(data_len).unwrap_or(u32::MAX);
+        let status =
+            self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE).err().unwrap_or(WcStatus::REM_ACCESS_ERR);
+        let mut d = Deferred::default();
+        self.responder_error(&mut d);
+        run_deferred(d);
+        Some(Frame::Ack { psn, status: status.0, data: Vec::new() })
+    }
+
     /// A connected responder takes packets only from its own remote QP, in RTR or RTS.
     fn accepts_from(&self, from: &Requester<'_>) -> bool {
         let st = self.state.load(Ordering::Acquire);

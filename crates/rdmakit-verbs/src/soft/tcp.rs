@@ -400,6 +400,34 @@ pub fn read_frame(
     accept: Accept,
     data_limit: impl Fn(u8) -> usize,
 ) -> Result<Option<Frame>, String> {
+    match read_frame_with(r, buf, accept, |k, _| data_limit(k), false)? {
+        Some(Got::Frame(f)) => Ok(Some(f)),
+        Some(Got::Refused { .. }) => Err("a refused frame from a reader that does not discard".into()),
+        None => Ok(None),
+    }
+}
+
+/// What [`read_frame_with`] read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Got {
+    /// A whole frame.
+    Frame(Frame),
+    /// A data-carrying frame whose data exceeded the limit: its fixed fields (with empty
+    /// data) and its data length. The data was read and thrown away, never stored.
+    Refused { frame: Frame, data_len: usize },
+}
+
+/// [`read_frame`] with the data limit computed from the frame's kind and fixed fields
+/// (`data_limit(kind, fixed)`, called after the fixed fields are read, before any data is):
+/// with `discard`, data over the limit is consumed and dropped (`Got::Refused`) so that the
+/// stream stays in sync and the frame can still be answered; without, it is an error.
+pub fn read_frame_with(
+    r: &mut impl Read,
+    buf: &mut Vec<u8>,
+    accept: Accept,
+    data_limit: impl Fn(u8, &[u8]) -> usize,
+    discard: bool,
+) -> Result<Option<Got>, String> {
     let mut h = [0u8; wire::HEADER];
     match r.read_exact(&mut h) {
         Ok(()) => {}
@@ -417,29 +445,37 @@ pub fn read_frame(
         // Data-carrying frames: the fixed fields, then the data read straight into the
         // vector the frame keeps (no zero-fill, no second copy). `check_length` made sure
         // `len >= fixed` and the data is at most `MAX_MESSAGE`; the vector grows only as
-        // bytes arrive.
+        // bytes arrive, and only up to what `data_limit` allows.
         Some(fixed) if len >= fixed => {
-            let limit = data_limit(kind);
-            if len - fixed > limit {
-                return Err(format!(
-                    "frame kind {kind} with {} data bytes where at most {limit} fit",
-                    len - fixed
-                ));
-            }
             buf.resize(fixed, 0);
             r.read_exact(buf).map_err(|e| e.to_string())?;
             let n = len - fixed;
+            let limit = data_limit(kind, buf);
+            if n > limit {
+                if !discard {
+                    return Err(format!("frame kind {kind} with {n} data bytes where at most {limit} fit"));
+                }
+                let got =
+                    std::io::copy(&mut r.take(n as u64), &mut std::io::sink()).map_err(|e| e.to_string())?;
+                if got != n as u64 {
+                    return Err(format!("connection closed inside a frame ({got} of {n} data bytes)"));
+                }
+                let frame = wire::decode_payload(kind, buf).map_err(|e| e.to_string())?;
+                return Ok(Some(Got::Refused { frame, data_len: n }));
+            }
             let mut data = Vec::new();
             let got = r.take(n as u64).read_to_end(&mut data).map_err(|e| e.to_string())?;
             if got != n {
                 return Err(format!("connection closed inside a frame ({got} of {n} data bytes)"));
             }
-            wire::decode_payload_split(kind, buf, data).map(Some).map_err(|e| e.to_string())
+            wire::decode_payload_split(kind, buf, data)
+                .map(|f| Some(Got::Frame(f)))
+                .map_err(|e| e.to_string())
         }
         _ => {
             buf.resize(len, 0);
             r.read_exact(buf).map_err(|e| e.to_string())?;
-            wire::decode_payload(kind, buf).map(Some).map_err(|e| e.to_string())
+            wire::decode_payload(kind, buf).map(|f| Some(Got::Frame(f))).map_err(|e| e.to_string())
         }
     }
 }
@@ -568,10 +604,32 @@ fn serve(
             }
         }
         r.get_mut().deadline = Some(Instant::now() + FRAME_TIMEOUT);
-        let frame = read_frame(&mut r, &mut buf, Accept::Requests, |_| wire::MAX_MESSAGE as usize);
+        // A write's data may not exceed what its target region can take from its address
+        // (nothing if the key is not valid for it): more would be refused anyway, so it is
+        // not stored.
+        let limit = |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade())
+        {
+            (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
+            _ => wire::MAX_MESSAGE as usize,
+        };
+        let frame = read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true);
         r.get_mut().deadline = None;
         let frame = match frame {
-            Ok(Some(f)) => f,
+            Ok(Some(Got::Frame(f))) => f,
+            Ok(Some(Got::Refused { frame, data_len })) => {
+                let Some(psn) = request_psn(&frame) else { return };
+                if psn != expected {
+                    continue;
+                }
+                let Some(target) = qp.upgrade() else { return };
+                let Some(reply) = target.refuse_write(&requester, frame, data_len) else { continue };
+                drop(target);
+                expected = next_psn(psn);
+                if write_frame(&mut w, &reply, &mut scratch).is_err() {
+                    return;
+                }
+                continue;
+            }
             Ok(None) => return,
             Err(e) => {
                 warn_limited!(?peer, error = %e, "soft NIC: bad frame from a requester; connection dropped");
@@ -765,6 +823,24 @@ pub fn fuzz_read_frames(bytes: &[u8]) -> Vec<Result<Frame, String>> {
             }
         }
     }
+    // The responder's discarding reader, with a limit derived from the fixed fields.
+    let mut r = BufReader::with_capacity(7, bytes);
+    let mut buf = Vec::new();
+    let limit = |_: u8, fixed: &[u8]| usize::from(fixed.first().copied().unwrap_or(0));
+    loop {
+        match read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true) {
+            Ok(Some(Got::Frame(f))) => out.push(Ok(f)),
+            Ok(Some(Got::Refused { frame, data_len })) => {
+                assert!(data_len > 0, "refused without data");
+                out.push(Ok(frame));
+            }
+            Ok(None) => break,
+            Err(e) => {
+                out.push(Err(e));
+                break;
+            }
+        }
+    }
     out
 }
 
@@ -821,12 +897,27 @@ mod tests {
         let got = read_all(&ack[..wire::HEADER], Accept::Requests, usize::MAX);
         assert!(matches!(&got[..], [Err(e)] if e.contains("not expected")), "{got:?}");
         // More data than the reader can use now (an answer longer than its request).
-        let got = read_all(&ack[..wire::HEADER], Accept::Responses, 4);
+        let got = read_all(&ack[..wire::HEADER + 8], Accept::Responses, 4);
         assert!(matches!(&got[..], [Err(e)] if e.contains("at most 4")), "{got:?}");
         assert_eq!(
             read_all(&ack, Accept::Responses, 8),
             vec![Ok(Frame::Ack { psn: 1, status: 0, data: vec![1; 8] })]
         );
+    }
+
+    #[test]
+    fn refused_data_is_discarded_and_the_stream_stays_in_sync() {
+        let big = Frame::Write { psn: 1, addr: 8, rkey: 3, imm: None, data: vec![7; 100] };
+        let next = Frame::Read { psn: 2, addr: 8, rkey: 3, len: 4 };
+        let b = bytes(&[big, next.clone()]);
+        let mut r = BufReader::with_capacity(7, &b[..]);
+        let mut buf = Vec::new();
+        let limit = |_: u8, _: &[u8]| 10;
+        let got = read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true).unwrap();
+        let fixed = Frame::Write { psn: 1, addr: 8, rkey: 3, imm: None, data: Vec::new() };
+        assert_eq!(got, Some(Got::Refused { frame: fixed, data_len: 100 }));
+        let got = read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true).unwrap();
+        assert_eq!(got, Some(Got::Frame(next)));
     }
 
     #[test]

@@ -339,6 +339,8 @@ pub fn check_length(k: u8, len: u32) -> Result<(), WireError> {
 pub const KIND_HELLO: u8 = kind::HELLO;
 /// The kind byte of a `HelloAck`.
 pub const KIND_HELLO_ACK: u8 = kind::HELLO_ACK;
+/// The kind byte of a `Write`.
+pub const KIND_WRITE: u8 = kind::WRITE;
 
 /// True for the kinds a requester sends (requests), false for handshake and responses.
 pub fn is_request_kind(k: u8) -> bool {
