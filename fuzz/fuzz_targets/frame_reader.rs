@@ -2,7 +2,9 @@
 //! through `rdmakit_verbs::soft::fuzz_read_frames`): the same code that reads every frame
 //! off a socket, including the split payload path (a data-carrying frame's fixed fields
 //! into the scratch buffer, then its data straight into the vector the frame keeps), read
-//! through a 7-byte buffer so frames straddle refills.
+//! through a 7-byte buffer so frames straddle refills; and the responder's discarding
+//! reader (`read_frame_with`), whose data limit is computed from the fixed fields and whose
+//! over-limit data is consumed without being stored.
 //!
 //! Beyond "no panic", this checks that every frame the reader returns
 //! - passes the length check of its kind (what the reader must enforce before allocating),
@@ -17,9 +19,9 @@ use rdmakit_verbs::soft::{fuzz_read_frames, wire};
 
 fuzz_target!(|data: &[u8]| {
     let frames = fuzz_read_frames(data);
-    // Three passes (one per reader mode), each at most one frame per header's worth of
-    // input plus one error.
-    assert!(frames.len() <= 3 * (data.len() / wire::HEADER + 1), "{} frames from {} bytes", frames.len(), data.len());
+    // Four passes (one per reader mode, and the responder's discarding reader), each at most
+    // one frame per header's worth of input plus one error.
+    assert!(frames.len() <= 4 * (data.len() / wire::HEADER + 1), "{} frames from {} bytes", frames.len(), data.len());
     for f in frames.into_iter().flatten() {
         let mut enc = Vec::new();
         wire::encode(&f, &mut enc);
