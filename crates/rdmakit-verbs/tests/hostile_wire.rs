@@ -625,6 +625,72 @@ fn bootstrap_slow_loris_cannot_hold_accept() {
     assert_eq!(server.join().unwrap(), b"yo");
 }
 
+// ---- accept errors (EMFILE) back off ----
+
+/// CPU time (user + system, clock ticks) of thread `tid` of this process, read through an
+/// already open `/proc/self/task/<tid>/stat`.
+fn cpu_ticks(stat: &std::fs::File) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1024];
+    let n = stat.read_at(&mut b, 0).expect("read stat");
+    let s = String::from_utf8_lossy(&b[..n]);
+    // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
+    let rest = &s[s.rfind(')').expect("stat format") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn accept_errors_back_off_instead_of_spinning() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let port = l.vep.lid;
+    // The device's listener thread (names are cut to 15 bytes).
+    let name: String = format!("rdmakit-{}-port", v.ctx.name()).chars().take(15).collect();
+    let tid = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == name))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .expect("the listener thread");
+    let stat = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).unwrap();
+    // Lower the descriptor limit, fill it, then free one for an attacker's connection: the
+    // listener's accept then fails with EMFILE while the connection waits in the backlog.
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct on the stack.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    let saved = lim;
+    lim.rlim_cur = (fds() as libc::rlim_t + 32).min(lim.rlim_max);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let mut files = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        files.push(f);
+    }
+    files.pop();
+    let attacker = TcpStream::connect(("127.0.0.1", port));
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = cpu_ticks(&stat);
+    std::thread::sleep(Duration::from_secs(1));
+    let spent = cpu_ticks(&stat) - t0;
+    drop(files);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &saved) }, 0);
+    println!(
+        "accept under EMFILE: listener thread used {spent} clock ticks in 1 s (attacker connected: {})",
+        attacker.is_ok()
+    );
+    assert!(attacker.is_ok(), "the attacker's connection (needed for the EMFILE) failed");
+    // Spinning uses every tick of a core (about 100 a second); backing off, a few.
+    assert!(spent <= 10, "the listener spun on accept errors: {spent} ticks in 1 s");
+    // Once descriptors are back, the listener accepts again and the legitimate QP is unharmed.
+    l.write(&v, 64, 2);
+    let l2 = legit(&v);
+    l2.write(&v, 128, 3);
+}
+
 // ---- transport timers stay bounded ----
 
 #[test]
@@ -724,6 +790,7 @@ fn print_first_rkey() {
 
 #[test]
 fn rkeys_differ_between_processes() {
+    let _g = serial();
     let exe = std::env::current_exe().unwrap();
     let rkey = || {
         let out = Command::new(&exe)
