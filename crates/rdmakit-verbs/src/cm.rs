@@ -313,40 +313,83 @@ fn new_qp(pd: &ProtectionDomain, opts: &CmOptions) -> Result<(QueuePair, Complet
 
 // ---- the soft provider's bootstrap protocol over TCP ----
 //
-// request:  "RKCM" 1 | endpoint (32) | len u8 | private data
-// reply:    "RKCM" 1 | status u8 (0 accepted) | endpoint (32) | len u8 | private data
-// ready:    "RKCM" 1 | 0xff            (the requester's QP is connected: start sending)
+// request:  "RKCM" 2 | endpoint (32) | token (16) | len u8 | private data
+// reply:    "RKCM" 2 | status u8 (0 accepted) | endpoint (32) | token (16) | len u8 | private data
+// ready:    "RKCM" 2 | 0xff            (the requester's QP is connected: start sending)
 // Then the stream stays open; closing it is the disconnect.
+//
+// Each side draws a random connection token and sends it: a requester of the other process
+// must present it in its soft NIC Hello (with both initial PSNs) before any of its requests
+// is served, so a client that did not take part in this exchange cannot forge one. The
+// token is soft-only: the verbs provider's exchange goes through rdma_cm and ignores it.
 
-const MAGIC: [u8; 5] = *b"RKCM\x01";
+const MAGIC: [u8; 5] = *b"RKCM\x02";
+const TOKEN_LEN: usize = 16;
 
 fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |source| Error::Os { call, source }
 }
 
-fn read_msg(s: &mut TcpStream, with_status: bool) -> Result<(u8, Endpoint, Vec<u8>)> {
+type Msg = (u8, Endpoint, [u8; TOKEN_LEN], Vec<u8>);
+
+/// Reads exactly `buf.len()` bytes before `deadline`: the whole handshake has one time
+/// budget, so a peer trickling bytes cannot hold an `accept` or `connect` (a per-read
+/// timeout would restart with every byte).
+fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, budget: Duration) -> Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(budget));
+        }
+        s.set_read_timeout(Some(left)).map_err(io_err("setsockopt"))?;
+        match s.read(buf) {
+            Ok(0) => {
+                let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                return Err(Error::Os { call: "read handshake", source: eof });
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(Error::Timeout(budget));
+            }
+            Err(e) => return Err(Error::Os { call: "read handshake", source: e }),
+        }
+    }
+    Ok(())
+}
+
+fn read_msg(s: &mut TcpStream, with_status: bool, deadline: Instant, budget: Duration) -> Result<Msg> {
     let bad = |reason: &str| Error::Malformed { what: "connection handshake", reason: reason.into() };
-    let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + 1];
+    let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + TOKEN_LEN + 1];
     let head = if with_status { &mut head[..] } else { &mut head[1..] };
-    s.read_exact(head).map_err(io_err("read handshake"))?;
+    read_by(s, head, deadline, budget)?;
     if head[..5] != MAGIC {
         return Err(bad("bad magic"));
     }
     let (status, rest) = if with_status { (head[5], &head[6..]) } else { (0, &head[5..]) };
     let ep = Endpoint::decode(&rest[..Endpoint::ENCODED_LEN])?;
-    let len = rest[Endpoint::ENCODED_LEN] as usize;
+    let mut token = [0u8; TOKEN_LEN];
+    token.copy_from_slice(&rest[Endpoint::ENCODED_LEN..Endpoint::ENCODED_LEN + TOKEN_LEN]);
+    let len = rest[Endpoint::ENCODED_LEN + TOKEN_LEN] as usize;
     if len > MAX_PRIVATE_DATA {
         return Err(bad("private data too long"));
     }
     let mut data = vec![0u8; len];
-    s.read_exact(&mut data).map_err(io_err("read handshake"))?;
-    Ok((status, ep, data))
+    read_by(s, &mut data, deadline, budget)?;
+    Ok((status, ep, token, data))
 }
 
-fn write_msg(s: &mut TcpStream, status: Option<u8>, ep: &Endpoint, data: &[u8]) -> Result<()> {
+fn write_msg(
+    s: &mut TcpStream,
+    status: Option<u8>,
+    ep: &Endpoint,
+    token: &[u8; TOKEN_LEN],
+    data: &[u8],
+) -> Result<()> {
     let mut m = MAGIC.to_vec();
     m.extend(status);
     m.extend_from_slice(&ep.encode());
+    m.extend_from_slice(token);
     m.push(data.len() as u8);
     m.extend_from_slice(data);
     s.write_all(&m).map_err(io_err("write handshake"))
@@ -365,14 +408,17 @@ fn soft_accept(
         }
     }
     let (mut s, _) = l.accept().map_err(io_err("accept"))?;
-    s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
-    let (_, peer_ep, peer_data) = read_msg(&mut s, false)?;
+    let deadline = Instant::now() + opts.timeout;
+    let _ = s.set_write_timeout(Some(opts.timeout));
+    let (_, peer_ep, peer_token, peer_data) = read_msg(&mut s, false, deadline, opts.timeout)?;
     let (qp, cq) = new_qp(pd, opts)?;
+    let token: [u8; TOKEN_LEN] = crate::soft::random();
+    qp.set_soft_tokens(token, peer_token);
     qp.connect(&peer_ep, &opts.connect)?;
-    write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, private_data)?;
+    write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
     // Wait for the requester's "ready": its QP is connected, ours may send.
     let mut ready = [0u8; 6];
-    s.read_exact(&mut ready).map_err(io_err("read handshake"))?;
+    read_by(&mut s, &mut ready, deadline, opts.timeout)?;
     if ready[..5] != MAGIC || ready[5] != 0xff {
         return Err(Error::Malformed { what: "connection handshake", reason: "bad ready message".into() });
     }
@@ -396,17 +442,20 @@ fn soft_connect(
             Error::Os { call: "connect", source: e }
         }
     })?;
-    s.set_read_timeout(Some(opts.timeout)).map_err(io_err("setsockopt"))?;
+    let deadline = Instant::now() + opts.timeout;
+    let _ = s.set_write_timeout(Some(opts.timeout));
     let (qp, cq) = new_qp(pd, opts)?;
     qp.modify_to_init(&opts.connect)?;
-    write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, private_data)?;
-    let (status, peer_ep, peer_data) = read_msg(&mut s, true)?;
+    let token: [u8; TOKEN_LEN] = crate::soft::random();
+    write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
+    let (status, peer_ep, peer_token, peer_data) = read_msg(&mut s, true, deadline, opts.timeout)?;
     if status != 0 {
         return Err(Error::ConnectionRejected {
             reason: format!("status {status}"),
             private_data: peer_data,
         });
     }
+    qp.set_soft_tokens(token, peer_token);
     qp.connect(&peer_ep, &opts.connect)?;
     let mut ready = MAGIC.to_vec();
     ready.push(0xff);

@@ -424,7 +424,7 @@ impl Context {
     /// function's device by name).
     pub fn open_function(&self) -> Result<Context> {
         let dev = soft_device(self)?;
-        Ok(Context::from_soft_device(dev.new_function()))
+        Ok(Context::from_soft_device(dev.new_function()?))
     }
 }
 

@@ -44,9 +44,15 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// Page-aligned and padded to a multiple of 8 bytes (the `shared_mem` padding
     /// invariant).
+    ///
+    /// Sizes are checked, never wrapped: a length whose padded size overflows or exceeds
+    /// what an allocation may be (`isize::MAX` after rounding to the page alignment) is an
+    /// [`Error::InvalidArgument`], so a region never claims more bytes than it owns.
     fn alloc(len: usize) -> Result<HostBuffer> {
-        let layout = Layout::from_size_align(len.max(1).next_multiple_of(8), 4096)
-            .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
+        let too_big =
+            || Error::InvalidArgument(format!("a region of {len} bytes exceeds the largest allocation"));
+        let size = len.max(1).checked_next_multiple_of(8).ok_or_else(too_big)?;
+        let layout = Layout::from_size_align(size, 4096).map_err(|_| too_big())?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(p).ok_or_else(|| Error::Os {
@@ -58,10 +64,21 @@ impl HostBuffer {
 
     /// Takes the vector as it is if it meets the `shared_mem` padding invariant (8-aligned,
     /// capacity padded to a multiple of 8), else copies it into a buffer that does.
+    ///
+    /// The padding bytes after `len` up to the next multiple of 8 are zeroed: the portable
+    /// copy path reads whole aligned words, and those bytes of a vector's spare capacity are
+    /// otherwise uninitialised.
     fn from_vec(mut v: Vec<u8>) -> Result<HostBuffer> {
-        let padded = v.len().next_multiple_of(8);
+        // A vector's length is at most isize::MAX, so this cannot overflow; checked anyway.
+        let padded = v.len().checked_next_multiple_of(8).ok_or_else(|| {
+            Error::InvalidArgument(format!("a region of {} bytes exceeds the largest allocation", v.len()))
+        })?;
         if v.capacity() < padded {
             v.reserve_exact(padded - v.len());
+        }
+        let pad = padded - v.len();
+        for b in &mut v.spare_capacity_mut()[..pad] {
+            b.write(0);
         }
         if v.as_ptr() as usize % 8 != 0 || v.capacity() % 8 != 0 {
             let b = HostBuffer::alloc(v.len())?;
@@ -595,8 +612,17 @@ impl MemoryRegion {
     /// region.
     ///
     /// # Safety
-    /// For the lifetime of the returned slice, nothing may write those bytes: no work
-    /// request, no peer, no other thread (other bytes of the region are not constrained).
+    /// The CPU copy path accesses registered memory in whole aligned 8-byte words, so the
+    /// constraint covers every aligned 8-byte word the range touches (from
+    /// `offset` rounded down to a multiple of 8 to `offset + len` rounded up), not only the
+    /// range itself:
+    /// - for the lifetime of the returned slice, nothing may write those words: no work
+    ///   request (RDMA read or atomic into them, receives), no peer, no other thread through
+    ///   `write_at`/`fill`; bytes of the region outside those words are not constrained;
+    /// - every write of those bytes by the NIC, a peer or another thread must
+    ///   *happen-before* this call: for NIC and peer writes, reap the completion that
+    ///   reports them (or observe a flag the protocol writes after them with acquire
+    ///   semantics, e.g. through [`read_at`](Self::read_at)) before calling.
     ///
     /// # Examples
     /// ```

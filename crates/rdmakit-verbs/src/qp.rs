@@ -56,6 +56,7 @@ pub(crate) struct QpInner {
     pd: ProtectionDomain,
     caps: QpCaps,
     qpn: u32,
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     psn: u32,
 }
 
@@ -86,6 +87,7 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("CQ and PD belong to different devices".into()));
             }
         }
+        let psn = initial_psn();
         let (backend, caps) = match &pd.inner.backend {
             PdBackend::Soft(pd_id) => {
                 #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
@@ -98,7 +100,7 @@ impl QueuePair {
                 else {
                     unreachable!("soft CQs on a soft device")
                 };
-                let qp = SoftQp::create(dev, *pd_id, scq.clone(), rcq.clone(), caps)?;
+                let qp = SoftQp::create(dev, psn, *pd_id, scq.clone(), rcq.clone(), caps)?;
                 (QpBackend::Soft(qp), caps)
             }
             #[cfg(rdmakit_verbs)]
@@ -130,7 +132,7 @@ impl QueuePair {
                 pd: pd.clone(),
                 caps,
                 qpn,
-                psn: initial_psn(qpn),
+                psn,
             }),
         })
     }
@@ -193,7 +195,7 @@ impl QueuePair {
         match &self.inner.backend {
             QpBackend::Soft(q) => {
                 let _ = opts;
-                Ok(q.endpoint(self.inner.psn))
+                Ok(q.endpoint())
             }
             #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(q) => q.endpoint(opts, self.inner.psn),
@@ -392,10 +394,19 @@ fn post_error(posted: usize, e: Error) -> Error {
     if posted == 0 { e } else { Error::Post { posted, source: Box::new(e) } }
 }
 
-/// A 24-bit initial PSN, different per QP and per run.
-fn initial_psn(qpn: u32) -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(qpn);
-    (h.finish() as u32) & 0x00ff_ffff
+/// A random 24-bit initial PSN from the operating system's source: on the soft NIC it is
+/// part of what authenticates a peer, so it must not be predictable.
+fn initial_psn() -> u32 {
+    u32::from_ne_bytes(crate::soft::random()) & 0x00ff_ffff
+}
+
+impl QueuePair {
+    /// Sets the soft NIC connection tokens the soft bootstrap exchanged (`rx`: what the
+    /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
+    pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
+        #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+        if let QpBackend::Soft(q) = &self.inner.backend {
+            q.set_tokens(rx, tx);
+        }
+    }
 }

@@ -405,9 +405,11 @@ impl RemoteRegion {
 
     /// The part `offset..offset + len`, checked against this descriptor.
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
-        match offset.checked_add(u64::from(len)) {
-            Some(end) if end <= self.len => {
-                Ok(RemoteSlice { addr: self.addr + offset, len, rkey: self.rkey })
+        // The descriptor comes from a peer: its address may be anything, so the sum is
+        // checked too.
+        match (offset.checked_add(u64::from(len)), self.addr.checked_add(offset)) {
+            (Some(end), Some(addr)) if end <= self.len && addr.checked_add(u64::from(len)).is_some() => {
+                Ok(RemoteSlice { addr, len, rkey: self.rkey })
             }
             _ => {
                 Err(Error::OutOfBounds { what: "remote region", offset, len: u64::from(len), size: self.len })

@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 /// Allocation granularity (and alignment) of device memory, as on mlx5 (64 B).
 pub(crate) const DM_ALIGN: u64 = 64;
 
+/// The largest device memory a soft device may have (real NICs have at most a few MiB).
+pub(crate) const MAX_DM_CAPACITY: u64 = 1 << 30;
+
 /// The device's pool.
 pub(crate) struct DmPool {
     mem: Option<NonNull<u8>>,
@@ -28,21 +31,33 @@ unsafe impl Send for DmPool {}
 unsafe impl Sync for DmPool {}
 
 impl DmPool {
-    pub fn new(capacity: u64) -> DmPool {
+    /// A pool of `capacity` bytes (rounded down to [`DM_ALIGN`]). A capacity above
+    /// [`MAX_DM_CAPACITY`] is an `InvalidArgument`; an allocation failure is an error, not
+    /// an abort.
+    pub fn new(capacity: u64) -> Result<DmPool> {
+        if capacity > MAX_DM_CAPACITY {
+            return Err(Error::InvalidArgument(format!(
+                "soft NIC device memory of {capacity} bytes exceeds the {MAX_DM_CAPACITY}-byte maximum"
+            )));
+        }
         let capacity = capacity / DM_ALIGN * DM_ALIGN;
         let mem = if capacity == 0 {
             None
         } else {
-            let layout = Layout::from_size_align(capacity as usize, 4096).expect("dm layout");
+            let layout = Layout::from_size_align(capacity as usize, 4096)
+                .map_err(|e| Error::InvalidArgument(format!("device memory of {capacity} bytes: {e}")))?;
             // SAFETY: non-zero size layout.
             let p = unsafe { alloc_zeroed(layout) };
-            Some(NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout)))
+            Some(NonNull::new(p).ok_or_else(|| Error::Os {
+                call: "alloc",
+                source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            })?)
         };
         let mut free = BTreeMap::new();
         if capacity > 0 {
             free.insert(0, capacity);
         }
-        DmPool { mem, capacity, free: Mutex::new(free) }
+        Ok(DmPool { mem, capacity, free: Mutex::new(free) })
     }
 
     /// Bytes not allocated.
@@ -149,7 +164,7 @@ mod tests {
 
     #[test]
     fn first_fit_exhaustion_and_coalescing() {
-        let pool = DmPool::new(1024);
+        let pool = DmPool::new(1024).unwrap();
         let a = pool.alloc(1).unwrap();
         let b = pool.alloc(100).unwrap();
         assert_eq!((a, b), (0, 64));
@@ -159,6 +174,7 @@ mod tests {
         pool.free(b, 100);
         assert_eq!(pool.free_bytes(), 1024);
         assert_eq!(pool.alloc(1024).unwrap(), 0);
-        assert!(DmPool::new(0).alloc(8).is_err());
+        assert!(DmPool::new(0).unwrap().alloc(8).is_err());
+        assert!(matches!(DmPool::new(u64::MAX), Err(Error::InvalidArgument(_))));
     }
 }

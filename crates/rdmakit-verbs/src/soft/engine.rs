@@ -61,6 +61,11 @@ pub(crate) fn schedule(at: Instant, qp: Weak<SoftQp>) {
     e.wake.notify_one();
 }
 
+/// Timers queued and not fired yet (all QPs of the process).
+pub(crate) fn pending() -> usize {
+    engine().timers.lock().expect("timer lock").0.len()
+}
+
 fn run(e: &'static Engine) {
     let mut t = e.timers.lock().expect("timer lock");
     loop {

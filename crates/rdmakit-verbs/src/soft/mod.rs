@@ -30,6 +30,17 @@ mod tcp;
 pub mod wire;
 
 pub use tcp::SOFT_ADDR_ENV;
+/// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
+/// stable API.
+#[doc(hidden)]
+pub use tcp::fuzz_read_frames;
+
+/// Soft NIC timers queued and not fired yet, process-wide (for tests that bound them); not
+/// a stable API.
+#[doc(hidden)]
+pub fn pending_timers() -> usize {
+    engine::pending()
+}
 
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
@@ -42,12 +53,16 @@ use crate::types::{DeviceAttr, ProviderKind};
 /// PCI-style vendor id the soft NIC reports: "SOFT".
 pub const SOFT_VENDOR_ID: u32 = 0x534f_4654;
 
+/// The largest `SoftConfig::max_qp_wr` a soft device takes (real HCAs: 32K).
+pub const MAX_QP_WR: u32 = 1 << 20;
+
 /// Settings of a soft NIC device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SoftConfig {
-    /// Device memory capacity in bytes (`max_dm_size`). ConnectX-6 has 256 KiB.
+    /// Device memory capacity in bytes (`max_dm_size`), at most 1 GiB. ConnectX-6 has
+    /// 256 KiB.
     pub dm_capacity: u64,
-    /// Most outstanding work requests per queue.
+    /// Most outstanding work requests per queue (at most [`MAX_QP_WR`]).
     pub max_qp_wr: u32,
     /// Most entries per completion queue.
     pub max_cqe: u32,
@@ -97,19 +112,42 @@ static FABRIC: LazyLock<RwLock<HashMap<[u8; 16], Weak<SoftDevice>>>> =
 static DEVICE_SEQ: AtomicU32 = AtomicU32::new(1);
 static DEFAULT_DEVICE: OnceLock<Arc<SoftDevice>> = OnceLock::new();
 
+/// `N` bytes from the operating system's random source (`getrandom`): rkeys, initial PSNs
+/// and connection tokens, which peers must not be able to predict.
+pub(crate) fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    // The OS source does not fail on supported systems once seeded; a failure here is an
+    // environment fault no safe fallback exists for (predictable keys would be unsound).
+    getrandom::fill(&mut b).expect("the operating system's random source failed");
+    b
+}
+
 /// Name of the process-wide default soft device.
 pub const DEFAULT_NAME: &str = "soft0";
 
 impl SoftDevice {
     /// The process-wide `soft0` device (default configuration).
     pub(crate) fn default_device() -> Arc<SoftDevice> {
-        DEFAULT_DEVICE.get_or_init(|| SoftDevice::create(0, SoftConfig::default(), None)).clone()
+        DEFAULT_DEVICE
+            .get_or_init(|| {
+                SoftDevice::create(0, SoftConfig::default(), None)
+                    .expect("the default soft configuration is valid")
+            })
+            .clone()
     }
 
     /// A new, independent device (`softN`) on the in-process fabric.
     pub(crate) fn new_device(config: SoftConfig) -> Result<Arc<SoftDevice>> {
         if config.max_qp_wr == 0 || config.max_cqe == 0 {
             return Err(Error::InvalidArgument("soft NIC queue limits must be non-zero".into()));
+        }
+        // Queues preallocate per work request: a limit beyond this would let one QP ask for
+        // more memory than any machine has (an allocation failure aborts).
+        if config.max_qp_wr > MAX_QP_WR {
+            return Err(Error::InvalidArgument(format!(
+                "max_qp_wr {} exceeds the soft NIC's {MAX_QP_WR}",
+                config.max_qp_wr
+            )));
         }
         if config.max_inline_data as usize > qp::MAX_INLINE {
             return Err(Error::InvalidArgument(format!(
@@ -118,12 +156,12 @@ impl SoftDevice {
                 qp::MAX_INLINE
             )));
         }
-        Ok(SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None))
+        SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None)
     }
 
     /// Another function (vHCA) of the same NIC as `self`, as a DPU's Arm-side function is
     /// to the host's: its own keys, PDs and QPs, and aliases onto keys `self` opens to it.
-    pub(crate) fn new_function(&self) -> Arc<SoftDevice> {
+    pub(crate) fn new_function(&self) -> Result<Arc<SoftDevice>> {
         SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), self.config.clone(), Some(self.nic))
     }
 
@@ -141,23 +179,26 @@ impl SoftDevice {
     }
 
     /// Device `index` is named `soft<index>`; index 0 is the default device.
-    fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Arc<SoftDevice> {
+    fn create(index: u32, config: SoftConfig, nic: Option<u32>) -> Result<Arc<SoftDevice>> {
         let name = format!("soft{index}");
-        // GID: fe80:0000:<IPv4 of the port>:<pid>:<device index>. Unique per host, process
-        // and device; peers in other processes reach the device at that IPv4 address.
+        // GID: fe80:<16 random bits>:<IPv4 of the port>:<pid>:<device index>. Unique per
+        // host, process and device; peers in other processes reach the device at that IPv4
+        // address. The random bits make a device's GID, which a requester's Hello must name,
+        // unguessable from its address and pid.
         let addr = tcp::configured_addr();
         let mut gid = [0u8; 16];
         gid[0] = 0xfe;
         gid[1] = 0x80;
+        gid[2..4].copy_from_slice(&random::<2>());
         gid[4..8].copy_from_slice(&addr.ip().octets());
         gid[8..12].copy_from_slice(&std::process::id().to_be_bytes());
         gid[12..16].copy_from_slice(&index.to_be_bytes());
         let dev = Arc::new(SoftDevice {
             name,
             gid,
-            dm: dm::DmPool::new(config.dm_capacity),
+            dm: dm::DmPool::new(config.dm_capacity)?,
             config,
-            mrs: Arc::new(mr::KeyTable::new(index)),
+            mrs: Arc::new(mr::KeyTable::new()),
             qps: Mutex::new(HashMap::new()),
             addr,
             port: OnceLock::new(),
@@ -169,7 +210,7 @@ impl SoftDevice {
         });
         FABRIC.write().expect("fabric lock").insert(gid, Arc::downgrade(&dev));
         VHCAS.write().expect("vhca registry").insert(index, Arc::downgrade(&dev));
-        dev
+        Ok(dev)
     }
 
     /// Finds a live device by GID on the in-process fabric.

@@ -1,8 +1,9 @@
 //! The soft NIC's key table: what a real HCA keeps in its memory translation tables.
 //!
-//! Each registration gets one key used as both lkey and rkey (as on mlx5). Keys are
-//! scattered over the 32-bit space so that an off-by-one or stale key is invalid rather than
-//! someone else's region.
+//! Each registration gets one key used as both lkey and rkey (as on mlx5). Keys are drawn
+//! at random from the operating system's random source: a peer cannot predict the key of a
+//! region it was not given, and an off-by-one or stale key is invalid rather than someone
+//! else's region.
 //!
 //! Besides direct keys (a region's bytes), the table holds the mlx5 key kinds rdmakit
 //! emulates: **indirect** keys (KSM/UMR: an address range mapped onto other keys, re-bound
@@ -13,7 +14,6 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 
 use crate::types::AccessFlags;
@@ -190,17 +190,11 @@ impl MrEntry {
 /// The device-wide table of keys.
 pub(crate) struct KeyTable {
     map: RwLock<HashMap<u32, Arc<MrEntry>>>,
-    next: AtomicU32,
-    salt: u32,
 }
 
 impl KeyTable {
-    pub fn new(device_index: u32) -> KeyTable {
-        KeyTable {
-            map: RwLock::new(HashMap::new()),
-            next: AtomicU32::new(1),
-            salt: device_index.wrapping_mul(0x0100_0193),
-        }
+    pub fn new() -> KeyTable {
+        KeyTable { map: RwLock::new(HashMap::new()) }
     }
 
     /// Registers `len` bytes at `ptr`, addressed by peers from `base`.
@@ -274,10 +268,9 @@ impl KeyTable {
 
     fn fresh_key(&self, map: &HashMap<u32, Arc<MrEntry>>) -> u32 {
         loop {
-            // An odd multiplier is a bijection on u32, so keys are unique until wrap-around;
-            // the loop skips 0 and any key still in use after a wrap.
-            let n = self.next.fetch_add(1, Ordering::Relaxed) ^ self.salt;
-            let key = n.wrapping_mul(0x9E37_79B1);
+            // Unpredictable keys (a random 32-bit draw per registration); the loop skips 0
+            // and any key in use.
+            let key = u32::from_ne_bytes(super::random());
             if key != 0 && !map.contains_key(&key) {
                 return key;
             }
@@ -318,7 +311,7 @@ mod tests {
 
     #[test]
     fn checks_pd_access_and_bounds() {
-        let table = KeyTable::new(3);
+        let table = KeyTable::new();
         let mem: Arc<Vec<u8>> = Arc::new(vec![0; 64]);
         let ptr = mem.as_ptr() as *mut u8;
         // SAFETY: the vector lives as long as the entry (it is the keepalive); no reference
@@ -331,7 +324,9 @@ mod tests {
         assert_eq!(e.check(1, 0x1039, 8, AccessFlags::REMOTE_READ), Err(Fault::Bounds));
         assert_eq!(e.check(1, 0xfff, 1, AccessFlags::REMOTE_READ), Err(Fault::Bounds));
         assert_eq!(e.check(1, u64::MAX, 2, AccessFlags::REMOTE_READ), Err(Fault::Bounds));
-        assert!(table.lookup(key.wrapping_add(1)).is_none());
+        if key.wrapping_add(1) != 0 {
+            assert!(table.lookup(key.wrapping_add(1)).is_none());
+        }
         assert!(table.deregister(key));
         assert!(table.lookup(key).is_none());
         assert!(!table.deregister(key));

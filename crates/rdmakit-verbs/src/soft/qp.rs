@@ -19,7 +19,7 @@
 //! deferred until the first is released.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,23 @@ impl Link {
         *peer = Arc::downgrade(&p);
         Some(p)
     }
+}
+
+/// Connection tokens of the soft bootstrap (see [`SoftQp::set_tokens`]).
+#[derive(Clone, Copy, Default)]
+struct Tokens {
+    rx: [u8; 16],
+    tx: [u8; 16],
+}
+
+/// The verdict on a Hello.
+pub(crate) enum Auth {
+    /// It is the connected peer: serve it.
+    Accepted,
+    /// The QP is not connected yet: ask again later.
+    NotYet,
+    /// Not the connected peer, or the QP already serves one.
+    Refused,
 }
 
 /// Who sent a request, as the responder sees it.
@@ -197,6 +214,22 @@ pub(crate) struct SoftQp {
     /// Remote access this QP grants as a responder (`IBV_QP_ACCESS_FLAGS`).
     access: AtomicU32,
     remote_qpn: AtomicU32,
+    /// The remote QP's initial PSN (from its endpoint), set at RTR.
+    remote_psn: AtomicU32,
+    /// Our initial PSN: the first request we send carries it, and a requester in another
+    /// process proves it knows it in its Hello.
+    psn: u32,
+    /// Connection tokens from the soft bootstrap (zero when endpoints were exchanged
+    /// otherwise): `rx` is what a requester must present to us, `tx` what we present.
+    tokens: Mutex<Tokens>,
+    /// True once a requester in another process authenticated against this QP: one
+    /// connection per connected QP, so a replayed Hello gets nothing.
+    claimed: AtomicBool,
+    /// Most outstanding send requests (bounds the link's queue).
+    max_send_wr: u32,
+    /// The earliest timer armed for this QP and not fired yet: later ones are not queued
+    /// (the earlier one re-evaluates everything), so timers stay one per QP at a time.
+    timer: Mutex<Option<Instant>>,
     /// Set once, at RTR.
     remote_gid: OnceLock<[u8; 16]>,
     sq: Mutex<Sq>,
@@ -207,6 +240,7 @@ pub(crate) struct SoftQp {
 impl SoftQp {
     pub fn create(
         device: &Arc<SoftDevice>,
+        psn: u32,
         pd: u64,
         send_cq: Arc<SoftCq>,
         recv_cq: Arc<SoftCq>,
@@ -240,11 +274,17 @@ impl SoftQp {
             state: AtomicU8::new(RESET),
             access: AtomicU32::new(0),
             remote_qpn: AtomicU32::new(0),
+            remote_psn: AtomicU32::new(0),
+            psn: psn & 0x00ff_ffff,
+            tokens: Mutex::new(Tokens::default()),
+            claimed: AtomicBool::new(false),
+            max_send_wr: caps.max_send_wr,
+            timer: Mutex::new(None),
             remote_gid: OnceLock::new(),
             sq: Mutex::new(Sq {
                 pending: VecDeque::new(),
                 sent: VecDeque::new(),
-                next_psn: 0,
+                next_psn: psn & 0x00ff_ffff,
                 link: None,
                 opts: ConnectOptions::default(),
                 retry: None,
@@ -264,15 +304,49 @@ impl SoftQp {
         state_of(self.state.load(Ordering::Acquire))
     }
 
-    pub fn device(&self) -> &Arc<SoftDevice> {
-        &self.device
-    }
-
     /// The endpoint peers connect to; `lid` carries the device's TCP port so that QPs of
     /// other processes can reach it.
-    pub fn endpoint(&self, psn: u32) -> Endpoint {
+    pub fn endpoint(&self) -> Endpoint {
         let lid = self.device.port();
-        Endpoint { provider: ProviderKind::Soft, lid, gid: self.device.gid(), qp_num: self.qpn, psn }
+        Endpoint {
+            provider: ProviderKind::Soft,
+            lid,
+            gid: self.device.gid(),
+            qp_num: self.qpn,
+            psn: self.psn,
+        }
+    }
+
+    /// Sets the connection tokens the soft bootstrap exchanged (before RTR).
+    pub fn set_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
+        *self.tokens.lock().expect("tokens") = Tokens { rx, tx };
+    }
+
+    /// Checks a Hello from another process against what this QP was connected to: the
+    /// requester's GID, QPN and initial PSN, our initial PSN, and our connection token.
+    /// One requester connection per QP.
+    pub fn authenticate(
+        &self,
+        gid: &[u8; 16],
+        qpn: u32,
+        src_psn: u32,
+        dst_psn: u32,
+        token: &[u8; 16],
+    ) -> Auth {
+        match self.state.load(Ordering::Acquire) {
+            RESET | INIT => return Auth::NotYet,
+            RTR | RTS => {}
+            _ => return Auth::Refused,
+        }
+        let rx = self.tokens.lock().expect("tokens").rx;
+        // Compare every field whatever the first mismatch (no early exit on secrets).
+        let token_ok = rx.iter().zip(token).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        let ok = token_ok
+            & (self.remote_psn.load(Ordering::Acquire) == src_psn)
+            & (self.psn == dst_psn)
+            & (self.remote_qpn.load(Ordering::Acquire) == qpn)
+            & (self.remote_gid.get() == Some(gid));
+        if ok && !self.claimed.swap(true, Ordering::AcqRel) { Auth::Accepted } else { Auth::Refused }
     }
 
     fn bad_transition(&self, to: &'static str) -> Error {
@@ -313,7 +387,18 @@ impl SoftQp {
             None => {
                 let ip = std::net::Ipv4Addr::new(remote.gid[4], remote.gid[5], remote.gid[6], remote.gid[7]);
                 let me = self.me.upgrade().expect("a QP being modified is alive");
-                Link::Tcp(TcpLink::connect(&me, std::net::SocketAddr::from((ip, remote.lid)), remote.qp_num))
+                let hello = Frame::Hello {
+                    src_gid: self.device.gid(),
+                    src_qpn: self.qpn,
+                    dst_qpn: remote.qp_num,
+                    src_psn: self.psn,
+                    dst_psn: remote.psn & 0x00ff_ffff,
+                    token: self.tokens.lock().expect("tokens").tx,
+                };
+                // Frames in the queue: at most the outstanding requests, twice over when an
+                // RNR NAK makes them go back (the queue may still hold the first copies).
+                let queue = 2 * self.max_send_wr as usize + 2;
+                Link::Tcp(TcpLink::connect(&me, std::net::SocketAddr::from((ip, remote.lid)), hello, queue))
             }
         };
         let mut sq = self.sq.lock().expect("sq lock");
@@ -325,6 +410,7 @@ impl SoftQp {
         // INIT -> RTR happens once (there is no way back to INIT), so this is the only set.
         let _ = self.remote_gid.set(remote.gid);
         self.remote_qpn.store(remote.qp_num, Ordering::Release);
+        self.remote_psn.store(remote.psn & 0x00ff_ffff, Ordering::Release);
         self.state.store(RTR, Ordering::Release);
         Ok(())
     }
@@ -423,6 +509,7 @@ impl SoftQp {
 
     /// Re-runs the send queue (after a timer or a peer's receive).
     pub fn on_timer(&self) {
+        *self.timer.lock().expect("timer slot") = None;
         self.kick();
     }
 
@@ -469,7 +556,7 @@ impl SoftQp {
 
     fn arm_transport_timer(&self, sq: &Sq, from: Instant) {
         if let Some(budget) = sq.opts.transport_budget() {
-            engine::schedule(from + budget, self.me.clone());
+            self.schedule(from + budget);
         }
     }
 
@@ -492,7 +579,7 @@ impl SoftQp {
                 Ok((frame, target, tail)) => {
                     if link.send(frame, tail) {
                         let psn = sq.next_psn;
-                        sq.next_psn = psn.wrapping_add(1);
+                        sq.next_psn = super::tcp::next_psn(psn);
                         return Step::Sent(psn, target);
                     }
                     Outcome::NoResponse
@@ -553,8 +640,20 @@ impl SoftQp {
             Some(dl) => next.min(dl),
             None => next,
         };
-        engine::schedule(at, self.me.clone());
+        self.schedule(at);
         true
+    }
+
+    /// Arms a timer at `at` unless one at or before `at` is already armed (it will
+    /// re-evaluate the queue and re-arm as needed): one pending timer per QP.
+    fn schedule(&self, at: Instant) {
+        let mut t = self.timer.lock().expect("timer slot");
+        if t.is_some_and(|armed| armed <= at) {
+            return;
+        }
+        *t = Some(at);
+        drop(t);
+        engine::schedule(at, self.me.clone());
     }
 
     /// Moves to ERR and flushes both queues. The caller holds our send-queue lock.
@@ -731,6 +830,13 @@ impl SoftQp {
         })
     }
 
+    /// The most data bytes an answer may carry now: what the oldest request sent over TCP
+    /// and not answered yet expects back (a read's length, an atomic's 8 bytes, else 0).
+    pub fn response_data_limit(&self) -> usize {
+        let sq = self.sq.lock().expect("sq lock");
+        sq.sent.front().and_then(|s| s.target.as_ref()).map_or(0, |t| t.len as usize)
+    }
+
     /// A response from the remote responder (called by the link's reader thread).
     pub fn on_remote_response(&self, f: Frame) {
         let mut d = Deferred::default();
@@ -858,6 +964,38 @@ impl SoftQp {
             Outcome::Rnr => Frame::RnrNak { psn },
             Outcome::NoResponse => return None,
         })
+    }
+
+    /// The most data bytes a write to `addr` with `rkey` can land: the bytes of the key's
+    /// range from `addr` if the QP and the key allow remote writes there, else 0.
+    pub fn write_data_limit(&self, addr: u64, rkey: u32) -> usize {
+        let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
+        if !qp_access.contains(AccessFlags::REMOTE_WRITE) {
+            return 0;
+        }
+        let Some(top) = self.device.mrs.lookup(rkey) else { return 0 };
+        if self.device.mrs.resolve(rkey, self.pd, addr, 1, AccessFlags::REMOTE_WRITE).is_err() {
+            return 0;
+        }
+        let end = top.base.saturating_add(top.len);
+        end.saturating_sub(addr).min(u64::from(wire::MAX_MESSAGE)) as usize
+    }
+
+    /// Answers a write whose `data_len` bytes of data were too many for its target (read
+    /// and dropped by the connection): the error the target check gives for that length,
+    /// and the responder error that follows, as if the data had been kept.
+    pub fn refuse_write(&self, from: &Requester<'_>, f: Frame, data_len: usize) -> Option<Frame> {
+        if !self.accepts_from(from) {
+            return None;
+        }
+        let Frame::Write { psn, addr, rkey, .. } = f else { return None };
+        let len = u32::try_from(data_len).unwrap_or(u32::MAX);
+        let status =
+            self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE).err().unwrap_or(WcStatus::REM_ACCESS_ERR);
+        let mut d = Deferred::default();
+        self.responder_error(&mut d);
+        run_deferred(d);
+        Some(Frame::Ack { psn, status: status.0, data: Vec::new() })
     }
 
     /// A connected responder takes packets only from its own remote QP, in RTR or RTS.

@@ -1,9 +1,17 @@
 //! The soft NIC's wire format between processes: length-prefixed frames over TCP.
 //!
-//! Every frame is `magic "RK" | version 1 | kind | payload length (u32 LE) | payload`. The
+//! Every frame is `magic "RK" | version 2 | kind | payload length (u32 LE) | payload`. The
 //! decoder is total: any byte string gives a frame or a `WireError`, never a panic, and
 //! never allocates more than the declared length (itself capped by `MAX_PAYLOAD`). A peer
 //! sending garbage gets its connection dropped with an error logged.
+//!
+//! Readers check a header's length against what its kind may carry
+//! (`check_length`) *before* reserving memory for the payload: every kind but the three
+//! data-carrying ones has one fixed length, and those carry at most `MAX_MESSAGE` bytes.
+//!
+//! Version 2 made the `Hello` an authenticator: besides naming the requester and the target
+//! QP, it proves that the client is the peer the target QP was connected to (both initial
+//! PSNs from the exchanged endpoints, and the connection token of the soft bootstrap).
 
 use std::fmt;
 
@@ -15,14 +23,19 @@ pub const MAX_PAYLOAD: u32 = 64 << 20;
 pub const MAX_MESSAGE: u32 = MAX_PAYLOAD - 64;
 
 const MAGIC: [u8; 2] = *b"RK";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+
+/// Payload length of a `Hello`.
+pub const HELLO_LEN: usize = 16 + 4 + 4 + 4 + 4 + 16;
 
 /// One frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
-    /// First frame of a connection: requester QP `src` on device `src_gid` talks to QP
-    /// `dst_qpn` of the accepting device.
-    Hello { src_gid: [u8; 16], src_qpn: u32, dst_qpn: u32 },
+    /// First frame of a connection: requester QP `src_qpn` on device `src_gid` talks to QP
+    /// `dst_qpn` of the accepting device. `src_psn` and `dst_psn` are the two QPs' initial
+    /// PSNs and `token` the target QP's connection token (zero when the endpoints were
+    /// exchanged without the soft bootstrap): what only the connected peer knows.
+    Hello { src_gid: [u8; 16], src_qpn: u32, dst_qpn: u32, src_psn: u32, dst_psn: u32, token: [u8; 16] },
     /// Answer to `Hello`: 0 accepted, 1 no such QP.
     HelloAck { status: u8 },
     /// RDMA write (optionally with immediate).
@@ -153,8 +166,11 @@ pub fn decode_payload(k: u8, p: &[u8]) -> Result<Frame, WireError> {
             let src_gid = r.take::<16>().ok_or_else(bad)?;
             let src_qpn = r.u32().ok_or_else(bad)?;
             let dst_qpn = r.u32().ok_or_else(bad)?;
+            let src_psn = r.u32().ok_or_else(bad)?;
+            let dst_psn = r.u32().ok_or_else(bad)?;
+            let token = r.take::<16>().ok_or_else(bad)?;
             r.end().ok_or_else(bad)?;
-            Frame::Hello { src_gid, src_qpn, dst_qpn }
+            Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token }
         }
         kind::HELLO_ACK => {
             let status = r.u8().ok_or_else(bad)?;
@@ -228,10 +244,13 @@ pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
     };
     let mut tail: &[u8] = &[];
     let k = match f {
-        Frame::Hello { src_gid, src_qpn, dst_qpn } => {
+        Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token } => {
             out.extend_from_slice(src_gid);
             out.extend_from_slice(&src_qpn.to_le_bytes());
             out.extend_from_slice(&dst_qpn.to_le_bytes());
+            out.extend_from_slice(&src_psn.to_le_bytes());
+            out.extend_from_slice(&dst_psn.to_le_bytes());
+            out.extend_from_slice(token);
             kind::HELLO
         }
         Frame::HelloAck { status } => {
@@ -291,6 +310,48 @@ pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
     tail
 }
 
+/// Checks a header's payload length against its kind, before anything is allocated for
+/// it: fixed-size kinds must have exactly their size, data-carrying kinds (write, send,
+/// ack) their fixed fields plus at most [`MAX_MESSAGE`] bytes of data.
+pub fn check_length(k: u8, len: u32) -> Result<(), WireError> {
+    let len_us = len as usize;
+    let bad = || WireError::BadLength { kind: k, len: len_us };
+    let fixed = match k {
+        kind::HELLO => HELLO_LEN,
+        kind::HELLO_ACK => 1,
+        kind::READ => 4 + 8 + 4 + 4,
+        kind::FETCH_ADD => 4 + 8 + 4 + 8,
+        kind::CMP_SWAP => 4 + 8 + 4 + 8 + 8,
+        kind::RNR_NAK => 4,
+        kind::WRITE | kind::SEND | kind::ACK => {
+            let fixed = data_offset(k).expect("a data-carrying kind");
+            return match len_us.checked_sub(fixed) {
+                Some(data) if data <= MAX_MESSAGE as usize => Ok(()),
+                _ => Err(bad()),
+            };
+        }
+        other => return Err(WireError::UnknownKind(other)),
+    };
+    if len_us == fixed { Ok(()) } else { Err(bad()) }
+}
+
+/// The kind byte of a `Hello`.
+pub const KIND_HELLO: u8 = kind::HELLO;
+/// The kind byte of a `HelloAck`.
+pub const KIND_HELLO_ACK: u8 = kind::HELLO_ACK;
+/// The kind byte of a `Write`.
+pub const KIND_WRITE: u8 = kind::WRITE;
+
+/// True for the kinds a requester sends (requests), false for handshake and responses.
+pub fn is_request_kind(k: u8) -> bool {
+    matches!(k, kind::WRITE | kind::READ | kind::SEND | kind::FETCH_ADD | kind::CMP_SWAP)
+}
+
+/// True for the kinds a responder answers with.
+pub fn is_response_kind(k: u8) -> bool {
+    matches!(k, kind::ACK | kind::RNR_NAK)
+}
+
 /// For a frame kind that ends in variable-length data (write, send, ack), the length of the
 /// fixed fields before that data; `None` for the other kinds. A reader can take the fixed
 /// part, then read the data straight into the buffer the frame will own
@@ -331,8 +392,15 @@ mod tests {
         let data = proptest::collection::vec(any::<u8>(), 0..64);
         let imm = proptest::option::of(any::<u32>());
         prop_oneof![
-            (any::<[u8; 16]>(), any::<u32>(), any::<u32>())
-                .prop_map(|(src_gid, src_qpn, dst_qpn)| Frame::Hello { src_gid, src_qpn, dst_qpn }),
+            (any::<[u8; 16]>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<[u8; 16]>())
+                .prop_map(|(src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token)| Frame::Hello {
+                    src_gid,
+                    src_qpn,
+                    dst_qpn,
+                    src_psn,
+                    dst_psn,
+                    token
+                }),
             any::<u8>().prop_map(|status| Frame::HelloAck { status }),
             (any::<u32>(), any::<u64>(), any::<u32>(), imm.clone(), data.clone())
                 .prop_map(|(psn, addr, rkey, imm, data)| Frame::Write { psn, addr, rkey, imm, data }),
@@ -378,6 +446,7 @@ mod tests {
             let tail = encode_split(&f, &mut head);
             prop_assert_eq!([head.as_slice(), tail].concat(), whole.clone());
             let (k, len) = decode_header(&head).unwrap();
+            prop_assert_eq!(check_length(k, len), Ok(()));
             prop_assert_eq!(len as usize, head.len() + tail.len() - HEADER);
             let g = match data_offset(k) {
                 Some(n) => decode_payload_split(k, &head[HEADER..HEADER + n], tail.to_vec()).unwrap(),
@@ -395,7 +464,7 @@ mod tests {
     #[test]
     fn every_kind_round_trips() {
         let frames = [
-            Frame::Hello { src_gid: [3; 16], src_qpn: 7, dst_qpn: 9 },
+            Frame::Hello { src_gid: [3; 16], src_qpn: 7, dst_qpn: 9, src_psn: 1, dst_psn: 2, token: [4; 16] },
             Frame::HelloAck { status: 1 },
             Frame::Write { psn: 1, addr: 2, rkey: 3, imm: Some(4), data: vec![5; 9] },
             Frame::Read { psn: 1, addr: 2, rkey: 3, len: 4 },
@@ -419,12 +488,31 @@ mod tests {
     }
 
     #[test]
+    fn lengths_are_checked_against_the_kind() {
+        // A Hello is exactly HELLO_LEN: a 64 MiB "Hello" is refused from its header.
+        assert_eq!(check_length(kind::HELLO, HELLO_LEN as u32), Ok(()));
+        assert!(check_length(kind::HELLO, 64 << 20).is_err());
+        assert!(check_length(kind::READ, 1 << 20).is_err());
+        assert!(check_length(kind::RNR_NAK, 5).is_err());
+        assert_eq!(check_length(kind::WRITE, 21), Ok(()));
+        assert!(check_length(kind::WRITE, 20).is_err());
+        assert_eq!(check_length(kind::WRITE, 21 + MAX_MESSAGE), Ok(()));
+        assert!(check_length(kind::WRITE, 22 + MAX_MESSAGE).is_err());
+        assert_eq!(check_length(0x63, 0), Err(WireError::UnknownKind(0x63)));
+        // Every encoded frame passes its own length check.
+        let mut buf = Vec::new();
+        encode(&Frame::Ack { psn: 1, status: 0, data: vec![1; 100] }, &mut buf);
+        let (k, len) = decode_header(&buf).unwrap();
+        assert_eq!(check_length(k, len), Ok(()));
+    }
+
+    #[test]
     fn rejects_hostile_headers() {
-        assert_eq!(decode(b"XX\x01\x0a\0\0\0\0"), Err(WireError::BadHeader));
-        assert_eq!(decode(b"RK\x02\x0a\0\0\0\0"), Err(WireError::BadHeader));
-        assert_eq!(decode(b"RK\x01\x0a\xff\xff\xff\xff"), Err(WireError::TooLong(u32::MAX)));
-        assert_eq!(decode(b"RK\x01\x63\0\0\0\0"), Err(WireError::UnknownKind(0x63)));
-        assert_eq!(decode(b"RK\x01\x0b\x01\0\0\0\0"), Err(WireError::BadLength { kind: 11, len: 1 }));
+        assert_eq!(decode(b"XX\x02\x0a\0\0\0\0"), Err(WireError::BadHeader));
+        assert_eq!(decode(b"RK\x01\x0a\0\0\0\0"), Err(WireError::BadHeader));
+        assert_eq!(decode(b"RK\x02\x0a\xff\xff\xff\xff"), Err(WireError::TooLong(u32::MAX)));
+        assert_eq!(decode(b"RK\x02\x63\0\0\0\0"), Err(WireError::UnknownKind(0x63)));
+        assert_eq!(decode(b"RK\x02\x0b\x01\0\0\0\0"), Err(WireError::BadLength { kind: 11, len: 1 }));
         // An immediate flag that is neither 0 nor 1.
         let mut buf = Vec::new();
         encode(&Frame::Send { psn: 1, imm: None, data: vec![] }, &mut buf);

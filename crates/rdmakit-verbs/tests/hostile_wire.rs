@@ -1,0 +1,809 @@
+//! Hostile peers against the soft NIC's TCP wire and its safe API.
+//!
+//! Each test plays an attacker (or a buggy peer) against a *victim* soft device of this
+//! process and then checks what the victim still does: its memory growth and thread count
+//! stay bounded (read from `/proc/self/status`), a legitimate QP connected over TCP still
+//! completes a real write whose bytes land, and the device's listener still accepts.
+//!
+//! One process is enough for a TCP path: a requester QP connected to the victim's
+//! endpoint with a GID that names no device of this process goes over TCP to the victim's
+//! port, as a QP of another process would. Attackers connect from other loopback addresses
+//! (`127.0.0.2` and up) so that per-address limits do not count the legitimate peer.
+//! Tests run one at a time (`serial`) so that the RSS and thread figures are their own.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::fd::FromRawFd;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rdmakit_verbs::soft::wire::{self, Frame};
+use rdmakit_verbs::*;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn status_field(name: &str) -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = s.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}"));
+    line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("a number")
+}
+
+fn rss_mib() -> u64 {
+    status_field("VmRSS:") / 1024
+}
+
+fn threads() -> u64 {
+    status_field("Threads:")
+}
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Transport budget 4.096 µs × 2^14 × 4 ≈ 268 ms: dead peers show quickly.
+fn opts() -> ConnectOptions {
+    ConnectOptions { timeout: 14, retry_cnt: 3, ..ConnectOptions::default() }
+}
+
+/// Waits until `f` holds, up to `limit`; returns whether it did.
+fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A victim device with one region peers may write.
+struct Victim {
+    ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    mr: MemoryRegion,
+}
+
+impl Victim {
+    fn new() -> Victim {
+        let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(1024).unwrap();
+        let mr = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
+        Victim { ctx, pd, cq, mr }
+    }
+
+    fn port(&self, ep: &Endpoint) -> u16 {
+        let _ = &self.ctx;
+        ep.lid
+    }
+}
+
+/// `ep` as a QP of another process would see it: same address and port, but a GID no
+/// device of this process has, so connecting to it goes over TCP.
+fn far(ep: &Endpoint) -> Endpoint {
+    let mut e = *ep;
+    for b in &mut e.gid[8..12] {
+        *b ^= 0xa5;
+    }
+    e
+}
+
+/// A legitimate requester QP (its own device) connected over TCP to a fresh QP of the
+/// victim.
+struct Legit {
+    _ctx: Context,
+    cq: CompletionQueue,
+    qp: QueuePair,
+    src: MemoryRegion,
+    vqp: QueuePair,
+    vep: Endpoint,
+    rep: Endpoint,
+}
+
+fn legit(v: &Victim) -> Legit {
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps { max_send_wr: 512, ..QpCaps::default() }).unwrap();
+    let src = pd.alloc_mr(4 << 20, AccessFlags::ALL_REMOTE).unwrap();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    let (vep, rep) = (vqp.endpoint().unwrap(), qp.endpoint().unwrap());
+    assert_ne!(vep.lid, 0, "the victim listens");
+    vqp.connect(&rep, &opts()).unwrap();
+    qp.connect(&far(&vep), &opts()).unwrap();
+    Legit { _ctx: ctx, cq, qp, src, vqp, vep, rep }
+}
+
+impl Legit {
+    /// A real write of 64 bytes of `tag` over TCP; checks it completes and lands.
+    fn write(&self, v: &Victim, at: u64, tag: u8) {
+        self.src.fill(tag).unwrap();
+        let wr = SendWr::write(self.src.slice(0, 64).unwrap(), v.mr.remote().slice(at, 64).unwrap());
+        self.qp.post_send(wr).unwrap();
+        let wc = self.cq.wait(Some(Duration::from_secs(10))).expect("the legitimate write completes");
+        assert!(wc.status.is_success(), "legitimate write failed: {wc:?}");
+        let mut back = [0u8; 64];
+        v.mr.read_at(at, &mut back).unwrap();
+        assert_eq!(back, [tag; 64], "the legitimate write landed");
+    }
+}
+
+/// A TCP connection from loopback address `127.0.0.<host>` to `port`.
+fn attacker_from(host: u8, port: u16) -> TcpStream {
+    // SAFETY: plain socket calls on a descriptor this function owns until it hands it to
+    // `TcpStream` (which then owns and closes it); the sockaddr structs live on the stack.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let sa = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let me = sa(Ipv4Addr::new(127, 0, 0, host), 0);
+        assert_eq!(
+            libc::bind(fd, (&raw const me).cast(), len),
+            0,
+            "bind: {}",
+            std::io::Error::last_os_error()
+        );
+        let to = sa(Ipv4Addr::LOCALHOST, port);
+        assert_eq!(
+            libc::connect(fd, (&raw const to).cast(), len),
+            0,
+            "connect: {}",
+            std::io::Error::last_os_error()
+        );
+        TcpStream::from_raw_fd(fd)
+    }
+}
+
+fn attacker(port: u16) -> TcpStream {
+    attacker_from(2, port)
+}
+
+fn frame(f: &Frame) -> Vec<u8> {
+    let mut b = Vec::new();
+    wire::encode(f, &mut b);
+    b
+}
+
+/// The Hello an attacker who knows the peer's GID and QPN (both guessable) but none of the
+/// secrets exchanged out of band can build.
+fn guessed_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
+    let (src_gid, src_qpn, dst_qpn) = (src.gid, src.qp_num, dst.qp_num);
+    frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: 0, dst_psn: 0, token: [0; 16] })
+}
+
+/// The Hello of a peer that knows everything about the connection (a buggy or hostile
+/// *legitimate* peer): used to test what is checked after authentication.
+fn true_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
+    let (src_gid, src_qpn, dst_qpn) = (src.gid, src.qp_num, dst.qp_num);
+    frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: src.psn, dst_psn: dst.psn, token: [0; 16] })
+}
+
+/// A frame header of `kind` declaring `len` payload bytes.
+fn header(kind: u8, len: u32) -> Vec<u8> {
+    let mut h = frame(&Frame::HelloAck { status: 0 });
+    h.truncate(wire::HEADER);
+    h[3] = kind;
+    h[4..8].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Reads one frame with a timeout; `None` on close, timeout or a malformed frame.
+fn read_reply(s: &mut TcpStream, wait: Duration) -> Option<Frame> {
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut h = [0u8; wire::HEADER];
+    s.read_exact(&mut h).ok()?;
+    let (_, len) = wire::decode_header(&h).ok()?;
+    let mut all = h.to_vec();
+    all.resize(wire::HEADER + len as usize, 0);
+    s.read_exact(&mut all[wire::HEADER..]).ok()?;
+    wire::decode(&all).ok().map(|(f, _)| f)
+}
+
+/// True if the peer closed `s` (or reset it) within `wait`.
+fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
+    let end = Instant::now() + wait;
+    let mut buf = [0u8; 4096];
+    while Instant::now() < end {
+        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+// ---- attack 1: undefined behaviour from safe code ----
+
+#[test]
+fn alloc_mr_of_absurd_sizes_is_a_typed_error() {
+    let _g = serial();
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    for len in [usize::MAX, usize::MAX - 7, isize::MAX as usize, (isize::MAX as usize) + 1] {
+        match pd.alloc_mr(len, AccessFlags::ALL_REMOTE) {
+            Err(Error::InvalidArgument(_)) => {}
+            Err(e) => panic!("alloc_mr({len}) gave {e}, not an InvalidArgument"),
+            Ok(mr) => {
+                let n = mr.len();
+                // Never use it: its rkey would reach memory that is not the region's.
+                std::mem::forget(mr);
+                panic!("alloc_mr({len}) returned a region of {n} bytes");
+            }
+        }
+    }
+    // Device memory and its registration: absurd lengths and offsets are errors too.
+    let ctx = Context::open_soft();
+    assert!(ctx.alloc_dm(u64::MAX).is_err());
+    let dm = ctx.alloc_dm(4096).unwrap();
+    assert!(pd.register_dm(&dm, u64::MAX, 2, AccessFlags::LOCAL_WRITE).is_err());
+    assert!(pd.register_dm(&dm, 8, u64::MAX, AccessFlags::LOCAL_WRITE).is_err());
+}
+
+#[test]
+fn absurd_device_memory_capacity_is_a_typed_error() {
+    let _g = serial();
+    for cap in [u64::MAX, 1 << 62, 1 << 48] {
+        let cfg = SoftConfig { dm_capacity: cap, ..SoftConfig::default() };
+        let r = std::panic::catch_unwind(|| Context::open_soft_with(cfg).map(|_| ()));
+        match r {
+            Ok(Err(Error::InvalidArgument(_))) => {}
+            Ok(other) => panic!("dm_capacity {cap}: {other:?}"),
+            Err(_) => panic!("dm_capacity {cap} panicked"),
+        }
+    }
+    let cfg = SoftConfig { max_qp_wr: u32::MAX, ..SoftConfig::default() };
+    assert!(matches!(Context::open_soft_with(cfg), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn remote_region_slice_with_wrapping_address_is_a_typed_error() {
+    let r = RemoteRegion { addr: u64::MAX - 4, len: 64, rkey: 1 };
+    assert!(matches!(r.slice(8, 8), Err(Error::OutOfBounds { .. })));
+    assert!(r.slice(0, 4).is_ok());
+}
+
+// ---- attack 2: memory bomb before authentication ----
+
+#[test]
+fn hello_headers_declaring_64_mib_do_not_allocate() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let port = v.port(&l.vep);
+    let (rss0, thr0) = (rss_mib(), threads());
+    let mut conns = Vec::new();
+    for _ in 0..32 {
+        let mut s = attacker(port);
+        // A Hello declaring a 64 MiB payload, and nothing more.
+        s.write_all(&header(wire::KIND_HELLO, 64 << 20)).unwrap();
+        conns.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let (rss1, thr1) = (rss_mib(), threads());
+    println!("memory bomb (32 x 64 MiB Hello headers): RSS {rss0} -> {rss1} MiB, threads {thr0} -> {thr1}");
+    // The legitimate peer is unharmed and the listener still accepts a new connection.
+    l.write(&v, 64, 2);
+    let l2 = legit(&v);
+    l2.write(&v, 128, 3);
+    assert!(rss1.saturating_sub(rss0) < 64, "RSS grew {rss0} -> {rss1} MiB");
+    assert!(thr1.saturating_sub(thr0) <= 12, "threads grew {thr0} -> {thr1}");
+    drop(conns);
+}
+
+#[test]
+fn connection_flood_is_bounded() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let port = v.port(&l.vep);
+    let (rss0, thr0) = (rss_mib(), threads());
+    let mut conns = Vec::new();
+    // 240 silent connections from 8 addresses.
+    for host in 2..10u8 {
+        for _ in 0..30 {
+            conns.push(attacker_from(host, port));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    let (rss1, thr1) = (rss_mib(), threads());
+    println!("connection flood (240 silent connections): RSS {rss0} -> {rss1} MiB, threads {thr0} -> {thr1}");
+    l.write(&v, 64, 2);
+    let l2 = legit(&v);
+    l2.write(&v, 128, 3);
+    assert!(thr1.saturating_sub(thr0) <= 40, "threads grew {thr0} -> {thr1}");
+    assert!(rss1.saturating_sub(rss0) < 64, "RSS grew {rss0} -> {rss1} MiB");
+    drop(conns);
+}
+
+#[test]
+fn slow_loris_hello_is_cut_off() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    let port = v.port(&l.vep);
+    let hello = true_hello(&l.rep, &l.vep);
+    let mut s = attacker(port);
+    let start = Instant::now();
+    // One byte of a Hello every 400 ms: each read succeeds, the frame never completes in time.
+    let mut cut = None;
+    for b in hello.iter().cycle().take(40) {
+        if s.write_all(&[*b]).is_err() || closed_within(&mut s, Duration::from_millis(400)) {
+            cut = Some(start.elapsed());
+            break;
+        }
+    }
+    println!("slow loris: cut off after {cut:?}");
+    let cut = cut.expect("the victim never cut the slow-loris connection off (16 s)");
+    assert!(cut < Duration::from_secs(12), "cut off only after {cut:?}");
+    l.write(&v, 0, 7);
+}
+
+// ---- attack 3: forged requester ----
+
+#[test]
+fn forged_hello_cannot_write() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let port = v.port(&l.vep);
+    let target = v.mr.remote();
+    let mut s = attacker(port);
+    s.write_all(&guessed_hello(&l.rep, &l.vep)).unwrap();
+    // Whatever the psn: the attacker does not know the peer's.
+    for psn in [0u32, 1, l.rep.psn] {
+        let w = Frame::Write {
+            psn,
+            addr: target.addr + 4096,
+            rkey: target.rkey,
+            imm: None,
+            data: vec![0xee; 16],
+        };
+        if s.write_all(&frame(&w)).is_err() {
+            break;
+        }
+    }
+    let mut acks = Vec::new();
+    while let Some(f) = read_reply(&mut s, Duration::from_millis(1500)) {
+        acks.push(f);
+    }
+    let mut landed = [0u8; 16];
+    v.mr.read_at(4096, &mut landed).unwrap();
+    println!("forged requester: replies {acks:?}, bytes at the target {landed:02x?}");
+    assert_eq!(landed, [0u8; 16], "a forged requester wrote the region");
+    assert!(
+        !acks.iter().any(|f| matches!(f, Frame::Ack { status: 0, .. })),
+        "a forged requester got an Ack: {acks:?}"
+    );
+    // Replaying the legitimate peer's whole Hello (all secrets right) gets nothing either:
+    // the QP already serves its one connection.
+    let mut s = attacker(port);
+    s.write_all(&true_hello(&l.rep, &l.vep)).unwrap();
+    let w = Frame::Write {
+        psn: l.rep.psn,
+        addr: target.addr + 4096,
+        rkey: target.rkey,
+        imm: None,
+        data: vec![0xdd; 16],
+    };
+    let _ = s.write_all(&frame(&w));
+    let reply = read_reply(&mut s, Duration::from_millis(1500));
+    println!("replayed Hello: {reply:?}");
+    assert!(!matches!(reply, Some(Frame::HelloAck { status: 0 })), "a replayed Hello was accepted");
+    v.mr.read_at(4096, &mut landed).unwrap();
+    assert_eq!(landed, [0u8; 16], "a replayed Hello wrote the region");
+    l.write(&v, 64, 2);
+}
+
+/// A victim QP connected to a *phantom* requester: a QP whose endpoint the victim knows but
+/// which the test speaks for on the wire.
+fn phantom(v: &Victim) -> (QueuePair, Endpoint, Endpoint, Context, QueuePair) {
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let p = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    let (vep, pep) = (vqp.endpoint().unwrap(), p.endpoint().unwrap());
+    vqp.connect(&pep, &opts()).unwrap();
+    (vqp, vep, pep, ctx, p)
+}
+
+fn write_frame(psn: u32, target: RemoteRegion, at: u64, byte: u8) -> Vec<u8> {
+    frame(&Frame::Write { psn, addr: target.addr + at, rkey: target.rkey, imm: None, data: vec![byte; 8] })
+}
+
+#[test]
+fn replayed_and_out_of_order_psns_are_refused() {
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let target = v.mr.remote();
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let psn0 = pep.psn;
+    // A first request whose PSN is not the requester's initial PSN: refused.
+    s.write_all(&write_frame(psn0 ^ 0x5a_5a5a, target, 32, 9)).unwrap();
+    // In order: accepted.
+    s.write_all(&write_frame(psn0, target, 0, 1)).unwrap();
+    let first = read_reply(&mut s, Duration::from_secs(5));
+    println!("psn check: first reply {first:?}");
+    assert!(matches!(first, Some(Frame::Ack { status: 0, psn, .. }) if psn == psn0), "{first:?}");
+    // Replayed (same PSN, new bytes elsewhere) and out of order (a PSN ahead): refused.
+    s.write_all(&write_frame(psn0, target, 8, 2)).unwrap();
+    s.write_all(&write_frame(psn0.wrapping_add(5) & 0xff_ffff, target, 16, 3)).unwrap();
+    // The next PSN in order still works, and its answer is the next frame we get.
+    s.write_all(&write_frame(psn0.wrapping_add(1) & 0xff_ffff, target, 24, 4)).unwrap();
+    let next = read_reply(&mut s, Duration::from_secs(5));
+    let mut got = [0u8; 40];
+    v.mr.read_at(0, &mut got).unwrap();
+    println!("psn check: reply after replay and skip: {next:?}; region {got:02x?}");
+    assert_eq!(&got[8..24], &[0u8; 16], "a replayed or out-of-order frame wrote the region");
+    assert!(
+        matches!(next, Some(Frame::Ack { status: 0, psn, .. }) if psn == psn0.wrapping_add(1) & 0xff_ffff),
+        "the in-order frame after the refused ones: {next:?}"
+    );
+    assert_eq!(&got[24..32], &[4u8; 8]);
+    assert_eq!(&got[32..40], &[0u8; 8], "a first frame with a wrong PSN wrote the region");
+}
+
+#[test]
+fn oversized_write_is_refused_without_being_stored() {
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let target = v.mr.remote();
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let rss0 = rss_mib();
+    // A write of 48 MiB into the victim's 1 MiB region: its data is streamed in full.
+    let n: u32 = 48 << 20;
+    let w = Frame::Write { psn: pep.psn, addr: target.addr, rkey: target.rkey, imm: None, data: Vec::new() };
+    let mut head = frame(&w);
+    let len = u32::from_le_bytes(head[4..8].try_into().unwrap()) + n;
+    head[4..8].copy_from_slice(&len.to_le_bytes());
+    s.write_all(&head).unwrap();
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut peak = rss0;
+    for _ in 0..48 {
+        s.write_all(&chunk).unwrap();
+        peak = peak.max(rss_mib());
+    }
+    let reply = read_reply(&mut s, Duration::from_secs(10));
+    peak = peak.max(rss_mib());
+    println!("oversized write (48 MiB into a 1 MiB region): reply {reply:?}; RSS {rss0} -> peak {peak} MiB");
+    assert!(
+        matches!(reply, Some(Frame::Ack { status, .. }) if status == WcStatus::REM_ACCESS_ERR.0),
+        "{reply:?}"
+    );
+    assert!(peak.saturating_sub(rss0) < 16, "RSS grew {rss0} -> {peak} MiB");
+    let mut first = [0u8; 8];
+    v.mr.read_at(0, &mut first).unwrap();
+    assert_eq!(first, [0u8; 8], "a refused write landed");
+}
+
+#[test]
+fn garbage_after_a_valid_hello_drops_only_that_connection() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let rss0 = rss_mib();
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let mut junk = vec![0u8; 4096];
+    let mut x = 0x9e37_79b9u32;
+    for b in &mut junk {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        *b = x as u8;
+    }
+    let _ = s.write_all(&junk);
+    assert!(closed_within(&mut s, Duration::from_secs(5)), "garbage did not close the connection");
+    // A header-only data frame declaring the most a frame may carry, then silence: the
+    // partial-frame timeout closes it, without the memory being taken up front.
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    let _ = read_reply(&mut s, Duration::from_secs(5));
+    let _ = s.write_all(&header(10, wire::MAX_MESSAGE + 21));
+    std::thread::sleep(Duration::from_millis(500));
+    let rss1 = rss_mib();
+    println!("garbage after Hello: RSS {rss0} -> {rss1} MiB");
+    assert!(rss1.saturating_sub(rss0) < 32, "RSS grew {rss0} -> {rss1} MiB");
+    l.write(&v, 64, 2);
+}
+
+#[test]
+fn hello_for_an_unknown_qpn_is_refused() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    let mut vep = l.vep;
+    vep.qp_num = 0xfe_dcba;
+    let mut s = attacker(vep.lid);
+    s.write_all(&guessed_hello(&l.rep, &vep)).unwrap();
+    let reply = read_reply(&mut s, Duration::from_secs(5));
+    assert!(!matches!(reply, Some(Frame::HelloAck { status: 0 })), "unknown QPN accepted: {reply:?}");
+    assert!(closed_within(&mut s, Duration::from_secs(5)));
+    l.write(&v, 0, 5);
+}
+
+#[test]
+fn region_deregistered_mid_transfer() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    let big = l.vqp.pd().alloc_mr(4 << 20, AccessFlags::ALL_REMOTE).unwrap();
+    let remote = big.remote();
+    for i in 0..64u64 {
+        let wr =
+            SendWr::write(l.src.slice(0, 1 << 20).unwrap(), remote.slice((i % 4) << 20, 1 << 20).unwrap());
+        l.qp.post_send(wr.wr_id(i)).unwrap();
+    }
+    // The first write lands; then the victim drops its region while the rest stream in.
+    let first = l.cq.wait(Some(Duration::from_secs(10))).expect("the first write completes");
+    assert!(first.status.is_success(), "{first:?}");
+    drop(big);
+    let (mut ok, mut failed) = (1, 0);
+    for _ in 1..64 {
+        let wc = l.cq.wait(Some(Duration::from_secs(10))).expect("every write completes");
+        if wc.status.is_success() {
+            ok += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    println!("deregistered mid-transfer: {ok} writes landed, {failed} failed");
+    assert_eq!(ok + failed, 64);
+    assert!(ok >= 1 && (failed > 0 || ok == 64));
+    // The victim is unharmed: a new legitimate pair works.
+    let l2 = legit(&v);
+    l2.write(&v, 0, 9);
+}
+
+// ---- the soft CM bootstrap: a trickling client cannot hold accept ----
+
+#[test]
+fn bootstrap_slow_loris_cannot_hold_accept() {
+    let _g = serial();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = l.local_addr().unwrap();
+    let opts = cm::CmOptions { timeout: Duration::from_secs(2), ..cm::CmOptions::default() };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let trickle = std::thread::spawn(move || {
+        let mut s = attacker(addr.port());
+        // One byte every 300 ms for up to 15 s: each read succeeds well within 2 s.
+        for _ in 0..50 {
+            if stop2.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(b"R").is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let start = Instant::now();
+    let r = l.accept_timeout(&pd, &opts, &[], Some(Duration::from_secs(5)));
+    let took = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickle.join().unwrap();
+    println!("bootstrap slow loris: accept returned {:?} after {took:?}", r.as_ref().err());
+    assert!(r.is_err(), "a trickling client completed a handshake");
+    assert!(took < Duration::from_secs(6), "a trickling client held accept for {took:?}");
+    // A legitimate connection to the same listener still works.
+    let server = std::thread::spawn(move || {
+        let c = l.accept(&pd, &cm::CmOptions::default(), b"hi").unwrap();
+        c.peer_private_data().to_vec()
+    });
+    let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+    let c = cm::connect(&cpd, addr, &cm::CmOptions::default(), b"yo").unwrap();
+    assert_eq!(c.peer_private_data(), b"hi");
+    assert_eq!(server.join().unwrap(), b"yo");
+}
+
+// ---- accept errors (EMFILE) back off ----
+
+/// CPU time (user + system, clock ticks) of thread `tid` of this process, read through an
+/// already open `/proc/self/task/<tid>/stat`.
+fn cpu_ticks(stat: &std::fs::File) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1024];
+    let n = stat.read_at(&mut b, 0).expect("read stat");
+    let s = String::from_utf8_lossy(&b[..n]);
+    // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
+    let rest = &s[s.rfind(')').expect("stat format") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn accept_errors_back_off_instead_of_spinning() {
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let port = l.vep.lid;
+    // The device's listener thread (names are cut to 15 bytes).
+    let name: String = format!("rdmakit-{}-port", v.ctx.name()).chars().take(15).collect();
+    let tid = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == name))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .expect("the listener thread");
+    let stat = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).unwrap();
+    // Lower the descriptor limit, fill it, then free one for an attacker's connection: the
+    // listener's accept then fails with EMFILE while the connection waits in the backlog.
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct on the stack.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    let saved = lim;
+    lim.rlim_cur = (fds() as libc::rlim_t + 32).min(lim.rlim_max);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let mut files = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        files.push(f);
+    }
+    files.pop();
+    let attacker = TcpStream::connect(("127.0.0.1", port));
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = cpu_ticks(&stat);
+    std::thread::sleep(Duration::from_secs(1));
+    let spent = cpu_ticks(&stat) - t0;
+    drop(files);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &saved) }, 0);
+    println!(
+        "accept under EMFILE: listener thread used {spent} clock ticks in 1 s (attacker connected: {})",
+        attacker.is_ok()
+    );
+    assert!(attacker.is_ok(), "the attacker's connection (needed for the EMFILE) failed");
+    // Spinning uses every tick of a core (about 100 a second); backing off, a few.
+    assert!(spent <= 10, "the listener spun on accept errors: {spent} ticks in 1 s");
+    // Once descriptors are back, the listener accepts again and the legitimate QP is unharmed.
+    l.write(&v, 64, 2);
+    let l2 = legit(&v);
+    l2.write(&v, 128, 3);
+}
+
+// ---- transport timers stay bounded ----
+
+#[test]
+fn transport_timers_stay_bounded_over_many_bursts() {
+    let _g = serial();
+    let v = Victim::new();
+    // A long transport budget (4.096 µs × 2^20 × 8 ≈ 34 s): each timer would live that long.
+    let long = ConnectOptions { timeout: 20, retry_cnt: 7, ..ConnectOptions::default() };
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let src = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    vqp.connect(&qp.endpoint().unwrap(), &long).unwrap();
+    qp.connect(&far(&vqp.endpoint().unwrap()), &long).unwrap();
+    let before = rdmakit_verbs::soft::pending_timers();
+    // 300 bursts of one request each, every one answered.
+    for i in 0..300u64 {
+        let wr = SendWr::write(src.slice(0, 8).unwrap(), v.mr.remote().slice(0, 8).unwrap());
+        qp.post_send(wr.wr_id(i)).unwrap();
+        let wc = cq.wait(Some(Duration::from_secs(10))).unwrap();
+        assert!(wc.status.is_success(), "{wc:?}");
+    }
+    let after = rdmakit_verbs::soft::pending_timers();
+    println!("transport timers: {before} -> {after} pending after 300 bursts");
+    assert!(after <= before + 4, "timers pile up: {before} -> {after}");
+}
+
+// ---- a stalled responder: alive, but never reads ----
+
+#[test]
+fn stalled_responder_does_not_leak_threads_or_fds() {
+    let _g = serial();
+    // Warm up the process-wide threads (timers, listeners) before the baseline.
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let stall = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut h = [0u8; wire::HEADER];
+        s.read_exact(&mut h).unwrap();
+        let (_, len) = wire::decode_header(&h).unwrap();
+        let mut p = vec![0u8; len as usize];
+        s.read_exact(&mut p).unwrap();
+        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        // Alive but silent: never read again, until told.
+        let _ = rx.recv();
+        drop(s);
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let (thr0, fd0) = (threads(), fds());
+    {
+        let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(1024).unwrap();
+        let qp = pd.create_qp(&cq, &cq, QpCaps { max_send_wr: 512, ..QpCaps::default() }).unwrap();
+        let src = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
+        let mut gid = [0u8; 16];
+        gid[..2].copy_from_slice(&[0xfe, 0x80]);
+        gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
+        gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+        let fake = Endpoint { provider: ProviderKind::Soft, lid: port, gid, qp_num: 0x42, psn: 7 };
+        qp.connect(&fake, &opts()).unwrap();
+        // Enough bytes to fill both socket buffers: the writer blocks.
+        for i in 0..256u64 {
+            let wr = SendWr::write(src.local().unwrap(), RemoteSlice::new(0x1000, 1 << 20, 1));
+            if qp.post_send(wr.wr_id(i)).is_err() {
+                break;
+            }
+        }
+        // The transport budget runs out: the QP fails its requests.
+        let wc = cq.wait(Some(Duration::from_secs(10))).expect("the stalled requests fail");
+        assert!(!wc.status.is_success());
+    }
+    let back = eventually(Duration::from_secs(10), || threads() <= thr0 && fds() <= fd0);
+    let (thr1, fd1) = (threads(), fds());
+    println!("stalled responder: threads {thr0} -> {thr1}, fds {fd0} -> {fd1} after the QP is gone");
+    let _ = tx.send(());
+    stall.join().unwrap();
+    assert!(back, "threads {thr0} -> {thr1}, fds {fd0} -> {fd1}: the link leaked");
+}
+
+// ---- rkeys are unpredictable across processes ----
+
+/// Child mode for `rkeys_differ_between_processes`: prints the first rkey of `soft0`.
+#[test]
+#[ignore = "helper: run as a child process by rkeys_differ_between_processes"]
+fn print_first_rkey() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let mr = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    println!("RKEY {:08x}", mr.rkey());
+}
+
+#[test]
+fn rkeys_differ_between_processes() {
+    let _g = serial();
+    let exe = std::env::current_exe().unwrap();
+    let rkey = || {
+        let out = Command::new(&exe)
+            .args(["--ignored", "--exact", "print_first_rkey", "--nocapture", "--test-threads=1"])
+            .output()
+            .unwrap();
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.split("RKEY ")
+            .nth(1)
+            .map(|k| k.chars().take(8).collect::<String>())
+            .unwrap_or_else(|| panic!("{s}"))
+    };
+    let keys: Vec<String> = (0..3).map(|_| rkey()).collect();
+    println!("first rkeys of soft0 in three processes: {keys:?}");
+    assert!(keys[0] != keys[1] || keys[1] != keys[2], "rkeys are the same in every process: {keys:?}");
+}
