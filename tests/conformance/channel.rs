@@ -120,7 +120,7 @@ fn put_handle(env: &Env) -> Result<(), Failed> {
     for i in 0..20u64 {
         // The last word equals the sentinel on every other put: still detected.
         sbuf.write_u64(4088, if i % 2 == 0 { 7 } else { i })?;
-        h.ready_mark()?;
+        h.ready_poll_q()?;
         let start = std::time::Instant::now();
         loop {
             match sh.put() {
