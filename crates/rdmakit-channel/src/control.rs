@@ -32,7 +32,9 @@
 //! | `0x45` | [`Message::HeapFreed`] | heap (u32) |
 //! | `0x46` | [`Message::HeapSync`] | a [`HeapMessage`] (its own encoding) |
 //!
-//! Integers are little-endian. Every length is checked before a byte is read.
+//! Integers are little-endian. Every length is checked before a byte is read. Pipes use
+//! the heap growth messages (`HeapGrow`, `HeapGrant`, `HeapRefuse`, `HeapFreed`) for their
+//! ring, as heap 0.
 //!
 //! # Liveness
 //!

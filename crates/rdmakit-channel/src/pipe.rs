@@ -37,7 +37,7 @@
 //!   promise placement order of bytes that are polled before a completion. The receiver
 //!   polls memory, so `recv` spins (yielding) in this mode whatever the [`PollMode`].
 //!
-//! Control messages (hello, credits, publish, read-done; [`Message`]) go
+//! Control messages (hello, credits, publish, read-done, ring growth; [`Message`]) go
 //! through the connection's [control channel](crate::control) as inline sends of at most
 //! 64 bytes, so the QP needs `max_inline_data >= 64`; the QP should retry RNR without limit
 //! (the default). A blocked operation sends keep-alives there, so a dead peer ends it with
