@@ -195,8 +195,8 @@ fn put_vs_messaging(c: &mut Criterion) {
         let to_a = eb.assoc_local_buffer(&ha.desc().expect("d"), sb.local().expect("l")).expect("assoc");
         g.bench_with_input(BenchmarkId::new("put_handles", size), &size, |bch, _| {
             bch.iter(|| {
-                hb.ready_mark().expect("mark");
-                ha.ready_mark().expect("mark");
+                hb.ready_poll_q().expect("mark");
+                ha.ready_poll_q().expect("mark");
                 put_when_ready(&to_b);
                 while eb.ready_poll().expect("poll") == 0 {}
                 hb.ready().expect("ready");

@@ -3,8 +3,9 @@
 //!
 //! Each rank owns `N` cells of a rod with fixed ends; every iteration it puts its edge cells
 //! into its neighbours' ghost cells (one RDMA write each, set up once), waits for its own
-//! ghosts with `ready_mark` + `ready_poll`, relaxes, and calls `ready` so the neighbours may
-//! put again.
+//! ghosts with CkDirect's split scheme: `ready_poll_q` (start checking) then `ready_poll`
+//! (runs the callbacks), copies each ghost out and calls `ready_mark` at once (done with the
+//! data: the neighbour may put again, but polling starts only next iteration), then relaxes.
 //!
 //! `cargo run --example halo_exchange`
 
@@ -80,7 +81,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                     .collect();
                 for _ in 0..ITERS {
                     for (l, edge, _) in &links {
-                        l.ghost.ready_mark()?;
+                        // CkDirect_readyPollQ: the ghost was marked done last iteration;
+                        // start checking for this iteration's put.
+                        l.ghost.ready_poll_q()?;
                         // Until the neighbour has consumed our last put (a put now would be
                         // `Busy`), the NIC may still be reading the edge buffer: wait first.
                         let start = std::time::Instant::now();
@@ -102,13 +105,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                         let mut b = [0u8; 8];
                         l.ghost_buf.read_at(0, &mut b)?;
                         u[*ghost] = f64::from_ne_bytes(b);
+                        // CkDirect_readyMark: done with the data (copied out); the neighbour
+                        // may put again while this rank relaxes.
+                        l.ghost.ready_mark()?;
                     }
                     let prev = u.clone();
                     for i in 1..=N {
                         u[i] = 0.5 * (prev[i - 1] + prev[i + 1]);
-                    }
-                    for (l, _, _) in &links {
-                        l.ghost.ready()?; // the neighbour may put again
                     }
                 }
                 result.lock().expect("result")[rank * N..(rank + 1) * N].copy_from_slice(&u[1..=N]);

@@ -16,7 +16,53 @@ pub const CASES: &[Case] = &[
     case("pipe_flag_round_trips", pipe_flag),
     case("put_handle_round_trips", put_handle),
     case("pipe_blocked_write_fails_when_the_reader_is_dropped", pipe_liveness),
+    case("pipe_ring_grows_under_each_policy", pipe_growth),
 ];
+
+/// Each allocation policy over a reader's ring that starts at 8 KiB and may grow to
+/// 32 KiB: the reader holds four 6 KiB messages (more than the first segment holds), so the
+/// writer's requests grow the ring; every message arrives intact.
+fn pipe_growth(env: &Env) -> Result<(), Failed> {
+    use rdmakit::memory::heap::AllocPolicy;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    for policy in AllocPolicy::ALL {
+        let p = env.pair_with(caps(), 1024, env.opts())?;
+        let reader = PipeConfig { ring_len: 8 << 10, max_ring_len: 32 << 10, ..PipeConfig::default() };
+        let writer = PipeConfig { ring_len: 0, policy, ..PipeConfig::default() };
+        rt.block_on(async {
+            let (a, b) =
+                tokio::try_join!(Pipe::connect(p.a, p.cq_a, writer), Pipe::connect(p.b, p.cq_b, reader))?;
+            let b2 = b.clone();
+            let held = tokio::spawn(async move {
+                let mut held = Vec::new();
+                for _ in 0..4 {
+                    held.push(b2.recv_timeout(WAIT).await?);
+                }
+                Ok::<_, ChannelError>(held)
+            });
+            let src = p.pd.alloc_mr(6 << 10, AccessFlags::LOCAL_WRITE)?;
+            for i in 0..4u8 {
+                src.fill(i + 1)?;
+                tokio::time::timeout(WAIT, a.rwrite(src.local()?)).await.map_err(|_| "rwrite timed out")?.0?;
+            }
+            let held = held.await.map_err(|e| e.to_string())??;
+            for (i, g) in held.iter().enumerate() {
+                check_eq!(g.to_vec()?, vec![i as u8 + 1; 6 << 10]);
+            }
+            if b.ring_segments() < 2 || b.ring_len() > 32 << 10 {
+                return Err(format!(
+                    "{policy:?}: ring {} bytes in {} segments",
+                    b.ring_len(),
+                    b.ring_segments()
+                )
+                .into());
+            }
+            check_eq!(a.peer_ring_len(), b.ring_len());
+            Ok::<(), Failed>(())
+        })?;
+    }
+    Ok(())
+}
 
 /// Liveness bound of the default connection options: the keep-alive interval plus the
 /// transport budget (4.096 µs × 2^14 × 7 tries, about 0.47 s), with a wide margin for a
@@ -120,7 +166,7 @@ fn put_handle(env: &Env) -> Result<(), Failed> {
     for i in 0..20u64 {
         // The last word equals the sentinel on every other put: still detected.
         sbuf.write_u64(4088, if i % 2 == 0 { 7 } else { i })?;
-        h.ready_mark()?;
+        h.ready_poll_q()?;
         let start = std::time::Instant::now();
         loop {
             match sh.put() {

@@ -17,7 +17,7 @@
 //! | tag | message | bytes after the tag |
 //! | --- | --- | --- |
 //! | `0x01` | [`Message::KeepAlive`] | none |
-//! | `0x10` | [`Message::PipeHello`] | ring (20), mailbox (20), notify (u8: 0 flag, 1 write-imm), slots (u32) |
+//! | `0x10` | [`Message::PipeHello`] | ring (20), mailbox (20), notify (u8: 0 flag, 1 write-imm), slots (u32), max ring (u64) |
 //! | `0x11` | [`Message::Credit`] | consumed (u64), then an optional free batch |
 //! | `0x12` | [`Message::Published`] | id (u64), addr (u64), len (u32), rkey (u32) |
 //! | `0x13` | [`Message::ReadDone`] | id (u64), ok (u8: 0 or 1) |
@@ -32,7 +32,9 @@
 //! | `0x45` | [`Message::HeapFreed`] | heap (u32) |
 //! | `0x46` | [`Message::HeapSync`] | a [`HeapMessage`] (its own encoding) |
 //!
-//! Integers are little-endian. Every length is checked before a byte is read.
+//! Integers are little-endian. Every length is checked before a byte is read. Pipes use
+//! the heap growth messages (`HeapGrow`, `HeapGrant`, `HeapRefuse`, `HeapFreed`) for their
+//! ring, as heap 0.
 //!
 //! # Liveness
 //!
@@ -107,6 +109,8 @@ pub enum Message {
         notify: NotifyMode,
         /// Notifications this end accepts before it returns credits.
         slots: u32,
+        /// Most bytes the ring may grow to when asked (`<= ring.len`: it never grows).
+        max_ring: u64,
     },
     /// Pipe: the reader has consumed `consumed` notifications, and frees these ranges.
     Credit {
@@ -288,12 +292,13 @@ impl Message {
         let region = |out: &mut Vec<u8>, r: &RemoteRegion| out.extend_from_slice(&r.encode());
         match self {
             Message::KeepAlive => out.push(tag::KEEP_ALIVE),
-            Message::PipeHello { ring, mailbox, notify, slots } => {
+            Message::PipeHello { ring, mailbox, notify, slots, max_ring } => {
                 out.push(tag::PIPE_HELLO);
                 region(out, ring);
                 region(out, mailbox);
                 out.push(u8::from(*notify == NotifyMode::WriteImm));
                 out.extend_from_slice(&slots.to_le_bytes());
+                out.extend_from_slice(&max_ring.to_le_bytes());
             }
             Message::Credit { consumed, batch } => {
                 out.push(tag::CREDIT);
@@ -385,7 +390,7 @@ impl Message {
                 Message::KeepAlive
             }
             tag::PIPE_HELLO => {
-                exact("pipe hello", m, 20 + 20 + 1 + 4)?;
+                exact("pipe hello", m, 20 + 20 + 1 + 4 + 8)?;
                 let (ring, mailbox) = (f.region(), f.region());
                 let notify = match f.u8() {
                     0 => NotifyMode::Flag,
@@ -410,7 +415,8 @@ impl Message {
                 {
                     return Err(DecodeError::Invalid { what: "pipe hello", reason: "region overflows" });
                 }
-                Message::PipeHello { ring, mailbox, notify, slots }
+                let max_ring = f.u64();
+                Message::PipeHello { ring, mailbox, notify, slots, max_ring }
             }
             tag::CREDIT => {
                 if m.len() < 9 {
@@ -876,7 +882,7 @@ mod tests {
         let block = RemoteBlock { addr: 0x1000, len: 64, rkey: 7, segment: 0 };
         vec![
             Message::KeepAlive,
-            Message::PipeHello { ring: r, mailbox: r, notify: NotifyMode::Flag, slots: 4 },
+            Message::PipeHello { ring: r, mailbox: r, notify: NotifyMode::Flag, slots: 4, max_ring: 1 << 30 },
             Message::Credit { consumed: 9, batch: None },
             Message::Credit { consumed: 9, batch: Some(batch.clone()) },
             Message::Published { id: 1, remote: RemoteSlice { addr: 5, len: 6, rkey: 7 } },
@@ -926,7 +932,9 @@ mod tests {
     fn hostile_fields_are_refused() {
         let r = RemoteRegion { addr: 0x1000, len: 24, rkey: 7 };
         let hello = |slots, notify| {
-            let mut b = Message::PipeHello { ring: r, mailbox: r, notify: NotifyMode::Flag, slots }.encode();
+            let mut b =
+                Message::PipeHello { ring: r, mailbox: r, notify: NotifyMode::Flag, slots, max_ring: 0 }
+                    .encode();
             b[41] = notify;
             b
         };

@@ -5,6 +5,11 @@
 //! their segments and consume what lands there) and allocate in the other side's heaps;
 //! heaps are created on demand by the allocating side and named by [`HeapId`]s.
 //!
+//! The allocating side stages a block's contents in a local view before sending them, as
+//! the rpipe seed's `rmem(rp, addr)`: [`rmalloc`](HeapEndpoint::rmalloc), then
+//! [`rmem`](HeapEndpoint::rmem) (a [`BlockView`]: a registered local buffer, written by copy
+//! or, under an `unsafe` contract, in place), then [`rwrite`](HeapEndpoint::rwrite).
+//!
 //! This is the transport of the allocator core in `rdmakit_memory::heap`. Control messages
 //! travel through the connection's [control channel](crate::control) (sends on the same RC
 //! queue pair as the data writes, into [`RECV_SLOTS`] receive buffers of [`SLOT_LEN`] bytes
@@ -109,6 +114,89 @@ impl LandedBlock {
     /// True for an empty block (never: the allocator hands out none).
     pub fn is_empty(&self) -> bool {
         self.block.len == 0
+    }
+}
+
+/// The rpipe seed's `rmem(rp, addr)` on the writing side: a local view of a block this side
+/// allocated in the peer's heap ([`HeapEndpoint::rmem`]), to stage the block's contents
+/// before [`HeapEndpoint::rwrite`] sends them (the seed's `ptr = rmem(rp, addr); *ptr =
+/// val; rwrite(rp, addr)`).
+///
+/// The view is a local registered buffer of the block's length (the peer's memory is not
+/// mapped here, so "local view" means a staging copy that `rwrite` RDMA-writes, zero copy
+/// from there on). It has no remote access and is never shared with a peer. CPU access goes
+/// by copy ([`write_at`](Self::write_at), [`read_at`](Self::read_at), ...), which is sound
+/// whatever the NIC does, or through [`as_mut_slice`](Self::as_mut_slice), an `unsafe fn`
+/// whose contract rules out a write of the view still in flight.
+#[derive(Debug)]
+pub struct BlockView {
+    heap: HeapId,
+    block: RemoteBlock,
+    buf: MemoryRegion,
+}
+
+impl BlockView {
+    /// The heap the block belongs to.
+    pub fn heap(&self) -> HeapId {
+        self.heap
+    }
+
+    /// The remote block this view stages.
+    pub fn block(&self) -> RemoteBlock {
+        self.block
+    }
+
+    /// Bytes in the view (the block's length).
+    pub fn len(&self) -> u64 {
+        self.block.len
+    }
+
+    /// True for an empty view (never: the allocator hands out no empty block).
+    pub fn is_empty(&self) -> bool {
+        self.block.len == 0
+    }
+
+    /// Copies `src` into the view at `offset` (bounds-checked).
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        check_range("block view", offset, src.len(), self.block.len)?;
+        Ok(self.buf.write_at(offset, src)?)
+    }
+
+    /// Copies bytes of the view from `offset` into `out` (bounds-checked).
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        check_range("block view", offset, out.len(), self.block.len)?;
+        Ok(self.buf.read_at(offset, out)?)
+    }
+
+    /// Writes `v` little-endian at `offset`.
+    pub fn write_u64(&self, offset: u64, v: u64) -> Result<()> {
+        self.write_at(offset, &v.to_le_bytes())
+    }
+
+    /// Sets every byte of the view to `byte`.
+    pub fn fill(&self, byte: u8) -> Result<()> {
+        Ok(self.buf.fill(byte)?)
+    }
+
+    /// The view's bytes as a vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        Ok(self.buf.to_vec()?)
+    }
+
+    /// The view's bytes in place, to build the block's contents without a copy (the seed's
+    /// `*ptr = val`).
+    ///
+    /// # Safety
+    /// No RDMA write from this view may still be in flight while the slice lives: every
+    /// [`HeapEndpoint::rwrite`] of it has returned `Ok` (which it does only once the NIC
+    /// has finished reading the view). After an `rwrite` that failed, the request may still
+    /// be executing; use the copying methods then. (Nothing else can reach the buffer: it
+    /// has no remote access and `&mut self` excludes other references.)
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the buffer is host memory allocated by `rmem` (never device memory), so
+        // this is `Some`; `&mut self` excludes every other reference to it, no peer holds a
+        // key with remote access, and the caller guarantees no work request reads it now.
+        unsafe { self.buf.as_mut_slice() }.expect("a block view is host memory")
     }
 }
 
@@ -274,6 +362,42 @@ impl HeapEndpoint {
             SyncMode::Immediate => self.ctl.send(&Message::HeapReady { heap, addr: block.addr })?,
         }
         self.drain_sends()
+    }
+
+    /// rmem: a local view of `block`, which this side allocated in the peer's heap `heap`
+    /// (see [`BlockView`]). Registers a staging buffer of the block's length (at most
+    /// 4 GiB, one work request), zeroed. The block must lie in one of the heap's segments.
+    pub fn rmem(&self, heap: HeapId, block: &RemoteBlock) -> Result<BlockView> {
+        let a = self.allocating.get(&heap).ok_or(ChannelError::UnknownHeap(heap))?;
+        let inside = a.segments().get(block.segment as usize).is_some_and(|s| {
+            s.rkey == block.rkey
+                && block.len > 0
+                && block.addr >= s.base
+                && block
+                    .addr
+                    .checked_add(block.len)
+                    .is_some_and(|e| s.base.checked_add(s.len).is_some_and(|se| e <= se))
+        });
+        if !inside {
+            return Err(HeapError::UnknownBlock { addr: block.addr }.into());
+        }
+        if block.len > u64::from(u32::MAX) {
+            return Err(ChannelError::TooLarge {
+                what: "block view",
+                len: block.len,
+                limit: u64::from(u32::MAX),
+            });
+        }
+        let buf = self.pd.alloc_mr(block.len as usize, AccessFlags::LOCAL_WRITE)?;
+        Ok(BlockView { heap, block: *block, buf })
+    }
+
+    /// rwrite: RDMA-writes the whole `view` into its block and tells the owner the data is
+    /// there, as [`write`](Self::write) does; returns once the NIC is done reading the view,
+    /// so it may be rewritten (even through [`BlockView::as_mut_slice`]).
+    pub fn rwrite(&mut self, view: &BlockView) -> Result<()> {
+        let src = view.buf.local()?;
+        self.write(view.heap, &view.block, 0, src)
     }
 
     /// The allocating side's view of heap `heap`.

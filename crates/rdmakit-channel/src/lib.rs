@@ -9,7 +9,9 @@
 //!   [`stream::PipeStream`] makes a pipe an `AsyncRead + AsyncWrite` byte stream.
 //! - [`put`]: CkDirect-style persistent put handles: a receive buffer set up once, a
 //!   sender associated once, then one RDMA write per iteration, detected by a sequence word
-//!   written after the data (so any payload is seen, unlike CkDirect's sentinel).
+//!   written after the data (so any payload is seen, unlike CkDirect's sentinel). The
+//!   receiver's calls carry CkDirect's names and meanings (`ready_mark`, `ready_poll_q`,
+//!   `ready`, `ready_poll`; the table is in [`put`]).
 //! - [`heap`]: the rmalloc paper's remote heaps between two endpoints (the allocator core is
 //!   `rdmakit_memory::heap`; this is its transport).
 //!

@@ -3,12 +3,27 @@
 //!
 //! A pipe end owns one connected RC queue pair and its completion queue. Each end may
 //! advertise a **receive ring** (a registered segment of its memory): the other end runs a
-//! next-fit [`HeapAllocator`] over it, so an `rwrite` RDMA-writes straight into the
-//! receiver's memory (zero copy), and the receiver's [`HeapOwner`] hands blocks back in
-//! coalesced free batches when the application drops its [`RecvGuard`] (the rfree). The
-//! allocator never hands out a range the owner still holds, so **a writer can never
-//! overwrite data the reader has not released**: that is the flow control. An end with
-//! `ring_len = 0` only sends (a half-duplex pipe); two rings make it full duplex.
+//! [`HeapAllocator`] over it (the rmalloc paper's pipe on top of its heaps; the writer's
+//! [`PipeConfig::policy`] picks next-fit, the default and the paper's fastest, first-fit,
+//! best-fit or worst-fit), so an `rwrite` RDMA-writes straight into the receiver's memory
+//! (zero copy), and the receiver's [`HeapOwner`] hands blocks back in coalesced free
+//! batches when the application drops its [`RecvGuard`] (the rfree). The allocator never
+//! hands out a range the owner still holds, so **a writer can never overwrite data the
+//! reader has not released**: that is the flow control. Every policy runs with deferred
+//! synchronisation (the paper's for next-fit): each message's notification is its block's
+//! notice, and frees return as credits, so best-fit and worst-fit need no extra round trip. An end with `ring_len = 0` only
+//! sends (a half-duplex pipe); two rings make it full duplex.
+//!
+//! **Growth.** A ring may grow, as the heap endpoint's heaps do: a writer that finds no room
+//! (or a message larger than every segment) asks the reader with
+//! [`HeapGrow`](Message::HeapGrow); the reader first returns what its application has
+//! freed (answering [`HeapFreed`](Message::HeapFreed): try again), else registers a new
+//! segment of at least the requested size (and at least `ring_len`) and answers
+//! [`HeapGrant`](Message::HeapGrant), as long as its ring stays within
+//! [`PipeConfig::max_ring_len`]; beyond, it answers [`HeapRefuse`](Message::HeapRefuse) and
+//! the writer waits for frees from then on (a message larger than every segment is then
+//! [`ChannelError::TooLarge`]). Notifications name a block by its offset in the ring's
+//! segments laid end to end in the order they were granted.
 //!
 //! The receiver chooses how it is told a block landed ([`NotifyMode`]):
 //! - [`NotifyMode::WriteImm`]: the data goes as one RDMA write with immediate; the
@@ -22,7 +37,7 @@
 //!   promise placement order of bytes that are polled before a completion. The receiver
 //!   polls memory, so `recv` spins (yielding) in this mode whatever the [`PollMode`].
 //!
-//! Control messages (hello, credits, publish, read-done; [`Message`]) go
+//! Control messages (hello, credits, publish, read-done, ring growth; [`Message`]) go
 //! through the connection's [control channel](crate::control) as inline sends of at most
 //! 64 bytes, so the QP needs `max_inline_data >= 64`; the QP should retry RNR without limit
 //! (the default). A blocked operation sends keep-alives there, so a dead peer ends it with
@@ -40,7 +55,7 @@ use std::time::Duration;
 
 use rdmakit_memory::heap::{
     AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock,
-    RemoteSegment,
+    RemoteSegment, SyncMode,
 };
 use rdmakit_verbs::cm::Connection;
 use rdmakit_verbs::{
@@ -60,6 +75,8 @@ const MSG_LEN: u32 = 64;
 /// Most publications from the peer waiting for an `rread`, and read-done answers waiting
 /// for their `publish`: beyond, the peer is flooding.
 const MAX_QUEUED: usize = 1024;
+/// Most bytes of a ring, all segments: an immediate names a block by its offset / 8 in 32 bits.
+const MAX_RING: u64 = 8 << 32;
 
 /// How a receiver learns that a block landed (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -74,8 +91,14 @@ pub enum NotifyMode {
 /// The settings of one pipe end.
 #[derive(Clone, Copy, Debug)]
 pub struct PipeConfig {
-    /// Bytes of the receive ring this end offers its peer (0: this end only sends).
+    /// Bytes of the receive ring this end offers its peer (0: this end only sends), and
+    /// the smallest segment it adds when the ring grows.
     pub ring_len: u64,
+    /// Most bytes the receive ring may grow to when the writer asks (see the module docs);
+    /// at most `ring_len` (0, the default, included): the ring never grows.
+    pub max_ring_len: u64,
+    /// The policy of this end's allocator over the peer's ring (the writer's side).
+    pub policy: AllocPolicy,
     /// How this end wants to be notified of incoming data.
     pub notify: NotifyMode,
     /// How this end waits for completions.
@@ -90,6 +113,8 @@ impl Default for PipeConfig {
     fn default() -> Self {
         PipeConfig {
             ring_len: 1 << 20,
+            max_ring_len: 0,
+            policy: AllocPolicy::NextFit,
             notify: NotifyMode::WriteImm,
             poll: PollMode::Event,
             slots: 32,
@@ -104,6 +129,8 @@ struct Hello {
     mailbox: RemoteRegion,
     notify: NotifyMode,
     slots: u32,
+    /// Most bytes the peer's ring may grow to.
+    max_ring: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -125,12 +152,27 @@ struct State {
     peer: Option<Hello>,
     // ---- writer role (into the peer's ring)
     alloc: Option<HeapAllocator>,
+    /// Where each of the peer's ring segments starts in the ring's offsets (segments end
+    /// to end in grant order).
+    seg_starts: Vec<u64>,
+    /// Bytes of the peer's ring, all segments.
+    peer_ring_bytes: u64,
+    /// The peer's largest ring segment: no larger message fits.
+    largest_seg: u64,
+    /// A growth request is on its way (cleared by the answer).
+    grow_sent: bool,
+    /// The peer refused to grow its ring: wait for frees from now on.
+    growth_refused: bool,
     notes_sent: u64,
     peer_consumed: u64,
     /// A request for credits is on its way (cleared when credits arrive).
     need_sent: bool,
     // ---- reader role (our ring)
     owner: Option<HeapOwner>,
+    /// Our ring's segments with where each starts in the ring's offsets, in grant order.
+    segs: Vec<(u64, MemoryRegion)>,
+    /// Bytes of our ring, all segments.
+    ring_bytes: u64,
     imm_ready: VecDeque<(u64, u64)>,
     consumed: u64,
     // ---- publish / rread
@@ -232,6 +274,9 @@ impl Pipe {
         if config.slots == 0 || config.slots > RECV_SLOTS / 2 {
             return Err(ChannelError::Invalid("PipeConfig::slots must be in 1..=64"));
         }
+        if config.max_ring_len.max(config.ring_len) > MAX_RING {
+            return Err(ChannelError::Invalid("a pipe's ring is at most 32 GiB"));
+        }
         let pd = qp.pd().clone();
         let ctl =
             ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
@@ -254,10 +299,18 @@ impl Pipe {
             }
             None => None,
         };
+        let segs: Vec<(u64, MemoryRegion)> = ring.iter().map(|r| (0, r.clone())).collect();
         let state = State {
             ctl,
             peer: None,
             alloc: None,
+            seg_starts: Vec::new(),
+            peer_ring_bytes: 0,
+            largest_seg: 0,
+            grow_sent: false,
+            growth_refused: false,
+            ring_bytes: segs.first().map_or(0, |(_, r)| r.len() as u64),
+            segs,
             notes_sent: 0,
             peer_consumed: 0,
             need_sent: false,
@@ -285,6 +338,7 @@ impl Pipe {
             mailbox: inner.mailbox.remote(),
             notify: config.notify,
             slots: config.slots,
+            max_ring: config.max_ring_len,
         };
         inner.driver.with(|st| st.ctl.send(&hello))?;
         let pipe = Pipe { inner };
@@ -317,9 +371,21 @@ impl Pipe {
         self.inner.driver.with(|st| st.notes_sent)
     }
 
-    /// Bytes of the receive ring the peer offers (0: it only sends).
+    /// Bytes of the receive ring the peer offers, all segments granted so far (0: it only
+    /// sends).
     pub fn peer_ring_len(&self) -> u64 {
-        self.inner.driver.with(|st| st.peer.map_or(0, |p| p.ring.len))
+        self.inner.driver.with(|st| st.peer_ring_bytes)
+    }
+
+    /// Bytes of this end's receive ring, all segments (it grows when the writer asks, up to
+    /// [`PipeConfig::max_ring_len`]).
+    pub fn ring_len(&self) -> u64 {
+        self.inner.driver.with(|st| st.ring_bytes)
+    }
+
+    /// Segments of this end's receive ring (1 until it grows; 0 without a ring).
+    pub fn ring_segments(&self) -> usize {
+        self.inner.driver.with(|st| st.segs.len())
     }
 
     /// rwrite: RDMA-writes `src` into a block of the peer's ring and notifies the peer.
@@ -350,15 +416,28 @@ impl Pipe {
                 if peer.ring.len == 0 {
                     return Some(Err(ChannelError::Invalid("the peer offers no receive ring")));
                 }
-                if len > peer.ring.len {
-                    return Some(Err(ChannelError::TooLarge { what: "message", len, limit: peer.ring.len }));
+                if len > st.largest_seg {
+                    // A segment that large would take the ring beyond what the peer allows.
+                    let room = peer.max_ring.saturating_sub(st.peer_ring_bytes);
+                    if st.growth_refused || len > room {
+                        return Some(Err(ChannelError::TooLarge {
+                            what: "message",
+                            len,
+                            limit: st.largest_seg,
+                        }));
+                    }
+                    return inner.ask_to_grow(st, len); // no segment is large enough
                 }
                 if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
                     return inner.ask_for_credit(st); // wait for the reader to take notifications
                 }
                 let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
                     Ok(b) => b,
-                    Err(HeapError::Exhausted { .. }) => return inner.ask_for_credit(st), // wait for frees
+                    // Wait for frees; the growth request returns them first, then grows.
+                    Err(HeapError::Exhausted { .. }) if !st.growth_refused => {
+                        return inner.ask_to_grow(st, len);
+                    }
+                    Err(HeapError::Exhausted { .. }) => return inner.ask_for_credit(st),
                     Err(e) => return Some(Err(e.into())),
                 };
                 match inner.post_rwrite(st, &peer, src, block, len) {
@@ -379,20 +458,20 @@ impl Pipe {
             return Err(ChannelError::Invalid("this pipe end has no receive ring"));
         }
         let inner = &self.inner;
-        let take = |st: &mut State| -> Option<Result<(u64, u64)>> {
+        let take = |st: &mut State| -> Option<Result<(MemoryRegion, u64, u64)>> {
             if let Some(x) = inner.next_landed(st) {
                 return Some(x);
             }
             st.check().err().map(Err)
         };
-        let (addr, len) = match inner.config.notify {
+        let (seg, addr, len) = match inner.config.notify {
             NotifyMode::WriteImm => inner.wait(take).await?,
             // The mailbox is memory: poll it, whatever the CQ mode.
             NotifyMode::Flag => {
                 inner.driver.wait_mode(PollMode::Busy, |st, wc| inner.on_wc(st, wc), take).await?
             }
         };
-        Ok(RecvGuard { pipe: self.inner.clone(), addr, len, released: false })
+        Ok(RecvGuard { pipe: self.inner.clone(), seg, addr, len, released: false })
     }
 
     /// [`recv`](Self::recv) with a deadline.
@@ -532,7 +611,13 @@ impl Inner {
         len: u64,
     ) -> Result<u64> {
         let dst = block.region().slice(0, src.len())?;
-        let offset = block.addr - peer.ring.addr;
+        // The block's offset in the ring's segments laid end to end.
+        let seg = st.alloc.as_ref().and_then(|a| a.segments().get(block.segment as usize)).copied();
+        let start = st.seg_starts.get(block.segment as usize).copied();
+        let (Some(seg), Some(start)) = (seg, start) else {
+            return Err(ChannelError::Protocol(format!("block in unknown segment {}", block.segment)));
+        };
+        let offset = start + (block.addr - seg.base);
         let r = match peer.notify {
             NotifyMode::WriteImm => {
                 let imm =
@@ -568,9 +653,10 @@ impl Inner {
         }
     }
 
-    /// The next landed block, registered with the owner and taken by the consumer.
-    fn next_landed(&self, st: &mut State) -> Option<Result<(u64, u64)>> {
-        let ring = self.ring.as_ref()?;
+    /// The next landed block, registered with the owner and taken by the consumer: its
+    /// segment, address and length.
+    fn next_landed(&self, st: &mut State) -> Option<Result<(MemoryRegion, u64, u64)>> {
+        self.ring.as_ref()?;
         let (offset, len) = match self.config.notify {
             NotifyMode::WriteImm => st.imm_ready.pop_front()?,
             NotifyMode::Flag => {
@@ -586,13 +672,21 @@ impl Inner {
             }
         };
         st.consumed += 1;
-        // Peer-controlled words: checked before any arithmetic.
-        let block = (|| {
-            let addr = ring.addr().checked_add(offset)?;
+        // Peer-controlled words: checked before any arithmetic. The offset names a segment
+        // (laid end to end in grant order) and a place in it.
+        let found = (|| {
+            let (k, (start, mr)) =
+                st.segs.iter().enumerate().rev().find(|(_, (start, _))| *start <= offset)?;
+            let within = offset - start;
+            if within >= mr.len() as u64 {
+                return None;
+            }
+            let addr = mr.addr().checked_add(within)?;
             let padded = len.checked_next_multiple_of(8)?;
-            (len > 0).then_some(RemoteBlock { addr, len: padded, rkey: ring.rkey(), segment: 0 })
+            let block = RemoteBlock { addr, len: padded, rkey: mr.rkey(), segment: u32::try_from(k).ok()? };
+            (len > 0).then(|| (mr.clone(), block))
         })();
-        let Some(block) = block else {
+        let Some((mr, block)) = found else {
             let e = format!("the writer announced an invalid block (offset {offset}, {len} bytes)");
             st.ctl.fail(e.clone());
             return Some(Err(ChannelError::Protocol(e)));
@@ -600,12 +694,52 @@ impl Inner {
         let owner = st.owner.as_mut().expect("a ring has an owner");
         let r = owner.register(&AllocNotice::new(HEAP, block)).and_then(|()| owner.consume(block.addr));
         Some(match r {
-            Ok(_) => Ok((block.addr, len)),
+            Ok(_) => Ok((mr, block.addr, len)),
             Err(e) => {
                 st.ctl.fail(format!("the writer sent an invalid block: {e}"));
                 Err(e.into())
             }
         })
+    }
+
+    /// No room in the peer's ring: asks the reader once to grow it (it returns its frees
+    /// first), then waits for the answer.
+    fn ask_to_grow<R>(&self, st: &mut State, len: u64) -> Option<Result<R>> {
+        if !st.grow_sent {
+            st.grow_sent = true;
+            if let Err(e) = st.ctl.send(&Message::HeapGrow { heap: HEAP, len }) {
+                return Some(Err(e));
+            }
+        }
+        None
+    }
+
+    /// The reader's answer to a growth request: the frees pending first (then "try
+    /// again"), else a new segment within `max_ring_len`, else a refusal.
+    fn on_grow(&self, st: &mut State, len: u64) -> std::result::Result<(), String> {
+        let Some(owner) = st.owner.as_ref() else {
+            return Err("a growth request, but this end has no ring".into());
+        };
+        if owner.pending_free_blocks() > 0 {
+            self.flush_credits(st);
+            return st.ctl.send(&Message::HeapFreed { heap: HEAP }).map_err(|e| e.to_string());
+        }
+        let budget = self.config.max_ring_len.saturating_sub(st.ring_bytes);
+        let want = len.checked_next_multiple_of(8).map(|l| l.max(self.config.ring_len).min(budget));
+        let seg = match want {
+            Some(n) if len > 0 && n >= len => usize::try_from(n).ok().and_then(|n| {
+                self.qp.pd().alloc_mr(n, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).ok()
+            }),
+            _ => None,
+        };
+        let Some(mr) = seg else {
+            return st.ctl.send(&Message::HeapRefuse { heap: HEAP, len }).map_err(|e| e.to_string());
+        };
+        let segment = RemoteSegment::new(mr.addr(), mr.len() as u64, mr.rkey());
+        st.owner.as_mut().expect("checked above").add_segment(segment).map_err(|e| e.to_string())?;
+        st.segs.push((st.ring_bytes, mr));
+        st.ring_bytes += segment.len;
+        st.ctl.send(&Message::HeapGrant { heap: HEAP, segment }).map_err(|e| e.to_string())
     }
 
     /// Blocked on credits: asks the reader once to return what it has freed, then waits.
@@ -627,7 +761,7 @@ impl Inner {
             if owner.rfree(addr).is_err() {
                 return;
             }
-            let ring = self.ring.as_ref().map_or(0, |r| r.len() as u64);
+            let ring = st.ring_bytes;
             let due = owner.pending_free_blocks() >= (self.config.slots as usize / 4).max(1)
                 || owner.pending_free_bytes() >= ring / 4;
             if due {
@@ -683,16 +817,25 @@ impl Inner {
 
     fn on_message(&self, st: &mut State, m: Message) -> std::result::Result<(), String> {
         match m {
-            Message::PipeHello { ring, mailbox, notify, slots } => {
+            Message::PipeHello { ring, mailbox, notify, slots, max_ring } => {
                 if st.peer.is_some() {
                     return Err("a second hello".into());
                 }
                 if ring.len > 0 {
-                    let mut a = HeapAllocator::new(HeapConfig::new(HEAP, AllocPolicy::NextFit));
+                    // Deferred whatever the policy: the notification of each message is
+                    // its block's notice, and frees come back as credits.
+                    let config = HeapConfig::new(HEAP, self.config.policy).with_sync(SyncMode::Deferred);
+                    let mut a = HeapAllocator::new(config);
                     a.add_segment(RemoteSegment::from(ring)).map_err(|e| e.to_string())?;
                     st.alloc = Some(a);
+                    st.seg_starts = vec![0];
+                    st.peer_ring_bytes = ring.len;
+                    st.largest_seg = ring.len;
+                    // A ring that cannot grow: never ask (the writer waits for frees, and a
+                    // message larger than the ring is refused at once).
+                    st.growth_refused = max_ring <= ring.len;
                 }
-                st.peer = Some(Hello { ring, mailbox, notify, slots });
+                st.peer = Some(Hello { ring, mailbox, notify, slots, max_ring });
                 Ok(())
             }
             Message::Credit { consumed, batch } => {
@@ -724,6 +867,30 @@ impl Inner {
                     st.ctl.send(&m).map_err(|e| e.to_string())
                 }
             }
+            Message::HeapGrow { heap: HEAP, len } => self.on_grow(st, len),
+            Message::HeapGrant { heap: HEAP, segment } => {
+                if !std::mem::take(&mut st.grow_sent) {
+                    return Err("a ring segment nobody asked for".into());
+                }
+                let alloc = st.alloc.as_mut().ok_or("a ring segment, but the peer has no ring")?;
+                let end = st.peer_ring_bytes.checked_add(segment.len).filter(|&e| e <= MAX_RING);
+                let end = end.ok_or("the peer's ring grew beyond 32 GiB")?;
+                alloc.add_segment(segment).map_err(|e| e.to_string())?;
+                st.seg_starts.push(st.peer_ring_bytes);
+                st.peer_ring_bytes = end;
+                st.largest_seg = st.largest_seg.max(segment.len);
+                Ok(())
+            }
+            Message::HeapRefuse { heap: HEAP, .. } => {
+                st.grow_sent = false;
+                st.growth_refused = true;
+                Ok(())
+            }
+            // The frees went first (on the same QP): try the allocation again.
+            Message::HeapFreed { heap: HEAP } => {
+                st.grow_sent = false;
+                Ok(())
+            }
             Message::ReadDone { id, ok } => {
                 let p = st.publishing.remove(&id).ok_or_else(|| format!("read-done for publication {id}"))?;
                 if !p.abandoned {
@@ -740,6 +907,8 @@ impl Inner {
 /// [`release`](Self::release)) hands the block back to the writer.
 pub struct RecvGuard {
     pipe: Arc<Inner>,
+    /// The ring segment holding the block.
+    seg: MemoryRegion,
     addr: u64,
     len: u64,
     released: bool,
@@ -766,7 +935,7 @@ impl RecvGuard {
     }
 
     fn ring(&self) -> &MemoryRegion {
-        self.pipe.ring.as_ref().expect("guards come from a ring")
+        &self.seg
     }
 
     /// Copies bytes of the message from `offset` into `out`.

@@ -5,11 +5,43 @@
 //! creates a handle over its receive buffer with a callback ([`PutEndpoint::create_handle`])
 //! and ships the handle's [`HandleDesc`] to the sender; the sender associates a local
 //! buffer with it ([`PutEndpoint::assoc_local_buffer`]) and then [`put`](SendHandle::put)s
-//! every iteration. The receiver [`ready_mark`](RecvHandle::ready_mark)s the handles it
-//! expects data on, and [`PutEndpoint::ready_poll`] checks only the marked handles (a queue:
-//! the cost grows with the handles awaiting data, not with all handles), firing the
-//! callback of each whose put landed. [`ready`](RecvHandle::ready) tells the sender the
-//! buffer may be overwritten.
+//! every iteration. The receiver's ready calls mean what CkDirect's mean:
+//!
+//! | rdmakit | CkDirect | meaning |
+//! | --- | --- | --- |
+//! | [`PutEndpoint::create_handle`] | `CkDirect_createHandle` | receiver: a handle over a receive buffer, with a callback and an initial value |
+//! | [`PutEndpoint::assoc_local_buffer`] | `CkDirect_assocLocalBuffer` | sender: associate a send buffer with the handle |
+//! | [`SendHandle::put`] | `CkDirect_put` | sender: the transfer ([`ChannelError::Busy`] while the receiver has not marked the previous put done) |
+//! | [`RecvHandle::ready_mark`] | `CkDirect_readyMark` | receiver: done with the data (the sender may put again), but **do not start polling** yet |
+//! | [`RecvHandle::ready_poll_q`] | `CkDirect_readyPollQ` | receiver: the data was already marked; **start checking** for the next put (queue the handle) |
+//! | [`RecvHandle::ready`] | `CkDirect_ready` | receiver: both at once: done with the data, start checking |
+//! | [`PutEndpoint::ready_poll`] | the runtime's poll of its ready queue | receiver: check every queued handle, run the callback of each whose put landed |
+//!
+//! The split scheme is the slides' "reducing polling overhead": polling costs grow with the
+//! queued handles only, so a receiver marks a handle done as soon as it has consumed the
+//! data ([`ready_mark`](RecvHandle::ready_mark), which lets the sender go on) and queues it
+//! for polling only when it expects the next put
+//! ([`ready_poll_q`](RecvHandle::ready_poll_q)). A put that completed between the two is
+//! detected by the first poll after `ready_poll_q`. A receive loop ported from Charm++:
+//!
+//! ```text
+//! h = CkDirect_createHandle(...)     let h = ep.create_handle(&buf, callback, initial)?;
+//! CkDirect_readyPollQ(&h)            h.ready_poll_q()?;   // a fresh handle has nothing to mark
+//! loop:                              loop {
+//!   (scheduler polls; callback)        while ep.ready_poll()? == 0 {}   // runs the callback
+//!   compute on the data                compute(&buf);
+//!   CkDirect_readyMark(&h)             h.ready_mark()?;     // the sender may put again
+//!   other work                         other_work();
+//!   CkDirect_readyPollQ(&h)            h.ready_poll_q()?;
+//!   -- or, in one call --              -- or --
+//!   CkDirect_ready(&h)                 h.ready()?;
+//! ```
+//!
+//! A newly created handle counts as marked (there is no data to be done with) but is not
+//! queued: call [`ready_poll_q`](RecvHandle::ready_poll_q) (or `ready`) before the first
+//! put is expected. `ready_poll_q` on a handle whose latest put has not been marked done is
+//! refused ([`ChannelError::Invalid`]): its sender would stay `Busy` and the poll would wait
+//! forever.
 //!
 //! Differences from CkDirect, on purpose:
 //! - **Detection.** CkDirect detects a put by the last double of the buffer changing from
@@ -18,12 +50,13 @@
 //!   beside the buffer; the receiver polls that word. This relies on the NIC placing the two
 //!   writes in order (as CkDirect and perftest do; see [`pipe`](crate::pipe) for the
 //!   caveat). `initial_value` is still written into the buffer's last 8 bytes by each
-//!   `ready` (before the sender may put again), for code that looks at it, but detection
-//!   never depends on it.
-//! - **One transaction per handle.** A `put` before the receiver called `ready` for the
-//!   previous one fails with [`ChannelError::Busy`] instead of overwriting data the receiver
-//!   may be reading: `ready` RDMA-writes the consumed sequence number into the sender's
-//!   handle state, which `put` checks locally.
+//!   `ready_mark` that marks a put done (before the sender may put again), for code that
+//!   looks at it, but detection never depends on it.
+//! - **One transaction per handle, enforced.** CkDirect leaves "only 1 transaction per
+//!   handle at a time" to the application. Here a `put` before the receiver marked the
+//!   previous one done fails with [`ChannelError::Busy`] instead of overwriting data the
+//!   receiver may be reading: `ready_mark` RDMA-writes the consumed sequence number into the
+//!   sender's handle state, which `put` checks locally.
 //! - **Associations are epochs.** Each `assoc_local_buffer` takes a fresh epoch (a per-endpoint
 //!   counter) that tags the sequence words its puts write and the ready words the receiver
 //!   writes back (`epoch << 40 | count`). The receiver learns the epoch from the
@@ -33,7 +66,11 @@
 //!   signal into a reused sender slot, an old sequence word into a reused handle slot) is
 //!   never mistaken for the current one.
 //!
-//! Callbacks run on the thread that calls [`PutEndpoint::ready_poll`], inside that call.
+//! Callbacks run on the thread that calls [`PutEndpoint::ready_poll`], inside that call,
+//! without the endpoint's lock (a callback may call `ready_mark`, `ready` or `ready_poll`).
+//! Several threads may poll at once: a handle's put counts as seen only together with its
+//! callback, so a put that lands while the handle's callback is still running (on another
+//! thread) stays queued until that callback has returned.
 //! [`RecvHandle::next_put`] is the async variant: a future per iteration (it polls the
 //! sequence word, yielding to the executor between polls; dropping it takes nothing).
 
@@ -117,11 +154,12 @@ struct RecvEntry {
     buf: MemoryRegion,
     callback: Option<Callback>,
     initial_value: u64,
-    /// Puts consumed (`ready` called) so far.
+    /// Puts marked done (`ready_mark`) so far; never more than `seen`.
     consumed: u64,
-    /// Puts seen (callback fired) so far.
+    /// Puts seen (callback fired, or `next_put` returned) so far.
     seen: u64,
-    marked: bool,
+    /// In the poll queue (`ready_poll_q`), awaiting a put.
+    queued: bool,
     /// The sender's ready word for this handle, once associated.
     sender_ready: Option<RemoteRegion>,
     /// The current association's epoch (from its `TAG_ASSOC`): sequence words of other
@@ -143,7 +181,8 @@ struct State {
     ctl: ControlSlots,
     recv: Vec<Option<RecvEntry>>,
     send: Vec<Option<SendEntry>>,
-    marked: VecDeque<u32>,
+    /// The poll queue: handles awaiting a put (CkDirect's ready queue).
+    queued: VecDeque<u32>,
     /// The epoch of the next association this endpoint makes as a sender (never 0).
     next_epoch: u32,
     /// The incarnation of the next receive handle.
@@ -204,7 +243,7 @@ impl PutEndpoint {
                     ctl,
                     recv: Vec::new(),
                     send: Vec::new(),
-                    marked: VecDeque::new(),
+                    queued: VecDeque::new(),
                     next_epoch: 1,
                     next_incarnation: 0,
                 },
@@ -213,9 +252,13 @@ impl PutEndpoint {
         Ok(PutEndpoint { inner })
     }
 
-    /// Receiver: a handle over `recv_buf` (remote write access), whose `callback` runs in
-    /// [`ready_poll`](Self::ready_poll) when a put has landed. `initial_value` is written
-    /// into the buffer's last 8 bytes now and at each `ready` (CkDirect compatibility only).
+    /// Receiver (`CkDirect_createHandle`): a handle over `recv_buf` (remote write access),
+    /// whose `callback` runs in [`ready_poll`](Self::ready_poll) when a put has landed.
+    /// `initial_value` is written into the buffer's last 8 bytes now and at each
+    /// [`ready_mark`](RecvHandle::ready_mark) that marks a put done (CkDirect compatibility
+    /// only). The handle starts marked (no data to be done with) and not queued: call
+    /// [`ready_poll_q`](RecvHandle::ready_poll_q) or [`ready`](RecvHandle::ready) before
+    /// the first put is expected.
     pub fn create_handle(
         &self,
         recv_buf: &MemoryRegion,
@@ -236,7 +279,7 @@ impl PutEndpoint {
                 initial_value,
                 consumed: 0,
                 seen: 0,
-                marked: false,
+                queued: false,
                 sender_ready: None,
                 epoch: None,
                 incarnation: st.next_incarnation,
@@ -254,8 +297,9 @@ impl PutEndpoint {
         Ok(RecvHandle { ep: self.clone(), id })
     }
 
-    /// Sender: associates `send_buf` with the receiver's handle `desc` (their lengths must
-    /// match), and tells the receiver where to signal readiness.
+    /// Sender (`CkDirect_assocLocalBuffer`): associates `send_buf` with the receiver's
+    /// handle `desc` (their lengths must match), and tells the receiver where to signal
+    /// readiness.
     pub fn assoc_local_buffer(&self, desc: &HandleDesc, send_buf: LocalSlice) -> Result<SendHandle> {
         if u64::from(send_buf.len()) != desc.buf.len {
             return Err(ChannelError::Invalid("the send buffer's length differs from the handle's"));
@@ -286,8 +330,13 @@ impl PutEndpoint {
         Ok(handle)
     }
 
-    /// Receiver: checks every marked handle (and only those) and runs the callback of each
-    /// whose put has landed, on this thread. Returns how many fired.
+    /// Receiver: checks every queued handle (and only those: see
+    /// [`ready_poll_q`](RecvHandle::ready_poll_q)) and runs the callback of each whose put
+    /// has landed, on this thread, taking it out of the queue. Returns how many fired.
+    ///
+    /// Safe to call from several threads at once: a put counts as seen only when its
+    /// callback is run for it, so a put on a handle whose callback is still running
+    /// elsewhere is left queued for a later call.
     ///
     /// Called in a loop while waiting, it also keeps the connection watched: a dead sender
     /// makes it return [`ChannelError::Broken`] within the bound of [`crate::control`].
@@ -295,21 +344,23 @@ impl PutEndpoint {
         let inner = &self.inner;
         inner.progress()?;
         let mut fired = 0;
-        let marked = inner.driver.with(|st| st.marked.len());
-        for _ in 0..marked {
+        let queued = inner.driver.with(|st| st.queued.len());
+        for _ in 0..queued {
             // Take the callback out so it runs without the lock (it may call `ready`).
             let job = inner.driver.with(|st| -> Result<Option<(u32, u64, Callback, MemoryRegion)>> {
                 st.check()?;
-                let Some(id) = st.marked.pop_front() else { return Ok(None) };
+                let Some(id) = st.queued.pop_front() else { return Ok(None) };
                 let w = inner.seq_words.load_u64_acquire(u64::from(id) * 8)?;
                 let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
                 let seq = count_for(w, e.epoch);
-                if seq <= e.seen {
-                    st.marked.push_back(id); // not yet: stays in the queue
+                // Not yet; or the callback is out, running for the previous put on another
+                // thread: this put is seen with its own callback once that one is back.
+                if seq <= e.seen || e.callback.is_none() {
+                    st.queued.push_back(id); // stays in the queue
                     return Ok(None);
                 }
                 e.seen = seq;
-                e.marked = false;
+                e.queued = false;
                 Ok(e.callback.take().map(|cb| (id, e.incarnation, cb, e.buf.clone())))
             })?;
             if let Some((id, incarnation, mut cb, buf)) = job {
@@ -388,6 +439,40 @@ impl State {
     fn check(&self) -> Result<()> {
         self.ctl.check()
     }
+
+    /// `ready_mark` under the lock.
+    fn mark(&mut self, id: u32) -> Result<()> {
+        let e = self.recv[id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
+        if e.consumed == e.seen {
+            // Nothing to be done with: the buffer may hold the next put already.
+            return Ok(());
+        }
+        // CkDirect's sentinel, for compatibility (detection uses the sequence word),
+        // written before the sender may put again.
+        e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
+        if let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) {
+            let v = word(epoch, e.seen).to_le_bytes();
+            self.ctl.post(SendWr::write_inline(&v, target.slice(0, 8)?))?;
+        }
+        // (No sender associated: it deassociated after its put; nobody to tell.)
+        e.consumed = e.seen;
+        Ok(())
+    }
+
+    /// `ready_poll_q` under the lock.
+    fn queue(&mut self, id: u32) -> Result<()> {
+        let e = self.recv[id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
+        if e.consumed < e.seen {
+            return Err(ChannelError::Invalid(
+                "ready_poll_q on a handle whose latest put is not marked done: call ready_mark first (or ready)",
+            ));
+        }
+        if !e.queued {
+            e.queued = true;
+            self.queued.push_back(id);
+        }
+        Ok(())
+    }
 }
 
 impl RecvHandle {
@@ -400,41 +485,58 @@ impl RecvHandle {
         Ok(HandleDesc { id: self.id, buf, seq })
     }
 
-    /// Expect a put on this handle: queue it for [`PutEndpoint::ready_poll`]. (It does not
-    /// touch the buffer: the next put may already have landed.)
+    /// `CkDirect_readyMark`: done with the data of the latest put. The sender may put
+    /// again (its `put` stops being [`Busy`](ChannelError::Busy)), but the handle is **not**
+    /// queued for polling: call [`ready_poll_q`](Self::ready_poll_q) when the next put is
+    /// expected (a put landing meanwhile is detected then).
+    ///
+    /// Writes `initial_value` into the buffer's last 8 bytes first (CkDirect's sentinel),
+    /// then signals the sender. Nothing to mark (a fresh handle, a second call, a put that
+    /// landed but was not seen yet) makes it a no-op that touches neither the buffer nor the
+    /// sender: the next put may already be there.
     pub fn ready_mark(&self) -> Result<()> {
-        self.ep.inner.driver.with(|st| {
-            let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
-            if !e.marked {
-                e.marked = true;
-                st.marked.push_back(self.id);
-            }
-            Ok(())
-        })
+        let inner = &self.ep.inner;
+        inner.progress()?;
+        inner.driver.with(|st| st.mark(self.id))
     }
 
-    /// The data of the latest put has been consumed: the sender may put again.
+    /// `CkDirect_readyPollQ`: the data was already marked done; start checking for the next
+    /// put (queue the handle for [`PutEndpoint::ready_poll`]). Idempotent.
+    ///
+    /// [`ChannelError::Invalid`] if the latest put seen has not been marked done: its
+    /// sender would stay `Busy`, so the poll would wait forever.
+    pub fn ready_poll_q(&self) -> Result<()> {
+        self.ep.inner.driver.with(|st| st.queue(self.id))
+    }
+
+    /// `CkDirect_ready`: done with the data and start checking for the next put:
+    /// [`ready_mark`](Self::ready_mark) then [`ready_poll_q`](Self::ready_poll_q), in one
+    /// step.
     pub fn ready(&self) -> Result<()> {
         let inner = &self.ep.inner;
         inner.progress()?;
-        inner.driver.with(|st| -> Result<()> {
-            let e = st.recv[self.id as usize].as_mut().ok_or(ChannelError::Invalid("destroyed handle"))?;
-            let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) else {
-                return Err(ChannelError::Invalid("no sender has associated with this handle"));
-            };
-            // CkDirect's sentinel, for compatibility (detection uses the sequence word),
-            // written before the sender may put again.
-            e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
-            e.consumed = e.seen;
-            let v = word(epoch, e.consumed).to_le_bytes();
-            let dst = target.slice(0, 8)?;
-            st.ctl.post(SendWr::write_inline(&v, dst))?;
-            Ok(())
+        inner.driver.with(|st| {
+            st.mark(self.id)?;
+            st.queue(self.id)
         })
     }
 
+    /// Whether the latest put seen has been marked done (or none was seen yet).
+    pub fn is_marked(&self) -> bool {
+        self.ep
+            .inner
+            .driver
+            .with(|st| st.recv[self.id as usize].as_ref().is_some_and(|e| e.consumed == e.seen))
+    }
+
+    /// Whether the handle is queued for [`PutEndpoint::ready_poll`].
+    pub fn is_queued(&self) -> bool {
+        self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().is_some_and(|e| e.queued))
+    }
+
     /// Async variant: waits for the next put to land (a future per iteration), then returns
-    /// without running the callback.
+    /// without running the callback (and takes the handle out of the poll queue if it was
+    /// queued). Mark it done with [`ready_mark`](Self::ready_mark) as with `ready_poll`.
     pub async fn next_put(&self) -> Result<()> {
         let inner = &self.ep.inner;
         let id = self.id;
@@ -455,6 +557,10 @@ impl RecvHandle {
                     let seq = count_for(w, e.epoch);
                     (seq > e.seen).then(|| {
                         e.seen = seq;
+                        // Seen here: no longer awaiting a put in the poll queue.
+                        if std::mem::take(&mut e.queued) {
+                            st.queued.retain(|&i| i != id);
+                        }
                         Ok(())
                     })
                 },
@@ -484,7 +590,7 @@ impl RecvHandle {
 impl Drop for RecvHandle {
     fn drop(&mut self) {
         self.ep.inner.driver.with(|st| {
-            st.marked.retain(|&i| i != self.id);
+            st.queued.retain(|&i| i != self.id);
             if let Some(slot) = st.recv.get_mut(self.id as usize) {
                 *slot = None;
             }
@@ -493,9 +599,9 @@ impl Drop for RecvHandle {
 }
 
 impl SendHandle {
-    /// Puts the associated buffer into the receiver's: one RDMA write, then the sequence
-    /// word. Returns once posted; [`ChannelError::Busy`] if the receiver has not called
-    /// `ready` for the previous put.
+    /// `CkDirect_put`: puts the associated buffer into the receiver's: one RDMA write, then
+    /// the sequence word. Returns once posted; [`ChannelError::Busy`] if the receiver has not
+    /// marked the previous put done ([`RecvHandle::ready_mark`] or [`RecvHandle::ready`]).
     ///
     /// The send buffer stays registered (this handle and the QP's in-flight table hold it)
     /// until the write completes, but its bytes are read by the NIC some time after `put`

@@ -286,3 +286,81 @@ fn unsolicited_answers_are_bounded() {
     let err = err.or_else(|| ep.poll_messages().err()).expect("1100 unasked answers must be refused");
     assert!(matches!(err, ChannelError::Protocol(_)), "{err}");
 }
+
+/// The rpipe seed's writer, line by line: `addr = rmalloc(rp, size); ptr = rmem(rp, addr);
+/// *ptr = SEND_VAL; rwrite(rp, addr)`, then the reader's `rread`/`rmem`/`rfree`. The view is
+/// staged by copy and in place (`as_mut_slice` after the previous `rwrite` returned), and
+/// reused; what lands is checked byte for byte.
+#[test]
+fn rmem_views_stage_blocks_before_rwrite() {
+    const SEND_VAL: u32 = 0x5eed_0042;
+    let (mut a, mut b, _pd) = in_process(OwnerLimits { segment_len: 64 << 10, ..OwnerLimits::default() });
+    let heap = HeapId(7);
+    create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
+
+    // addr = rmalloc(rp, sizeof(int)); ptr = rmem(rp, addr); *ptr = SEND_VAL; rwrite(rp, addr);
+    let addr = a.rmalloc(heap, 4).unwrap();
+    let mut ptr = a.rmem(heap, &addr).unwrap();
+    assert_eq!(ptr.block(), addr);
+    assert_eq!(ptr.to_vec().unwrap(), vec![0u8; addr.len as usize], "a fresh view is zeroed");
+    // SAFETY: no rwrite of this view has been posted yet.
+    unsafe { ptr.as_mut_slice()[..4].copy_from_slice(&SEND_VAL.to_le_bytes()) };
+    a.rwrite(&ptr).unwrap();
+    // Reader: rread(rp, addr, sizeof(int)); ptr = rmem(rp, addr); ...; rfree(addr);
+    let landed = b.recv_block(heap).unwrap();
+    assert_eq!(landed.block(), addr);
+    let mut got = [0u8; 4];
+    b.read(&landed, 0, &mut got).unwrap();
+    assert_eq!(u32::from_le_bytes(got), SEND_VAL);
+    b.rfree(landed).unwrap();
+
+    // Larger blocks, staged by copy, in place, and a view reused after its rwrite returned.
+    for i in 0..20u64 {
+        let len = 100 + i * 997;
+        let block = a.rmalloc(heap, len).unwrap();
+        let mut view = a.rmem(heap, &block).unwrap();
+        let data: Vec<u8> = (0..len).map(|j| (i * 13 + j * 7) as u8).collect();
+        if i % 2 == 0 {
+            view.write_at(0, &data).unwrap();
+        } else {
+            // SAFETY: this view has not been written yet.
+            unsafe { view.as_mut_slice()[..len as usize].copy_from_slice(&data) };
+        }
+        a.rwrite(&view).unwrap();
+        let landed = b.recv_block(heap).unwrap();
+        let mut out = vec![0u8; len as usize];
+        b.read(&landed, 0, &mut out).unwrap();
+        assert_eq!(checksum(&out), checksum(&data), "block {i}");
+        b.rfree(landed).unwrap();
+        // Rewritten in place after rwrite returned (the NIC is done with it), and sent to
+        // a second block.
+        // SAFETY: the only rwrite of `view` returned Ok.
+        unsafe { view.as_mut_slice().fill(0xa5) };
+        let again = a.rmalloc(heap, view.len()).unwrap();
+        let view2 = a.rmem(heap, &again).unwrap();
+        view2.write_at(0, &view.to_vec().unwrap()).unwrap();
+        a.rwrite(&view2).unwrap();
+        let landed = b.recv_block(heap).unwrap();
+        let mut out = vec![0u8; landed.len() as usize];
+        b.read(&landed, 0, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 0xa5), "block {i}'s second write");
+        b.rfree(landed).unwrap();
+        b.flush_frees(heap).unwrap();
+    }
+
+    // Bad input is a typed error: an out-of-range copy, another heap, a forged block.
+    let block = a.rmalloc(heap, 64).unwrap();
+    let view = a.rmem(heap, &block).unwrap();
+    assert!(view.write_at(60, &[0u8; 8]).is_err());
+    assert!(view.read_at(u64::MAX, &mut [0u8; 1]).is_err());
+    assert!(matches!(a.rmem(HeapId(99), &block), Err(ChannelError::UnknownHeap(_))));
+    let mut forged = block;
+    forged.len = 1 << 40;
+    assert!(matches!(a.rmem(heap, &forged), Err(ChannelError::Heap(HeapError::UnknownBlock { .. }))));
+    forged = block;
+    forged.rkey ^= 1;
+    assert!(a.rmem(heap, &forged).is_err());
+    forged = block;
+    forged.segment = 5;
+    assert!(a.rmem(heap, &forged).is_err());
+}

@@ -129,7 +129,7 @@ fn ready_poll_fails_after_the_sender_is_dropped() {
     let (sender, receiver) = put_endpoints(&pd);
     let rbuf = pd.alloc_mr(256, AccessFlags::ALL_REMOTE).unwrap();
     let h = receiver.create_handle(&rbuf, |_| {}, 0).unwrap();
-    h.ready_mark().unwrap();
+    h.ready_poll_q().unwrap();
     drop(sender);
     sync_fails_within("ready_poll", || receiver.ready_poll().map(|_| ()));
 }

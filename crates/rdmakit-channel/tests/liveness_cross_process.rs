@@ -266,7 +266,7 @@ fn blocked_put_handles_fail_after_kill_9() {
     peer.line("READY");
     let rbuf = pd.alloc_mr(256, AccessFlags::ALL_REMOTE).unwrap();
     let h = ep.create_handle(&rbuf, |_| {}, 0).unwrap();
-    h.ready_mark().unwrap();
+    h.ready_poll_q().unwrap();
     sync_kill_while_blocked("ready_poll", peer, || ep.ready_poll().map(|_| ()));
     drop(conn);
 }

@@ -65,6 +65,7 @@ fn raw_hello(mailbox: &MemoryRegion) -> Vec<u8> {
         mailbox: mailbox.remote(),
         notify: NotifyMode::WriteImm,
         slots: 4,
+        max_ring: 0,
     }
     .encode()
 }
@@ -210,4 +211,85 @@ async fn notifications_beyond_the_credits_are_refused() {
         }
     }
     assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+}
+
+/// The next control message the raw peer receives, driving `pipe` meanwhile (a short
+/// `recv` that times out: the pipe answers while it waits).
+async fn next_answer(raw: &Raw, pipe: &Pipe) -> Message {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(wc) = raw.cq.poll_one().unwrap() {
+            if wc.opcode == WcOpcode::RECV {
+                let mut m = vec![0u8; wc.byte_len as usize];
+                raw.rx.read_at(wc.wr_id * 64, &mut m).unwrap();
+                return Message::decode(&m).unwrap();
+            }
+            continue;
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer from the pipe");
+        let _ = pipe.recv_timeout(Duration::from_millis(5)).await;
+    }
+}
+
+/// A hostile writer asks the reader to grow its ring again and again, for absurd sizes and
+/// many times: the reader registers nothing beyond `max_ring_len`, answers every request
+/// (a grant within the budget, else a refusal), and stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growth_requests_are_bounded_by_max_ring_len() {
+    use rdmakit_memory::heap::HeapId;
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let cfg = PipeConfig { max_ring_len: 16 << 10, ..config() };
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
+    pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let grow = |len| Message::HeapGrow { heap: HeapId(0), len }.encode();
+    // Absurd: refused, nothing registered.
+    send(&raw, &grow(1 << 40));
+    assert!(matches!(next_answer(&raw, &pipe).await, Message::HeapRefuse { .. }));
+    send(&raw, &grow(0));
+    assert!(matches!(next_answer(&raw, &pipe).await, Message::HeapRefuse { .. }));
+    assert_eq!(pipe.ring_len(), 4096);
+    // Within the budget: granted.
+    send(&raw, &grow(8192));
+    match next_answer(&raw, &pipe).await {
+        Message::HeapGrant { segment, .. } => assert_eq!(segment.len, 8192),
+        other => panic!("expected a grant, got {other:?}"),
+    }
+    assert_eq!(pipe.ring_len(), 12 << 10);
+    // A flood of small requests: at most the 4 KiB left is granted, the rest refused.
+    for _ in 0..40 {
+        send(&raw, &grow(8));
+    }
+    let mut granted = 0;
+    for _ in 0..40 {
+        match next_answer(&raw, &pipe).await {
+            Message::HeapGrant { segment, .. } => granted += segment.len,
+            Message::HeapRefuse { .. } => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    assert_eq!(granted, 4096);
+    assert_eq!((pipe.ring_len(), pipe.ring_segments()), (16 << 10, 3));
+    // Still usable: nothing failed.
+    assert!(matches!(pipe.recv_timeout(Duration::from_millis(20)).await, Err(ChannelError::Timeout(_))));
+}
+
+/// A ring segment nobody asked for is a protocol error, not a change of the writer's
+/// allocator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unasked_ring_segment_is_a_protocol_error() {
+    use rdmakit_memory::heap::{HeapId, RemoteSegment};
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let seg = RemoteSegment::new(0x10_0000, 4096, 5);
+    send(&raw, &Message::HeapGrant { heap: HeapId(0), segment: seg }.encode());
+    let r = pipe.recv_timeout(Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+    assert_eq!(pipe.peer_ring_len(), 0);
 }

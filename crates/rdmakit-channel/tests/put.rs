@@ -42,7 +42,7 @@ fn state_machine_busy_ready_and_reput() {
     let sh = sender.assoc_local_buffer(&desc, sbuf.local().unwrap()).unwrap();
 
     sbuf.fill(1).unwrap();
-    h.ready_mark().unwrap();
+    h.ready_poll_q().unwrap();
     sh.put().unwrap();
     // (The send buffer is rewritten only once the put has been seen: the NIC reads it after
     // `put` returns.)
@@ -54,14 +54,22 @@ fn state_machine_busy_ready_and_reput() {
     assert!(!sh.is_ready().unwrap());
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(rbuf.to_vec().unwrap(), vec![1u8; 256], "a Busy put wrote nothing");
-    // Nothing marked: polling finds nothing even though the buffer is there.
+    // The callback took the handle out of the poll queue: polling finds nothing.
+    assert!(!h.is_queued());
     assert_eq!(receiver.ready_poll().unwrap(), 0);
-    h.ready().unwrap();
+    // Not marked done: queueing it again is refused (the sender would stay Busy).
+    assert!(!h.is_marked());
+    assert!(matches!(h.ready_poll_q(), Err(ChannelError::Invalid(_))));
+    // ready_mark (CkDirect_readyMark): done with the data; the sender may go on, but the
+    // handle is not polled yet.
+    h.ready_mark().unwrap();
+    assert!(h.is_marked() && !h.is_queued());
     let start = std::time::Instant::now();
     while !sh.is_ready().unwrap() {
         assert!(start.elapsed() < Duration::from_secs(5));
     }
-    h.ready_mark().unwrap();
+    h.ready_poll_q().unwrap();
+    assert!(h.is_queued());
     sh.put().unwrap();
     spin_poll(&receiver, 1);
     assert_eq!(seen.lock().unwrap()[1], vec![2u8; 256]);
@@ -90,7 +98,7 @@ fn payload_equal_to_the_sentinel_is_still_detected() {
     }
     sbuf.write_u64(56, initial).unwrap();
     let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
-    h.ready_mark().unwrap();
+    h.ready_poll_q().unwrap();
     assert_eq!(
         rbuf.read_u64(56).unwrap(),
         initial,
@@ -120,7 +128,7 @@ fn many_iterations_many_sizes_with_checksums() {
             let data: Vec<u8> = (0..size).map(|j| (it as usize * 13 + j) as u8).collect();
             sbuf.write_at(0, &data).unwrap();
             expect.push(checksum(&data));
-            h.ready_mark().unwrap();
+            h.ready_poll_q().unwrap();
             while let Err(ChannelError::Busy) = sh.put() {}
             spin_poll(&receiver, 1);
             h.ready().unwrap();
@@ -145,8 +153,8 @@ fn polling_cost_follows_marked_handles_only() {
         handles.push(h);
     }
     // Only handles 3 and 40 are marked; all 50 get a put.
-    handles[3].ready_mark().unwrap();
-    handles[40].ready_mark().unwrap();
+    handles[3].ready_poll_q().unwrap();
+    handles[40].ready_poll_q().unwrap();
     for s in &senders {
         s.put().unwrap();
     }
@@ -198,7 +206,7 @@ fn over_soft_tcp_then_the_receiver_dies() {
         let h = ep.create_handle(&rbuf, move |_| *c2.lock().unwrap() += 1, 0).unwrap();
         tx.send(h.desc().unwrap().encode()).unwrap();
         for _ in 0..20 {
-            h.ready_mark().unwrap();
+            h.ready_poll_q().unwrap();
             spin_poll(&ep, 1);
             // The association message arrives before the first put: ready can signal.
             h.ready().unwrap();
@@ -237,9 +245,10 @@ fn over_soft_tcp_then_the_receiver_dies() {
     drop(conn);
 }
 
-/// A put may land before the receiver marks the handle: marking must not clobber it.
+/// A put may land before the receiver queues the handle: queueing (and the `ready` that
+/// follows the previous put) must not clobber it.
 #[test]
-fn a_put_landing_before_ready_mark_is_kept() {
+fn a_put_landing_before_ready_poll_q_is_kept() {
     let pd = Context::open_soft().alloc_pd().unwrap();
     let (sender, receiver) = endpoints(&pd);
     let rbuf = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
@@ -249,15 +258,16 @@ fn a_put_landing_before_ready_mark_is_kept() {
     for v in 1..50u64 {
         sbuf.write_u64(0, v).unwrap();
         while let Err(ChannelError::Busy) = sh.put() {}
-        // Give the put time to land, then mark late.
+        // Give the put time to land, then queue late.
         let start = std::time::Instant::now();
         while h.puts_seen() < v && rbuf.read_u64(0).unwrap() != v && start.elapsed() < Duration::from_secs(5)
         {
         }
-        h.ready_mark().unwrap();
+        h.ready_poll_q().unwrap();
         spin_poll(&receiver, 1);
         assert_eq!(rbuf.read_u64(0).unwrap(), v);
-        h.ready().unwrap();
+        // Done with the data, but not queued: the next put lands unpolled.
+        h.ready_mark().unwrap();
     }
 }
 
@@ -277,7 +287,7 @@ fn reassociation_after_deassociate_is_detected() {
         let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
         for it in 0..5u64 {
             sbuf.write_u64(0, round * 100 + it).unwrap();
-            h.ready_mark().unwrap();
+            h.ready_poll_q().unwrap();
             let start = std::time::Instant::now();
             while let Err(ChannelError::Busy) = sh.put() {
                 receiver.progress().unwrap();
@@ -304,7 +314,7 @@ fn reused_handle_slot_ignores_the_old_association() {
     let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
     let stale = sender.assoc_local_buffer(&old.desc().unwrap(), sbuf.local().unwrap()).unwrap();
     sbuf.write_u64(0, 1).unwrap();
-    old.ready_mark().unwrap();
+    old.ready_poll_q().unwrap();
     stale.put().unwrap();
     spin_poll(&receiver, 1);
     old.ready().unwrap();
@@ -318,7 +328,7 @@ fn reused_handle_slot_ignores_the_old_association() {
         .create_handle(&new_buf, move |b| f2.lock().unwrap().push(b.read_u64(0).unwrap()), 0)
         .unwrap();
     assert_eq!(new.desc().unwrap().id, old_id, "the slot is reused");
-    new.ready_mark().unwrap();
+    new.ready_poll_q().unwrap();
     // The stale sender was readied once more: its put lands in the old buffer.
     sbuf.write_u64(0, 2).unwrap();
     let start = std::time::Instant::now();
@@ -342,4 +352,193 @@ fn reused_handle_slot_ignores_the_old_association() {
     spin_poll(&receiver, 1);
     assert_eq!(*fired.lock().unwrap(), vec![7]);
     assert_eq!(new_buf.read_u64(0).unwrap(), 7);
+}
+
+/// The CkDirect slides' receiver (`../shared/seeds/ckdirect-charm-rdma-put.txt`, "How does
+/// it work?", "Reducing Polling Overhead" and "The CkDirect API"), ported call by call: the
+/// receiver creates the handle, the sender associates its buffer and puts every iteration,
+/// the callback triggers the computation, and the receiver calls `CkDirect_readyMark` when
+/// done with the data and `CkDirect_readyPollQ` when it expects the next put (even
+/// iterations, the split scheme, with the next put completing in between: "can detect puts
+/// completed since readyMark"), or `CkDirect_ready` for both (odd iterations). Checks every
+/// iteration's data and that the sender is never stuck on `Busy`.
+#[test]
+fn ckdirect_receive_loop_ported_line_by_line() {
+    const ITERS: u64 = 40;
+    const SIZE: usize = 1024;
+    const STUCK: Duration = Duration::from_secs(10);
+    let pattern = |it: u64| -> Vec<u8> { (0..SIZE).map(|j| (it as usize * 31 + j * 7) as u8).collect() };
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender_ep, receiver_ep) = endpoints(&pd);
+    let (desc_tx, desc_rx) = std::sync::mpsc::channel::<[u8; HandleDesc::ENCODED_LEN]>();
+    let (put_tx, put_rx) = std::sync::mpsc::channel::<u64>();
+
+    let sender = {
+        let pd = pd.clone();
+        std::thread::spawn(move || {
+            let send_buf = pd.alloc_mr(SIZE, AccessFlags::LOCAL_WRITE).unwrap();
+            let desc = HandleDesc::decode(&desc_rx.recv().unwrap()).unwrap();
+            // CkDirect_assocLocalBuffer(&handle, sendBuf, sendBufSize);
+            let handle = sender_ep.assoc_local_buffer(&desc, send_buf.local().unwrap()).unwrap();
+            for it in 0..ITERS {
+                // The application's iteration boundary: the receiver is done with the last
+                // put. Here the ready word says so; a receiver that never said it would
+                // leave this loop stuck.
+                let start = std::time::Instant::now();
+                while !handle.is_ready().unwrap() {
+                    assert!(start.elapsed() < STUCK, "sender stuck before put {it}");
+                    std::thread::yield_now();
+                }
+                send_buf.write_at(0, &pattern(it)).unwrap();
+                // CkDirect_put(&handle);
+                handle.put().unwrap_or_else(|e| panic!("put {it} after is_ready: {e}"));
+                put_tx.send(it).unwrap();
+            }
+            handle
+        })
+    };
+
+    let recv_buf = pd.alloc_mr(SIZE, AccessFlags::ALL_REMOTE).unwrap();
+    let arrived = Arc::new(Mutex::new(Vec::new()));
+    let a2 = arrived.clone();
+    // void callback(void *callbackData): "trigger message from callback for real computation"
+    let callback = move |buf: &MemoryRegion| a2.lock().unwrap().push(buf.to_vec().unwrap());
+    let initial_value = f64::to_bits(-1.0);
+    // handle = CkDirect_createHandle(senderNode, recvBuf, recvBufSize, callback, callbackData, initialValue);
+    let handle = receiver_ep.create_handle(&recv_buf, callback, initial_value).unwrap();
+    desc_tx.send(handle.desc().unwrap().encode()).unwrap();
+    // CkDirect_readyPollQ(&handle): expect the first put.
+    handle.ready_poll_q().unwrap();
+    assert_eq!(put_rx.recv_timeout(STUCK).unwrap(), 0, "the sender is stuck");
+    for it in 0..ITERS {
+        // The scheduler's loop polls the ready handles and runs the callback.
+        let start = std::time::Instant::now();
+        while receiver_ep.ready_poll().unwrap() == 0 {
+            assert!(start.elapsed() < STUCK, "put {it} never detected");
+        }
+        // The computation the callback triggered: the data is this iteration's.
+        let data = arrived.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(data, pattern(it), "iteration {it}");
+        assert_eq!(handle.puts_seen(), it + 1);
+        if it % 2 == 0 {
+            // CkDirect_readyMark(&handle): done with the data, don't start polling yet.
+            handle.ready_mark().unwrap();
+            assert!(!handle.is_queued());
+            if it + 1 < ITERS {
+                // Meanwhile the sender, no longer Busy, puts the next iteration ...
+                assert_eq!(put_rx.recv_timeout(STUCK).unwrap(), it + 1, "the sender is stuck");
+                let start = std::time::Instant::now();
+                while recv_buf.to_vec().unwrap() != pattern(it + 1) {
+                    assert!(start.elapsed() < STUCK, "put {} never landed", it + 1);
+                }
+                // ... which nobody polls for yet.
+                assert_eq!(receiver_ep.ready_poll().unwrap(), 0);
+            }
+            // CkDirect_readyPollQ(&handle): data was already marked, start checking.
+            handle.ready_poll_q().unwrap();
+        } else {
+            // CkDirect_ready(&handle): done with the data, start checking.
+            handle.ready().unwrap();
+            assert!(handle.is_marked() && handle.is_queued());
+            if it + 1 < ITERS {
+                assert_eq!(put_rx.recv_timeout(STUCK).unwrap(), it + 1, "the sender is stuck");
+            }
+        }
+    }
+    let send_handle = sender.join().expect("sender");
+    assert_eq!(send_handle.puts(), ITERS);
+    assert!(send_handle.is_ready().unwrap(), "the last put was marked done");
+    assert_eq!(arrived.lock().unwrap().len() as u64, ITERS);
+}
+
+/// `ready_mark` with nothing new to mark touches nothing: a second call after the sender
+/// put again must not write the sentinel over the new put's data.
+#[test]
+fn a_second_ready_mark_does_not_clobber_the_next_put() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+    let h = receiver.create_handle(&rbuf, |_| {}, 0x5e5e).unwrap();
+    let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    h.ready_poll_q().unwrap();
+    sbuf.write_u64(8, 1).unwrap();
+    sh.put().unwrap();
+    spin_poll(&receiver, 1);
+    h.ready_mark().unwrap();
+    assert_eq!(rbuf.read_u64(8).unwrap(), 0x5e5e, "the sentinel is back");
+    let start = std::time::Instant::now();
+    while !sh.is_ready().unwrap() {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    sbuf.write_u64(8, 2).unwrap();
+    sh.put().unwrap();
+    while rbuf.read_u64(8).unwrap() != 2 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    h.ready_mark().unwrap();
+    h.ready().unwrap();
+    assert_eq!(rbuf.read_u64(8).unwrap(), 2, "a mark with nothing to mark wrote the sentinel");
+    spin_poll(&receiver, 1);
+    assert_eq!(rbuf.read_u64(8).unwrap(), 2);
+}
+
+/// Two threads in `ready_poll` at once: thread A runs the callback of put 1 (held there);
+/// the handle is marked and queued again, put 2 lands, and thread B polls. Put 2 must not
+/// count as seen while its callback cannot run (it is out, on thread A): it is seen, with
+/// its callback, by a poll after A's callback returned.
+#[test]
+fn concurrent_ready_poll_never_counts_a_put_without_its_callback() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rbuf = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let c2 = calls.clone();
+    let h = receiver
+        .create_handle(
+            &rbuf,
+            move |b| {
+                let v = b.read_u64(0).unwrap();
+                c2.lock().unwrap().push(v);
+                if v == 1 {
+                    entered_tx.send(()).unwrap();
+                    release_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+                }
+            },
+            0,
+        )
+        .unwrap();
+    let sbuf = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    h.ready_poll_q().unwrap();
+    sbuf.write_u64(0, 1).unwrap();
+    sh.put().unwrap();
+    let a = {
+        let receiver = receiver.clone();
+        std::thread::spawn(move || spin_poll(&receiver, 1))
+    };
+    entered_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    // A is inside put 1's callback. The receiver is done with put 1 and expects put 2.
+    h.ready().unwrap();
+    let start = std::time::Instant::now();
+    while !sh.is_ready().unwrap() {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    sbuf.write_u64(0, 2).unwrap();
+    sh.put().unwrap();
+    while rbuf.read_u64(0).unwrap() != 2 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    // Thread B (this one) polls while A's callback is out.
+    for _ in 0..100 {
+        assert_eq!(receiver.ready_poll().unwrap(), 0);
+    }
+    assert_eq!(h.puts_seen(), 1, "put 2 counted as seen while its callback could not run");
+    release_tx.send(()).unwrap();
+    assert_eq!(a.join().unwrap(), 1);
+    assert_eq!(spin_poll(&receiver, 1), 1, "put 2's callback");
+    assert_eq!(*calls.lock().unwrap(), vec![1, 2]);
+    assert_eq!(h.puts_seen(), 2);
 }

@@ -162,8 +162,8 @@ pub fn put_lat(a: &Side, b: &Side, p: &Params, bar: &ProgressBar) -> Result<Meas
     };
     let mut lat = Vec::with_capacity(p.iters as usize);
     for i in 0..p.iters {
-        hb.ready_mark().map_err(chan)?;
-        ha.ready_mark().map_err(chan)?;
+        hb.ready_poll_q().map_err(chan)?;
+        ha.ready_poll_q().map_err(chan)?;
         let t = Instant::now();
         put(&to_b, &ea)?;
         wait(&eb)?;
