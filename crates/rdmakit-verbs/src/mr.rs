@@ -31,7 +31,11 @@ pub(crate) struct HostBuffer {
 
 enum Owner {
     Alloc(Layout),
-    Vec { cap: usize },
+    Vec {
+        cap: usize,
+    },
+    /// Memory the caller owns ([`ProtectionDomain::register_raw`]): never freed here.
+    External,
 }
 
 // SAFETY: the buffer is plain heap memory owned by this value; its bytes are accessed only
@@ -92,6 +96,24 @@ impl HostBuffer {
         Ok(HostBuffer { ptr, len, owner: Owner::Vec { cap } })
     }
 
+    /// Memory the caller owns and vouches for (see [`ProtectionDomain::register_raw`]): an
+    /// 8-aligned address and a length that is a whole number of 8-byte words, so the
+    /// `shared_mem` padding invariant holds with no padding.
+    fn external(ptr: NonNull<u8>, len: usize) -> Result<HostBuffer> {
+        if len == 0 || len % 8 != 0 || ptr.as_ptr() as usize % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "raw registration of {len} bytes at {ptr:p}: needs an 8-byte-aligned address and a \
+                 non-zero multiple of 8 bytes"
+            )));
+        }
+        if isize::try_from(len).is_err() || (ptr.as_ptr() as usize).checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "raw registration of {len} bytes wraps the address space"
+            )));
+        }
+        Ok(HostBuffer { ptr, len, owner: Owner::External })
+    }
+
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -112,6 +134,14 @@ impl HostBuffer {
                 unsafe { std::alloc::dealloc(me.ptr.as_ptr(), layout) };
                 v
             }
+            Owner::External => {
+                let mut v = vec![0u8; me.len];
+                // SAFETY: valid for `len` bytes per `register_raw`'s contract; `v` is private.
+                unsafe {
+                    shared_mem::copy(Src::Shared(me.ptr.as_ptr()), Dst::Private(v.as_mut_ptr()), me.len)
+                };
+                v
+            }
         }
     }
 }
@@ -123,6 +153,8 @@ impl Drop for HostBuffer {
             Owner::Alloc(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
             // SAFETY: the parts of a `Vec<u8>` taken apart in `from_vec`.
             Owner::Vec { cap } => drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap) }),
+            // The caller's memory: theirs to free, after this registration is gone.
+            Owner::External => {}
         }
     }
 }
@@ -249,6 +281,17 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
         }
         MemoryRegion::register_host(pd, HostBuffer::alloc(len)?, access)
+    }
+
+    /// # Safety
+    /// See [`ProtectionDomain::register_raw`].
+    pub(crate) unsafe fn from_raw(
+        pd: &ProtectionDomain,
+        ptr: NonNull<u8>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        MemoryRegion::register_host(pd, HostBuffer::external(ptr, len)?, access)
     }
 
     pub(crate) fn from_vec(pd: &ProtectionDomain, v: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
@@ -562,6 +605,11 @@ impl MemoryRegion {
     pub fn is_unique(&self) -> bool {
         // No `Weak` to a region is ever made, so a count of 1 cannot grow behind our back.
         Arc::strong_count(&self.inner) == 1
+    }
+
+    /// True if `other` is a handle of the same registration (a clone of this one).
+    pub fn same_registration(&self, other: &MemoryRegion) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Deregisters the region and gives its bytes back (the original vector when it was

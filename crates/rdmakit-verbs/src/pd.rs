@@ -86,6 +86,30 @@ impl ProtectionDomain {
         MemoryRegion::from_vec(self, bytes, access)
     }
 
+    /// Registers memory the caller owns (`ibv_reg_mr` on `addr..addr + len`), for buffers that
+    /// rdmakit did not allocate: an application's I/O buffers, a registration cache's ranges
+    /// (see `rdmakit_memory::xgvmi::RangeCache`). The region never frees the memory.
+    ///
+    /// `addr` must be 8-byte aligned and `len` a non-zero multiple of 8
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise): the soft NIC and the
+    /// region's copy calls move whole aligned words.
+    ///
+    /// # Safety
+    /// - `addr..addr + len` is allocated, readable and writable, and stays so until this region
+    ///   and every clone of it (including those held by in-flight work requests) is dropped.
+    /// - While the region exists, that memory is read and written only through rdmakit (the
+    ///   region's copy calls) or by the NIC and the peers given its rkey: no Rust reference to
+    ///   it may exist and no other code may access it, since a peer may write it at any time.
+    pub unsafe fn register_raw(
+        &self,
+        addr: std::ptr::NonNull<u8>,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: forwarded contract.
+        unsafe { MemoryRegion::from_raw(self, addr, len, access) }
+    }
+
     /// Registers `len` bytes of device memory from `offset`, zero-based
     /// (`ibv_reg_dm_mr` with `IBV_ACCESS_ZERO_BASED`): peers address it from 0.
     #[doc(alias = "ibv_reg_dm_mr")]

@@ -28,8 +28,19 @@
 //!   taken back, and which the shared alias no longer reaches) is refused, and an import held
 //!   across the re-bind fails [`AliasCache::check_current`] instead of writing into the next
 //!   export's buffer.
-//! - a [`RegistrationCache`] lets short-lived buffers reuse registrations, the case where
-//!   the pool pays off (a buffer per iteration, exported each time).
+//! - a [`RangeCache`] registers the application's own buffers by address range, as UCX's
+//!   rcache that the talk reuses on host and DPU: a lookup inside a cached registration is a
+//!   hit (an ordered-map lookup and a reference count), a miss registers the range merged
+//!   with the cached registrations it overlaps or touches, idle registrations are evicted
+//!   least recently used beyond a byte limit, and [`RangeCache::invalidate`] is the rule for
+//!   memory about to be freed or remapped. Export a cached range by passing its
+//!   [`RangeRegistration::region`] to [`UmrMkeyPool::export`] (the whole cached
+//!   registration is exported; its [`offset`](RangeRegistration::offset) says where the
+//!   range starts). Heap rings and pipe rings are rdmakit's own allocations, so they need no
+//!   cache.
+//! - a [`RegistrationCache`] lets short-lived buffers rdmakit allocates reuse registrations
+//!   by size class, the case where the pool pays off (a buffer per iteration, exported each
+//!   time).
 //!
 //! The pool and the cache are generic over the device operations ([`HostKeyOps`],
 //! [`AliasOps`]), so their logic is tested apart from any device; [`HostFunction`] and
@@ -50,4 +61,6 @@ pub use alias::{AliasCache, AliasOps, AliasStats, ImportedAlias};
 pub use device::{DpuFunction, HostFunction};
 pub use packed::{PackedKey, PackedKeyError};
 pub use pool::{Export, HostKeyOps, PoolConfig, PoolStats, UmrMkeyPool};
-pub use regcache::{CachedRegion, RegCacheStats, RegistrationCache};
+pub use regcache::{
+    CachedRegion, RangeCache, RangeCacheStats, RangeRegistration, RegCacheStats, RegistrationCache,
+};

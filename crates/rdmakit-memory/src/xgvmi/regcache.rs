@@ -148,3 +148,288 @@ impl Drop for CachedRegion {
         map.entry(size.trailing_zeros()).or_default().push(region);
     }
 }
+
+/// Counters of a [`RangeCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RangeCacheStats {
+    /// Lookups served by a cached registration covering the whole range.
+    pub hits: u64,
+    /// Lookups that registered (possibly merging cached neighbours).
+    pub misses: u64,
+    /// Cached registrations folded into a larger one because the new range overlapped or
+    /// touched them.
+    pub merged: u64,
+    /// Idle registrations dropped to stay under the byte limit (least recently used first).
+    pub evicted: u64,
+    /// Registrations removed by [`RangeCache::invalidate`].
+    pub invalidated: u64,
+    /// Registrations in the cache now (in use or idle).
+    pub entries: u64,
+    /// Bytes of idle registrations (nobody holds them) in the cache now.
+    pub idle_bytes: u64,
+}
+
+struct RangeEntry {
+    end: u64,
+    region: MemoryRegion,
+    users: usize,
+    last_used: u64,
+}
+
+struct RangeState {
+    /// Registrations by start address; they never overlap each other.
+    map: std::collections::BTreeMap<u64, RangeEntry>,
+    clock: u64,
+    stats: RangeCacheStats,
+}
+
+struct RangeShared {
+    pd: ProtectionDomain,
+    access: AccessFlags,
+    max_idle_bytes: u64,
+    state: Mutex<RangeState>,
+}
+
+/// A registration cache over memory the application owns, by address range, as UCX's rcache
+/// (the seed talk reuses it on the host and the DPU): [`register`](Self::register) finds a
+/// cached registration covering the range (a hit is an ordered-map lookup and a reference
+/// count), or registers the range, merged with every cached registration it overlaps or
+/// touches, so that later lookups of the neighbourhood hit. Registrations nobody holds stay
+/// cached up to a byte limit and are evicted least recently used first.
+///
+/// # Memory that is freed or remapped
+/// The cache cannot see the application free or `munmap` memory. The rule, which
+/// [`register`](Self::register)'s safety contract states: before memory that was registered
+/// through the cache is freed, remapped or handed to code that touches it directly, call
+/// [`invalidate`](Self::invalidate) on its range and drop every [`RangeRegistration`] for
+/// it. Invalidation removes the cached registrations at once; one still held by a
+/// registration handle (or an in-flight work request) is deregistered when the last holder
+/// lets go.
+///
+/// ```
+/// use rdmakit_memory::xgvmi::RangeCache;
+/// use rdmakit_verbs::{AccessFlags, Context};
+/// let pd = Context::open_soft().alloc_pd()?;
+/// let cache = RangeCache::new(&pd, AccessFlags::ALL_REMOTE, 1 << 20);
+/// let mut buf = vec![0u64; 1024]; // the application's memory (8-byte aligned)
+/// let base = std::ptr::NonNull::new(buf.as_mut_ptr().cast::<u8>()).unwrap();
+/// // SAFETY: `buf` outlives the cache's registrations of it (invalidated below) and is not
+/// // touched directly meanwhile.
+/// let r = unsafe { cache.register(base, 8192)? };
+/// r.region().write_at(r.offset(), b"hello!!!")?;
+/// let again = unsafe { cache.register(base.add(8), 64)? }; // inside: a hit
+/// assert_eq!(cache.stats().hits, 1);
+/// drop((r, again));
+/// cache.invalidate(base.as_ptr() as u64, 8192);
+/// assert_eq!(&buf[0].to_ne_bytes(), b"hello!!!");
+/// # Ok::<(), rdmakit_verbs::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct RangeCache {
+    shared: Arc<RangeShared>,
+}
+
+/// A range registered through a [`RangeCache`]: the cached registration covering it, and
+/// where the range starts in it. Dropping it lets the cache keep or evict the registration.
+pub struct RangeRegistration {
+    region: MemoryRegion,
+    start: u64,
+    offset: u64,
+    len: u64,
+    cache: Arc<RangeShared>,
+}
+
+impl RangeCache {
+    /// A cache of registrations on `pd` with `access`, keeping at most `max_idle_bytes` of
+    /// registrations nobody holds.
+    pub fn new(pd: &ProtectionDomain, access: AccessFlags, max_idle_bytes: u64) -> Self {
+        RangeCache {
+            shared: Arc::new(RangeShared {
+                pd: pd.clone(),
+                access,
+                max_idle_bytes,
+                state: Mutex::new(RangeState {
+                    map: std::collections::BTreeMap::new(),
+                    clock: 0,
+                    stats: RangeCacheStats::default(),
+                }),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RangeState> {
+        // Every update leaves the map consistent before it can panic: usable after a poison.
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A registration covering `addr..addr + len`: cached if one covers it, else a new one
+    /// spanning the range and every cached registration it overlaps or touches. `addr` and
+    /// `len` must be multiples of 8 (see [`ProtectionDomain::register_raw`]).
+    ///
+    /// # Safety
+    /// `addr..addr + len` is memory the caller owns that is allocated, readable and writable,
+    /// and stays so, untouched by any code but rdmakit and the NIC (no Rust references to it),
+    /// until the caller has called [`invalidate`](Self::invalidate) on it (or dropped the
+    /// cache) **and** dropped every [`RangeRegistration`] and work request using it. This is
+    /// [`ProtectionDomain::register_raw`]'s contract, extended to the cache's lifetime: an idle
+    /// cached registration still lets the NIC and peers reach the memory.
+    pub unsafe fn register(&self, addr: std::ptr::NonNull<u8>, len: usize) -> Result<RangeRegistration> {
+        let start = addr.as_ptr() as u64;
+        let end = start.checked_add(len as u64).filter(|_| len > 0).ok_or_else(|| {
+            Error::InvalidArgument(format!("range of {len} bytes at {start:#x} is empty or wraps"))
+        })?;
+        let mut st = self.lock();
+        st.clock += 1;
+        let now = st.clock;
+        // The registration starting at or before `start`, if it reaches `end`: a hit.
+        if let Some((&s, e)) = st.map.range_mut(..=start).next_back() {
+            if e.end >= end {
+                e.users += 1;
+                e.last_used = now;
+                let region = e.region.clone();
+                if e.users == 1 {
+                    st.stats.idle_bytes -= e.end - s;
+                }
+                st.stats.hits += 1;
+                return Ok(self.handle(region, s, start, len as u64));
+            }
+        }
+        // A miss: fold in every cached registration that overlaps or touches the range (they
+        // are contiguous with it, so the union has no byte the caller did not vouch for).
+        let (mut lo, mut hi) = (start, end);
+        let neighbours: Vec<u64> =
+            st.map.range(..=end).rev().take_while(|(_, e)| e.end >= start).map(|(&s, _)| s).collect();
+        let mut folded = Vec::with_capacity(neighbours.len());
+        for s in neighbours {
+            let e = st.map.remove(&s).expect("listed above");
+            lo = lo.min(s);
+            hi = hi.max(e.end);
+            if e.users == 0 {
+                st.stats.idle_bytes -= e.end - s;
+            }
+            st.stats.merged += 1;
+            folded.push(e.region);
+        }
+        st.stats.misses += 1;
+        let base =
+            std::ptr::NonNull::new(lo as *mut u8).expect("a range start inside the caller's allocation");
+        // SAFETY: every byte of lo..hi lies in a range some caller registered under this
+        // contract (this one, or a folded neighbour, contiguous with it), none invalidated.
+        let region = unsafe { self.shared.pd.register_raw(base, (hi - lo) as usize, self.shared.access) };
+        let region = match region {
+            Ok(r) => r,
+            Err(e) => {
+                st.stats.entries = st.map.len() as u64;
+                return Err(e);
+            }
+        };
+        st.map.insert(lo, RangeEntry { end: hi, region: region.clone(), users: 1, last_used: now });
+        st.stats.entries = st.map.len() as u64;
+        drop(st);
+        drop(folded); // deregistered outside the lock, once nobody else holds them
+        Ok(self.handle(region, lo, start, len as u64))
+    }
+
+    fn handle(&self, region: MemoryRegion, entry_start: u64, start: u64, len: u64) -> RangeRegistration {
+        RangeRegistration {
+            region,
+            start: entry_start,
+            offset: start - entry_start,
+            len,
+            cache: self.shared.clone(),
+        }
+    }
+
+    /// Removes every cached registration overlapping `addr..addr + len` (call it before that
+    /// memory is freed or remapped). Ones still held are deregistered when released. Returns
+    /// how many were removed.
+    pub fn invalidate(&self, addr: u64, len: u64) -> usize {
+        let end = addr.saturating_add(len);
+        let mut st = self.lock();
+        let hit: Vec<u64> =
+            st.map.range(..end).rev().take_while(|(_, e)| e.end > addr).map(|(&s, _)| s).collect();
+        let mut removed = Vec::with_capacity(hit.len());
+        for s in &hit {
+            let e = st.map.remove(s).expect("listed above");
+            if e.users == 0 {
+                st.stats.idle_bytes -= e.end - s;
+            }
+            removed.push(e.region);
+        }
+        st.stats.invalidated += hit.len() as u64;
+        st.stats.entries = st.map.len() as u64;
+        drop(st);
+        drop(removed);
+        hit.len()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> RangeCacheStats {
+        self.lock().stats
+    }
+}
+
+impl RangeRegistration {
+    /// The registration (it may cover more than this range: use [`offset`](Self::offset)).
+    pub fn region(&self) -> &MemoryRegion {
+        &self.region
+    }
+
+    /// Where this range starts in [`region`](Self::region).
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The range's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: ranges have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A local slice of exactly this range, for work requests.
+    pub fn local(&self) -> Result<rdmakit_verbs::LocalSlice> {
+        let len = u32::try_from(self.len).map_err(|_| Error::InvalidArgument("range over 4 GiB".into()))?;
+        self.region.slice(self.offset, len)
+    }
+
+    /// The descriptor of exactly this range, for a peer.
+    pub fn remote(&self) -> Result<rdmakit_verbs::RemoteRegion> {
+        let r = self.region.remote();
+        Ok(rdmakit_verbs::RemoteRegion { addr: r.addr + self.offset, len: self.len, rkey: r.rkey })
+    }
+}
+
+impl Drop for RangeRegistration {
+    fn drop(&mut self) {
+        let mut st = self.cache.state.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = {
+            let Some(e) = st.map.get_mut(&self.start) else { return };
+            // An invalidated and re-registered range may start here too: only ours counts.
+            if !e.region.same_registration(&self.region) {
+                return;
+            }
+            e.users -= 1;
+            (e.users == 0).then_some(e.end - self.start)
+        };
+        let Some(bytes) = idle else { return };
+        st.stats.idle_bytes += bytes;
+        let mut evicted = Vec::new();
+        while st.stats.idle_bytes > self.cache.max_idle_bytes {
+            let Some((&s, _)) = st.map.iter().filter(|(_, e)| e.users == 0).min_by_key(|(_, e)| e.last_used)
+            else {
+                break;
+            };
+            let e = st.map.remove(&s).expect("found above");
+            st.stats.idle_bytes -= e.end - s;
+            st.stats.evicted += 1;
+            evicted.push(e.region);
+        }
+        st.stats.entries = st.map.len() as u64;
+        drop(st);
+        drop(evicted); // deregistered outside the lock
+    }
+}

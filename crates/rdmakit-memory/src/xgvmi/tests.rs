@@ -432,3 +432,74 @@ fn pool_and_cache_on_the_soft_nic() {
         .unwrap();
     assert_eq!(dcq.wait(wait).unwrap().status, WcStatus::LOC_PROT_ERR);
 }
+
+/// The range cache over memory the test owns: hits inside a cached range, merging of
+/// overlapping and touching ranges, eviction of idle registrations by size (least recently
+/// used first), invalidation, and a peer's write landing in the application's own buffer.
+#[test]
+fn range_cache_registers_the_applications_memory() {
+    use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr};
+    use std::ptr::NonNull;
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    // 64 KiB of the application's memory, as u64 words (8-byte aligned).
+    let mut app = vec![0u64; 8192];
+    let base = app.as_mut_ptr().cast::<u8>();
+    let at = |off: usize| NonNull::new(base.wrapping_add(off)).unwrap();
+    let cache = RangeCache::new(&pd, AccessFlags::ALL_REMOTE, 8 << 10);
+    let reg = |off: usize, len: usize| {
+        // SAFETY: `app` lives until after the final `invalidate`, and is not touched directly
+        // while any of it is registered (the test reads it only at the end).
+        unsafe { cache.register(at(off), len) }
+    };
+    {
+        let a = reg(0, 4096).unwrap();
+        let inside = reg(512, 64).unwrap();
+        assert!(inside.region().same_registration(a.region()));
+        assert_eq!((inside.offset(), inside.len()), (512, 64));
+        let s = cache.stats();
+        assert_eq!((s.hits, s.misses, s.entries), (1, 1, 1));
+        // Overlapping the end of [0, 4096): one registration [0, 6144) replaces it.
+        let b = reg(3072, 3072).unwrap();
+        assert_eq!((b.offset(), b.region().len()), (3072, 6144));
+        let s = cache.stats();
+        assert_eq!((s.misses, s.merged, s.entries), (2, 1, 1));
+        // A range touching it ([6144, 8192)) merges too: no gap, so no byte nobody vouched for.
+        let c = reg(6144, 2048).unwrap();
+        assert_eq!((c.offset(), c.region().len()), (6144, 8192));
+        // Now a range anywhere in [0, 8192) hits, and the old handles still work.
+        let d = reg(100 * 8, 8).unwrap();
+        assert!(d.region().same_registration(c.region()));
+        a.region().write_at(a.offset() + 8, &7u64.to_ne_bytes()).unwrap();
+
+        // A peer writes into the application's buffer through the cached registration.
+        let cq = ctx.create_cq(4).unwrap();
+        let (qa, qb) = (
+            pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+            pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+        );
+        qa.connect(&qb.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+        qb.connect(&qa.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+        let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write_u64(0, 0xfeed).unwrap();
+        qa.post_send(SendWr::write(src.local().unwrap(), d.remote().unwrap().slice(0, 8).unwrap())).unwrap();
+        cq.wait(Some(std::time::Duration::from_secs(5))).unwrap().ok().unwrap();
+    }
+    // Everything released: the merged registration (8 KiB) is idle and within the limit.
+    assert_eq!(cache.stats().idle_bytes, 8192);
+    // Two more disjoint idle ranges push it over 8 KiB: least recently used first.
+    for off in [16384, 24576] {
+        drop(reg(off, 4096).unwrap());
+    }
+    let s = cache.stats();
+    assert_eq!((s.evicted, s.entries, s.idle_bytes), (1, 2, 8192), "{s:?}");
+    // Invalidation before the memory goes away.
+    assert_eq!(cache.invalidate(base as u64, 64 << 10), 2);
+    assert_eq!(cache.stats().entries, 0);
+    // No registration is left: the application reads its own buffer again.
+    assert_eq!(app[1], 7);
+    assert_eq!(app[100], 0xfeed);
+    // Unaligned ranges are refused, not registered.
+    let odd = reg(3, 8);
+    assert!(matches!(odd, Err(rdmakit_verbs::Error::InvalidArgument(_))));
+}
