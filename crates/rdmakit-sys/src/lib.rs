@@ -376,6 +376,7 @@ mod tests {
     /// header or libclang that lays a struct out differently fails here, not on a NIC.
     #[test]
     fn generated_verbs_layouts_match_the_c_compiler() {
+        println!("bindings made with libclang {}", crate::LIBCLANG);
         let rust: [usize; 47] = [
             size_of::<ibv_gid>(),
             size_of::<ibv_sge>(),
