@@ -31,7 +31,7 @@
 //! - a [`RangeCache`] registers the application's own buffers by address range, as UCX's
 //!   rcache that the talk reuses on host and DPU: a lookup inside a cached registration is a
 //!   hit (an ordered-map lookup and a reference count), a miss registers the range merged
-//!   with the cached registrations it overlaps or touches, idle registrations are evicted
+//!   with the cached registrations it overlaps, idle registrations are evicted
 //!   least recently used beyond a byte limit, and [`RangeCache::invalidate`] is the rule for
 //!   memory about to be freed or remapped. Export a cached range by passing its
 //!   [`RangeRegistration::region`] to [`UmrMkeyPool::export`] (the whole cached

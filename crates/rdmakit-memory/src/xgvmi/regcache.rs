@@ -156,8 +156,7 @@ pub struct RangeCacheStats {
     pub hits: u64,
     /// Lookups that registered (possibly merging cached neighbours).
     pub misses: u64,
-    /// Cached registrations folded into a larger one because the new range overlapped or
-    /// touched them.
+    /// Cached registrations folded into a larger one because the new range overlapped them.
     pub merged: u64,
     /// Idle registrations dropped to stay under the byte limit (least recently used first).
     pub evicted: u64,
@@ -193,8 +192,9 @@ struct RangeShared {
 /// A registration cache over memory the application owns, by address range, as UCX's rcache
 /// (the seed talk reuses it on the host and the DPU): [`register`](Self::register) finds a
 /// cached registration covering the range (a hit is an ordered-map lookup and a reference
-/// count), or registers the range, merged with every cached registration it overlaps or
-/// touches, so that later lookups of the neighbourhood hit. Registrations nobody holds stay
+/// count), or registers the range, merged with every cached registration it overlaps, so
+/// that later lookups of the neighbourhood hit. (Ranges that only touch stay apart: they may
+/// be two allocations, which one registration must not span.) Registrations nobody holds stay
 /// cached up to a byte limit and are evicted least recently used first.
 ///
 /// # Memory that is freed or remapped
@@ -263,7 +263,7 @@ impl RangeCache {
     }
 
     /// A registration covering `addr..addr + len`: cached if one covers it, else a new one
-    /// spanning the range and every cached registration it overlaps or touches. `addr` and
+    /// spanning the range and every cached registration it overlaps. `addr` and
     /// `len` must be multiples of 8 (see [`ProtectionDomain::register_raw`]).
     ///
     /// # Safety
@@ -294,11 +294,13 @@ impl RangeCache {
                 return Ok(self.handle(region, s, start, len as u64));
             }
         }
-        // A miss: fold in every cached registration that overlaps or touches the range (they
-        // are contiguous with it, so the union has no byte the caller did not vouch for).
+        // A miss: fold in every cached registration that overlaps the range. Overlapping
+        // ranges share bytes, so they lie in the same allocation as this one: the union is
+        // one allocation's memory, every byte of it vouched for. Merely touching ranges may be
+        // two adjacent allocations, which no one pointer may span: they stay apart.
         let (mut lo, mut hi) = (start, end);
         let neighbours: Vec<u64> =
-            st.map.range(..=end).rev().take_while(|(_, e)| e.end >= start).map(|(&s, _)| s).collect();
+            st.map.range(..end).rev().take_while(|(_, e)| e.end > start).map(|(&s, _)| s).collect();
         let mut folded = Vec::with_capacity(neighbours.len());
         for s in neighbours {
             let e = st.map.remove(&s).expect("listed above");
@@ -311,10 +313,13 @@ impl RangeCache {
             folded.push(e.region);
         }
         st.stats.misses += 1;
-        let base =
-            std::ptr::NonNull::new(lo as *mut u8).expect("a range start inside the caller's allocation");
-        // SAFETY: every byte of lo..hi lies in a range some caller registered under this
-        // contract (this one, or a folded neighbour, contiguous with it), none invalidated.
+        // The caller's pointer, moved to the union's start: it keeps the provenance of the
+        // caller's allocation, which holds the whole union (see above).
+        let base = std::ptr::NonNull::new(addr.as_ptr().with_addr(lo as usize))
+            .expect("a range start inside the caller's allocation");
+        // SAFETY: every byte of lo..hi lies in one allocation, in ranges some caller
+        // registered under this contract (this one, or folded neighbours overlapping it),
+        // none invalidated.
         let region = unsafe { self.shared.pd.register_raw(base, (hi - lo) as usize, self.shared.access) };
         let region = match region {
             Ok(r) => r,

@@ -464,12 +464,17 @@ fn range_cache_registers_the_applications_memory() {
         assert_eq!((b.offset(), b.region().len()), (3072, 6144));
         let s = cache.stats();
         assert_eq!((s.misses, s.merged, s.entries), (2, 1, 1));
-        // A range touching it ([6144, 8192)) merges too: no gap, so no byte nobody vouched for.
+        // A range only touching it ([6144, 8192)) stays apart: it could be another allocation.
         let c = reg(6144, 2048).unwrap();
-        assert_eq!((c.offset(), c.region().len()), (6144, 8192));
-        // Now a range anywhere in [0, 8192) hits, and the old handles still work.
+        assert_eq!((c.offset(), c.region().len()), (0, 2048));
+        assert_eq!(cache.stats().entries, 2);
         let d = reg(100 * 8, 8).unwrap();
-        assert!(d.region().same_registration(c.region()));
+        assert!(d.region().same_registration(b.region()), "inside [0, 6144): a hit");
+        // A range overlapping both folds them into one registration, [0, 8192).
+        let e = reg(6000, 200).unwrap();
+        assert_eq!((e.offset(), e.region().len()), (6000, 8192));
+        let s = cache.stats();
+        assert_eq!((s.merged, s.entries), (3, 1));
         a.region().write_at(a.offset() + 8, &7u64.to_ne_bytes()).unwrap();
 
         // A peer writes into the application's buffer through the cached registration.
