@@ -214,6 +214,7 @@ test)
     export RDMAKIT_SYS_VERBS=require
     if [ -z "${LIBCLANG_PATH:-}" ] && dir=$(default_libclang_dir); then export LIBCLANG_PATH=$dir; fi
     say "bindings: $(cargo build -vv -p rdmakit-sys 2>&1 | grep -o 'libclang .*' | head -n 1 || true)"
+    step "rust-version is the toolchain CI tests with" msrv_check
     step "cargo fmt --check" cargo fmt --all -- --check
     step "cargo clippy (all targets, -D warnings)" cargo clippy --workspace --all-targets -- -D warnings
     step "cargo test --workspace (soft provider; verbs where a device exists)" cargo test --workspace

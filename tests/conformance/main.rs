@@ -33,10 +33,10 @@ fn main() {
                 ProviderKind::Soft => None,
             }
             .or_else(|| fixture::requirement_unmet(provider, case.needs));
-            if let Some(reason) = &skip {
-                if provider == ProviderKind::Soft || verbs_skip.is_none() {
-                    eprintln!("conformance: {name} ignored: {reason}");
-                }
+            if let Some(reason) = &skip
+                && (provider == ProviderKind::Soft || verbs_skip.is_none())
+            {
+                eprintln!("conformance: {name} ignored: {reason}");
             }
             let run = case.run;
             let trial = Trial::test(name, move || {

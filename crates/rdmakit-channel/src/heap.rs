@@ -417,11 +417,11 @@ impl HeapEndpoint {
     pub fn recv_block(&mut self, heap: HeapId) -> Result<LandedBlock> {
         let deadline = Instant::now() + self.timeout;
         loop {
-            if let Some(owned) = self.owned.get_mut(&heap) {
-                if let Some(block) = owned.ready.pop_front() {
-                    owned.owner.consume(block.addr)?;
-                    return Ok(LandedBlock { heap, block });
-                }
+            if let Some(owned) = self.owned.get_mut(&heap)
+                && let Some(block) = owned.ready.pop_front()
+            {
+                owned.owner.consume(block.addr)?;
+                return Ok(LandedBlock { heap, block });
             }
             self.progress_until(deadline)?;
         }

@@ -368,10 +368,10 @@ impl PutEndpoint {
                 fired += 1;
                 inner.driver.with(|st| {
                     // Not if the callback destroyed the handle (and the slot was reused).
-                    if let Some(Some(e)) = st.recv.get_mut(id as usize) {
-                        if e.incarnation == incarnation {
-                            e.callback = Some(cb);
-                        }
+                    if let Some(Some(e)) = st.recv.get_mut(id as usize)
+                        && e.incarnation == incarnation
+                    {
+                        e.callback = Some(cb);
                     }
                 });
             }
@@ -423,11 +423,11 @@ impl Inner {
             }
             Message::Deassoc { handle, epoch } => {
                 // Only the current association's: a late one must not end a newer one.
-                if let Some(e) = st.recv.get_mut(handle as usize).and_then(Option::as_mut) {
-                    if e.epoch == Some(epoch) {
-                        e.sender_ready = None;
-                        e.epoch = None;
-                    }
+                if let Some(e) = st.recv.get_mut(handle as usize).and_then(Option::as_mut)
+                    && e.epoch == Some(epoch)
+                {
+                    e.sender_ready = None;
+                    e.epoch = None;
                 }
             }
             other => tracing::warn!(message = ?other, "put endpoint: ignoring a message of another protocol"),

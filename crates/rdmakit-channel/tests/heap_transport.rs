@@ -276,11 +276,11 @@ fn unsolicited_answers_are_bounded() {
     for i in 0..1100 {
         raw.post_send(SendWr::send_inline(&freed)).unwrap();
         assert!(ca.wait(Some(T)).unwrap().status.is_success());
-        if i % 16 == 15 {
-            if let Err(e) = ep.poll_messages() {
-                err = Some(e);
-                break;
-            }
+        if i % 16 == 15
+            && let Err(e) = ep.poll_messages()
+        {
+            err = Some(e);
+            break;
         }
     }
     let err = err.or_else(|| ep.poll_messages().err()).expect("1100 unasked answers must be refused");

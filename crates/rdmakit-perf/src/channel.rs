@@ -178,7 +178,7 @@ pub fn put_lat(a: &Side, b: &Side, p: &Params, bar: &ProgressBar) -> Result<Meas
 }
 
 fn tick(bar: &ProgressBar, i: u32) {
-    if i % 1024 == 0 {
+    if i.is_multiple_of(1024) {
         bar.set_position(u64::from(i));
     }
 }

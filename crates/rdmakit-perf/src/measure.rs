@@ -560,7 +560,7 @@ fn peer_report(side: &Side) -> Result<Bw> {
 }
 
 fn tick(bar: &ProgressBar, i: u64) {
-    if i % 1024 == 0 {
+    if i.is_multiple_of(1024) {
         bar.set_position(i);
     }
 }

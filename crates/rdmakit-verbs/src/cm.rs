@@ -198,13 +198,13 @@ impl Listener {
             #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(_) => {
                 let l = crate::rdma::cm::CmListener::bind(addr, 64)?;
-                if let Some(dev) = l.device_name() {
-                    if dev != ctx.name() {
-                        return Err(Error::InvalidArgument(format!(
-                            "{addr} belongs to device {dev}, not {}",
-                            ctx.name()
-                        )));
-                    }
+                if let Some(dev) = l.device_name()
+                    && dev != ctx.name()
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "{addr} belongs to device {dev}, not {}",
+                        ctx.name()
+                    )));
                 }
                 ListenerBackend::Verbs(l)
             }
@@ -402,10 +402,10 @@ fn soft_accept(
     private_data: &[u8],
     wait: Option<Duration>,
 ) -> Result<Connection> {
-    if let Some(w) = wait {
-        if !wait_readable(l.as_raw_fd(), w)? {
-            return Err(Error::Timeout(w));
-        }
+    if let Some(w) = wait
+        && !wait_readable(l.as_raw_fd(), w)?
+    {
+        return Err(Error::Timeout(w));
     }
     let (mut s, _) = l.accept().map_err(io_err("accept"))?;
     let deadline = Instant::now() + opts.timeout;

@@ -84,7 +84,7 @@ impl HostBuffer {
         for b in &mut v.spare_capacity_mut()[..pad] {
             b.write(0);
         }
-        if v.as_ptr() as usize % 8 != 0 || v.capacity() % 8 != 0 {
+        if !(v.as_ptr() as usize).is_multiple_of(8) || !v.capacity().is_multiple_of(8) {
             let b = HostBuffer::alloc(v.len())?;
             // SAFETY: `b` is fresh and not yet shared; `v` is ours; `len` bytes each.
             unsafe { shared_mem::copy(Src::Private(v.as_ptr()), Dst::Shared(b.ptr()), v.len()) };
@@ -100,7 +100,7 @@ impl HostBuffer {
     /// 8-aligned address and a length that is a whole number of 8-byte words, so the
     /// `shared_mem` padding invariant holds with no padding.
     fn external(ptr: NonNull<u8>, len: usize) -> Result<HostBuffer> {
-        if len == 0 || len % 8 != 0 || ptr.as_ptr() as usize % 8 != 0 {
+        if len == 0 || !len.is_multiple_of(8) || !(ptr.as_ptr() as usize).is_multiple_of(8) {
             return Err(Error::InvalidArgument(format!(
                 "raw registration of {len} bytes at {ptr:p}: needs an 8-byte-aligned address and a \
                  non-zero multiple of 8 bytes"
@@ -557,7 +557,7 @@ impl MemoryRegion {
         match &self.inner.mem {
             MrMemory::Host(b) => {
                 let p = b.ptr().wrapping_add(offset as usize);
-                if p as usize % 8 != 0 {
+                if !(p as usize).is_multiple_of(8) {
                     return Err(Error::Unsupported("an acquire load needs an 8-aligned word".into()));
                 }
                 // SAFETY: `p .. p + 8` is inside the buffer (bounds checked above), which lives

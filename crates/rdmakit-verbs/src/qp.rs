@@ -56,7 +56,7 @@ pub(crate) struct QpInner {
     pd: ProtectionDomain,
     caps: QpCaps,
     qpn: u32,
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     psn: u32,
 }
 
@@ -250,12 +250,10 @@ impl QueuePair {
     }
 
     fn check_same_device(&self, wr_local: Option<&crate::mr::LocalSlice>) -> Result<()> {
-        if let Some(l) = wr_local {
-            if !Arc::ptr_eq(&l.mr.inner.pd.inner.ctx.inner, &self.inner.pd.inner.ctx.inner) {
-                return Err(Error::InvalidArgument(
-                    "the local buffer is registered on another device".into(),
-                ));
-            }
+        if let Some(l) = wr_local
+            && !Arc::ptr_eq(&l.mr.inner.pd.inner.ctx.inner, &self.inner.pd.inner.ctx.inner)
+        {
+            return Err(Error::InvalidArgument("the local buffer is registered on another device".into()));
         }
         Ok(())
     }
@@ -404,7 +402,7 @@ impl QueuePair {
     /// Sets the soft NIC connection tokens the soft bootstrap exchanged (`rx`: what the
     /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
     pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
-        #[cfg_attr(not(feature = "verbs"), allow(irrefutable_let_patterns))]
+        #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
         if let QpBackend::Soft(q) = &self.inner.backend {
             q.set_tokens(rx, tx);
         }

@@ -116,10 +116,10 @@ impl HeapOwner {
             Some(s) if s.rkey == b.rkey && s.base <= b.addr && end <= s.base + s.len => {}
             _ => return Err(invalid),
         }
-        if let Some((&addr, held)) = self.blocks.range(..end).next_back() {
-            if addr + held.len > b.addr {
-                return Err(HeapError::Conflict { addr: b.addr, len: b.len });
-            }
+        if let Some((&addr, held)) = self.blocks.range(..end).next_back()
+            && addr + held.len > b.addr
+        {
+            return Err(HeapError::Conflict { addr: b.addr, len: b.len });
         }
         let block = Block { len: b.len, seg: b.segment, state: OwnerBlockState::HandedOut };
         self.blocks.insert(b.addr, block);

@@ -18,14 +18,14 @@ impl SegmentTable {
     pub(crate) fn add(&mut self, seg: RemoteSegment, align: u64) -> Result<u32, HeapError> {
         let invalid = HeapError::InvalidSegment { base: seg.base, len: seg.len };
         let Some(end) = seg.end() else { return Err(invalid) };
-        if seg.len == 0 || seg.base % align != 0 || seg.len % align != 0 {
+        if seg.len == 0 || !seg.base.is_multiple_of(align) || !seg.len.is_multiple_of(align) {
             return Err(invalid);
         }
         let overlap = HeapError::SegmentOverlap { base: seg.base, len: seg.len };
-        if let Some((_, &i)) = self.by_base.range(..end).next_back() {
-            if self.segs[i as usize].base + self.segs[i as usize].len > seg.base {
-                return Err(overlap);
-            }
+        if let Some((_, &i)) = self.by_base.range(..end).next_back()
+            && self.segs[i as usize].base + self.segs[i as usize].len > seg.base
+        {
+            return Err(overlap);
         }
         let index = u32::try_from(self.segs.len()).map_err(|_| HeapError::TooManySegments)?;
         self.segs.push(seg);

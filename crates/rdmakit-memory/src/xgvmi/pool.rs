@@ -303,10 +303,10 @@ impl<O: HostKeyOps> Export<O> {
 
 impl<O: HostKeyOps> Drop for Export<O> {
     fn drop(&mut self) {
-        if let Some(pk) = self.key.take() {
-            if let Err(e) = self.pool.release_key(pk, self.pooled) {
-                tracing::warn!(error = %e, "UMR mkey pool: invalidation at release failed; key destroyed");
-            }
+        if let Some(pk) = self.key.take()
+            && let Err(e) = self.pool.release_key(pk, self.pooled)
+        {
+            tracing::warn!(error = %e, "UMR mkey pool: invalidation at release failed; key destroyed");
         }
     }
 }

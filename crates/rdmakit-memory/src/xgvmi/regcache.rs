@@ -282,17 +282,17 @@ impl RangeCache {
         st.clock += 1;
         let now = st.clock;
         // The registration starting at or before `start`, if it reaches `end`: a hit.
-        if let Some((&s, e)) = st.map.range_mut(..=start).next_back() {
-            if e.end >= end {
-                e.users += 1;
-                e.last_used = now;
-                let region = e.region.clone();
-                if e.users == 1 {
-                    st.stats.idle_bytes -= e.end - s;
-                }
-                st.stats.hits += 1;
-                return Ok(self.handle(region, s, start, len as u64));
+        if let Some((&s, e)) = st.map.range_mut(..=start).next_back()
+            && e.end >= end
+        {
+            e.users += 1;
+            e.last_used = now;
+            let region = e.region.clone();
+            if e.users == 1 {
+                st.stats.idle_bytes -= e.end - s;
             }
+            st.stats.hits += 1;
+            return Ok(self.handle(region, s, start, len as u64));
         }
         // A miss: fold in every cached registration that overlaps the range. Overlapping
         // ranges share bytes, so they lie in the same allocation as this one: the union is

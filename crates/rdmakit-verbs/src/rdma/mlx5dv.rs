@@ -441,7 +441,11 @@ fn get(b: &[u8], f: PrmField) -> u64 {
 
 /// Copies `bytes` into a byte-aligned field exactly its size (the 32-byte access keys).
 fn put_bytes(b: &mut [u8], f: PrmField, bytes: &[u8]) {
-    assert!(f.bit % 8 == 0 && f.width == bytes.len() * 8, "{f:?} is not {} whole bytes", bytes.len());
+    assert!(
+        f.bit.is_multiple_of(8) && f.width == bytes.len() * 8,
+        "{f:?} is not {} whole bytes",
+        bytes.len()
+    );
     b[f.bit / 8..f.bit / 8 + bytes.len()].copy_from_slice(bytes);
 }
 

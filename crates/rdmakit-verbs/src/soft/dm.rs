@@ -98,12 +98,12 @@ impl DmPool {
         let len = len.div_ceil(DM_ALIGN) * DM_ALIGN;
         let mut free = self.free.lock().expect("dm free list");
         let (mut start, mut size) = (off, len);
-        if let Some((&po, &pl)) = free.range(..off).next_back() {
-            if po + pl == off {
-                free.remove(&po);
-                start = po;
-                size += pl;
-            }
+        if let Some((&po, &pl)) = free.range(..off).next_back()
+            && po + pl == off
+        {
+            free.remove(&po);
+            start = po;
+            size += pl;
         }
         if let Some(&nl) = free.get(&(off + len)) {
             free.remove(&(off + len));

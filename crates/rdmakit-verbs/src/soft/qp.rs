@@ -1128,7 +1128,7 @@ impl SoftQp {
         let cell = match self.target(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
             // The NIC address and the host pointer must both be 8-aligned (a device-memory
             // region registered at an odd offset has aligned addresses but not pointers).
-            Ok((cell, entry)) if addr % 8 == 0 && cell as usize % 8 == 0 => (cell, entry),
+            Ok((cell, entry)) if addr.is_multiple_of(8) && (cell as usize).is_multiple_of(8) => (cell, entry),
             Ok(_) => {
                 self.responder_error(d);
                 return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
@@ -1162,10 +1162,10 @@ impl SoftQp {
     fn take_recv(&self, from: &Requester<'_>) -> Option<RawRecvWr> {
         let mut rq = self.rq.lock().expect("rq lock");
         let r = rq.posted.pop_front();
-        if let (None, Some(w)) = (&r, from.waiter) {
-            if !rq.rnr_waiters.iter().any(|x| x.ptr_eq(w)) {
-                rq.rnr_waiters.push(w.clone());
-            }
+        if let (None, Some(w)) = (&r, from.waiter)
+            && !rq.rnr_waiters.iter().any(|x| x.ptr_eq(w))
+        {
+            rq.rnr_waiters.push(w.clone());
         }
         r
     }

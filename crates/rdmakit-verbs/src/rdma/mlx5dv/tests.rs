@@ -214,20 +214,20 @@ type Consts = HashMap<String, usize>;
 fn constants(text: &str, t: &[String]) -> Consts {
     let mut c = Consts::new();
     for w in t.windows(3) {
-        if w[1] == "=" && w[2].starts_with(|ch: char| ch.is_ascii_digit()) {
-            if let Some(v) = parse_number(&w[2]) {
-                c.insert(w[0].clone(), v);
-            }
+        if w[1] == "="
+            && w[2].starts_with(|ch: char| ch.is_ascii_digit())
+            && let Some(v) = parse_number(&w[2])
+        {
+            c.insert(w[0].clone(), v);
         }
     }
     for line in text.lines() {
         let mut words = line.split_whitespace();
         if let (Some("#define"), Some(name), Some(v), None) =
             (words.next(), words.next(), words.next(), words.next())
+            && let Some(v) = parse_number(v)
         {
-            if let Some(v) = parse_number(v) {
-                c.insert(name.to_string(), v);
-            }
+            c.insert(name.to_string(), v);
         }
     }
     c
