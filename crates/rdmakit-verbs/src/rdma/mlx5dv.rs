@@ -528,31 +528,64 @@ impl Mkey {
     }
 }
 
-/// An mkey alias object (`CREATE_GENERAL_OBJECT` of type MKEY with `alias_object` set).
-pub(crate) struct Alias {
+/// A DEVX object (`mlx5dv_devx_obj_create`) that is a memory key: its key number, and a
+/// destruction that reports failure instead of hiding it (a key the firmware still has may
+/// still reach memory, so the region owning it leaks what it maps; see `MrInner::leak_memory`).
+pub(crate) struct DevxKey {
     obj: NonNull<dv::mlx5dv_devx_obj>,
     key: u32,
+    /// What it is, for the log.
+    what: &'static str,
     /// Set once `mlx5dv_devx_obj_destroy` succeeded.
     destroyed: AtomicBool,
     _pd: Arc<PdShared>,
 }
 
-// SAFETY: an immutable handle; destroyed once, from Drop.
-unsafe impl Send for Alias {}
-// SAFETY: as above.
-unsafe impl Sync for Alias {}
+// SAFETY: an immutable handle; destruction is guarded by `destroyed` and done from the
+// owning region's Drop (one thread).
+unsafe impl Send for DevxKey {}
+// SAFETY: shared references only read `key`; destruction is guarded as above.
+unsafe impl Sync for DevxKey {}
 
-impl Alias {
-    /// The alias's key. The object id is the new mkey's index; the key is the index shifted
-    /// over an 8-bit variant of 0, as UCX derives it.
+impl DevxKey {
+    /// Creates the object from `input` (a PRM command); `out`'s status and syndrome fields
+    /// explain a refusal; `key` derives the key number from the output.
+    fn create(
+        pd: &Arc<PdShared>,
+        what: &'static str,
+        input: &[u8],
+        (status, syndrome): (PrmField, PrmField),
+        key: impl FnOnce(&[u8]) -> u32,
+    ) -> Result<DevxKey> {
+        let mut out = [0u8; 16];
+        // SAFETY: an open (DEVX) context; `input` and `out` are valid for their lengths.
+        let obj = unsafe {
+            dv::mlx5dv_devx_obj_create(
+                pd.dev.ctx.as_ptr(),
+                input.as_ptr().cast(),
+                input.len(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        let Some(obj) = NonNull::new(obj) else {
+            return Err(Error::Unsupported(format!(
+                "{what}: DEVX command failed ({}, status {:#x}, syndrome {:#x})",
+                std::io::Error::last_os_error(),
+                get(&out, status),
+                get(&out, syndrome)
+            )));
+        };
+        Ok(DevxKey { obj, key: key(&out), what, destroyed: AtomicBool::new(false), _pd: pd.clone() })
+    }
+
+    /// The key (lkey and rkey).
     pub fn key(&self) -> u32 {
         self.key
     }
-}
 
-impl Alias {
-    /// Destroys the alias object; false if the firmware refused (the alias may still
-    /// reach the host's memory, so the caller leaks what it holds).
+    /// Destroys the object; false if the firmware refused (the key may still reach memory,
+    /// so the caller leaks what it holds).
     pub fn destroy(&self) -> bool {
         if self.destroyed.load(Ordering::Acquire) {
             return true;
@@ -565,57 +598,24 @@ impl Alias {
     }
 }
 
-impl Drop for Alias {
+impl Drop for DevxKey {
     fn drop(&mut self) {
         if !self.destroy() {
-            tracing::error!(key = self.key, "mlx5dv_devx_obj_destroy (mkey alias) failed");
+            tracing::error!(key = self.key, what = self.what, "mlx5dv_devx_obj_destroy failed");
         }
     }
 }
+
+/// An mkey alias object (`CREATE_GENERAL_OBJECT` of type MKEY with `alias_object` set). Its
+/// key is the object id (the new mkey's index) over an 8-bit variant of 0, as UCX derives it.
+pub(crate) type Alias = DevxKey;
 
 /// A KSM mkey made by DEVX `CREATE_MKEY`: `len` bytes from a chosen start address, in equal
 /// power-of-two entities, each mapped onto (key, address) of another key of the PD. This is
 /// how a MEMIC region gets its unique host-like address: the start is a reserved
-/// `PROT_NONE` range and the one entity is the device memory's zero-based registration.
-pub(crate) struct KsmKey {
-    obj: NonNull<dv::mlx5dv_devx_obj>,
-    key: u32,
-    /// Set once `mlx5dv_devx_obj_destroy` succeeded.
-    destroyed: AtomicBool,
-    _pd: Arc<PdShared>,
-}
-
-// SAFETY: an immutable handle; destroyed once (guarded by `destroyed`), from the owner's Drop.
-unsafe impl Send for KsmKey {}
-// SAFETY: shared references only read `key`; destruction is guarded as above.
-unsafe impl Sync for KsmKey {}
-
-impl KsmKey {
-    /// The key (lkey and rkey): the firmware's index over the 8-bit variant rdmakit chose.
-    pub fn key(&self) -> u32 {
-        self.key
-    }
-
-    /// Destroys the key; false if the firmware refused (the caller keeps what it maps).
-    pub fn destroy(&self) -> bool {
-        if self.destroyed.load(Ordering::Acquire) {
-            return true;
-        }
-        // SAFETY: created by mlx5dv_devx_obj_create; `destroyed` makes a second call a no-op,
-        // and only the owning region's Drop (one thread) calls this.
-        let ok = unsafe { dv::mlx5dv_devx_obj_destroy(self.obj.as_ptr()) } == 0;
-        self.destroyed.store(ok, Ordering::Release);
-        ok
-    }
-}
-
-impl Drop for KsmKey {
-    fn drop(&mut self) {
-        if !self.destroy() {
-            tracing::error!(key = self.key, "mlx5dv_devx_obj_destroy (KSM mkey) failed");
-        }
-    }
-}
+/// `PROT_NONE` range and the one entity is the device memory's zero-based registration. Its
+/// key is the firmware's index over the 8-bit variant rdmakit chose.
+pub(crate) type KsmKey = DevxKey;
 
 /// The CREATE_MKEY command of a KSM key (see [`KsmKey`]); `entries` are (lkey, address)
 /// pairs, each covering `1 << log_entity` bytes.
@@ -690,27 +690,13 @@ impl super::Pd {
         static NEXT_VARIANT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
         let variant = NEXT_VARIANT.fetch_add(1, Ordering::Relaxed);
         let input = create_ksm_cmd(self.pdn()?, start, log_entity, entries, access, variant)?;
-        let mut out = [0u8; 16];
-        // SAFETY: an open (DEVX) context; `input` and `out` are valid for their lengths.
-        let obj = unsafe {
-            dv::mlx5dv_devx_obj_create(
-                dev.ctx.as_ptr(),
-                input.as_ptr().cast(),
-                input.len(),
-                out.as_mut_ptr().cast(),
-                out.len(),
-            )
-        };
-        let Some(obj) = NonNull::new(obj) else {
-            return Err(Error::Unsupported(format!(
-                "KSM mkey: DEVX CREATE_MKEY failed ({}, status {:#x}, syndrome {:#x})",
-                std::io::Error::last_os_error(),
-                get(&out, CM_OUT_STATUS),
-                get(&out, CM_OUT_SYNDROME)
-            )));
-        };
-        let key = ((get(&out, CM_OUT_INDEX) as u32) << 8) | u32::from(variant);
-        Ok(KsmKey { obj, key, destroyed: AtomicBool::new(false), _pd: self.inner.clone() })
+        DevxKey::create(
+            &self.inner,
+            "KSM mkey (CREATE_MKEY)",
+            &input,
+            (CM_OUT_STATUS, CM_OUT_SYNDROME),
+            |out| ((get(out, CM_OUT_INDEX) as u32) << 8) | u32::from(variant),
+        )
     }
 
     /// An alias in this PD's function of `mkey` of vHCA `vhca_id`, presenting `access_key`.
@@ -726,27 +712,13 @@ impl super::Pd {
         put(&mut input, ALIAS_VHCA, vhca.into());
         put(&mut input, ALIAS_OBJ_ID, (mkey >> 8).into());
         put_bytes(&mut input, ALIAS_ACCESS_KEY, access_key);
-        let mut out = [0u8; 16];
-        // SAFETY: an open context; `input` and `out` are valid for their lengths.
-        let obj = unsafe {
-            dv::mlx5dv_devx_obj_create(
-                dev.ctx.as_ptr(),
-                input.as_ptr().cast(),
-                input.len(),
-                out.as_mut_ptr().cast(),
-                out.len(),
-            )
-        };
-        let Some(obj) = NonNull::new(obj) else {
-            return Err(Error::Unsupported(format!(
-                "mkey alias: DEVX CREATE_GENERAL_OBJECT failed ({}, status {:#x}, syndrome {:#x})",
-                std::io::Error::last_os_error(),
-                get(&out, OBJ_OUT_STATUS),
-                get(&out, OBJ_OUT_SYNDROME)
-            )));
-        };
-        let obj_id = get(&out, OBJ_OUT_ID) as u32;
-        Ok(Alias { obj, key: obj_id << 8, destroyed: AtomicBool::new(false), _pd: self.inner.clone() })
+        DevxKey::create(
+            &self.inner,
+            "mkey alias (CREATE_GENERAL_OBJECT)",
+            &input,
+            (OBJ_OUT_STATUS, OBJ_OUT_SYNDROME),
+            |out| (get(out, OBJ_OUT_ID) as u32) << 8,
+        )
     }
 }
 
