@@ -11,7 +11,7 @@
 //! - `cq`: completion queues with a capacity and an eventfd for wake-ups;
 //! - `qp`: RC queue pairs: the requester executes the send queue in order, the responder
 //!   side applies one-sided operations to its own memory without the application's help;
-//! - `engine`: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
+//! - `timer`: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
 //!
 //! Devices in one process reach each other through the in-process fabric (a registry keyed
 //! by GID); devices in other processes or hosts through TCP (`tcp`: each device opens a
@@ -20,10 +20,10 @@
 
 pub(crate) mod cq;
 pub(crate) mod dm;
-mod engine;
 pub(crate) mod mr;
 pub(crate) mod qp;
 mod tcp;
+mod timer;
 /// The soft NIC's TCP wire format. Public for fuzzing (`fuzz/`); not a stable API.
 #[doc(hidden)]
 #[allow(missing_docs)]
@@ -39,7 +39,7 @@ pub use tcp::fuzz_read_frames;
 /// a stable API.
 #[doc(hidden)]
 pub fn pending_timers() -> usize {
-    engine::pending()
+    timer::pending()
 }
 
 use std::collections::HashMap;

@@ -32,16 +32,18 @@ impl Ord for Timer {
     }
 }
 
-struct Engine {
+struct TimerThread {
     timers: Mutex<(BinaryHeap<Reverse<Timer>>, u64)>,
     wake: Condvar,
 }
 
-fn engine() -> &'static Engine {
-    static ENGINE: OnceLock<&'static Engine> = OnceLock::new();
-    ENGINE.get_or_init(|| {
-        let e: &'static Engine =
-            Box::leak(Box::new(Engine { timers: Mutex::new((BinaryHeap::new(), 0)), wake: Condvar::new() }));
+fn timer_thread() -> &'static TimerThread {
+    static THREAD: OnceLock<&'static TimerThread> = OnceLock::new();
+    THREAD.get_or_init(|| {
+        let e: &'static TimerThread = Box::leak(Box::new(TimerThread {
+            timers: Mutex::new((BinaryHeap::new(), 0)),
+            wake: Condvar::new(),
+        }));
         std::thread::Builder::new()
             .name("rdmakit-soft-timers".into())
             .spawn(move || run(e))
@@ -52,7 +54,7 @@ fn engine() -> &'static Engine {
 
 /// Calls `qp.on_timer()` at `at` (if the QP still exists).
 pub(crate) fn schedule(at: Instant, qp: Weak<SoftQp>) {
-    let e = engine();
+    let e = timer_thread();
     let mut t = e.timers.lock().expect("timer lock");
     t.1 += 1;
     let seq = t.1;
@@ -63,10 +65,10 @@ pub(crate) fn schedule(at: Instant, qp: Weak<SoftQp>) {
 
 /// Timers queued and not fired yet (all QPs of the process).
 pub(crate) fn pending() -> usize {
-    engine().timers.lock().expect("timer lock").0.len()
+    timer_thread().timers.lock().expect("timer lock").0.len()
 }
 
-fn run(e: &'static Engine) {
+fn run(e: &'static TimerThread) {
     let mut t = e.timers.lock().expect("timer lock");
     loop {
         let now = Instant::now();

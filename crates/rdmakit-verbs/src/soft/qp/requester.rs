@@ -1,0 +1,175 @@
+//! The requester side of a soft QP: resolving local buffers, executing a request against
+//! a peer QP in this process, or sending it to a QP of another process and applying the
+//! response.
+
+use super::*;
+
+impl SoftQp {
+    /// Checks the request's local buffer as the HCA does (lkey, PD, bounds, access).
+    /// Returns the bytes as a copy source (inline data is the caller's, so `Private`) and,
+    /// for a registered buffer, its pointer and the entry keeping it alive.
+    pub(super) fn resolve_local(&self, wr: &RawSendWr<'_>) -> std::result::Result<LocalBuf, WcStatus> {
+        let writes_local = matches!(wr.op, RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. });
+        if matches!(wr.op, RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) && wr.len() != 8 {
+            return Err(WcStatus::LOC_LEN_ERR);
+        }
+        match (wr.inline, wr.sge) {
+            (Some(data), _) if !writes_local => {
+                Ok(LocalBuf { src: Src::Private(data.as_ptr()), ptr: std::ptr::null_mut(), entry: None })
+            }
+            (Some(_), _) => Err(WcStatus::LOC_QP_OP_ERR),
+            (None, Some(sge)) if sge.len > 0 => {
+                let need = if writes_local { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
+                let (p, entry) = self
+                    .device
+                    .mrs
+                    .resolve(sge.lkey, self.pd, sge.addr, u64::from(sge.len), need)
+                    .map_err(|_| WcStatus::LOC_PROT_ERR)?;
+                Ok(LocalBuf { src: Src::Shared(p), ptr: p, entry: Some(entry) })
+            }
+            _ => Ok(LocalBuf { src: Src::Private(std::ptr::null()), ptr: std::ptr::null_mut(), entry: None }),
+        }
+    }
+
+    /// Runs a request against a responder QP of this process.
+    pub(super) fn execute(&self, wr: &RawSendWr<'_>, peer: &SoftQp, d: &mut Deferred) -> Outcome {
+        let len = wr.len();
+        let local = match self.resolve_local(wr) {
+            Ok(l) => l,
+            Err(status) => return Outcome::Done(status, 0),
+        };
+        let me = Requester { gid: self.device.gid(), qpn: self.qpn, waiter: Some(&self.me) };
+        if !peer.accepts_from(&me) {
+            return Outcome::NoResponse;
+        }
+        let (src, dst) = (local.src, Dst::Shared(local.ptr));
+        match wr.op {
+            RawOp::Write { imm } => peer.respond_write(&me, src, len, wr.remote_addr, wr.rkey, imm, d),
+            RawOp::Read => peer.respond_read(dst, len, wr.remote_addr, wr.rkey, d),
+            RawOp::Send { imm } => peer.respond_send(&me, src, len, imm, d),
+            op => peer.respond_atomic(dst, wr.remote_addr, wr.rkey, op, d),
+        }
+    }
+
+    /// Builds the frame for a request to a responder in another process. A write or send
+    /// from a registered region leaves its payload in the region (`SharedTail`): the link's
+    /// writer thread hands it to the socket from there, without a copy.
+    pub(super) fn remote_request(
+        &self,
+        wr: &RawSendWr<'_>,
+        psn: u32,
+    ) -> std::result::Result<(Frame, Option<LocalTarget>, Option<SharedTail>), WcStatus> {
+        let len = wr.len();
+        if len > wire::MAX_MESSAGE {
+            return Err(WcStatus::LOC_LEN_ERR);
+        }
+        let local = self.resolve_local(wr)?;
+        let (data, tail) = match (&local.entry, wr.op) {
+            // Large payloads only: smaller ones are cheaper copied into the link's buffer,
+            // which batches many requests into one system call.
+            (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= SHARED_TAIL_MIN => {
+                (Vec::new(), Some(SharedTail { ptr: local.ptr, len: len as usize, _entry: e.clone() }))
+            }
+            (_, RawOp::Write { .. } | RawOp::Send { .. }) => {
+                let mut data = Vec::<u8>::with_capacity(len as usize);
+                // `local.src`: a checked registration kept alive by `local.entry`, or inline
+                // data borrowed for this call.
+                // SAFETY: `local.src` is valid for `len` bytes; `data`'s spare capacity is
+                // ours, `len` bytes, and the copy initialises exactly what `set_len` exposes.
+                unsafe {
+                    shared_mem::copy(local.src, Dst::Private(data.as_mut_ptr()), len as usize);
+                    data.set_len(len as usize);
+                }
+                (data, None)
+            }
+            _ => (Vec::new(), None),
+        };
+        let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, _entry: e });
+        let (addr, rkey) = (wr.remote_addr, wr.rkey);
+        Ok(match wr.op {
+            RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data }, None, tail),
+            RawOp::Send { imm } => (Frame::Send { psn, imm, data }, None, tail),
+            RawOp::Read => (Frame::Read { psn, addr, rkey, len }, target(), None),
+            RawOp::FetchAdd { add } => (Frame::FetchAdd { psn, addr, rkey, add }, target(), None),
+            RawOp::CompareSwap { compare, swap } => {
+                (Frame::CmpSwap { psn, addr, rkey, compare, swap }, target(), None)
+            }
+        })
+    }
+
+    /// The most data bytes an answer may carry now: what the oldest request sent over TCP
+    /// and not answered yet expects back (a read's length, an atomic's 8 bytes, else 0).
+    pub fn response_data_limit(&self) -> usize {
+        let sq = self.sq.lock().expect("sq lock");
+        sq.sent.front().and_then(|s| s.target.as_ref()).map_or(0, |t| t.len as usize)
+    }
+
+    /// A response from the remote responder (called by the link's reader thread).
+    pub fn on_remote_response(&self, f: Frame) {
+        let mut d = Deferred::default();
+        {
+            let mut sq = self.sq.lock().expect("sq lock");
+            let psn = match &f {
+                Frame::Ack { psn, .. } | Frame::RnrNak { psn } => *psn,
+                _ => return,
+            };
+            if sq.sent.front().is_none_or(|s| s.psn != psn) {
+                // Not the oldest outstanding request: a confused or hostile peer.
+                tracing::error!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
+                return;
+            }
+            match f {
+                Frame::Ack { status, data, .. } => {
+                    let s = sq.sent.pop_front().expect("checked above");
+                    sq.retry = None;
+                    let mut status = WcStatus(status);
+                    let mut len = 0;
+                    if status.is_success() {
+                        match (&s.target, s.p.op) {
+                            (Some(t), RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) => {
+                                if data.len() == t.len as usize {
+                                    // SAFETY: `t.ptr` is the checked local buffer of `t.len`
+                                    // bytes, kept alive by `t._entry`; `data` is ours.
+                                    unsafe {
+                                        shared_mem::copy(
+                                            Src::Private(data.as_ptr()),
+                                            Dst::Shared(t.ptr),
+                                            data.len(),
+                                        )
+                                    };
+                                    len = t.len;
+                                } else {
+                                    status = WcStatus::BAD_RESP_ERR;
+                                }
+                            }
+                            (None, RawOp::Read) if data.is_empty() => {}
+                            _ => len = s.p.view().len(),
+                        }
+                    }
+                    let delivered = self.complete_send(&s.p.view(), status, len, false);
+                    if !status.is_success() || !delivered {
+                        self.enter_error(&mut sq, &mut d);
+                    } else if sq.retry.is_none() && !sq.pending.is_empty() {
+                        self.progress(&mut sq, &mut d);
+                    }
+                }
+                Frame::RnrNak { .. } => {
+                    // Go back N: the responder dropped everything after the NAKed request;
+                    // it all returns to the head of the queue, in order, with the same PSNs.
+                    while let Some(s) = sq.sent.pop_back() {
+                        sq.pending.push_front(s.p);
+                    }
+                    sq.next_psn = psn;
+                    if !self.keep_retrying(&mut sq, RetryKind::Rnr) {
+                        let head = sq.pending.pop_front().expect("the NAKed request");
+                        sq.retry = None;
+                        self.complete_send(&head.view(), WcStatus::RNR_RETRY_EXC_ERR, 0, true);
+                        self.enter_error(&mut sq, &mut d);
+                    }
+                }
+                _ => {}
+            }
+        }
+        run_deferred(d);
+    }
+}
