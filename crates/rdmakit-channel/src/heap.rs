@@ -192,6 +192,7 @@ impl BlockView {
     /// has finished reading the view). After an `rwrite` that failed, the request may still
     /// be executing; use the copying methods then. (Nothing else can reach the buffer: it
     /// has no remote access and `&mut self` excludes other references.)
+    #[allow(unsafe_code)] // the escape hatch to a slice over the view, with its contract
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: the buffer is host memory allocated by `rmem` (never device memory), so
         // this is `Some`; `&mut self` excludes every other reference to it, no peer holds a

@@ -28,6 +28,10 @@
 //! (the crate's completion driver). Receive guards and put handles never hand out `&[u8]` over memory a peer
 //! may write, except through `unsafe fn`s.
 
+// No unsafe code but the two escape hatches that hand out a slice over registered memory
+// (`RecvGuard::as_slice`, `BlockView::as_mut_slice`), each an `unsafe fn` with its contract.
+#![deny(unsafe_code)]
+
 pub mod control;
 mod driver;
 mod error;

@@ -958,6 +958,7 @@ impl RecvGuard {
     /// Nothing may write the block while the slice lives. The writer never writes a block
     /// the reader holds (the pipe's protocol), but a peer that breaks the protocol, or one
     /// holding the ring's rkey outside the pipe, could: use this only with trusted peers.
+    #[allow(unsafe_code)] // the escape hatch to a slice over the ring, with its contract
     pub unsafe fn as_slice(&self) -> &[u8] {
         let ring = self.ring();
         let start = (self.addr - ring.addr()) as usize;

@@ -9,6 +9,11 @@
 //!   first-fit, best-fit and worst-fit allocation and the paper's deferred and immediate
 //!   synchronisation.
 
+// No unsafe code but where it is the point, each exemption with its reason: the MEMIC
+// address reservation (mmap/munmap), the registration cache's `register` (memory the
+// application owns), and that cache's tests.
+#![deny(unsafe_code)]
+
 pub mod heap;
 pub mod memic;
 pub mod xgvmi;

@@ -49,6 +49,8 @@
 //! ```
 
 mod counters;
+// The address reservation is mmap(PROT_NONE)/munmap: FFI by nature.
+#[allow(unsafe_code)]
 mod reserve;
 
 pub use counters::{Counter, CounterPool};

@@ -55,6 +55,7 @@ mod pool;
 mod regcache;
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the range cache test registers the test's own memory
 mod tests;
 
 pub use alias::{AliasCache, AliasOps, AliasStats, ImportedAlias};

@@ -273,6 +273,7 @@ impl RangeCache {
     /// cache) **and** dropped every [`RangeRegistration`] and work request using it. This is
     /// [`ProtectionDomain::register_raw`]'s contract, extended to the cache's lifetime: an idle
     /// cached registration still lets the NIC and peers reach the memory.
+    #[allow(unsafe_code)] // registers memory the application owns: its contract is the caller's
     pub unsafe fn register(&self, addr: std::ptr::NonNull<u8>, len: usize) -> Result<RangeRegistration> {
         let start = addr.as_ptr() as u64;
         let end = start.checked_add(len as u64).filter(|_| len > 0).ok_or_else(|| {
