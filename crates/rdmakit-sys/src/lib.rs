@@ -262,7 +262,7 @@ mod tests {
             )
         };
         assert_eq!((opcode, format, se, owner), (0xd, 0, 1, 1));
-        // SAFETY: as above; the setter only writes `op_own`.
+        // SAFETY: `cqe` is a valid, writable mlx5_cqe64; the setter only writes its `op_own` byte.
         unsafe { mlx5dv_set_cqe_owner(&mut cqe, 0) };
         assert_eq!(cqe.op_own, 0xd2);
     }
@@ -292,7 +292,7 @@ mod tests {
             // SAFETY: `dev` is a live device from the list.
             let name = unsafe { ibv_get_device_name(dev) };
             assert!(!name.is_null());
-            // SAFETY: as above; mlx5dv_is_supported only inspects the device.
+            // SAFETY: `dev` is a live device from the list, which is freed only below; mlx5dv_is_supported only inspects it.
             let _ = unsafe { mlx5dv_is_supported(dev) };
         }
         // SAFETY: the list has `num + 1` entries and ends with NULL.

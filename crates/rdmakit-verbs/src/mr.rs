@@ -42,7 +42,8 @@ enum Owner {
 // through `shared_mem` (byte-wise atomic) or by the NIC, never through references, so
 // sharing and sending it across threads is sound.
 unsafe impl Send for HostBuffer {}
-// SAFETY: as above.
+// SAFETY: `&HostBuffer` exposes only the pointer and length (plain data); every access to the
+// bytes behind it is an atomic copy or the NIC's, so concurrent use from threads is defined.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {

@@ -310,7 +310,8 @@ mod tests {
         // The back-to-front bulk (the `rdmakit_reverse_copy` build) copies the same bytes.
         let r = shared(len + 16);
         let rp = r.as_ptr().cast::<u8>() as *mut u8;
-        // SAFETY: as above.
+        // SAFETY: `data` holds `soff + len` bytes; `r` was allocated with `len + 16` bytes, so
+        // `rp + doff` has room for `len` (doff <= 16); no one else touches `r`.
         unsafe { copy_backwards(Src::Private(data.as_ptr().add(soff)), Dst::Shared(rp.add(doff)), len) };
         assert_eq!(bytes(&r), ga);
         assert_eq!(&ga[doff..doff + len], &data[soff..soff + len]);
@@ -319,7 +320,8 @@ mod tests {
         let c = shared(len + 16);
         let cp = c.as_ptr().cast::<u8>() as *mut u8;
         let mut out = vec![0u8; len + 16];
-        // SAFETY: as above.
+        // SAFETY: `a` and `c` were allocated with `len + 16` bytes and `out` has `len + 16`,
+        // so each `+ offset` (at most 16) leaves room for `len`; only this thread uses them.
         unsafe {
             copy_words(Src::Shared(ap.add(doff)), Dst::Shared(cp.add(soff)), len);
             copy_words(Src::Shared(cp.add(soff)), Dst::Private(out.as_mut_ptr().add(doff)), len);

@@ -663,7 +663,7 @@ fn accept_errors_back_off_instead_of_spinning() {
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
     let saved = lim;
     lim.rlim_cur = (fds() as libc::rlim_t + 32).min(lim.rlim_max);
-    // SAFETY: as above.
+    // SAFETY: setrlimit reads the valid `rlimit` on the stack.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
     let mut files = Vec::new();
     while let Ok(f) = std::fs::File::open("/dev/null") {
@@ -676,7 +676,7 @@ fn accept_errors_back_off_instead_of_spinning() {
     std::thread::sleep(Duration::from_secs(1));
     let spent = cpu_ticks(&stat) - t0;
     drop(files);
-    // SAFETY: as above.
+    // SAFETY: setrlimit reads the valid saved `rlimit` on the stack.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &saved) }, 0);
     println!(
         "accept under EMFILE: listener thread used {spent} clock ticks in 1 s (attacker connected: {})",

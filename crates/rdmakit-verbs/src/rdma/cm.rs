@@ -146,7 +146,7 @@ impl Event {
         // SAFETY: `p` is a live event (caller's contract). The type is read as a plain u32
         // so that no assumption is made about which values the C enum may hold.
         let kind = unsafe { ptr::addr_of!((*p).event).cast::<u32>().read() };
-        // SAFETY: as above; plain fields.
+        // SAFETY: `p` is a live event (caller's contract); `status` and `id` are plain fields.
         let (status, id) = unsafe { ((*p).status, (*p).id) };
         let conn_event = matches!(
             kind,
@@ -270,7 +270,8 @@ fn from_sockaddr(ss: &libc::sockaddr_storage) -> Result<SocketAddr> {
             Ok(SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(sin.sin_port))))
         }
         libc::AF_INET6 => {
-            // SAFETY: as above, for sockaddr_in6.
+            // SAFETY: the family says the storage holds a sockaddr_in6; sockaddr_storage is
+            // large enough and aligned for it.
             let sin6 = unsafe { p.cast::<libc::sockaddr_in6>().read() };
             let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
             Ok(SocketAddr::V6(SocketAddrV6::new(
@@ -293,7 +294,8 @@ struct CmId {
 // SAFETY: librdmacm calls are thread-safe (it locks its id and channel state internally);
 // the id and channel are only destroyed by Drop, which has exclusive access.
 unsafe impl Send for CmId {}
-// SAFETY: as above.
+// SAFETY: `&CmId` methods are librdmacm calls on the id, which it locks internally; nothing
+// Rust-side is mutated through a shared reference.
 unsafe impl Sync for CmId {}
 
 /// `rdma_create_event_channel`, made non-blocking.

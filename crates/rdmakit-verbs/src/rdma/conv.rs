@@ -30,7 +30,8 @@ pub(super) fn errno_ret(call: &'static str, rc: i32) -> Result<()> {
 pub(super) unsafe fn set_nonblocking(fd: i32) -> Result<()> {
     // SAFETY: fcntl on an open descriptor (caller's contract).
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    // SAFETY: as above.
+    // SAFETY: fcntl(F_SETFL) on the same open descriptor (caller's contract), with flags it
+    // returned plus O_NONBLOCK.
     if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
         return Err(Error::last_os("fcntl(O_NONBLOCK)"));
     }

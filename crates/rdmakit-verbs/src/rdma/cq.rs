@@ -25,7 +25,8 @@ pub(crate) struct Cq {
 // SAFETY: ibv_poll_cq, ibv_req_notify_cq and channel reads are thread-safe in rdma-core
 // (providers lock the CQ); the safe layer also serialises polling.
 unsafe impl Send for Cq {}
-// SAFETY: as above.
+// SAFETY: `&Cq` methods poll, arm and read events through provider calls that lock the CQ,
+// and update only atomics on the Rust side.
 unsafe impl Sync for Cq {}
 
 impl Cq {

@@ -80,7 +80,8 @@ pub(super) struct Device {
 // SAFETY: libibverbs contexts are thread-safe (rdma-core documents verbs calls as safe to
 // make from several threads); the only Rust-side state is behind a mutex.
 unsafe impl Send for Device {}
-// SAFETY: as above.
+// SAFETY: `&Device` makes libibverbs context calls, thread-safe in rdma-core, and touches its
+// own state only through the overrun set's mutex.
 unsafe impl Sync for Device {}
 
 impl Drop for Device {
@@ -290,7 +291,8 @@ impl Context {
                 created: std::time::Instant::now(),
             }),
             Err(e) => {
-                // SAFETY: as above.
+                // SAFETY: the channel was created above and no CQ uses it (creation failed):
+                // destroying it once here is the only release.
                 unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
                 Err(e)
             }

@@ -17,7 +17,8 @@ pub(crate) struct Dm {
 
 // SAFETY: ibv_memcpy_{to,from}_dm are thread-safe provider calls on an immutable handle.
 unsafe impl Send for Dm {}
-// SAFETY: as above.
+// SAFETY: `&Dm` only copies in and out with ibv_memcpy_{to,from}_dm, thread-safe provider calls
+// on an immutable handle.
 unsafe impl Sync for Dm {}
 
 impl Dm {
@@ -29,7 +30,8 @@ impl Dm {
     }
 
     pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: as above, into a valid destination.
+        // SAFETY: valid DM; bounds checked by the safe layer; `out` is a valid, writable
+        // destination of `out.len()` bytes.
         errno_ret("ibv_memcpy_from_dm", unsafe {
             sys::ibv_memcpy_from_dm(out.as_mut_ptr().cast(), self.dm.as_ptr(), offset, out.len())
         })

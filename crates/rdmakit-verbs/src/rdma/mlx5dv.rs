@@ -62,7 +62,8 @@ pub(crate) struct Mkey {
 // SAFETY: an mkey handle is immutable after creation; UMR and destruction go through
 // thread-safe verbs calls, destruction only from Drop.
 unsafe impl Send for Mkey {}
-// SAFETY: as above.
+// SAFETY: `&Mkey` reads the immutable key numbers, and destroy is guarded by the atomic
+// `destroyed` flag.
 unsafe impl Sync for Mkey {}
 
 impl Mkey {
@@ -123,7 +124,8 @@ pub(crate) struct UmrQp {
 // SAFETY: posting is serialised by the safe layer's `UmrQueue` (one `&self` call at a time
 // through a mutex); the QP and CQ are thread-safe verbs objects.
 unsafe impl Send for UmrQp {}
-// SAFETY: as above.
+// SAFETY: `&UmrQp` is only used under the `UmrQueue`'s mutex, one request at a time, and its QP
+// and CQ calls are thread-safe libibverbs calls.
 unsafe impl Sync for UmrQp {}
 
 impl UmrQp {
@@ -457,7 +459,8 @@ pub(crate) fn open_devx(dev: *mut sys::ibv_device) -> Option<NonNull<sys::ibv_co
         return None;
     }
     let mut attr = dv::mlx5dv_context_attr { flags: dv::MLX5DV_CONTEXT_FLAGS_DEVX, comp_mask: 0 };
-    // SAFETY: as above; `attr` is initialised and only read.
+    // SAFETY: `dev` is a device pointer from the live device list; `attr` is initialised and
+    // only read during the call.
     NonNull::new(unsafe { dv::mlx5dv_open_device(dev, &mut attr) })
 }
 
@@ -665,7 +668,7 @@ impl super::Pd {
     fn pdn(&self) -> Result<u32> {
         // SAFETY: all-zero is a valid mlx5dv_obj / mlx5dv_pd (null pointers, zero numbers).
         let mut out: dv::mlx5dv_pd = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
+        // SAFETY: mlx5dv_obj is plain C data (structs of pointers): all-zero (null) is valid.
         let mut obj: dv::mlx5dv_obj = unsafe { std::mem::zeroed() };
         obj.pd.in_ = self.inner.pd.as_ptr();
         obj.pd.out = &mut out;

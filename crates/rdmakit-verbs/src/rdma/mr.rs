@@ -18,7 +18,8 @@ pub(crate) struct Mr {
 // SAFETY: an MR handle is immutable after registration; deregistration is guarded by
 // `done`.
 unsafe impl Send for Mr {}
-// SAFETY: as above.
+// SAFETY: `&Mr` reads the immutable `ibv_mr` fields; deregistration is idempotent through the
+// atomic `done` flag.
 unsafe impl Sync for Mr {}
 
 impl Mr {
@@ -32,7 +33,8 @@ impl Mr {
     }
 
     pub fn rkey(&self) -> u32 {
-        // SAFETY: as above.
+        // SAFETY: the `ibv_mr` stays valid until deregistered, which only `deregister`/drop do,
+        // and its `rkey` is never written after registration.
         unsafe { (*self.mr.as_ptr()).rkey }
     }
 

@@ -18,7 +18,8 @@ pub(super) struct PdShared {
 
 // SAFETY: a PD is an immutable handle to a thread-safe context object.
 unsafe impl Send for PdShared {}
-// SAFETY: as above.
+// SAFETY: `&PdShared` only hands the PD pointer to libibverbs calls that take it concurrently
+// (registration, QP creation), which rdma-core makes thread-safe.
 unsafe impl Sync for PdShared {}
 
 impl Drop for PdShared {

@@ -25,7 +25,8 @@ pub(crate) struct Qp {
 // SAFETY: ibv_post_send/recv, ibv_modify_qp and ibv_query_qp are thread-safe in rdma-core;
 // destruction is guarded by `destroyed` and happens only from the owner's Drop.
 unsafe impl Send for Qp {}
-// SAFETY: as above.
+// SAFETY: every `&Qp` method is a thread-safe libibverbs call (posting, modify, query) or reads
+// immutable data; destroy is idempotent through the `destroyed` flag.
 unsafe impl Sync for Qp {}
 
 impl Qp {
@@ -49,7 +50,7 @@ impl Qp {
     pub fn state(&self) -> QpState {
         // SAFETY: all-zero attribute structs are valid values.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
+        // SAFETY: ibv_qp_init_attr is plain C data (integers, pointers): all-zero is a valid value.
         let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         let mask = sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32;
         // SAFETY: valid QP; valid out-structs.

@@ -27,7 +27,8 @@ pub(crate) struct DmPool {
 // SAFETY: the pool's bytes are only accessed through `shared_mem` atomic copies and
 // `AtomicU64` cells; the free list is behind a mutex.
 unsafe impl Send for DmPool {}
-// SAFETY: as above.
+// SAFETY: through `&DmPool` the bytes are reached only by atomic copies and `AtomicU64` cells,
+// and the free list only under its mutex.
 unsafe impl Sync for DmPool {}
 
 impl DmPool {

@@ -70,7 +70,8 @@ impl Binding {
 // `AtomicU64` cells, which are sound from any thread; `_keep` (Send + Sync) owns the memory
 // it points into, so the pointer stays valid wherever the entry travels.
 unsafe impl Send for MrEntry {}
-// SAFETY: as above; the other fields are locks and plain data.
+// SAFETY: shared use reads the pointer and length (plain data) and touches the bytes only
+// through atomic copies and `AtomicU64` cells; the other fields are locks and plain data.
 unsafe impl Sync for MrEntry {}
 
 /// Why an access was refused. Callers map it to the status their side reports.
