@@ -2,112 +2,12 @@
 //! a NULL return with `errno` (`ibv_reg_mr`), an errno returned directly (`ibv_post_send`,
 //! `ibv_modify_qp`), and a work completion whose status is not `IBV_WC_SUCCESS`.
 
-use std::fmt;
 use std::io;
 
 use crate::types::QpState;
 use crate::wc::WcOpcode;
 
-/// A work completion status, `enum ibv_wc_status`, as a transparent newtype.
-///
-/// Unknown values (a newer provider, a vendor extension) are kept as they are, never
-/// turned into a panic; [`WcStatus::name`] gives the verbs spelling.
-#[doc(alias = "ibv_wc_status")]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(transparent)]
-pub struct WcStatus(pub u32);
-
-macro_rules! wc_statuses {
-    ($($(#[$doc:meta])* $name:ident = $val:expr, $cname:literal;)*) => {
-        impl WcStatus {
-            $( $(#[$doc])* #[doc(alias = $cname)] pub const $name: WcStatus = WcStatus($val); )*
-
-            /// The verbs name of this status (`"IBV_WC_REM_ACCESS_ERR"`), or `None` if the
-            /// value is not one libibverbs defines.
-            pub fn name(self) -> Option<&'static str> {
-                match self.0 {
-                    $( $val => Some($cname), )*
-                    _ => None,
-                }
-            }
-        }
-    };
-}
-
-wc_statuses! {
-    /// The operation completed successfully.
-    SUCCESS = 0, "IBV_WC_SUCCESS";
-    /// Local length error: a receive buffer too small for the incoming message.
-    LOC_LEN_ERR = 1, "IBV_WC_LOC_LEN_ERR";
-    /// Local QP operation error: an internal consistency error, e.g. inline data too long.
-    LOC_QP_OP_ERR = 2, "IBV_WC_LOC_QP_OP_ERR";
-    /// Local EE context operation error (RD only).
-    LOC_EEC_OP_ERR = 3, "IBV_WC_LOC_EEC_OP_ERR";
-    /// Local protection error: a local buffer's lkey, bounds or access flags do not allow
-    /// the operation.
-    LOC_PROT_ERR = 4, "IBV_WC_LOC_PROT_ERR";
-    /// Work request flushed: the QP was in the error state.
-    WR_FLUSH_ERR = 5, "IBV_WC_WR_FLUSH_ERR";
-    /// Memory window bind error.
-    MW_BIND_ERR = 6, "IBV_WC_MW_BIND_ERR";
-    /// Bad response from the responder.
-    BAD_RESP_ERR = 7, "IBV_WC_BAD_RESP_ERR";
-    /// Local access error (a protection error on an incoming RDMA write with immediate).
-    LOC_ACCESS_ERR = 8, "IBV_WC_LOC_ACCESS_ERR";
-    /// Remote invalid request: the responder rejected the request (e.g. a message longer
-    /// than its receive buffer, a misaligned atomic).
-    REM_INV_REQ_ERR = 9, "IBV_WC_REM_INV_REQ_ERR";
-    /// Remote access error: bad rkey, out-of-bounds address or missing remote access flag.
-    REM_ACCESS_ERR = 10, "IBV_WC_REM_ACCESS_ERR";
-    /// Remote operation error: the responder could not complete the operation.
-    REM_OP_ERR = 11, "IBV_WC_REM_OP_ERR";
-    /// Transport retry counter exceeded: the peer did not answer (dead, or QP gone).
-    RETRY_EXC_ERR = 12, "IBV_WC_RETRY_EXC_ERR";
-    /// RNR retry counter exceeded: the peer had no receive posted for too long.
-    RNR_RETRY_EXC_ERR = 13, "IBV_WC_RNR_RETRY_EXC_ERR";
-    /// Local RDD violation (RD only).
-    LOC_RDD_VIOL_ERR = 14, "IBV_WC_LOC_RDD_VIOL_ERR";
-    /// Remote invalid RD request.
-    REM_INV_RD_REQ_ERR = 15, "IBV_WC_REM_INV_RD_REQ_ERR";
-    /// Remote aborted.
-    REM_ABORT_ERR = 16, "IBV_WC_REM_ABORT_ERR";
-    /// Invalid EE context number.
-    INV_EECN_ERR = 17, "IBV_WC_INV_EECN_ERR";
-    /// Invalid EE context state.
-    INV_EEC_STATE_ERR = 18, "IBV_WC_INV_EEC_STATE_ERR";
-    /// Fatal error.
-    FATAL_ERR = 19, "IBV_WC_FATAL_ERR";
-    /// Response timeout.
-    RESP_TIMEOUT_ERR = 20, "IBV_WC_RESP_TIMEOUT_ERR";
-    /// General error.
-    GENERAL_ERR = 21, "IBV_WC_GENERAL_ERR";
-    /// Tag matching error.
-    TM_ERR = 22, "IBV_WC_TM_ERR";
-    /// Tag matching rendezvous incomplete.
-    TM_RNDV_INCOMPLETE = 23, "IBV_WC_TM_RNDV_INCOMPLETE";
-}
-
-impl WcStatus {
-    /// True for `IBV_WC_SUCCESS`.
-    pub fn is_success(self) -> bool {
-        self == WcStatus::SUCCESS
-    }
-}
-
-impl fmt::Debug for WcStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.name() {
-            Some(n) => f.write_str(n),
-            None => write!(f, "WcStatus({})", self.0),
-        }
-    }
-}
-
-impl fmt::Display for WcStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
+pub use crate::wc::WcStatus;
 
 /// Every error rdmakit's verbs layer returns.
 #[derive(Debug, thiserror::Error)]
