@@ -47,6 +47,9 @@ pub struct ImportedAlias<A> {
 
 struct Entry<A> {
     uuid: u64,
+    /// The access key the firmware accepted when it made the alias: a later packed key is
+    /// served this alias only if it presents the same one.
+    access_key: [u8; 32],
     /// The newest export generation imported for this key incarnation.
     latest_gen: u64,
     alias: Arc<A>,
@@ -101,11 +104,17 @@ impl<O: AliasOps> AliasCache<O> {
             return Ok(ImportedAlias { alias, key: *key, hit: false });
         }
         let mk = key.map_key();
-        let stale = {
+        {
             let mut g = self.lock();
             let (map, stats) = &mut *g;
             match map.get_mut(&mk) {
                 Some(e) if e.uuid == key.uuid => {
+                    if e.access_key != key.access_key {
+                        return Err(Error::PermissionDenied(format!(
+                            "packed key {:#x} (vHCA {}) presents another access key than its alias was made with",
+                            key.mkey, key.vhca_id
+                        )));
+                    }
                     if key.export_gen < e.latest_gen {
                         stats.refused_stale += 1;
                         return Err(stale_export(key, e.latest_gen));
@@ -114,37 +123,44 @@ impl<O: AliasOps> AliasCache<O> {
                     stats.hits += 1;
                     return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
                 }
-                // Destroyed outside the lock (dropping the last Arc destroys the alias).
-                Some(_) => map.remove(&mk),
-                None => None,
+                // Another incarnation (or none cached): a new alias below. The cached one is
+                // replaced only once the firmware has accepted the new packed key, so a
+                // forged one cannot evict it.
+                Some(_) | None => {}
             }
-        };
-        let was_stale = stale.is_some();
-        drop(stale);
+        }
         // Created without the lock: alias creation is a firmware command (~200 µs on
         // BlueField-3); other imports proceed meanwhile.
         let alias = Arc::new(self.ops.create_alias(key)?);
         let mut g = self.lock();
         let (map, stats) = &mut *g;
         // A concurrent import of the same incarnation may have won the race: keep one.
-        let entry = map.entry(mk).or_insert_with(|| Entry {
+        let fresh = || Entry {
             uuid: key.uuid,
+            access_key: key.access_key,
             latest_gen: key.export_gen,
             alias: alias.clone(),
-        });
+        };
+        let entry = map.entry(mk).or_insert_with(fresh);
+        // The replaced entry of an older incarnation; its alias is destroyed (when its last
+        // Arc goes) after the lock is released: a firmware command.
+        let mut replaced = None;
         if entry.uuid != key.uuid {
-            *entry = Entry { uuid: key.uuid, latest_gen: key.export_gen, alias: alias.clone() };
+            replaced = Some(std::mem::replace(entry, fresh()));
         } else if key.export_gen < entry.latest_gen {
             stats.refused_stale += 1;
             return Err(stale_export(key, entry.latest_gen));
         }
         entry.latest_gen = key.export_gen;
-        if was_stale {
+        let imported = ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false };
+        if replaced.is_some() {
             stats.stale += 1;
         } else {
             stats.misses += 1;
         }
-        Ok(ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false })
+        drop(g);
+        drop(replaced);
+        Ok(imported)
     }
 
     /// Whether `imported` is still the newest export of its key that this cache has seen:

@@ -508,3 +508,31 @@ fn range_cache_registers_the_applications_memory() {
     let odd = reg(3, 8);
     assert!(matches!(odd, Err(rdmakit_verbs::Error::InvalidArgument(_))));
 }
+
+/// A packed key is data from another party: one that names a cached key but presents the
+/// wrong access key must neither be served the cached alias nor disturb the entry (its
+/// generation, or the entry itself for another incarnation); only the firmware check of a new
+/// alias, or a match of the cached one's access key, proves it.
+#[test]
+fn a_forged_packed_key_cannot_use_or_disturb_the_cached_alias() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let dpu = Dpu { host: model.clone(), created: Rc::default() };
+    let cache = AliasCache::new(dpu.clone());
+    let e = pool.export(&region(1)).unwrap();
+    let good = e.packed();
+    let a = cache.import(&good).unwrap();
+
+    // Same key and incarnation, wrong access key, a generation from the far future.
+    let forged = PackedKey { access_key: [0; 32], export_gen: u64::MAX, ..good };
+    assert!(cache.import(&forged).is_err(), "a wrong access key was served the cached alias");
+    // The legitimate export is still current, and still a hit.
+    cache.check_current(&a).unwrap();
+    assert!(cache.import(&good).unwrap().hit);
+
+    // Another incarnation with a wrong access key: refused, and the cached alias stays.
+    let reborn = PackedKey { uuid: good.uuid ^ 1, access_key: [0; 32], ..good };
+    assert!(cache.import(&reborn).is_err());
+    assert!(cache.import(&good).unwrap().hit, "a refused import evicted the cached alias");
+    assert_eq!(dpu.created.get(), 1);
+}
