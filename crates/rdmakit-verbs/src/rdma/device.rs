@@ -135,13 +135,36 @@ impl Device {
             return None;
         }
         // SAFETY: filled by a successful query.
-        let entry = unsafe { entry.assume_init() };
-        Some(match entry.gid_type {
-            sys::IBV_GID_TYPE_IB => GidKind::Ib,
-            sys::IBV_GID_TYPE_ROCE_V1 => GidKind::RoceV1,
-            sys::IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
-            other => GidKind::Other(other),
-        })
+        Some(kind_of(unsafe { entry.assume_init() }.gid_type))
+    }
+
+    /// The port's non-empty GID entries (index, GID, type) from one `ibv_query_gid_table`
+    /// call, instead of two queries per index; `None` where the kernel cannot list the table.
+    fn gid_table(&self, port_num: u8, tbl_len: usize) -> Option<Vec<GidRow>> {
+        // The call lists every port's entries; start with room for two ports, then grow.
+        let mut cap = tbl_len.max(1) * 2;
+        for _ in 0..4 {
+            let mut entries: Vec<sys::ibv_gid_entry> = Vec::with_capacity(cap);
+            // SAFETY: open context; `entries` has room for `cap` entries, which the call
+            // writes at most; flags 0.
+            let n = unsafe { sys::ibv_query_gid_table(self.ctx.as_ptr(), entries.as_mut_ptr(), cap, 0) };
+            if let Ok(n) = usize::try_from(n) {
+                // SAFETY: the call initialised the first `n` (<= `cap`) entries.
+                unsafe { entries.set_len(n.min(cap)) };
+                let listed = entries.iter().filter(|e| e.port_num == u32::from(port_num));
+                return Some(
+                    listed
+                        .filter_map(|e| {
+                            // SAFETY: `raw` covers the whole GID union.
+                            let gid = unsafe { e.gid.raw };
+                            Some((u8::try_from(e.gid_index).ok()?, gid, Some(kind_of(e.gid_type))))
+                        })
+                        .collect(),
+                );
+            }
+            cap *= 2;
+        }
+        None
     }
 
     /// The GID a connection uses: `explicit`, then `RDMAKIT_GID_INDEX`, then on RoCE the first
@@ -166,14 +189,19 @@ impl Device {
             return pick(0);
         }
         let ipv4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+        let tbl_len = port.gid_tbl_len.clamp(0, 255) as usize;
+        // One table read; kernels without it are asked entry by entry.
+        let entries = self.gid_table(port_num, tbl_len).unwrap_or_else(|| {
+            (0..tbl_len as u8)
+                .filter_map(|i| Some((i, self.gid(port_num, i).ok()?, self.gid_kind(port_num, i))))
+                .collect()
+        });
         let mut first_v2 = None;
         let mut first_mapped = None;
-        for i in 0..port.gid_tbl_len.clamp(0, 255) as u8 {
-            let Ok(g) = self.gid(port_num, i) else { continue };
+        for (i, g, kind) in entries {
             if g == [0; 16] {
                 continue;
             }
-            let kind = self.gid_kind(port_num, i);
             let mapped = ipv4_mapped(&g);
             if kind == Some(GidKind::RoceV2) && mapped {
                 return GidChoice { index: i, kind };
@@ -358,4 +386,17 @@ pub(super) fn query_device(dev: &Device) -> Result<DeviceAttr> {
         max_dm_size,
         phys_port_cnt: attr.phys_port_cnt,
     })
+}
+
+/// A GID table entry: index, GID, and its type when the kernel says.
+type GidRow = (u8, [u8; 16], Option<GidKind>);
+
+/// An `ibv_gid_type` value as rdmakit's [`GidKind`].
+fn kind_of(gid_type: u32) -> GidKind {
+    match gid_type {
+        sys::IBV_GID_TYPE_IB => GidKind::Ib,
+        sys::IBV_GID_TYPE_ROCE_V1 => GidKind::RoceV1,
+        sys::IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
+        other => GidKind::Other(other),
+    }
 }
