@@ -73,6 +73,7 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
     p=$(for i in $(seq "$runs"); do perftest "$tool" "$@" | awk -v c="$col" '{print $c}'; done | median)
     r=$(for i in $(seq "$runs"); do json "$key" "$(rdmakit "$test" "$@")"; done | median)
     row "$name" "$unit" "$p" "$r" "$kind"
+    last=("$tool" "$test" "$p" "$r")
 }
 
 row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat)
@@ -94,7 +95,19 @@ compare "write latency 8 B" usec lat ib_write_lat 5 write-lat t_typical -- -s 8 
 compare "read latency 8 B" usec lat ib_read_lat 5 read-lat t_typical -- -s 8 -n "$iters"
 compare "send latency 8 B" usec lat ib_send_lat 5 send-lat t_typical -- -s 8 -n "$iters"
 compare "fetch-and-add latency" usec lat ib_atomic_lat 5 atomic-lat t_typical -- -n "$iters"
+# The sweep also goes to a CSV and an SVG plot (rdmakit-perf plot) under target/.
+csv="$here/target/perftest-compare.csv"
+echo "# perftest vs rdmakit-perf on $dev, median of $runs runs, $(date -u +%Y-%m-%dT%H:%MZ)" >"$csv"
 for size in $sweep; do
-    compare "write bandwidth $size B" MiB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s "$size" -n "$iters"
-    compare "write latency $size B" usec lat ib_write_lat 5 write-lat t_typical -- -s "$size" -n "$iters"
+    for k in bw lat; do
+        if [ "$k" = bw ]; then
+            compare "write bandwidth $size B" MiB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s "$size" -n "$iters"
+        else
+            compare "write latency $size B" usec lat ib_write_lat 5 write-lat t_typical -- -s "$size" -n "$iters"
+        fi
+        printf 'perftest %s,%s,%s,%s\nrdmakit %s,%s,%s,%s\n' \
+            "${last[0]}" "$k" "$size" "${last[2]}" "${last[1]}" "$k" "$size" "${last[3]}" >>"$csv"
+    done
 done
+"$perf" plot "$csv" --output "$here/target/perftest-compare.svg" \
+    --title "perftest vs rdmakit-perf, Soft-RoCE ($dev) in a TCG-emulated VM"

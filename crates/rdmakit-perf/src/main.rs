@@ -15,6 +15,7 @@ mod channel;
 mod contended;
 mod limits;
 mod measure;
+mod plot;
 mod report;
 mod rig;
 mod transfer;
@@ -99,6 +100,9 @@ enum Cmd {
     Transfer(transfer::TransferArgs),
     /// A TCP data generator to feed `transfer --input tcp://HOST:PORT`.
     Datagen(transfer::DatagenArgs),
+    /// Draw a size sweep (CSV `series,kind,size,value`, as `scripts/perftest-compare.sh`
+    /// writes it) as an SVG: bandwidth and latency against message size, series side by side.
+    Plot(plot::PlotArgs),
     /// The default suite in loopback (what no arguments runs): the soft NIC unless
     /// `--provider`/`--device` say otherwise.
     Suite(SuiteArgs),
@@ -666,6 +670,16 @@ fn main() -> ExitCode {
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
         Some(Cmd::Transfer(t)) => return transfer::main(t),
         Some(Cmd::Datagen(d)) => return transfer::datagen_main(d),
+        Some(Cmd::Plot(p)) => match plot::run(p) {
+            Ok(n) => {
+                println!("{}: {n} measurements drawn", p.output.display());
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("rdmakit-perf plot: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
