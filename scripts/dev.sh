@@ -234,6 +234,10 @@ test)
         env RUSTFLAGS="--cfg rdmakit_reverse_copy" CARGO_TARGET_DIR=target/reverse-copy \
         cargo test -p rdmakit-channel --test pipe --test put --test pipe_cross_process
     step "cargo doc (-D warnings)" env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --quiet
+    # The full `cargo publish --workspace --dry-run` also rebuilds every crate from its package
+    # (about 15 minutes here); packaging alone checks the metadata and the file lists.
+    step "every crate packages for crates.io (cargo package --workspace --no-verify)" \
+        cargo package --workspace --no-verify --quiet --allow-dirty
     step "conformance suite on rdma-core + Soft-RoCE (VM)" rxe_tier
     step "Miri on the soft NIC and the memory crate" miri_tier
     say "done in $(($(date +%s) - start)) s"

@@ -4,10 +4,14 @@
 #
 #   scripts/perftest-compare.sh            build rdmakit-perf (release) and run everything
 #   RDMAKIT_COMPARE_ITERS=5000 ...         iterations per test (default 2000)
-#   RDMAKIT_COMPARE_RUNS=5 ...             runs per tool and test; the median is reported (default 3)
+#   RDMAKIT_COMPARE_RUNS=7 ...             runs per tool and test; the median is reported (default 5)
+#   RDMAKIT_COMPARE_SWEEP="8 4096 65536"   message sizes of the size sweep (default 8 512 4096 65536)
 #
-# Tests: ib_write_bw vs write-bw (64 KiB), ib_write_lat vs write-lat (8 B),
-# ib_read_lat vs read-lat (8 B), ib_atomic_lat vs atomic-lat (fetch-and-add).
+# Tests: bandwidth of ib_write_bw, ib_read_bw, ib_send_bw against write-bw, read-bw, send-bw
+# (64 KiB); message rate of ib_write_bw -s 8 against write-bw -s 8 (Mpps); latency of
+# ib_write_lat, ib_read_lat, ib_send_lat against write-lat, read-lat, send-lat (8 B) and
+# ib_atomic_lat against atomic-lat (fetch-and-add); then write bandwidth and write latency
+# over the size sweep.
 # Bandwidth ratio = rdmakit / perftest (goal >= 0.95); latency ratio = rdmakit / perftest
 # on t_typical (goal <= 1.05). rxe under TCG emulation is slow in absolute terms: only the
 # ratios, measured in the same run on the same device, mean something.
@@ -28,7 +32,8 @@ dev=${RDMAKIT_RXE_DEV:-rxe0}
 gid=${RDMAKIT_RXE_GID_INDEX:-1}
 ip=${RDMAKIT_RXE_IP:?not inside the rxe VM}
 iters=${RDMAKIT_COMPARE_ITERS:-2000}
-runs=${RDMAKIT_COMPARE_RUNS:-3}
+runs=${RDMAKIT_COMPARE_RUNS:-5}
+sweep=${RDMAKIT_COMPARE_SWEEP:-8 512 4096 65536}
 port=7471
 
 # perftest: prints the result line (the first all-numeric line after its header).
@@ -68,6 +73,7 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
     p=$(for i in $(seq "$runs"); do perftest "$tool" "$@" | awk -v c="$col" '{print $c}'; done | median)
     r=$(for i in $(seq "$runs"); do json "$key" "$(rdmakit "$test" "$@")"; done | median)
     row "$name" "$unit" "$p" "$r" "$kind"
+    last=("$tool" "$test" "$p" "$r")
 }
 
 row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat)
@@ -81,7 +87,27 @@ row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat)
 
 echo "perftest vs rdmakit-perf on $dev (GID $gid, $ip), $iters iterations, median of $runs runs each, same VM"
 printf '%-26s %-8s %12s %12s %8s  %s\n' test unit perftest rdmakit ratio goal
-compare "write bandwidth 64 KiB" MB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
+compare "write bandwidth 64 KiB" MiB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
+compare "read bandwidth 64 KiB" MiB/s bw ib_read_bw 4 read-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
+compare "send bandwidth 64 KiB" MiB/s bw ib_send_bw 4 send-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
+compare "write message rate 8 B" Mpps bw ib_write_bw 5 write-bw msg_rate_mpps -- -s 8 -n "$iters"
 compare "write latency 8 B" usec lat ib_write_lat 5 write-lat t_typical -- -s 8 -n "$iters"
 compare "read latency 8 B" usec lat ib_read_lat 5 read-lat t_typical -- -s 8 -n "$iters"
+compare "send latency 8 B" usec lat ib_send_lat 5 send-lat t_typical -- -s 8 -n "$iters"
 compare "fetch-and-add latency" usec lat ib_atomic_lat 5 atomic-lat t_typical -- -n "$iters"
+# The sweep also goes to a CSV and an SVG plot (rdmakit-perf plot) under target/.
+csv="$here/target/perftest-compare.csv"
+echo "# perftest vs rdmakit-perf on $dev, median of $runs runs, $(date -u +%Y-%m-%dT%H:%MZ)" >"$csv"
+for size in $sweep; do
+    for k in bw lat; do
+        if [ "$k" = bw ]; then
+            compare "write bandwidth $size B" MiB/s bw ib_write_bw 4 write-bw bw_average_mb_per_sec -- -s "$size" -n "$iters"
+        else
+            compare "write latency $size B" usec lat ib_write_lat 5 write-lat t_typical -- -s "$size" -n "$iters"
+        fi
+        printf 'perftest %s,%s,%s,%s\nrdmakit %s,%s,%s,%s\n' \
+            "${last[0]}" "$k" "$size" "${last[2]}" "${last[1]}" "$k" "$size" "${last[3]}" >>"$csv"
+    done
+done
+"$perf" plot "$csv" --output "$here/target/perftest-compare.svg" \
+    --title "perftest vs rdmakit-perf, Soft-RoCE ($dev) in a TCG-emulated VM"

@@ -10,6 +10,9 @@
 //! - [`channel`] (`rdmakit-channel`): async pipes, persistent put handles and the remote
 //!   heaps' transport ([`channel::heap`]), over one control channel with peer liveness.
 //!
+//! The designs rdmakit implements (MEMIC, the UMR mkey pool and its alias map, rmalloc,
+//! rpipe, CkDirect) each have a page in [`seeds`] mapping the source's terms onto the API.
+//!
 //! ```
 //! let ctx = rdmakit::Context::open_soft();
 //! assert_eq!(ctx.provider(), rdmakit::ProviderKind::Soft);
@@ -19,6 +22,22 @@ pub use rdmakit_channel as channel;
 pub use rdmakit_memory as memory;
 pub use rdmakit_verbs as verbs;
 pub use rdmakit_verbs::*;
+
+#[doc = include_str!("seeds/index.md")]
+pub mod seeds {
+    #[doc = include_str!("seeds/memic.md")]
+    pub mod memic {}
+    #[doc = include_str!("seeds/umr_pool.md")]
+    pub mod umr_pool {}
+    #[doc = include_str!("seeds/alias_map.md")]
+    pub mod alias_map {}
+    #[doc = include_str!("seeds/rmalloc.md")]
+    pub mod rmalloc {}
+    #[doc = include_str!("seeds/rpipe.md")]
+    pub mod rpipe {}
+    #[doc = include_str!("seeds/ckdirect.md")]
+    pub mod ckdirect {}
+}
 
 /// What this build of rdmakit was compiled with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -54,6 +54,19 @@
 //! peer reposts it then. A peer that stops polling for long enough lets keep-alives fill
 //! its slots; then they wait behind receiver-not-ready NAKs (retried without limit), which
 //! is still an alive peer, not an error.
+//!
+//! # Example: the total decoder
+//!
+//! ```
+//! use rdmakit_channel::{DecodeError, Message};
+//!
+//! let credit = Message::Credit { consumed: 3, batch: None };
+//! assert_eq!(Message::decode(&credit.encode()), Ok(credit));
+//! // What a hostile peer sends is an error, never a panic or an out-of-bounds read.
+//! assert_eq!(Message::decode(&[]), Err(DecodeError::Empty));
+//! assert!(matches!(Message::decode(&[0x7f]), Err(DecodeError::UnknownTag(0x7f))));
+//! assert!(matches!(Message::decode(&[0x11, 1, 2]), Err(DecodeError::Length { .. })));
+//! ```
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -41,6 +41,49 @@
 //! [`ChannelError::Timeout`] at the latest), never a hang. A malformed message is reported
 //! ([`ChannelError::Malformed`], [`ChannelError::Protocol`]) without losing the messages
 //! behind it.
+//!
+//! # Example: rmalloc, write, consume, rfree between two endpoints
+//!
+//! ```
+//! use std::time::Duration;
+//! use rdmakit_channel::heap::{HeapEndpoint, OwnerLimits};
+//! use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapId};
+//! use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps};
+//!
+//! let ctx = Context::open_soft();
+//! let pd = ctx.alloc_pd()?;
+//! let (cw, cr) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
+//! let (w, r) = (pd.create_qp(&cw, &cw, QpCaps::default())?, pd.create_qp(&cr, &cr, QpCaps::default())?);
+//! w.connect(&r.endpoint()?, &ConnectOptions::default())?;
+//! r.connect(&w.endpoint()?, &ConnectOptions::default())?;
+//! let wait = Duration::from_secs(5);
+//! let mut writer = HeapEndpoint::new(w, cw, OwnerLimits::default(), wait)?;
+//! let mut reader = HeapEndpoint::new(r, cr, OwnerLimits::default(), wait)?;
+//! let heap = HeapId(1);
+//!
+//! // The owner (reader) answers the writer's requests and consumes what lands.
+//! let owner = std::thread::spawn(move || -> Result<Vec<u8>, rdmakit_channel::ChannelError> {
+//!     let landed = loop {
+//!         match reader.try_recv_block(heap) {
+//!             Ok(Some(block)) => break block,
+//!             Ok(None) | Err(rdmakit_channel::ChannelError::UnknownHeap(_)) => reader.poll_messages()?,
+//!             Err(e) => return Err(e),
+//!         }
+//!     };
+//!     let mut text = vec![0u8; 5];
+//!     reader.read(&landed, 0, &mut text)?;
+//!     reader.rfree(landed)?; // the block returns to the writer in the next free batch
+//!     Ok(text)
+//! });
+//!
+//! writer.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10)?;
+//! let block = writer.rmalloc(heap, 5)?; // an address in the reader's memory
+//! let view = writer.rmem(heap, &block)?; // rmem: a local view to fill
+//! view.write_at(0, b"hello")?;
+//! writer.rwrite(&view)?; // one RDMA write, then the notice
+//! assert_eq!(owner.join().expect("owner thread")?, b"hello");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};

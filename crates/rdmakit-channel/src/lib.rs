@@ -27,6 +27,29 @@
 //! completion it was waiting for is applied by the next operation that makes progress
 //! (the crate's completion driver). Receive guards and put handles never hand out `&[u8]` over memory a peer
 //! may write, except through `unsafe fn`s.
+//!
+//! # Example: a message through a pipe, notified by write with immediate
+//!
+//! ```
+//! use rdmakit_channel::{NotifyMode, Pipe, PipeConfig};
+//! use rdmakit_verbs::{AccessFlags, Context};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let pd = Context::open_soft().alloc_pd()?;
+//! let mut cfg = PipeConfig::default();
+//! cfg.notify = NotifyMode::WriteImm; // the reader may sleep on completion events
+//! let (writer, reader) = Pipe::pair(&pd, cfg, cfg).await?;
+//! let src = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE)?;
+//! src.write_at(0, &42u64.to_le_bytes())?;
+//! let (sent, _src) = writer.rwrite(src.slice(0, 8)?).await;
+//! sent?;
+//! let guard = reader.recv().await?;
+//! let mut word = [0u8; 8];
+//! guard.read_at(0, &mut word)?; // a copy: no `&[u8]` over memory a peer may write
+//! assert_eq!(u64::from_le_bytes(word), 42);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
 
 // No unsafe code but the two escape hatches that hand out a slice over registered memory
 // (`RecvGuard::as_slice`, `BlockView::as_mut_slice`), each an `unsafe fn` with its contract.

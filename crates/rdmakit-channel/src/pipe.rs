@@ -48,6 +48,31 @@
 //! the verbs layer's in-flight table until the NIC is done with it. A dropped `recv`
 //! takes nothing. A guard dropped or leaked never frees memory the NIC writes: leaking it
 //! only keeps its block out of the ring.
+//!
+//! # Example: the pull direction, `publish` and `rread`
+//!
+//! ```
+//! use rdmakit_channel::{Pipe, PipeConfig};
+//! use rdmakit_verbs::{AccessFlags, Context};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let pd = Context::open_soft().alloc_pd()?;
+//! let (owner, reader) = Pipe::pair(&pd, PipeConfig::default(), PipeConfig::default()).await?;
+//! let data = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
+//! data.write_at(0, b"read from the owner's memory")?;
+//! // `publish` resolves once the reader has read it (the owner's memory is then free again).
+//! let published = tokio::spawn(async move { owner.publish(data.slice(0, 28).expect("slice")).await.0 });
+//! let dst = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+//! let (n, dst_slice) = reader.rread(dst.local()?).await;
+//! assert_eq!(n?, 28);
+//! drop(dst_slice);
+//! published.await??;
+//! let mut got = vec![0u8; 28];
+//! dst.read_at(0, &mut got)?;
+//! assert_eq!(&got[..], b"read from the owner's memory");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -73,6 +73,35 @@
 //! thread) stays queued until that callback has returned.
 //! [`RecvHandle::next_put`] is the async variant: a future per iteration (it polls the
 //! sequence word, yielding to the executor between polls; dropping it takes nothing).
+//!
+//! # Example: a put handle awaited from async code
+//!
+//! ```
+//! use rdmakit_channel::{PollMode, put::PutEndpoint};
+//! use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let ctx = Context::open_soft();
+//! let pd = ctx.alloc_pd()?;
+//! let (ca, cb) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
+//! let (qa, qb) = (pd.create_qp(&ca, &ca, QpCaps::default())?, pd.create_qp(&cb, &cb, QpCaps::default())?);
+//! qa.connect(&qb.endpoint()?, &ConnectOptions::default())?;
+//! qb.connect(&qa.endpoint()?, &ConnectOptions::default())?;
+//! let tx = PutEndpoint::new(qa, ca, PollMode::Busy)?;
+//! let rx = PutEndpoint::new(qb, cb, PollMode::Busy)?;
+//! let ghost = pd.alloc_mr(32, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+//! let handle = rx.create_handle(&ghost, |_| {}, 0)?;
+//! let edge = pd.alloc_mr(32, AccessFlags::LOCAL_WRITE)?;
+//! let put = tx.assoc_local_buffer(&handle.desc()?, edge.local()?)?;
+//! edge.write_u64(0, 0x5eed)?;
+//! handle.ready_poll_q()?;
+//! put.put()?;
+//! handle.next_put().await?; // resolves when the put has landed
+//! assert_eq!(ghost.read_u64(0)?, 0x5eed);
+//! handle.ready_mark()?; // done with the data: the sender may put again
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -9,6 +9,28 @@
 //!
 //! Each message costs one boxed future (an allocation); for allocation-free transfers use
 //! [`Pipe::rwrite`] and [`Pipe::recv`] directly.
+//!
+//! # Example
+//!
+//! ```
+//! use rdmakit_channel::{Pipe, PipeConfig, stream::PipeStream};
+//! use tokio::io::{AsyncReadExt, AsyncWriteExt};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let pd = rdmakit_verbs::Context::open_soft().alloc_pd()?;
+//! let (a, b) = Pipe::pair(&pd, PipeConfig::default(), PipeConfig::default()).await?;
+//! let (mut tx, mut rx) = (PipeStream::new(a, 4096)?, PipeStream::new(b, 4096)?);
+//! let writer = tokio::spawn(async move {
+//!     tx.write_all(&[7u8; 10_000]).await?; // several messages of at most the chunk length
+//!     tx.shutdown().await // the reader sees end-of-stream
+//! });
+//! let mut all = Vec::new();
+//! rx.read_to_end(&mut all).await?;
+//! writer.await??;
+//! assert_eq!(all, vec![7u8; 10_000]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
 
 use std::future::Future;
 use std::io;

@@ -8,6 +8,27 @@
 //! - [`heap`]: asymmetric remote heaps (rmalloc/rfree) per endpoint pair, with next-fit,
 //!   first-fit, best-fit and worst-fit allocation and the paper's deferred and immediate
 //!   synchronisation.
+//!
+//! Each module's page has a runnable example; the `rdmakit` facade's `seeds` pages map them
+//! onto the seeds' own terms.
+//!
+//! # Example: a counter in NIC memory and a remote heap's first block
+//!
+//! ```
+//! use rdmakit_memory::heap::{AllocPolicy, HeapAllocator, HeapConfig, HeapId, RemoteSegment};
+//! use rdmakit_memory::memic::{CounterPool, Memic, Placement};
+//!
+//! let pd = rdmakit_verbs::Context::open_soft().alloc_pd()?;
+//! let counters = CounterPool::new(&Memic::open(&pd), 4, Placement::NicPreferred)?;
+//! let hits = counters.alloc()?.expect("four free counters");
+//! assert_eq!(hits.get()?, 0);
+//!
+//! // The allocating side of a heap whose memory a peer registered (address, length, rkey).
+//! let mut heap = HeapAllocator::new(HeapConfig::new(HeapId(1), AllocPolicy::BestFit));
+//! heap.add_segment(RemoteSegment::new(0x7000_0000, 1 << 16, 0xbeef))?;
+//! assert_eq!(heap.stats().free, 1 << 16);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 // No unsafe code but where it is the point, each exemption with its reason: the MEMIC
 // address reservation (mmap/munmap), the registration cache's `register` (memory the

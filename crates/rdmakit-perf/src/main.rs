@@ -15,8 +15,10 @@ mod channel;
 mod contended;
 mod limits;
 mod measure;
+mod plot;
 mod report;
 mod rig;
+mod seeds;
 mod transfer;
 
 use std::io::IsTerminal;
@@ -99,6 +101,30 @@ enum Cmd {
     Transfer(transfer::TransferArgs),
     /// A TCP data generator to feed `transfer --input tcp://HOST:PORT`.
     Datagen(transfer::DatagenArgs),
+    /// Draw a size sweep (CSV `series,kind,size,value`, as `scripts/perftest-compare.sh`
+    /// writes it) as an SVG: bandwidth and latency against message size, series side by side.
+    Plot(plot::PlotArgs),
+    /// The UCX MEMIC talk's table: fetch-and-add and posted atomic add, windows 1 and 16,
+    /// the target in host memory and in device memory, beside the talk's figures.
+    MemicAtomics {
+        #[command(flatten)]
+        dev: DeviceOpts,
+        /// Operations per cell.
+        #[arg(short = 'n', long, default_value_t = 100_000)]
+        iters: u64,
+    },
+    /// The cross-GVMI UMR mkey pool talk's table: each step of exporting a host buffer to a
+    /// DPU with a key per export, beside the pool's export, over 16 KiB to 1 GiB.
+    XgvmiExport {
+        #[command(flatten)]
+        dev: DeviceOpts,
+        /// The largest buffer (16 KiB, 1 MiB, 64 MiB and 1 GiB are measured up to it).
+        #[arg(long, default_value_t = 64 << 20)]
+        max_size: u64,
+        /// Runs per figure; the median is reported.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// The default suite in loopback (what no arguments runs): the soft NIC unless
     /// `--provider`/`--device` say otherwise.
     Suite(SuiteArgs),
@@ -666,6 +692,22 @@ fn main() -> ExitCode {
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
         Some(Cmd::Transfer(t)) => return transfer::main(t),
         Some(Cmd::Datagen(d)) => return transfer::datagen_main(d),
+        Some(Cmd::MemicAtomics { dev, iters }) => {
+            dev.open().and_then(|ctx| seeds::memic_atomics(&ctx, (*iters).max(1)))
+        }
+        Some(Cmd::XgvmiExport { dev, max_size, runs }) => {
+            dev.open().and_then(|ctx| seeds::xgvmi_export(&ctx, *max_size, (*runs).max(1)))
+        }
+        Some(Cmd::Plot(p)) => match plot::run(p) {
+            Ok(n) => {
+                println!("{}: {n} measurements drawn", p.output.display());
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("rdmakit-perf plot: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

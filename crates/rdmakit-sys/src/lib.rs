@@ -36,6 +36,19 @@
 //! `libibverbs` (the order GNU ld needs with `--as-needed`). Building needs the rdma-core
 //! development files and libclang (Debian: `libibverbs-dev librdmacm-dev ibverbs-providers
 //! pkg-config libclang-dev`).
+//!
+//! # Example
+//!
+//! Whether this build has rdma-core, and, when not, what to install:
+//!
+//! ```
+//! if rdmakit_sys::AVAILABLE {
+//!     println!("rdma-core bindings generated with {}", rdmakit_sys::LIBCLANG);
+//! } else {
+//!     assert!(!rdmakit_sys::MISSING.is_empty(), "a build without rdma-core says why");
+//!     println!("built without rdma-core: {}", rdmakit_sys::MISSING);
+//! }
+//! ```
 
 /// Whether this build has the rdma-core bindings (see "When rdma-core is missing").
 pub const AVAILABLE: bool = cfg!(rdmakit_sys_bound);

@@ -21,9 +21,11 @@
 //! verbs; those keys are zero-based, as UMR keys are. The vHCA id (`QUERY_HCA_CAP`),
 //! `allow_other_vhca_access` (`ALLOW_OTHER_VHCA_ACCESS`) and aliases (`CREATE_GENERAL_OBJECT`
 //! of an mkey alias) are DEVX firmware commands built in PRM layout (`rdma/mlx5dv.rs` says
-//! where each field comes from); a KSM key at a non-zero address (a DEVX `CREATE_MKEY`) is not
-//! implemented, and everything returns [`Error::Unsupported`] on a non-mlx5 device (rxe has
-//! no mlx5dv). The verbs path is compiled and linked but untested on hardware.
+//! where each field comes from), and so is the KSM key at a non-zero address that MEMIC uses
+//! ([`ProtectionDomain::create_ksm_mkey`], a DEVX `CREATE_MKEY`, with a zero-based UMR key as
+//! the fallback when the firmware refuses DEVX). Everything returns [`Error::Unsupported`] on
+//! a non-mlx5 device (rxe has no mlx5dv). The verbs path is compiled and linked but has never
+//! run on an mlx5 device.
 //!
 //! # Example: an indirect key over two regions
 //! ```

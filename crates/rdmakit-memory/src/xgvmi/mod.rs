@@ -47,6 +47,32 @@
 //! [`DpuFunction`] implement them over `rdmakit_verbs::mlx5` (emulated by the soft NIC).
 //! Pool keys are zero-based: a peer addresses byte `i` of the exported region as
 //! `PackedKey::addr + i` with `addr == 0`.
+//!
+//! # Example: host exports, DPU imports, a stale export is refused
+//!
+//! ```
+//! use rdmakit_memory::xgvmi::{AliasCache, DpuFunction, HostFunction, PoolConfig, UmrMkeyPool};
+//! use rdmakit_verbs::{AccessFlags, Context};
+//!
+//! let host = Context::open_soft();
+//! let dpu = host.open_function()?; // the DPU's function on the same NIC
+//! let (hpd, dpd) = (host.alloc_pd()?, dpu.alloc_pd()?);
+//! let pool = UmrMkeyPool::new(HostFunction::new(&hpd, AccessFlags::ALL_REMOTE)?, PoolConfig::new(4, [1; 32]))?;
+//! let aliases = AliasCache::new(DpuFunction::new(&dpd, AccessFlags::LOCAL_WRITE));
+//! let (a, b) = (hpd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?, hpd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?);
+//!
+//! let first = pool.export(&a)?;
+//! let old = first.packed();
+//! let imported = aliases.import(&old)?;
+//! first.release()?; // the host takes `a` back: LOCAL_INV, the key returns to the pool
+//!
+//! let second = pool.export(&b)?; // the same key, re-bound to `b` by UMR
+//! assert_eq!(second.packed().mkey, old.mkey);
+//! assert!(aliases.import(&second.packed())?.hit); // the alias is shared
+//! assert!(aliases.check_current(&imported).is_err()); // the old import no longer reaches `a`
+//! assert!(aliases.import(&old).is_err()); // and the stale export is refused
+//! # Ok::<(), rdmakit_verbs::Error>(())
+//! ```
 
 mod alias;
 mod device;

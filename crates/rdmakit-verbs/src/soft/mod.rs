@@ -17,6 +17,39 @@
 //! by GID); devices in other processes or hosts through TCP (`tcp`: each device opens a
 //! port, `RDMAKIT_SOFT_ADDR`, when it first hands out an endpoint). The seam between the
 //! two is `qp::Link`.
+//!
+//! # Example: the checks a NIC makes, made in software
+//!
+//! A write through a valid rkey lands; the same write with a forged rkey, or past the end of
+//! the region, completes with the status a hardware responder gives, and the QP then goes to
+//! the error state as an RC QP does.
+//!
+//! ```
+//! use std::time::Duration;
+//! use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr, SoftConfig, WcStatus};
+//!
+//! let ctx = Context::open_soft_with(SoftConfig::default())?;
+//! let pd = ctx.alloc_pd()?;
+//! let (ca, cb) = (ctx.create_cq(8)?, ctx.create_cq(8)?);
+//! let (a, b) = (pd.create_qp(&ca, &ca, QpCaps::default())?, pd.create_qp(&cb, &cb, QpCaps::default())?);
+//! a.connect(&b.endpoint()?, &ConnectOptions::default())?;
+//! b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+//! let (src, dst) = (pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?, pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?);
+//! src.write_at(0, b"hello")?;
+//!
+//! a.post_send(SendWr::write(src.slice(0, 5)?, dst.remote().slice(0, 5)?))?;
+//! ca.wait(Some(Duration::from_secs(5)))?.ok()?;
+//! let mut got = [0u8; 5];
+//! dst.read_at(0, &mut got)?;
+//! assert_eq!(&got, b"hello");
+//!
+//! let mut forged = dst.remote();
+//! forged.rkey ^= 1;
+//! a.post_send(SendWr::write(src.slice(0, 5)?, forged.slice(0, 5)?))?;
+//! let wc = ca.wait(Some(Duration::from_secs(5)))?;
+//! assert_eq!(wc.status, WcStatus::REM_ACCESS_ERR);
+//! # Ok::<(), rdmakit_verbs::Error>(())
+//! ```
 
 pub(crate) mod cq;
 pub(crate) mod dm;
