@@ -33,6 +33,17 @@ pub(crate) enum PdBackend {
     Verbs(crate::rdma::Pd),
 }
 
+/// The one place a protection domain dispatches to its provider.
+impl PdBackend {
+    fn alloc(ctx: &Context) -> Result<PdBackend> {
+        match ctx.backend() {
+            CtxBackend::Soft(dev) => Ok(PdBackend::Soft(dev.alloc_pd())),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(c) => Ok(PdBackend::Verbs(c.alloc_pd()?)),
+        }
+    }
+}
+
 impl std::fmt::Debug for ProtectionDomain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProtectionDomain").field("device", &self.inner.ctx.name()).finish()
@@ -41,11 +52,7 @@ impl std::fmt::Debug for ProtectionDomain {
 
 impl ProtectionDomain {
     pub(crate) fn new(ctx: &Context) -> Result<ProtectionDomain> {
-        let backend = match &ctx.inner.backend {
-            CtxBackend::Soft(dev) => PdBackend::Soft(dev.alloc_pd()),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => PdBackend::Verbs(c.alloc_pd()?),
-        };
+        let backend = PdBackend::alloc(ctx)?;
         Ok(ProtectionDomain {
             inner: Arc::new(PdInner {
                 ctx: ctx.clone(),
@@ -59,6 +66,16 @@ impl ProtectionDomain {
     /// The device this PD belongs to.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
+    }
+
+    /// The provider object behind this PD.
+    pub(crate) fn backend(&self) -> &PdBackend {
+        &self.inner.backend
+    }
+
+    /// True if `other` is a handle of this same protection domain.
+    pub(crate) fn same_pd(&self, other: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Allocates `len` zeroed, page-aligned bytes and registers them (`ibv_reg_mr`).

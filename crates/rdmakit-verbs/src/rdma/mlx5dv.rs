@@ -31,6 +31,7 @@ use rdmakit_sys::mlx5dv as dv;
 use super::conv::nonnull;
 use super::{Cq, Device, PdShared, Qp};
 use crate::error::{Error, Result, WcStatus};
+use crate::raw::RawKsm;
 use crate::types::{AccessFlags, ConnectOptions, QpCaps};
 use crate::wc::WorkCompletion;
 
@@ -184,8 +185,14 @@ impl UmrQp {
         Ok(UmrQp { _qp: qp, max_entries, qpx, mqpx, cq })
     }
 
-    /// Binds `mkey` to the (address, length, lkey) entries, zero-based, and waits.
-    pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[(u64, u32, u32)]) -> Result<()> {
+    /// Binds `mkey` to the entries, zero-based, and waits.
+    pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[RawKsm]) -> Result<()> {
+        let mut sges = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            let length = u32::try_from(e.len)
+                .map_err(|_| Error::InvalidArgument(format!("KSM entry {i}: over 4 GiB")))?;
+            sges.push(sys::ibv_sge { addr: e.addr, length, lkey: e.key });
+        }
         if entries.len() > self.max_entries {
             return Err(Error::Unsupported(format!(
                 "a UMR carries at most {} entries inline on this QP ({} asked)",
@@ -193,8 +200,6 @@ impl UmrQp {
                 entries.len()
             )));
         }
-        let mut sges: Vec<sys::ibv_sge> =
-            entries.iter().map(|&(addr, length, lkey)| sys::ibv_sge { addr, length, lkey }).collect();
         let n =
             u16::try_from(sges.len()).map_err(|_| Error::InvalidArgument("too many UMR entries".into()))?;
         let qpx = self.qpx.as_ptr();
