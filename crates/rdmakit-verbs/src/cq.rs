@@ -56,7 +56,7 @@ impl CqBackend {
             CtxBackend::Soft(_) => Ok((CqBackend::Soft(Arc::new(SoftCq::new(cqe))), cqe)),
             #[cfg(rdmakit_verbs)]
             CtxBackend::Verbs(c) => {
-                let cq = c.create_cq(cqe)?;
+                let cq = crate::rdma::Cq::create(c, cqe)?;
                 let cap = cq.capacity();
                 Ok((CqBackend::Verbs(cq), cap))
             }

@@ -49,7 +49,7 @@ impl DmBackend {
                 Ok(DmBackend::Soft(Arc::new(SoftDm::alloc(dev, len)?)))
             }
             #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => Ok(DmBackend::Verbs(c.alloc_dm(len, max)?)),
+            CtxBackend::Verbs(c) => Ok(DmBackend::Verbs(crate::rdma::Dm::alloc(c, len, max)?)),
         }
     }
 

@@ -251,7 +251,7 @@ impl MrBackend {
             PdBackend::Verbs(vpd) => {
                 // SAFETY: the buffer outlives the registration: `MrInner` drops `backend`
                 // (deregistering) before `mem`, and holds `mem` (an `Arc` of the buffer).
-                let mr = unsafe { vpd.reg_mr(ptr, len, access)? };
+                let mr = unsafe { crate::rdma::Mr::reg(vpd, ptr, len, access)? };
                 let (l, r) = (mr.lkey(), mr.rkey());
                 Ok((MrBackend::Verbs(mr), l, r))
             }
@@ -278,7 +278,7 @@ impl MrBackend {
             }
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
-                let mr = vpd.reg_dm_mr(vdm, offset, len, access)?;
+                let mr = crate::rdma::Mr::reg_dm(vpd, vdm, offset, len, access)?;
                 let (l, r) = (mr.lkey(), mr.rkey());
                 Ok((MrBackend::Verbs(mr), l, r))
             }
@@ -308,7 +308,8 @@ impl MrBackend {
             PdBackend::Verbs(vpd) => {
                 use std::os::fd::AsRawFd;
                 // SAFETY: the caller's contract is `register_dmabuf`'s, which this forwards.
-                let mr = unsafe { vpd.reg_dmabuf_mr(offset, len, iova, fd.as_raw_fd(), access)? };
+                let mr =
+                    unsafe { crate::rdma::Mr::reg_dmabuf(vpd, offset, len, iova, fd.as_raw_fd(), access)? };
                 let (l, r) = (mr.lkey(), mr.rkey());
                 Ok((MrBackend::Verbs(mr), l, r))
             }

@@ -39,7 +39,7 @@ impl PdBackend {
         match ctx.backend() {
             CtxBackend::Soft(dev) => Ok(PdBackend::Soft(dev.alloc_pd())),
             #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => Ok(PdBackend::Verbs(c.alloc_pd()?)),
+            CtxBackend::Verbs(c) => Ok(PdBackend::Verbs(crate::rdma::Pd::alloc(c)?)),
         }
     }
 }

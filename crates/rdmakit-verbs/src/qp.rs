@@ -88,7 +88,7 @@ impl QpBackend {
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), CqBackend::Verbs(scq), CqBackend::Verbs(rcq)) => {
                 let _ = psn; // verbs QPs take their PSN when connecting
-                let qp = vpd.create_qp(scq, rcq, caps)?;
+                let qp = crate::rdma::Qp::create(vpd, scq, rcq, caps)?;
                 let caps = qp.caps();
                 Ok((QpBackend::Verbs(qp), caps))
             }

@@ -132,7 +132,7 @@ unsafe impl Sync for UmrQp {}
 impl UmrQp {
     fn create(ctx: &super::Context, pd: &Arc<PdShared>, max_entries: u16) -> Result<UmrQp> {
         supported(&pd.dev)?;
-        let cq = ctx.create_cq(64)?;
+        let cq = Cq::create(ctx, 64)?;
         // SAFETY: all-zero is a valid ibv_qp_init_attr_ex (null pointers, no comp_mask bits).
         let mut init: sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
         init.send_cq = cq.cq.as_ptr();
@@ -576,14 +576,13 @@ impl DevxKey {
                 out.len(),
             )
         };
-        let Some(obj) = NonNull::new(obj) else {
-            return Err(Error::Unsupported(format!(
-                "{what}: DEVX command failed ({}, status {:#x}, syndrome {:#x})",
-                std::io::Error::last_os_error(),
+        let obj = super::conv::nonnull_os(obj).map_err(|os| {
+            Error::Unsupported(format!(
+                "{what}: DEVX command failed ({os}, status {:#x}, syndrome {:#x})",
                 get(&out, status),
                 get(&out, syndrome)
-            )));
-        };
+            ))
+        })?;
         Ok(DevxKey { obj, key: key(&out), what, destroyed: AtomicBool::new(false), _pd: pd.clone() })
     }
 
