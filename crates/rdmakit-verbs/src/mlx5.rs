@@ -130,10 +130,6 @@ impl std::fmt::Debug for UmrQueue {
     }
 }
 
-/// Most KSM entries a verbs indirect key is created with room for.
-#[cfg(rdmakit_verbs)]
-const VERBS_MAX_ENTRIES: u16 = 16;
-
 /// The soft NIC behind `ctx`, or the error of a soft-NIC-only feature.
 fn soft_device(ctx: &Context) -> Result<&Arc<SoftDevice>> {
     ctx.backend().soft().ok_or_else(|| soft_only(ctx))
@@ -192,6 +188,10 @@ fn raw_entries(pd: &ProtectionDomain, entries: &[KsmEntry]) -> Result<Vec<RawKsm
 /// The one place the mlx5 keys dispatch to their provider: key creation on a PD's
 /// provider, and the UMR operations on a queue's.
 impl UmrBackend {
+    /// Most KSM entries a verbs indirect key is created with room for.
+    #[cfg(rdmakit_verbs)]
+    const VERBS_MAX_ENTRIES: u16 = 16;
+
     fn create_indirect_mkey(
         pd: &ProtectionDomain,
         base: u64,
@@ -214,7 +214,7 @@ impl UmrBackend {
                             .into(),
                     ));
                 }
-                let mk = vpd.create_indirect_mkey(VERBS_MAX_ENTRIES)?;
+                let mk = vpd.create_indirect_mkey(Self::VERBS_MAX_ENTRIES)?;
                 let key = mk.lkey();
                 (MrBackend::VerbsMkey(mk), key)
             }
@@ -241,7 +241,7 @@ impl UmrBackend {
             #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) if base != 0 => {
                 access.validate()?;
-                let (log_entity, raw) = devx_ksm_entries(pd, base, len, entries)?;
+                let (log_entity, raw) = UmrBackend::devx_ksm_entries(pd, base, len, entries)?;
                 let ksm = vpd.create_ksm_key(base, log_entity, &raw, access)?;
                 let key = ksm.key();
                 // The entries' regions stay registered while the key lives.
@@ -276,7 +276,7 @@ impl UmrBackend {
                 let umr = match &*shared {
                     Some(umr) => umr.clone(),
                     None => shared
-                        .insert(Arc::new(Mutex::new(vpd.create_umr_qp(vctx, VERBS_MAX_ENTRIES)?)))
+                        .insert(Arc::new(Mutex::new(vpd.create_umr_qp(vctx, Self::VERBS_MAX_ENTRIES)?)))
                         .clone(),
                 };
                 Ok(UmrBackend::Verbs(umr))
@@ -327,6 +327,40 @@ impl UmrBackend {
         }
     }
 
+    /// The checks and the entry list of a DEVX `CREATE_MKEY` KSM key from `base`: the entries
+    /// must be equal power-of-two spans (KSM maps fixed-size entities), each inside its own
+    /// region of `pd`. Returns log2 of the span and the (lkey, address) of each entry.
+    #[cfg(rdmakit_verbs)]
+    fn devx_ksm_entries(
+        pd: &ProtectionDomain,
+        base: u64,
+        len: u64,
+        entries: &[KsmEntry],
+    ) -> Result<(u8, Vec<(u32, u64)>)> {
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!("KSM key range {base:#x}+{len} is empty or wraps")));
+        }
+        let entity = entries[0].len;
+        if !entity.is_power_of_two() || entries.iter().any(|e| e.len != entity) {
+            return Err(Error::Unsupported(
+                "a KSM key maps equal power-of-two entities; these entries differ in length".into(),
+            ));
+        }
+        let mut raw = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
+                return Err(Error::InvalidArgument(format!("KSM entry {i}: outside its region")));
+            }
+            if !e.region.pd().same_pd(pd) {
+                return Err(Error::InvalidArgument(format!(
+                    "KSM entry {i}: region of another protection domain"
+                )));
+            }
+            raw.push((e.region.lkey(), e.region.addr() + e.offset));
+        }
+        Ok((entity.trailing_zeros() as u8, raw))
+    }
+
     /// Binds indirect key `key` to the checked entries `raw`.
     fn bind(&self, key: &MemoryRegion, raw: &[RawKsm]) -> Result<()> {
         match self {
@@ -367,40 +401,6 @@ fn bind_entries(umr: &UmrBackend, key: &MemoryRegion, entries: &[KsmEntry]) -> R
     umr.bind(key, &raw)?;
     *bound = entries.iter().map(|e| e.region.clone()).collect();
     Ok(())
-}
-
-/// The checks and the entry list of a DEVX `CREATE_MKEY` KSM key from `base`: the entries
-/// must be equal power-of-two spans (KSM maps fixed-size entities), each inside its own
-/// region of `pd`. Returns log2 of the span and the (lkey, address) of each entry.
-#[cfg(rdmakit_verbs)]
-fn devx_ksm_entries(
-    pd: &ProtectionDomain,
-    base: u64,
-    len: u64,
-    entries: &[KsmEntry],
-) -> Result<(u8, Vec<(u32, u64)>)> {
-    if len == 0 || base.checked_add(len).is_none() {
-        return Err(Error::InvalidArgument(format!("KSM key range {base:#x}+{len} is empty or wraps")));
-    }
-    let entity = entries[0].len;
-    if !entity.is_power_of_two() || entries.iter().any(|e| e.len != entity) {
-        return Err(Error::Unsupported(
-            "a KSM key maps equal power-of-two entities; these entries differ in length".into(),
-        ));
-    }
-    let mut raw = Vec::with_capacity(entries.len());
-    for (i, e) in entries.iter().enumerate() {
-        if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
-            return Err(Error::InvalidArgument(format!("KSM entry {i}: outside its region")));
-        }
-        if !e.region.pd().same_pd(pd) {
-            return Err(Error::InvalidArgument(format!(
-                "KSM entry {i}: region of another protection domain"
-            )));
-        }
-        raw.push((e.region.lkey(), e.region.addr() + e.offset));
-    }
-    Ok((entity.trailing_zeros() as u8, raw))
 }
 
 impl ProtectionDomain {

@@ -169,3 +169,39 @@ pub(crate) fn apply_path_options(attr: &mut sys::ibv_qp_attr, opts: &ConnectOpti
     }
     mask
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_negative_count_is_its_errno() {
+        assert_eq!(count("ibv_poll_cq", 3).unwrap(), 3);
+        assert_eq!(count("ibv_poll_cq", 0).unwrap(), 0);
+        match count("ibv_poll_cq", -libc::EINVAL) {
+            Err(Error::Os { call: "ibv_poll_cq", source }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::EINVAL))
+            }
+            other => panic!("expected EINVAL from ibv_poll_cq, got {other:?}"),
+        }
+        // The most negative value does not overflow.
+        assert!(count("ibv_poll_cq", i32::MIN).is_err());
+    }
+
+    #[test]
+    fn released_is_true_only_on_zero() {
+        assert!(released("ibv_dealloc_pd", "test0", 0));
+        assert!(!released("ibv_dealloc_pd", "test0", libc::EBUSY));
+        assert!(!released("ibv_dealloc_pd", "test0", -1));
+    }
+
+    #[test]
+    fn null_keeps_the_os_error() {
+        // SAFETY: fcntl on a descriptor that is not open only sets errno (EBADF).
+        unsafe { libc::fcntl(-1, libc::F_GETFL) };
+        let e = nonnull_os(std::ptr::null_mut::<u8>()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EBADF));
+        let mut x = 0u8;
+        assert!(nonnull_os(&mut x as *mut u8).is_ok());
+    }
+}
