@@ -272,14 +272,7 @@ impl UmrBackend {
             (PdBackend::Soft(_), _) => Ok(UmrBackend::Soft),
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), crate::device::CtxBackend::Verbs(vctx)) => {
-                let mut shared = pd.inner.umr.lock().unwrap_or_else(|e| e.into_inner());
-                let umr = match &*shared {
-                    Some(umr) => umr.clone(),
-                    None => shared
-                        .insert(Arc::new(Mutex::new(vpd.create_umr_qp(vctx, Self::VERBS_MAX_ENTRIES)?)))
-                        .clone(),
-                };
-                Ok(UmrBackend::Verbs(umr))
+                Ok(UmrBackend::Verbs(vpd.umr_qp(vctx, Self::VERBS_MAX_ENTRIES)?))
             }
             #[cfg(rdmakit_verbs)]
             _ => unreachable!("a PD and its context share a provider"),

@@ -21,10 +21,6 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) backend: PdBackend,
     pub(crate) ctx: Context,
-    /// The PD's UMR queue on mlx5 (a dedicated QP and CQ), made on first use and shared by
-    /// every key of the PD (`crate::mlx5::UmrQueue`). It holds the provider PD, not this.
-    #[cfg(rdmakit_verbs)]
-    pub(crate) umr: std::sync::Mutex<Option<Arc<std::sync::Mutex<crate::rdma::mlx5dv::UmrQp>>>>,
 }
 
 pub(crate) enum PdBackend {
@@ -53,14 +49,7 @@ impl std::fmt::Debug for ProtectionDomain {
 impl ProtectionDomain {
     pub(crate) fn new(ctx: &Context) -> Result<ProtectionDomain> {
         let backend = PdBackend::alloc(ctx)?;
-        Ok(ProtectionDomain {
-            inner: Arc::new(PdInner {
-                ctx: ctx.clone(),
-                backend,
-                #[cfg(rdmakit_verbs)]
-                umr: std::sync::Mutex::new(None),
-            }),
-        })
+        Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), backend }) })
     }
 
     /// The device this PD belongs to.

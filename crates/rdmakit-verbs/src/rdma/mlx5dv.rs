@@ -21,8 +21,8 @@
 //! (see `MrInner::leak_memory`).
 
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdmakit_sys as sys;
@@ -270,9 +270,16 @@ impl super::Pd {
         Mkey::create(&self.inner, max_entries)
     }
 
-    /// A UMR queue on this PD, on `ctx`'s device, for keys of up to `max_entries` entries.
-    pub(crate) fn create_umr_qp(&self, ctx: &super::Context, max_entries: u16) -> Result<UmrQp> {
-        UmrQp::create(ctx, &self.inner, max_entries)
+    /// The PD's UMR queue, on `ctx`'s device, for keys of up to `max_entries` entries: made
+    /// on first use and shared by every key of the PD.
+    pub(crate) fn umr_qp(&self, ctx: &super::Context, max_entries: u16) -> Result<Arc<Mutex<UmrQp>>> {
+        let mut shared = self.umr.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(umr) = &*shared {
+            return Ok(umr.clone());
+        }
+        let umr = Arc::new(Mutex::new(UmrQp::create(ctx, &self.inner, max_entries)?));
+        *shared = Some(umr.clone());
+        Ok(umr)
     }
 }
 

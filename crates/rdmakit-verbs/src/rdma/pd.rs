@@ -31,6 +31,9 @@ impl Drop for PdShared {
 /// A protection domain.
 pub(crate) struct Pd {
     pub(super) inner: Arc<PdShared>,
+    /// The PD's mlx5 UMR queue (a dedicated QP and CQ), made on first use and shared by every
+    /// key of the PD (`crate::mlx5::UmrQueue`). It holds `inner`, not this.
+    pub(super) umr: std::sync::Mutex<Option<Arc<std::sync::Mutex<mlx5dv::UmrQp>>>>,
 }
 
 impl Pd {
@@ -38,7 +41,7 @@ impl Pd {
     pub fn alloc(ctx: &Context) -> Result<Pd> {
         // SAFETY: the context is open.
         let pd = nonnull("ibv_alloc_pd", unsafe { sys::ibv_alloc_pd(ctx.dev.ctx.as_ptr()) })?;
-        Ok(Pd { inner: Arc::new(PdShared { pd, dev: ctx.dev.clone() }) })
+        Ok(Pd { inner: Arc::new(PdShared { pd, dev: ctx.dev.clone() }), umr: std::sync::Mutex::new(None) })
     }
 
     /// `ibv_reg_mr` (see [`Mr::reg`]); for the tests of `rdma::cm`.
