@@ -87,7 +87,6 @@ impl QpBackend {
             }
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), CqBackend::Verbs(scq), CqBackend::Verbs(rcq)) => {
-                let _ = psn; // verbs QPs take their PSN when connecting
                 let qp = crate::rdma::Qp::create(vpd, scq, rcq, caps)?;
                 let caps = qp.caps();
                 Ok((QpBackend::Verbs(qp), caps))
