@@ -49,6 +49,20 @@ impl std::fmt::Debug for CompletionQueue {
 }
 
 impl CqBackend {
+    /// Creates the provider's CQ for at least `cqe` completions; returns it with the
+    /// capacity granted.
+    fn create(ctx: &Context, cqe: u32) -> Result<(CqBackend, u32)> {
+        match ctx.backend() {
+            CtxBackend::Soft(_) => Ok((CqBackend::Soft(Arc::new(SoftCq::new(cqe))), cqe)),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(c) => {
+                let cq = crate::rdma::Cq::create(c, cqe)?;
+                let cap = cq.capacity();
+                Ok((CqBackend::Verbs(cq), cap))
+            }
+        }
+    }
+
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         match self {
             CqBackend::Soft(cq) => cq.poll(out),
@@ -91,15 +105,7 @@ impl CompletionQueue {
         if cqe == 0 || cqe > max {
             return Err(Error::InvalidArgument(format!("CQ size {cqe} must be 1..={max} on {}", ctx.name())));
         }
-        let (backend, capacity) = match &ctx.inner.backend {
-            CtxBackend::Soft(_) => (CqBackend::Soft(Arc::new(SoftCq::new(cqe))), cqe),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => {
-                let cq = c.create_cq(cqe)?;
-                let cap = cq.capacity();
-                (CqBackend::Verbs(cq), cap)
-            }
-        };
+        let (backend, capacity) = CqBackend::create(ctx, cqe)?;
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 backend,

@@ -34,11 +34,8 @@ pub const VERBS_BUILT: bool = cfg!(rdmakit_verbs);
 /// Lists the devices of both providers: every verbs device rdma-core reports (none on a
 /// machine without RDMA support: that is not an error) and the soft NIC's `soft0`.
 pub fn devices() -> Vec<DeviceInfo> {
-    #[cfg(rdmakit_verbs)]
-    let verbs = crate::rdma::device_names().unwrap_or_default();
-    #[cfg(not(rdmakit_verbs))]
-    let verbs: Vec<String> = Vec::new();
-    verbs
+    CtxBackend::verbs_device_names()
+        .unwrap_or_default()
         .into_iter()
         .map(|name| DeviceInfo { name, provider: ProviderKind::Verbs })
         .chain(std::iter::once(DeviceInfo { name: soft::DEFAULT_NAME.into(), provider: ProviderKind::Soft }))
@@ -49,17 +46,10 @@ pub fn devices() -> Vec<DeviceInfo> {
 ///
 /// Tests and tools print this when they skip the verbs provider.
 pub fn verbs_unavailable_reason() -> Option<String> {
-    #[cfg(rdmakit_verbs)]
-    {
-        match crate::rdma::device_names() {
-            Ok(names) if !names.is_empty() => None,
-            Ok(_) => Some("rdma-core reports no verbs devices".into()),
-            Err(e) => Some(e.to_string()),
-        }
-    }
-    #[cfg(not(rdmakit_verbs))]
-    {
-        Some(format!("the rdma-core provider is not built in: {VERBS_MISSING}"))
+    match CtxBackend::verbs_device_names() {
+        Ok(names) if !names.is_empty() => None,
+        Ok(_) => Some("rdma-core reports no verbs devices".into()),
+        Err(reason) => Some(reason),
     }
 }
 
@@ -89,6 +79,66 @@ pub(crate) enum CtxBackend {
     Soft(Arc<SoftDevice>),
     #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Context),
+}
+
+/// The one place a device dispatches to its provider.
+impl CtxBackend {
+    /// The names of the verbs devices, or why none can be listed (for a person).
+    fn verbs_device_names() -> std::result::Result<Vec<String>, String> {
+        #[cfg(rdmakit_verbs)]
+        {
+            crate::rdma::device_names().map_err(|e| e.to_string())
+        }
+        #[cfg(not(rdmakit_verbs))]
+        {
+            Err(format!("the rdma-core provider is not built in: {VERBS_MISSING}"))
+        }
+    }
+
+    /// Opens a verbs device by name, or the first one, with its attributes.
+    fn open_verbs(name: Option<&str>) -> Result<(CtxBackend, DeviceAttr)> {
+        #[cfg(rdmakit_verbs)]
+        {
+            let ctx = crate::rdma::Context::open(name)?;
+            let attr = ctx.query()?;
+            Ok((CtxBackend::Verbs(ctx), attr))
+        }
+        #[cfg(not(rdmakit_verbs))]
+        {
+            let _ = name;
+            Err(Error::ProviderUnavailable { provider: "verbs", reason: VERBS_MISSING })
+        }
+    }
+
+    /// The soft NIC device, if this is one.
+    pub(crate) fn soft(&self) -> Option<&Arc<SoftDevice>> {
+        match self {
+            CtxBackend::Soft(dev) => Some(dev),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(_) => None,
+        }
+    }
+
+    fn gid(&self, port_num: u8, explicit: Option<u8>) -> Result<GidEntry> {
+        match self {
+            CtxBackend::Soft(dev) => {
+                // One port, one address: the soft NIC has no GID table to choose from.
+                let _ = (port_num, explicit);
+                Ok(GidEntry { index: 0, gid: dev.gid(), kind: Some(GidKind::Soft) })
+            }
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(ctx) => ctx.gid(port_num, explicit),
+        }
+    }
+
+    /// This function's vHCA id (`crate::mlx5`).
+    pub(crate) fn vhca_id(&self) -> Result<u32> {
+        match self {
+            CtxBackend::Soft(dev) => Ok(dev.vhca_id()),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(vctx) => vctx.vhca_id(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -164,17 +214,8 @@ impl Context {
 
     /// Opens a verbs device by name, or the first one.
     pub fn open_verbs(name: Option<&str>) -> Result<Context> {
-        #[cfg(rdmakit_verbs)]
-        {
-            let ctx = crate::rdma::Context::open(name)?;
-            let attr = ctx.query()?;
-            Ok(Context { inner: Arc::new(ContextInner { backend: CtxBackend::Verbs(ctx), attr }) })
-        }
-        #[cfg(not(rdmakit_verbs))]
-        {
-            let _ = name;
-            Err(Error::ProviderUnavailable { provider: "verbs", reason: VERBS_MISSING })
-        }
+        let (backend, attr) = CtxBackend::open_verbs(name)?;
+        Ok(Context { inner: Arc::new(ContextInner { backend, attr }) })
     }
 
     /// The device's attributes.
@@ -203,15 +244,17 @@ impl Context {
     /// # Ok::<(), rdmakit_verbs::Error>(())
     /// ```
     pub fn gid(&self, port_num: u8, explicit: Option<u8>) -> Result<GidEntry> {
-        match &self.inner.backend {
-            CtxBackend::Soft(dev) => {
-                // One port, one address: the soft NIC has no GID table to choose from.
-                let _ = (port_num, explicit);
-                Ok(GidEntry { index: 0, gid: dev.gid(), kind: Some(GidKind::Soft) })
-            }
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(ctx) => ctx.gid(port_num, explicit),
-        }
+        self.inner.backend.gid(port_num, explicit)
+    }
+
+    /// The provider object behind this device.
+    pub(crate) fn backend(&self) -> &CtxBackend {
+        &self.inner.backend
+    }
+
+    /// True if `other` is a handle of this same open device.
+    pub(crate) fn same_device(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Allocates a protection domain (`ibv_alloc_pd`).

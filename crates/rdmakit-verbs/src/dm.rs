@@ -40,6 +40,64 @@ pub(crate) enum DmBackend {
     Verbs(crate::rdma::Dm),
 }
 
+/// The one place device memory dispatches to its provider.
+impl DmBackend {
+    fn alloc(ctx: &Context, len: u64, max: u64) -> Result<DmBackend> {
+        match ctx.backend() {
+            CtxBackend::Soft(dev) => {
+                let _ = max;
+                Ok(DmBackend::Soft(Arc::new(SoftDm::alloc(dev, len)?)))
+            }
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(c) => Ok(DmBackend::Verbs(crate::rdma::Dm::alloc(c, len, max)?)),
+        }
+    }
+
+    /// Copies `data` in at `offset`.
+    ///
+    /// # Safety
+    /// `offset..offset + data.len()` lies inside the allocation.
+    unsafe fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
+        match self {
+            DmBackend::Soft(dm) => {
+                // SAFETY: `offset..offset + data.len()` lies in the allocation (caller's
+                // contract), which `dm` keeps alive; DM bytes are only accessed through
+                // `shared_mem`, and `data` is a private source of that length.
+                unsafe {
+                    copy(Src::Private(data.as_ptr()), Dst::Shared(dm.ptr().add(offset as usize)), data.len())
+                };
+                Ok(())
+            }
+            #[cfg(rdmakit_verbs)]
+            DmBackend::Verbs(dm) => dm.copy_to(offset, data),
+        }
+    }
+
+    /// Copies out from `offset` into `out`.
+    ///
+    /// # Safety
+    /// `offset..offset + out.len()` lies inside the allocation.
+    unsafe fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        match self {
+            DmBackend::Soft(dm) => {
+                // SAFETY: `offset..offset + out.len()` lies in the allocation (caller's
+                // contract), which `dm` keeps alive; DM bytes are only accessed through
+                // `shared_mem`, and `out` is a private destination of that length.
+                unsafe {
+                    copy(
+                        Src::Shared(dm.ptr().add(offset as usize)),
+                        Dst::Private(out.as_mut_ptr()),
+                        out.len(),
+                    )
+                };
+                Ok(())
+            }
+            #[cfg(rdmakit_verbs)]
+            DmBackend::Verbs(dm) => dm.copy_from(offset, out),
+        }
+    }
+}
+
 impl std::fmt::Debug for DeviceMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceMemory").field("len", &self.inner.len).finish()
@@ -58,11 +116,7 @@ impl DeviceMemory {
         if len > max {
             return Err(Error::DeviceMemoryExhausted { requested: len, available: max, capacity: max });
         }
-        let backend = match &ctx.inner.backend {
-            CtxBackend::Soft(dev) => DmBackend::Soft(Arc::new(SoftDm::alloc(dev, len)?)),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => DmBackend::Verbs(c.alloc_dm(len, max)?),
-        };
+        let backend = DmBackend::alloc(ctx, len, max)?;
         Ok(DeviceMemory { inner: Arc::new(DmInner { backend, ctx: ctx.clone(), len }) })
     }
 
@@ -92,38 +146,15 @@ impl DeviceMemory {
     #[doc(alias = "ibv_memcpy_to_dm")]
     pub fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.check(offset, data.len())?;
-        match &self.inner.backend {
-            DmBackend::Soft(dm) => {
-                // SAFETY: in bounds of the allocation (checked), which `dm` keeps alive; DM
-                // bytes are only accessed through `shared_mem`.
-                unsafe {
-                    copy(Src::Private(data.as_ptr()), Dst::Shared(dm.ptr().add(offset as usize)), data.len())
-                };
-                Ok(())
-            }
-            #[cfg(rdmakit_verbs)]
-            DmBackend::Verbs(dm) => dm.copy_to(offset, data),
-        }
+        // SAFETY: `check` just proved `offset..offset + data.len()` inside the allocation.
+        unsafe { self.inner.backend.copy_to(offset, data) }
     }
 
     /// Copies from device memory at `offset` into `out` (`ibv_memcpy_from_dm`).
     #[doc(alias = "ibv_memcpy_from_dm")]
     pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check(offset, out.len())?;
-        match &self.inner.backend {
-            DmBackend::Soft(dm) => {
-                // SAFETY: as in `copy_to`.
-                unsafe {
-                    copy(
-                        Src::Shared(dm.ptr().add(offset as usize)),
-                        Dst::Private(out.as_mut_ptr()),
-                        out.len(),
-                    )
-                };
-                Ok(())
-            }
-            #[cfg(rdmakit_verbs)]
-            DmBackend::Verbs(dm) => dm.copy_from(offset, out),
-        }
+        // SAFETY: `check` just proved `offset..offset + out.len()` inside the allocation.
+        unsafe { self.inner.backend.copy_from(offset, out) }
     }
 }

@@ -43,12 +43,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::device::{Context, CtxBackend};
+use crate::device::Context;
 use crate::error::{Error, Result};
-use crate::mr::{MemoryRegion, MrBackend, MrInner, MrMemory};
+use crate::mr::{MemoryRegion, MrBackend, MrMemory};
 use crate::pd::{PdBackend, ProtectionDomain};
+use crate::raw::RawKsm;
 use crate::soft::SoftDevice;
-use crate::soft::mr::{Binding, Seg};
 use crate::types::AccessFlags;
 
 /// The largest range one UMR work request can bind on mlx5 (2 GiB); larger regions need a
@@ -114,9 +114,16 @@ pub struct AliasMkey {
 /// UMR only modifies keys of its own PD, and the PD is what UCX's memory domain has one of.
 pub struct UmrQueue {
     pd: ProtectionDomain,
-    /// The PD's mlx5 UMR QP on the verbs provider (one request at a time).
+    backend: UmrBackend,
+}
+
+/// The provider of a [`UmrQueue`].
+enum UmrBackend {
+    /// The soft NIC re-binds its key table directly.
+    Soft,
+    /// The PD's mlx5 UMR QP (one request at a time).
     #[cfg(rdmakit_verbs)]
-    verbs: Option<Arc<Mutex<crate::rdma::mlx5dv::UmrQp>>>,
+    Verbs(Arc<Mutex<crate::rdma::mlx5dv::UmrQp>>),
 }
 
 impl std::fmt::Debug for UmrQueue {
@@ -125,52 +132,32 @@ impl std::fmt::Debug for UmrQueue {
     }
 }
 
-/// Most KSM entries a verbs indirect key is created with room for.
-#[cfg(rdmakit_verbs)]
-const VERBS_MAX_ENTRIES: u16 = 16;
-
+/// The soft NIC behind `ctx`, or the error of a soft-NIC-only feature.
 fn soft_device(ctx: &Context) -> Result<&Arc<SoftDevice>> {
-    match &ctx.inner.backend {
-        CtxBackend::Soft(d) => Ok(d),
-        #[cfg(rdmakit_verbs)]
-        CtxBackend::Verbs(_) => Err(Error::Unsupported(format!(
-            "{}: this is a soft-NIC feature (on hardware, open the other function's device by \
-             name, or use the DEVX calls of the verbs provider)",
-            ctx.name()
-        ))),
-    }
+    ctx.backend().soft().ok_or_else(|| soft_only(ctx))
 }
 
-fn soft_pd(pd: &ProtectionDomain) -> Result<(&Arc<SoftDevice>, u64)> {
-    let dev = soft_device(&pd.inner.ctx)?;
-    match &pd.inner.backend {
-        PdBackend::Soft(id) => Ok((dev, *id)),
-        #[cfg(rdmakit_verbs)]
-        PdBackend::Verbs(_) => unreachable!("a soft context has soft PDs"),
-    }
+/// The error of a soft-NIC-only feature used on `ctx`.
+fn soft_only(ctx: &Context) -> Error {
+    Error::Unsupported(format!(
+        "{}: this is a soft-NIC feature (on hardware, open the other function's device by \
+         name, or use the DEVX calls of the verbs provider)",
+        ctx.name()
+    ))
 }
 
+/// A key region of this module: no bytes of its own, `bound` the regions it maps.
 fn mkey_region(
     pd: &ProtectionDomain,
-    device: &Arc<SoftDevice>,
-    key: u32,
+    keys: (MrBackend, u32),
     kind: Kind,
-    base: u64,
-    len: u64,
+    bound: Vec<MemoryRegion>,
+    range: (u64, u64),
     access: AccessFlags,
 ) -> MemoryRegion {
-    MemoryRegion {
-        inner: Arc::new(MrInner {
-            backend: MrBackend::Soft { device: device.clone(), key },
-            mem: MrMemory::Mkey(Arc::new(MkeyState { kind, bound: Mutex::new(Vec::new()) })),
-            pd: pd.clone(),
-            access,
-            addr: base,
-            len,
-            lkey: key,
-            rkey: key,
-        }),
-    }
+    let (backend, key) = keys;
+    let state = MkeyState { kind, bound: Mutex::new(bound) };
+    MemoryRegion::assemble(pd, (backend, key, key), MrMemory::Mkey(Arc::new(state)), access, range)
 }
 
 fn state(region: &MemoryRegion) -> &MkeyState {
@@ -178,6 +165,237 @@ fn state(region: &MemoryRegion) -> &MkeyState {
         MrMemory::Mkey(s) => s,
         _ => unreachable!("mlx5 key types wrap mkey regions"),
     }
+}
+
+/// Checks KSM entries against `pd` (non-empty, of this PD, inside their regions) and turns
+/// them into the provider-neutral form, consecutive from offset 0.
+fn raw_entries(pd: &ProtectionDomain, entries: &[KsmEntry]) -> Result<Vec<RawKsm>> {
+    let mut raw = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        let bad = |why: &str| Error::InvalidArgument(format!("KSM entry {i}: {why}"));
+        if e.len == 0 {
+            return Err(bad("empty"));
+        }
+        if !e.region.pd().same_pd(pd) {
+            return Err(bad("region of another protection domain"));
+        }
+        if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
+            return Err(bad("outside its region"));
+        }
+        raw.push(RawKsm { addr: e.region.addr() + e.offset, len: e.len, key: e.region.lkey() });
+    }
+    Ok(raw)
+}
+
+/// The one place the mlx5 keys dispatch to their provider: key creation on a PD's
+/// provider, and the UMR operations on a queue's.
+impl UmrBackend {
+    /// Most KSM entries a verbs indirect key is created with room for.
+    #[cfg(rdmakit_verbs)]
+    const VERBS_MAX_ENTRIES: u16 = 16;
+
+    fn create_indirect_mkey(
+        pd: &ProtectionDomain,
+        base: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<IndirectMkey> {
+        let keys = match pd.backend() {
+            PdBackend::Soft(pd_id) => {
+                let dev = soft_device(pd.context())?;
+                let key = dev.mrs.register_indirect(*pd_id, base, len, access);
+                (MrBackend::Soft { device: dev.clone(), key }, key)
+            }
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(vpd) => {
+                // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a key at a non-zero
+                // base is made already mapped, by `create_ksm_mkey` (DEVX CREATE_MKEY).
+                if base != 0 {
+                    return Err(Error::Unsupported(
+                        "verbs indirect keys bound by UMR are zero-based: use create_ksm_mkey for a non-zero base"
+                            .into(),
+                    ));
+                }
+                let mk = vpd.create_indirect_mkey(Self::VERBS_MAX_ENTRIES)?;
+                let key = mk.lkey();
+                (MrBackend::VerbsMkey(mk), key)
+            }
+        };
+        Ok(IndirectMkey { region: mkey_region(pd, keys, Kind::Indirect, Vec::new(), (base, len), access) })
+    }
+
+    /// An indirect key already mapping `entries` from `base`, `len` bytes in all.
+    fn create_ksm_mkey(
+        pd: &ProtectionDomain,
+        base: u64,
+        len: u64,
+        entries: &[KsmEntry],
+        access: AccessFlags,
+    ) -> Result<IndirectMkey> {
+        match pd.backend() {
+            PdBackend::Soft(_) => {
+                let key = UmrBackend::create_indirect_mkey(pd, base, len, access)?;
+                bind_entries(&UmrBackend::Soft, &key.region, entries)?;
+                Ok(key)
+            }
+            // At a non-zero base: a KSM mkey by DEVX CREATE_MKEY, the only way mlx5 gives an
+            // indirect key a start address of our choosing.
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(vpd) if base != 0 => {
+                access.validate()?;
+                let (log_entity, raw) = UmrBackend::devx_ksm_entries(pd, base, len, entries)?;
+                let ksm = vpd.create_ksm_key(base, log_entity, &raw, access)?;
+                let key = ksm.key();
+                // The entries' regions stay registered while the key lives.
+                let bound = entries.iter().map(|e| e.region.clone()).collect();
+                let region = mkey_region(
+                    pd,
+                    (MrBackend::VerbsKsm(ksm), key),
+                    Kind::Indirect,
+                    bound,
+                    (base, len),
+                    access,
+                );
+                Ok(IndirectMkey { region })
+            }
+            // At address 0: a UMR-bound indirect key (zero-based, as `mlx5dv_wr_mr_list` makes them).
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(_) => {
+                let key = UmrBackend::create_indirect_mkey(pd, 0, len, access)?;
+                pd.create_umr_queue()?.bind(&key, entries)?;
+                Ok(key)
+            }
+        }
+    }
+
+    /// The PD's UMR queue provider: on mlx5 its one UMR QP, made on first use.
+    fn of(pd: &ProtectionDomain) -> Result<UmrBackend> {
+        match (pd.backend(), pd.context().backend()) {
+            (PdBackend::Soft(_), _) => Ok(UmrBackend::Soft),
+            #[cfg(rdmakit_verbs)]
+            (PdBackend::Verbs(vpd), crate::device::CtxBackend::Verbs(vctx)) => {
+                Ok(UmrBackend::Verbs(vpd.umr_qp(vctx, Self::VERBS_MAX_ENTRIES)?))
+            }
+            #[cfg(rdmakit_verbs)]
+            _ => unreachable!("a PD and its context share a provider"),
+        }
+    }
+
+    fn create_alias_mkey(
+        pd: &ProtectionDomain,
+        vhca_id: u32,
+        mkey: u32,
+        access_key: &[u8; ACCESS_KEY_LEN],
+        access: AccessFlags,
+    ) -> Result<AliasMkey> {
+        let (keys, range) = match pd.backend() {
+            PdBackend::Soft(pd_id) => {
+                let dev = soft_device(pd.context())?;
+                let owner =
+                    SoftDevice::by_vhca(vhca_id).filter(|o| o.nic() == dev.nic()).ok_or_else(|| {
+                        Error::InvalidArgument(format!("no vHCA {vhca_id} on the NIC of {}", dev.name()))
+                    })?;
+                let (key, base, len) =
+                    dev.mrs.alias_of(*pd_id, &owner.mrs, vhca_id, mkey, access_key, access)?;
+                ((MrBackend::Soft { device: dev.clone(), key }, key), (base, len))
+            }
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(vpd) => {
+                let alias = vpd.create_alias(vhca_id, mkey, access_key)?;
+                let key = alias.key();
+                // The host key's range is not visible here; the NIC checks the real bounds.
+                ((MrBackend::VerbsAlias(alias), key), (0, UMR_MAX_LEN))
+            }
+        };
+        let region = mkey_region(pd, keys, Kind::Alias, Vec::new(), range, access);
+        Ok(AliasMkey { region, vhca_id, mkey })
+    }
+
+    /// Opens indirect key `key` to other vHCAs.
+    fn allow_other_vhca_access(key: &MemoryRegion, access_key: &[u8; ACCESS_KEY_LEN]) -> Result<()> {
+        match &key.inner.backend {
+            MrBackend::Soft { device, key: k } => device.mrs.allow_cross_vhca(*k, *access_key),
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsMkey(mk) => mk.allow_other_vhca_access(access_key),
+            #[cfg(rdmakit_verbs)]
+            _ => Err(soft_only(key.context())),
+        }
+    }
+
+    /// The checks and the entry list of a DEVX `CREATE_MKEY` KSM key from `base`: the entries
+    /// must be equal power-of-two spans (KSM maps fixed-size entities), each inside its own
+    /// region of `pd`. Returns log2 of the span and the (lkey, address) of each entry.
+    #[cfg(rdmakit_verbs)]
+    fn devx_ksm_entries(
+        pd: &ProtectionDomain,
+        base: u64,
+        len: u64,
+        entries: &[KsmEntry],
+    ) -> Result<(u8, Vec<(u32, u64)>)> {
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!("KSM key range {base:#x}+{len} is empty or wraps")));
+        }
+        let entity = entries[0].len;
+        if !entity.is_power_of_two() || entries.iter().any(|e| e.len != entity) {
+            return Err(Error::Unsupported(
+                "a KSM key maps equal power-of-two entities; these entries differ in length".into(),
+            ));
+        }
+        let mut raw = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
+                return Err(Error::InvalidArgument(format!("KSM entry {i}: outside its region")));
+            }
+            if !e.region.pd().same_pd(pd) {
+                return Err(Error::InvalidArgument(format!(
+                    "KSM entry {i}: region of another protection domain"
+                )));
+            }
+            raw.push((e.region.lkey(), e.region.addr() + e.offset));
+        }
+        Ok((entity.trailing_zeros() as u8, raw))
+    }
+
+    /// Binds indirect key `key` to the checked entries `raw`.
+    fn bind(&self, key: &MemoryRegion, raw: &[RawKsm]) -> Result<()> {
+        match self {
+            UmrBackend::Soft => {
+                soft_device(key.context())?.mrs.bind_indirect(key.lkey(), key.len() as u64, raw)
+            }
+            #[cfg(rdmakit_verbs)]
+            UmrBackend::Verbs(umr) => {
+                let MrBackend::VerbsMkey(mk) = &key.inner.backend else {
+                    return Err(Error::InvalidArgument("not a verbs indirect key".into()));
+                };
+                umr.lock().unwrap_or_else(|e| e.into_inner()).bind(mk, key.access(), raw)
+            }
+        }
+    }
+
+    /// Invalidates indirect key `key`.
+    fn invalidate(&self, key: &MemoryRegion) -> Result<()> {
+        match self {
+            UmrBackend::Soft => soft_device(key.context())?.mrs.invalidate_indirect(key.lkey()),
+            #[cfg(rdmakit_verbs)]
+            UmrBackend::Verbs(umr) => match &key.inner.backend {
+                MrBackend::VerbsMkey(mk) => umr.lock().unwrap_or_else(|e| e.into_inner()).invalidate(mk),
+                MrBackend::VerbsKsm(_) => Err(Error::InvalidArgument(
+                    "a KSM key made by CREATE_MKEY maps its entries for life: drop it instead".into(),
+                )),
+                _ => Err(Error::InvalidArgument("not a verbs indirect key".into())),
+            },
+        }
+    }
+}
+
+/// Binds indirect key `key` (of `umr`'s PD, free) to `entries`, checked here before the
+/// provider sees them, and records the regions it now maps.
+fn bind_entries(umr: &UmrBackend, key: &MemoryRegion, entries: &[KsmEntry]) -> Result<()> {
+    let raw = raw_entries(key.pd(), entries)?;
+    let mut bound = state(key).bound.lock().unwrap_or_else(|e| e.into_inner());
+    umr.bind(key, &raw)?;
+    *bound = entries.iter().map(|e| e.region.clone()).collect();
+    Ok(())
 }
 
 impl ProtectionDomain {
@@ -191,43 +409,7 @@ impl ProtectionDomain {
                 "indirect key range {base:#x}+{len} is empty or wraps"
             )));
         }
-        match &self.inner.backend {
-            PdBackend::Soft(_) => {
-                let (dev, pd_id) = soft_pd(self)?;
-                let key = dev.mrs.register_indirect(pd_id, base, len, access);
-                Ok(IndirectMkey { region: mkey_region(self, dev, key, Kind::Indirect, base, len, access) })
-            }
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(vpd) => {
-                // Keys bound by UMR (`mlx5dv_wr_mr_list`) are zero-based; a key at a non-zero
-                // base is made already mapped, by `create_ksm_mkey` (DEVX CREATE_MKEY).
-                if base != 0 {
-                    return Err(Error::Unsupported(
-                        "verbs indirect keys bound by UMR are zero-based: use create_ksm_mkey for a non-zero base"
-                            .into(),
-                    ));
-                }
-                let mk = vpd.create_indirect_mkey(VERBS_MAX_ENTRIES)?;
-                let key = mk.lkey();
-                Ok(IndirectMkey {
-                    region: MemoryRegion {
-                        inner: Arc::new(MrInner {
-                            backend: MrBackend::VerbsMkey(mk),
-                            mem: MrMemory::Mkey(Arc::new(MkeyState {
-                                kind: Kind::Indirect,
-                                bound: Mutex::new(Vec::new()),
-                            })),
-                            pd: self.clone(),
-                            access,
-                            addr: 0,
-                            len,
-                            lkey: key,
-                            rkey: key,
-                        }),
-                    },
-                })
-            }
-        }
+        UmrBackend::create_indirect_mkey(self, base, len, access)
     }
 
     /// Creates an indirect key already mapping `entries` from `base`: for ranges UMR cannot
@@ -245,104 +427,12 @@ impl ProtectionDomain {
     ) -> Result<IndirectMkey> {
         let len = entries.iter().try_fold(0u64, |a, e| a.checked_add(e.len));
         let len = len.ok_or_else(|| Error::InvalidArgument("KSM entries overflow".into()))?;
-        match &self.inner.backend {
-            PdBackend::Soft(_) => {
-                let key = self.create_indirect_mkey(base, len, access)?;
-                bind_soft(&key, entries)?;
-                Ok(key)
-            }
-            // At a non-zero base: a KSM mkey by DEVX CREATE_MKEY, the only way mlx5 gives an
-            // indirect key a start address of our choosing.
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(vpd) if base != 0 => self.create_devx_ksm(vpd, base, len, entries, access),
-            // At address 0: a UMR-bound indirect key (zero-based, as `mlx5dv_wr_mr_list` makes them).
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(_) => {
-                let key = self.create_indirect_mkey(0, len, access)?;
-                self.create_umr_queue()?.bind(&key, entries)?;
-                Ok(key)
-            }
-        }
-    }
-
-    /// DEVX `CREATE_MKEY` of a KSM key from `base`: the entries must be equal power-of-two
-    /// spans (KSM maps fixed-size entities), each inside its own region of this PD. The key is
-    /// fixed: it cannot be re-bound or invalidated, only dropped.
-    #[cfg(rdmakit_verbs)]
-    fn create_devx_ksm(
-        &self,
-        vpd: &crate::rdma::Pd,
-        base: u64,
-        len: u64,
-        entries: &[KsmEntry],
-        access: AccessFlags,
-    ) -> Result<IndirectMkey> {
-        access.validate()?;
-        if len == 0 || base.checked_add(len).is_none() {
-            return Err(Error::InvalidArgument(format!("KSM key range {base:#x}+{len} is empty or wraps")));
-        }
-        let entity = entries[0].len;
-        if !entity.is_power_of_two() || entries.iter().any(|e| e.len != entity) {
-            return Err(Error::Unsupported(
-                "a KSM key maps equal power-of-two entities; these entries differ in length".into(),
-            ));
-        }
-        let mut raw = Vec::with_capacity(entries.len());
-        for (i, e) in entries.iter().enumerate() {
-            if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
-                return Err(Error::InvalidArgument(format!("KSM entry {i}: outside its region")));
-            }
-            if !Arc::ptr_eq(&e.region.inner.pd.inner, &self.inner) {
-                return Err(Error::InvalidArgument(format!(
-                    "KSM entry {i}: region of another protection domain"
-                )));
-            }
-            raw.push((e.region.lkey(), e.region.addr() + e.offset));
-        }
-        let ksm = vpd.create_ksm_key(base, entity.trailing_zeros() as u8, &raw, access)?;
-        let key = ksm.key();
-        Ok(IndirectMkey {
-            region: MemoryRegion {
-                inner: Arc::new(MrInner {
-                    backend: MrBackend::VerbsKsm(ksm),
-                    mem: MrMemory::Mkey(Arc::new(MkeyState {
-                        kind: Kind::Indirect,
-                        // The entries' regions stay registered while the key lives.
-                        bound: Mutex::new(entries.iter().map(|e| e.region.clone()).collect()),
-                    })),
-                    pd: self.clone(),
-                    access,
-                    addr: base,
-                    len,
-                    lkey: key,
-                    rkey: key,
-                }),
-            },
-        })
+        UmrBackend::create_ksm_mkey(self, base, len, entries, access)
     }
 
     /// Creates a queue for UMR work requests on this PD's keys.
     pub fn create_umr_queue(&self) -> Result<UmrQueue> {
-        match (&self.inner.backend, &self.inner.ctx.inner.backend) {
-            (PdBackend::Soft(_), _) => Ok(UmrQueue {
-                pd: self.clone(),
-                #[cfg(rdmakit_verbs)]
-                verbs: None,
-            }),
-            #[cfg(rdmakit_verbs)]
-            (PdBackend::Verbs(vpd), CtxBackend::Verbs(vctx)) => {
-                let mut shared = self.inner.umr.lock().unwrap_or_else(|e| e.into_inner());
-                let umr = match &*shared {
-                    Some(umr) => umr.clone(),
-                    None => shared
-                        .insert(Arc::new(Mutex::new(vpd.create_umr_qp(vctx, VERBS_MAX_ENTRIES)?)))
-                        .clone(),
-                };
-                Ok(UmrQueue { pd: self.clone(), verbs: Some(umr) })
-            }
-            #[cfg(rdmakit_verbs)]
-            _ => unreachable!("a PD and its context share a provider"),
-        }
+        Ok(UmrQueue { pd: self.clone(), backend: UmrBackend::of(self)? })
     }
 
     /// Creates an alias in this PD of key `mkey` of the function `vhca_id` of the same NIC,
@@ -358,66 +448,14 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<AliasMkey> {
         access.validate()?;
-        #[cfg(rdmakit_verbs)]
-        if let PdBackend::Verbs(vpd) = &self.inner.backend {
-            let alias = vpd.create_alias(vhca_id, mkey, access_key)?;
-            let key = alias.key();
-            // The host key's range is not visible here; the NIC checks the real bounds.
-            let region = MemoryRegion {
-                inner: Arc::new(MrInner {
-                    backend: MrBackend::VerbsAlias(alias),
-                    mem: MrMemory::Mkey(Arc::new(MkeyState {
-                        kind: Kind::Alias,
-                        bound: Mutex::new(Vec::new()),
-                    })),
-                    pd: self.clone(),
-                    access,
-                    addr: 0,
-                    len: UMR_MAX_LEN,
-                    lkey: key,
-                    rkey: key,
-                }),
-            };
-            return Ok(AliasMkey { region, vhca_id, mkey });
-        }
-        let (dev, pd_id) = soft_pd(self)?;
-        let owner = SoftDevice::by_vhca(vhca_id).filter(|o| o.nic() == dev.nic()).ok_or_else(|| {
-            Error::InvalidArgument(format!("no vHCA {vhca_id} on the NIC of {}", dev.name()))
-        })?;
-        let entry = owner
-            .mrs
-            .lookup(mkey)
-            .ok_or_else(|| Error::InvalidArgument(format!("vHCA {vhca_id} has no key {mkey:#x}")))?;
-        match entry.cross_vhca_key() {
-            None => {
-                return Err(Error::PermissionDenied(format!(
-                    "key {mkey:#x} of vHCA {vhca_id} is not open to other vHCAs"
-                )));
-            }
-            Some(k) if k != *access_key => {
-                return Err(Error::PermissionDenied(format!(
-                    "wrong access key for key {mkey:#x} of vHCA {vhca_id}"
-                )));
-            }
-            Some(_) => {}
-        }
-        let key = dev.mrs.register_alias(pd_id, &owner.mrs, mkey, entry.base, entry.len, access);
-        Ok(AliasMkey {
-            region: mkey_region(self, dev, key, Kind::Alias, entry.base, entry.len, access),
-            vhca_id,
-            mkey,
-        })
+        UmrBackend::create_alias_mkey(self, vhca_id, mkey, access_key, access)
     }
 }
 
 impl Context {
     /// This function's vHCA id (GVMI): what other functions name it by.
     pub fn vhca_id(&self) -> Result<u32> {
-        match &self.inner.backend {
-            CtxBackend::Soft(dev) => Ok(dev.vhca_id()),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(vctx) => vctx.vhca_id(),
-        }
+        self.backend().vhca_id()
     }
 
     /// Opens another function (vHCA) of the same soft NIC, as a BlueField DPU's Arm-side
@@ -428,74 +466,6 @@ impl Context {
         let dev = soft_device(self)?;
         Ok(Context::from_soft_device(dev.new_function()?))
     }
-}
-
-fn bind_soft(key: &IndirectMkey, entries: &[KsmEntry]) -> Result<()> {
-    let r = &key.region;
-    let (dev, _) = soft_pd(&r.inner.pd)?;
-    let mut segs = Vec::with_capacity(entries.len());
-    let mut start = 0u64;
-    for (i, e) in entries.iter().enumerate() {
-        let bad = |why: &str| Error::InvalidArgument(format!("KSM entry {i}: {why}"));
-        if e.len == 0 {
-            return Err(bad("empty"));
-        }
-        if !Arc::ptr_eq(&e.region.inner.pd.inner, &r.inner.pd.inner) {
-            return Err(bad("region of another protection domain"));
-        }
-        if e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
-            return Err(bad("outside its region"));
-        }
-        #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
-        let MrBackend::Soft { key: tkey, .. } = &e.region.inner.backend else {
-            return Err(bad("region of another provider"));
-        };
-        let target = dev.mrs.lookup(*tkey).ok_or_else(|| bad("region no longer registered"))?;
-        segs.push(Seg { start, len: e.len, target, target_addr: e.region.addr() + e.offset });
-        start += e.len;
-    }
-    if start > r.len() as u64 {
-        return Err(Error::InvalidArgument(format!(
-            "KSM entries map {start} bytes; the key covers {}",
-            r.len()
-        )));
-    }
-    let entry =
-        dev.mrs.lookup(r.lkey()).ok_or_else(|| Error::InvalidArgument("indirect key destroyed".into()))?;
-    let mut bound = state(r).bound.lock().unwrap_or_else(|e| e.into_inner());
-    entry.rebind(Some(Binding::new(segs)));
-    *bound = entries.iter().map(|e| e.region.clone()).collect();
-    Ok(())
-}
-
-/// Binds through the mlx5 UMR QP: entries become (address, length, lkey) SGEs.
-#[cfg(rdmakit_verbs)]
-fn bind_verbs(
-    umr: &Mutex<crate::rdma::mlx5dv::UmrQp>,
-    key: &IndirectMkey,
-    entries: &[KsmEntry],
-) -> Result<()> {
-    let MrBackend::VerbsMkey(mk) = &key.region.inner.backend else {
-        return Err(Error::InvalidArgument("not a verbs indirect key".into()));
-    };
-    let mut sges = Vec::with_capacity(entries.len());
-    for (i, e) in entries.iter().enumerate() {
-        if e.len == 0 || e.offset.checked_add(e.len).is_none_or(|end| end > e.region.len() as u64) {
-            return Err(Error::InvalidArgument(format!("KSM entry {i}: empty or outside its region")));
-        }
-        if !Arc::ptr_eq(&e.region.inner.pd.inner, &key.region.inner.pd.inner) {
-            return Err(Error::InvalidArgument(format!(
-                "KSM entry {i}: region of another protection domain"
-            )));
-        }
-        let len =
-            u32::try_from(e.len).map_err(|_| Error::InvalidArgument(format!("KSM entry {i}: over 4 GiB")))?;
-        sges.push((e.region.addr() + e.offset, len, e.region.lkey()));
-    }
-    let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
-    umr.lock().unwrap_or_else(|e| e.into_inner()).bind(mk, key.region.access(), &sges)?;
-    *bound = entries.iter().map(|e| e.region.clone()).collect();
-    Ok(())
 }
 
 impl IndirectMkey {
@@ -517,17 +487,7 @@ impl IndirectMkey {
     /// Opens the key to other vHCAs of the NIC, which may alias it presenting `access_key`
     /// (`MLX5_CMD_OP_ALLOW_OTHER_VHCA_ACCESS` on mlx5). Stays open across re-binds.
     pub fn allow_other_vhca_access(&self, access_key: &[u8; ACCESS_KEY_LEN]) -> Result<()> {
-        #[cfg(rdmakit_verbs)]
-        if let MrBackend::VerbsMkey(mk) = &self.region.inner.backend {
-            return mk.allow_other_vhca_access(access_key);
-        }
-        let (dev, _) = soft_pd(&self.region.inner.pd)?;
-        let entry = dev
-            .mrs
-            .lookup(self.key())
-            .ok_or_else(|| Error::InvalidArgument("indirect key destroyed".into()))?;
-        entry.allow_cross_vhca(*access_key);
-        Ok(())
+        UmrBackend::allow_other_vhca_access(&self.region, access_key)
     }
 }
 
@@ -567,11 +527,7 @@ impl UmrQueue {
                 key.key()
             )));
         }
-        #[cfg(rdmakit_verbs)]
-        if let Some(umr) = &self.verbs {
-            return bind_verbs(umr, key, entries);
-        }
-        bind_soft(key, entries)
+        bind_entries(&self.backend, &key.region, entries)
     }
 
     /// Invalidates `key` (`IBV_WR_LOCAL_INV`) and waits: later uses of it, and of aliases
@@ -579,32 +535,14 @@ impl UmrQueue {
     #[doc(alias = "IBV_WR_LOCAL_INV")]
     pub fn invalidate(&self, key: &IndirectMkey) -> Result<()> {
         self.check_key(key)?;
-        #[cfg(rdmakit_verbs)]
-        if let MrBackend::VerbsKsm(_) = &key.region.inner.backend {
-            return Err(Error::InvalidArgument(
-                "a KSM key made by CREATE_MKEY maps its entries for life: drop it instead".into(),
-            ));
-        }
-        #[cfg(rdmakit_verbs)]
-        if let (Some(umr), MrBackend::VerbsMkey(mk)) = (&self.verbs, &key.region.inner.backend) {
-            let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
-            umr.lock().unwrap_or_else(|e| e.into_inner()).invalidate(mk)?;
-            bound.clear();
-            return Ok(());
-        }
-        let (dev, _) = soft_pd(&self.pd)?;
-        let entry = dev
-            .mrs
-            .lookup(key.key())
-            .ok_or_else(|| Error::InvalidArgument("indirect key destroyed".into()))?;
         let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
-        entry.rebind(None);
+        self.backend.invalidate(&key.region)?;
         bound.clear();
         Ok(())
     }
 
     fn check_key(&self, key: &IndirectMkey) -> Result<()> {
-        if !Arc::ptr_eq(&key.region.inner.pd.inner, &self.pd.inner) {
+        if !key.region.pd().same_pd(&self.pd) {
             return Err(Error::InvalidArgument("UMR on a key of another protection domain".into()));
         }
         debug_assert_eq!(state(&key.region).kind, Kind::Indirect);

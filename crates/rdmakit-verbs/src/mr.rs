@@ -15,7 +15,6 @@ use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::device::CtxBackend;
 use crate::dm::{DeviceMemory, DmBackend};
 use crate::error::{Error, Result};
 use crate::pd::{PdBackend, ProtectionDomain};
@@ -168,7 +167,6 @@ pub(crate) enum MrMemory {
         offset: u64,
     },
     /// Exported by another driver (GPU); no CPU access.
-    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     DmaBuf,
     /// An mlx5 indirect or alias key: no bytes of its own (see `crate::mlx5`).
     Mkey(Arc<crate::mlx5::MkeyState>),
@@ -208,7 +206,6 @@ pub(crate) struct MrInner {
 impl MrInner {
     /// Keeps this region's memory alive for the rest of the process: a key whose
     /// deregistration or destruction failed may still let the NIC, or a peer, reach it.
-    #[cfg(rdmakit_verbs)]
     fn leak_memory(&self, what: &str) {
         tracing::error!(lkey = self.lkey, "{what} failed; leaking the memory the key reaches");
         match &self.mem {
@@ -223,35 +220,121 @@ impl MrInner {
 
 impl Drop for MrInner {
     fn drop(&mut self) {
-        match &self.backend {
-            MrBackend::Soft { device, key } => {
-                device.mrs.deregister(*key);
+        if let Err(call) = self.backend.release() {
+            self.leak_memory(call);
+        }
+    }
+}
+
+/// The one place a memory region dispatches to its provider. Each constructor returns the
+/// provider's key with its (lkey, rkey).
+impl MrBackend {
+    /// Registers host memory `buf` in `pd`.
+    fn reg_host(
+        pd: &ProtectionDomain,
+        buf: &Arc<HostBuffer>,
+        access: AccessFlags,
+    ) -> Result<(MrBackend, u32, u32)> {
+        let (ptr, len) = (buf.ptr(), buf.len);
+        match pd.backend() {
+            PdBackend::Soft(pd_id) => {
+                let Some(device) = pd.context().backend().soft() else {
+                    unreachable!("soft PD on a soft context")
+                };
+                let keep: Arc<dyn Any + Send + Sync> = buf.clone();
+                // SAFETY: `ptr` is valid for `len` bytes while `keep` (the buffer) lives, and
+                // rdmakit accesses registered memory only through `shared_mem`.
+                let key = unsafe { device.mrs.register(*pd_id, ptr as u64, len as u64, access, ptr, keep) };
+                Ok((MrBackend::Soft { device: device.clone(), key }, key, key))
             }
             #[cfg(rdmakit_verbs)]
-            MrBackend::Verbs(mr) => {
-                if !mr.deregister() {
-                    self.leak_memory("ibv_dereg_mr");
-                }
-            }
-            #[cfg(rdmakit_verbs)]
-            MrBackend::VerbsMkey(mkey) => {
-                if !mkey.destroy() {
-                    self.leak_memory("mlx5dv_destroy_mkey");
-                }
-            }
-            #[cfg(rdmakit_verbs)]
-            MrBackend::VerbsKsm(ksm) => {
-                if !ksm.destroy() {
-                    self.leak_memory("mlx5dv_devx_obj_destroy (KSM mkey)");
-                }
-            }
-            #[cfg(rdmakit_verbs)]
-            MrBackend::VerbsAlias(alias) => {
-                if !alias.destroy() {
-                    self.leak_memory("mlx5dv_devx_obj_destroy (mkey alias)");
-                }
+            PdBackend::Verbs(vpd) => {
+                // SAFETY: the buffer outlives the registration: `MrInner` drops `backend`
+                // (deregistering) before `mem`, and holds `mem` (an `Arc` of the buffer).
+                let mr = unsafe { crate::rdma::Mr::reg(vpd, ptr, len, access)? };
+                let (l, r) = (mr.lkey(), mr.rkey());
+                Ok((MrBackend::Verbs(mr), l, r))
             }
         }
+    }
+
+    /// Registers `offset..offset + len` of `dm` zero-based; the caller checked the range and
+    /// that `pd` and `dm` share a device.
+    fn reg_dm(
+        pd: &ProtectionDomain,
+        dm: &DeviceMemory,
+        offset: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<(MrBackend, u32, u32)> {
+        match (pd.backend(), &dm.inner.backend) {
+            (PdBackend::Soft(pd_id), DmBackend::Soft(sdm)) => {
+                let ptr = sdm.ptr().wrapping_add(offset as usize);
+                let keep: Arc<dyn Any + Send + Sync> = sdm.clone();
+                // SAFETY: `ptr..ptr+len` lies inside the DM allocation (the caller checked),
+                // which `keep` holds; DM bytes are accessed only through `shared_mem`.
+                let key = unsafe { sdm.device.mrs.register(*pd_id, 0, len, access, ptr, keep) };
+                Ok((MrBackend::Soft { device: sdm.device.clone(), key }, key, key))
+            }
+            #[cfg(rdmakit_verbs)]
+            (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
+                let mr = crate::rdma::Mr::reg_dm(vpd, vdm, offset, len, access)?;
+                let (l, r) = (mr.lkey(), mr.rkey());
+                Ok((MrBackend::Verbs(mr), l, r))
+            }
+            #[cfg(rdmakit_verbs)]
+            _ => unreachable!("PD and DM share a context, so a provider"),
+        }
+    }
+
+    /// Registers a dma-buf (verbs provider only).
+    ///
+    /// # Safety
+    /// See [`ProtectionDomain::register_dmabuf`].
+    unsafe fn reg_dmabuf(
+        pd: &ProtectionDomain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<(MrBackend, u32, u32)> {
+        match pd.backend() {
+            PdBackend::Soft(_) => {
+                let _ = (fd, offset, len, iova, access);
+                Err(Error::Unsupported("dma-buf registration needs the verbs provider".into()))
+            }
+            #[cfg(rdmakit_verbs)]
+            PdBackend::Verbs(vpd) => {
+                use std::os::fd::AsRawFd;
+                // SAFETY: the caller's contract is `register_dmabuf`'s, which this forwards.
+                let mr =
+                    unsafe { crate::rdma::Mr::reg_dmabuf(vpd, offset, len, iova, fd.as_raw_fd(), access)? };
+                let (l, r) = (mr.lkey(), mr.rkey());
+                Ok((MrBackend::Verbs(mr), l, r))
+            }
+        }
+    }
+
+    /// Deregisters or destroys the key. `Err` names the call that failed: the NIC may
+    /// still reach the memory.
+    fn release(&self) -> std::result::Result<(), &'static str> {
+        let (done, call) = match self {
+            MrBackend::Soft { device, key } => {
+                // Nothing outside the soft NIC reaches the memory: a key already gone is fine.
+                device.mrs.deregister(*key);
+                (true, "")
+            }
+            #[cfg(rdmakit_verbs)]
+            MrBackend::Verbs(mr) => (mr.deregister(), "ibv_dereg_mr"),
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsMkey(mkey) => (mkey.destroy(), "mlx5dv_destroy_mkey"),
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsKsm(ksm) => (ksm.destroy(), "mlx5dv_devx_obj_destroy (KSM mkey)"),
+            #[cfg(rdmakit_verbs)]
+            MrBackend::VerbsAlias(alias) => (alias.destroy(), "mlx5dv_devx_obj_destroy (mkey alias)"),
+        };
+        if done { Ok(()) } else { Err(call) }
     }
 }
 
@@ -277,6 +360,22 @@ impl std::fmt::Debug for MemoryRegion {
 }
 
 impl MemoryRegion {
+    /// A region of `pd` from the provider's key and its (lkey, rkey), over `mem`, at
+    /// `range` (the address the NIC uses for byte 0, the length).
+    pub(crate) fn assemble(
+        pd: &ProtectionDomain,
+        keys: (MrBackend, u32, u32),
+        mem: MrMemory,
+        access: AccessFlags,
+        range: (u64, u64),
+    ) -> MemoryRegion {
+        let (backend, lkey, rkey) = keys;
+        let (addr, len) = range;
+        MemoryRegion {
+            inner: Arc::new(MrInner { backend, mem, pd: pd.clone(), access, addr, len, lkey, rkey }),
+        }
+    }
+
     pub(crate) fn alloc(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
         if len == 0 {
             return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
@@ -308,41 +407,9 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument("ZERO_BASED applies to device memory regions".into()));
         }
         let buf = Arc::new(buf);
-        let (ptr, len) = (buf.ptr(), buf.len);
-        let addr = ptr as u64;
-        let (backend, lkey, rkey) = match &pd.inner.backend {
-            PdBackend::Soft(pd_id) => {
-                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
-                let CtxBackend::Soft(device) = &pd.inner.ctx.inner.backend else {
-                    unreachable!("soft PD on a soft context")
-                };
-                let keep: Arc<dyn Any + Send + Sync> = buf.clone();
-                // SAFETY: `ptr` is valid for `len` bytes while `keep` (the buffer) lives, and
-                // rdmakit accesses registered memory only through `shared_mem`.
-                let key = unsafe { device.mrs.register(*pd_id, addr, len as u64, access, ptr, keep) };
-                (MrBackend::Soft { device: device.clone(), key }, key, key)
-            }
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(vpd) => {
-                // SAFETY: the buffer outlives the registration: `MrInner` drops `backend`
-                // (deregistering) before `mem`, and holds `mem` (an `Arc` of the buffer).
-                let mr = unsafe { vpd.reg_mr(ptr, len, access)? };
-                let (l, r) = (mr.lkey(), mr.rkey());
-                (MrBackend::Verbs(mr), l, r)
-            }
-        };
-        Ok(MemoryRegion {
-            inner: Arc::new(MrInner {
-                backend,
-                mem: MrMemory::Host(buf),
-                pd: pd.clone(),
-                access,
-                addr,
-                len: len as u64,
-                lkey,
-                rkey,
-            }),
-        })
+        let (addr, len) = (buf.ptr() as u64, buf.len);
+        let keys = MrBackend::reg_host(pd, &buf, access)?;
+        Ok(MemoryRegion::assemble(pd, keys, MrMemory::Host(buf), access, (addr, len as u64)))
     }
 
     pub(crate) fn from_dm(
@@ -356,40 +423,12 @@ impl MemoryRegion {
         if len == 0 || offset.checked_add(len).is_none_or(|e| e > dm.len()) {
             return Err(Error::OutOfBounds { what: "device memory", offset, len, size: dm.len() });
         }
-        if !Arc::ptr_eq(&pd.inner.ctx.inner, &dm.inner.ctx.inner) {
+        if !pd.context().same_device(&dm.inner.ctx) {
             return Err(Error::InvalidArgument("device memory and PD are on different devices".into()));
         }
         let access = access | AccessFlags::ZERO_BASED;
-        let (backend, lkey, rkey) = match (&pd.inner.backend, &dm.inner.backend) {
-            (PdBackend::Soft(pd_id), DmBackend::Soft(sdm)) => {
-                let ptr = sdm.ptr().wrapping_add(offset as usize);
-                let keep: Arc<dyn Any + Send + Sync> = sdm.clone();
-                // SAFETY: `ptr..ptr+len` lies inside the DM allocation (checked above), which
-                // `keep` holds; DM bytes are accessed only through `shared_mem`.
-                let key = unsafe { sdm.device.mrs.register(*pd_id, 0, len, access, ptr, keep) };
-                (MrBackend::Soft { device: sdm.device.clone(), key }, key, key)
-            }
-            #[cfg(rdmakit_verbs)]
-            (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
-                let mr = vpd.reg_dm_mr(vdm, offset, len, access)?;
-                let (l, r) = (mr.lkey(), mr.rkey());
-                (MrBackend::Verbs(mr), l, r)
-            }
-            #[cfg(rdmakit_verbs)]
-            _ => unreachable!("PD and DM share a context, so a provider"),
-        };
-        Ok(MemoryRegion {
-            inner: Arc::new(MrInner {
-                backend,
-                mem: MrMemory::Device { dm: dm.clone(), offset },
-                pd: pd.clone(),
-                access,
-                addr: 0,
-                len,
-                lkey,
-                rkey,
-            }),
-        })
+        let keys = MrBackend::reg_dm(pd, dm, offset, len, access)?;
+        Ok(MemoryRegion::assemble(pd, keys, MrMemory::Device { dm: dm.clone(), offset }, access, (0, len)))
     }
 
     /// # Safety
@@ -403,31 +442,9 @@ impl MemoryRegion {
         access: AccessFlags,
     ) -> Result<MemoryRegion> {
         access.validate()?;
-        match &pd.inner.backend {
-            PdBackend::Soft(_) => {
-                let _ = (fd, offset, len, iova);
-                Err(Error::Unsupported("dma-buf registration needs the verbs provider".into()))
-            }
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(vpd) => {
-                use std::os::fd::AsRawFd;
-                // SAFETY: forwarded contract.
-                let mr = unsafe { vpd.reg_dmabuf_mr(offset, len, iova, fd.as_raw_fd(), access)? };
-                let (lkey, rkey) = (mr.lkey(), mr.rkey());
-                Ok(MemoryRegion {
-                    inner: Arc::new(MrInner {
-                        backend: MrBackend::Verbs(mr),
-                        mem: MrMemory::DmaBuf,
-                        pd: pd.clone(),
-                        access,
-                        addr: iova,
-                        len: len as u64,
-                        lkey,
-                        rkey,
-                    }),
-                })
-            }
-        }
+        // SAFETY: the caller's contract is `register_dmabuf`'s, which this forwards.
+        let keys = unsafe { MrBackend::reg_dmabuf(pd, fd, offset, len, iova, access)? };
+        Ok(MemoryRegion::assemble(pd, keys, MrMemory::DmaBuf, access, (iova, len as u64)))
     }
 
     /// Length in bytes.
@@ -464,6 +481,11 @@ impl MemoryRegion {
     /// The protection domain it belongs to.
     pub fn pd(&self) -> &ProtectionDomain {
         &self.inner.pd
+    }
+
+    /// The device it is registered on.
+    pub(crate) fn context(&self) -> &crate::device::Context {
+        self.inner.pd.context()
     }
 
     /// True if this region lives in device memory.

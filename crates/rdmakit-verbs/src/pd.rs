@@ -21,16 +21,23 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) backend: PdBackend,
     pub(crate) ctx: Context,
-    /// The PD's UMR queue on mlx5 (a dedicated QP and CQ), made on first use and shared by
-    /// every key of the PD (`crate::mlx5::UmrQueue`). It holds the provider PD, not this.
-    #[cfg(rdmakit_verbs)]
-    pub(crate) umr: std::sync::Mutex<Option<Arc<std::sync::Mutex<crate::rdma::mlx5dv::UmrQp>>>>,
 }
 
 pub(crate) enum PdBackend {
     Soft(u64),
     #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Pd),
+}
+
+/// The one place a protection domain dispatches to its provider.
+impl PdBackend {
+    fn alloc(ctx: &Context) -> Result<PdBackend> {
+        match ctx.backend() {
+            CtxBackend::Soft(dev) => Ok(PdBackend::Soft(dev.alloc_pd())),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(c) => Ok(PdBackend::Verbs(crate::rdma::Pd::alloc(c)?)),
+        }
+    }
 }
 
 impl std::fmt::Debug for ProtectionDomain {
@@ -41,24 +48,23 @@ impl std::fmt::Debug for ProtectionDomain {
 
 impl ProtectionDomain {
     pub(crate) fn new(ctx: &Context) -> Result<ProtectionDomain> {
-        let backend = match &ctx.inner.backend {
-            CtxBackend::Soft(dev) => PdBackend::Soft(dev.alloc_pd()),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(c) => PdBackend::Verbs(c.alloc_pd()?),
-        };
-        Ok(ProtectionDomain {
-            inner: Arc::new(PdInner {
-                ctx: ctx.clone(),
-                backend,
-                #[cfg(rdmakit_verbs)]
-                umr: std::sync::Mutex::new(None),
-            }),
-        })
+        let backend = PdBackend::alloc(ctx)?;
+        Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), backend }) })
     }
 
     /// The device this PD belongs to.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
+    }
+
+    /// The provider object behind this PD.
+    pub(crate) fn backend(&self) -> &PdBackend {
+        &self.inner.backend
+    }
+
+    /// True if `other` is a handle of this same protection domain.
+    pub(crate) fn same_pd(&self, other: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Allocates `len` zeroed, page-aligned bytes and registers them (`ibv_reg_mr`).

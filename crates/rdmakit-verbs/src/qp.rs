@@ -5,10 +5,11 @@ use std::sync::Arc;
 pub use crate::types::QpState;
 
 use crate::cq::CompletionQueue;
+use crate::cq::CqBackend;
 use crate::error::{Error, Result};
 use crate::inflight::Inflight;
 use crate::pd::{PdBackend, ProtectionDomain};
-use crate::raw::RawSendWr;
+use crate::raw::{RawRecvWr, RawSendWr};
 use crate::soft::qp::SoftQp;
 use crate::types::{ConnectOptions, Endpoint, QpCaps};
 use crate::wr::{RecvWr, SendWr};
@@ -56,7 +57,6 @@ pub(crate) struct QpInner {
     pd: ProtectionDomain,
     caps: QpCaps,
     qpn: u32,
-    #[cfg_attr(not(rdmakit_verbs), allow(dead_code))]
     psn: u32,
 }
 
@@ -64,6 +64,145 @@ pub(crate) enum QpBackend {
     Soft(Arc<SoftQp>),
     #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Qp),
+}
+
+/// The one place a queue pair dispatches to its provider.
+impl QpBackend {
+    /// Creates the provider's QP; returns it with the capacities granted. The caller checked
+    /// that the CQs and the PD share a device.
+    fn create(
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        psn: u32,
+        caps: QpCaps,
+    ) -> Result<(QpBackend, QpCaps)> {
+        match (pd.backend(), &send_cq.inner.backend, &recv_cq.inner.backend) {
+            (PdBackend::Soft(pd_id), CqBackend::Soft(scq), CqBackend::Soft(rcq)) => {
+                let Some(dev) = pd.context().backend().soft() else {
+                    unreachable!("soft PD on a soft device")
+                };
+                let qp = SoftQp::create(dev, psn, *pd_id, scq.clone(), rcq.clone(), caps)?;
+                Ok((QpBackend::Soft(qp), caps))
+            }
+            #[cfg(rdmakit_verbs)]
+            (PdBackend::Verbs(vpd), CqBackend::Verbs(scq), CqBackend::Verbs(rcq)) => {
+                let qp = crate::rdma::Qp::create(vpd, scq, rcq, caps)?;
+                let caps = qp.caps();
+                Ok((QpBackend::Verbs(qp), caps))
+            }
+            #[cfg(rdmakit_verbs)]
+            _ => unreachable!("a PD and CQs of one device share a provider"),
+        }
+    }
+
+    fn qpn(&self) -> u32 {
+        match self {
+            QpBackend::Soft(q) => q.qpn(),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.qpn(),
+        }
+    }
+
+    fn state(&self) -> QpState {
+        match self {
+            QpBackend::Soft(q) => q.state(),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.state(),
+        }
+    }
+
+    fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint> {
+        match self {
+            QpBackend::Soft(q) => {
+                let _ = (opts, psn);
+                Ok(q.endpoint())
+            }
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.endpoint(opts, psn),
+        }
+    }
+
+    fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
+        match self {
+            QpBackend::Soft(q) => q.modify_to_init(opts.access),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.modify_to_init(opts),
+        }
+    }
+
+    /// INIT → RTR → RTS.
+    fn modify_to_rts(&self, remote: &Endpoint, opts: &ConnectOptions, psn: u32) -> Result<()> {
+        match self {
+            QpBackend::Soft(q) => {
+                let _ = psn;
+                q.modify_to_rtr(remote, opts)?;
+                q.modify_to_rts()
+            }
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => {
+                q.modify_to_rtr(remote, opts)?;
+                q.modify_to_rts(opts, psn)
+            }
+        }
+    }
+
+    fn modify_to_error(&self) -> Result<()> {
+        match self {
+            QpBackend::Soft(q) => {
+                q.modify_to_err();
+                Ok(())
+            }
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.modify_to_err(),
+        }
+    }
+
+    fn post_send(&self, raws: &[RawSendWr<'_>]) -> std::result::Result<(), (usize, Error)> {
+        match self {
+            QpBackend::Soft(qp) => qp.post_send(raws),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(qp) => qp.post_send(raws),
+        }
+    }
+
+    fn post_recv(&self, raws: &[RawRecvWr]) -> std::result::Result<(), (usize, Error)> {
+        match self {
+            QpBackend::Soft(qp) => qp.post_recv(raws),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(qp) => qp.post_recv(raws),
+        }
+    }
+
+    /// Destroys the QP (a soft QP goes to the error state first); false if the provider
+    /// refused, so the NIC may still use the QP's buffers.
+    fn destroy(&self) -> bool {
+        match self {
+            QpBackend::Soft(q) => {
+                q.modify_to_err();
+                q.destroy();
+                true
+            }
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(q) => q.destroy(),
+        }
+    }
+
+    fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
+        match self {
+            QpBackend::Soft(q) => q.set_tokens(rx, tx),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(_) => {}
+        }
+    }
+
+    #[cfg(rdmakit_verbs)]
+    fn verbs(&self) -> Option<&crate::rdma::Qp> {
+        match self {
+            QpBackend::Verbs(q) => Some(q),
+            QpBackend::Soft(_) => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -83,43 +222,13 @@ impl QueuePair {
         caps: QpCaps,
     ) -> Result<QueuePair> {
         for cq in [send_cq, recv_cq] {
-            if !Arc::ptr_eq(&cq.inner.ctx.inner, &pd.inner.ctx.inner) {
+            if !cq.context().same_device(pd.context()) {
                 return Err(Error::InvalidArgument("CQ and PD belong to different devices".into()));
             }
         }
         let psn = initial_psn();
-        let (backend, caps) = match &pd.inner.backend {
-            PdBackend::Soft(pd_id) => {
-                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
-                let crate::device::CtxBackend::Soft(dev) = &pd.inner.ctx.inner.backend else {
-                    unreachable!("soft PD on a soft device")
-                };
-                #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
-                let (crate::cq::CqBackend::Soft(scq), crate::cq::CqBackend::Soft(rcq)) =
-                    (&send_cq.inner.backend, &recv_cq.inner.backend)
-                else {
-                    unreachable!("soft CQs on a soft device")
-                };
-                let qp = SoftQp::create(dev, psn, *pd_id, scq.clone(), rcq.clone(), caps)?;
-                (QpBackend::Soft(qp), caps)
-            }
-            #[cfg(rdmakit_verbs)]
-            PdBackend::Verbs(vpd) => {
-                let (crate::cq::CqBackend::Verbs(scq), crate::cq::CqBackend::Verbs(rcq)) =
-                    (&send_cq.inner.backend, &recv_cq.inner.backend)
-                else {
-                    unreachable!("verbs CQs on a verbs device")
-                };
-                let qp = vpd.create_qp(scq, rcq, caps)?;
-                let caps = qp.caps();
-                (QpBackend::Verbs(qp), caps)
-            }
-        };
-        let qpn = match &backend {
-            QpBackend::Soft(q) => q.qpn(),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.qpn(),
-        };
+        let (backend, caps) = QpBackend::create(pd, send_cq, recv_cq, psn, caps)?;
+        let qpn = backend.qpn();
         let inflight = Arc::new(Inflight::new(caps.max_send_wr, caps.max_recv_wr));
         send_cq.register(qpn, inflight.clone());
         recv_cq.register(qpn, inflight.clone());
@@ -140,10 +249,7 @@ impl QueuePair {
     /// The rdma-core QP behind this one, if it is a verbs QP.
     #[cfg(rdmakit_verbs)]
     pub(crate) fn verbs_qp(&self) -> Option<&crate::rdma::Qp> {
-        match &self.inner.backend {
-            QpBackend::Verbs(q) => Some(q),
-            QpBackend::Soft(_) => None,
-        }
+        self.inner.backend.verbs()
     }
 
     /// QP number.
@@ -173,11 +279,7 @@ impl QueuePair {
 
     /// Current state.
     pub fn state(&self) -> QpState {
-        match &self.inner.backend {
-            QpBackend::Soft(q) => q.state(),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.state(),
-        }
+        self.inner.backend.state()
     }
 
     /// Outstanding (send, receive) requests whose completions were not reaped yet.
@@ -192,14 +294,7 @@ impl QueuePair {
 
     /// What a peer needs to connect to this QP, with the port and GID index of `opts`.
     pub fn endpoint_with(&self, opts: &ConnectOptions) -> Result<Endpoint> {
-        match &self.inner.backend {
-            QpBackend::Soft(q) => {
-                let _ = opts;
-                Ok(q.endpoint())
-            }
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.endpoint(opts, self.inner.psn),
-        }
+        self.inner.backend.endpoint(opts, self.inner.psn)
     }
 
     /// RESET → INIT, granting peers `opts.access`. Post receives after this and before
@@ -207,11 +302,7 @@ impl QueuePair {
     #[doc(alias = "ibv_modify_qp")]
     pub fn modify_to_init(&self, opts: &ConnectOptions) -> Result<()> {
         opts.validate()?;
-        match &self.inner.backend {
-            QpBackend::Soft(q) => q.modify_to_init(opts.access),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.modify_to_init(opts),
-        }
+        self.inner.backend.modify_to_init(opts)
     }
 
     /// Connects to `remote`: (RESET →) INIT → RTR → RTS.
@@ -223,35 +314,18 @@ impl QueuePair {
         if self.state() == QpState::Reset {
             self.modify_to_init(opts)?;
         }
-        match &self.inner.backend {
-            QpBackend::Soft(q) => {
-                q.modify_to_rtr(remote, opts)?;
-                q.modify_to_rts()
-            }
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => {
-                q.modify_to_rtr(remote, opts)?;
-                q.modify_to_rts(opts, self.inner.psn)
-            }
-        }
+        self.inner.backend.modify_to_rts(remote, opts, self.inner.psn)
     }
 
     /// Moves the QP to the error state: outstanding and later requests complete with
     /// `WR_FLUSH_ERR`.
     pub fn modify_to_error(&self) -> Result<()> {
-        match &self.inner.backend {
-            QpBackend::Soft(q) => {
-                q.modify_to_err();
-                Ok(())
-            }
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.modify_to_err(),
-        }
+        self.inner.backend.modify_to_error()
     }
 
     fn check_same_device(&self, wr_local: Option<&crate::mr::LocalSlice>) -> Result<()> {
         if let Some(l) = wr_local
-            && !Arc::ptr_eq(&l.mr.inner.pd.inner.ctx.inner, &self.inner.pd.inner.ctx.inner)
+            && !l.mr.context().same_device(self.inner.pd.context())
         {
             return Err(Error::InvalidArgument("the local buffer is registered on another device".into()));
         }
@@ -305,12 +379,7 @@ impl QueuePair {
     /// Hands requests whose slots are pushed to the provider; drops the slots of those it
     /// refused. The caller holds the in-flight lock across the call.
     fn post_raw_send(&self, q: &mut crate::inflight::Queues, raws: &[RawSendWr<'_>]) -> Result<()> {
-        let r = match &self.inner.backend {
-            QpBackend::Soft(qp) => qp.post_send(raws),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(qp) => qp.post_send(raws),
-        };
-        r.map_err(|(posted, e)| {
+        self.inner.backend.post_send(raws).map_err(|(posted, e)| {
             q.unpush_send(raws.len() - posted);
             post_error(posted, e)
         })
@@ -350,13 +419,8 @@ impl QueuePair {
 
     /// Hands receives whose slots are pushed to the provider; drops the slots of those it
     /// refused. The caller holds the in-flight lock across the call.
-    fn post_raw_recv(&self, q: &mut crate::inflight::Queues, raws: &[crate::raw::RawRecvWr]) -> Result<()> {
-        let r = match &self.inner.backend {
-            QpBackend::Soft(qp) => qp.post_recv(raws),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(qp) => qp.post_recv(raws),
-        };
-        r.map_err(|(posted, e)| {
+    fn post_raw_recv(&self, q: &mut crate::inflight::Queues, raws: &[RawRecvWr]) -> Result<()> {
+        self.inner.backend.post_recv(raws).map_err(|(posted, e)| {
             q.unpush_recv(raws.len() - posted);
             post_error(posted, e)
         })
@@ -365,16 +429,7 @@ impl QueuePair {
 
 impl Drop for QpInner {
     fn drop(&mut self) {
-        let destroyed = match &self.backend {
-            QpBackend::Soft(q) => {
-                q.modify_to_err();
-                q.destroy();
-                true
-            }
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.destroy(),
-        };
-        if destroyed {
+        if self.backend.destroy() {
             // The NIC no longer touches this QP's buffers: release them.
             self.send_cq.unregister(self.qpn);
             self.recv_cq.unregister(self.qpn);
@@ -402,9 +457,6 @@ impl QueuePair {
     /// Sets the soft NIC connection tokens the soft bootstrap exchanged (`rx`: what the
     /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
     pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
-        #[cfg_attr(not(rdmakit_verbs), allow(irrefutable_let_patterns))]
-        if let QpBackend::Soft(q) = &self.inner.backend {
-            q.set_tokens(rx, tx);
-        }
+        self.inner.backend.set_soft_tokens(rx, tx);
     }
 }

@@ -12,6 +12,15 @@ pub(crate) struct Sge {
     pub lkey: u32,
 }
 
+/// One KSM entry of an indirect key, in order from the key's offset 0: `len` bytes at
+/// `addr` of the region whose lkey is `key`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawKsm {
+    pub addr: u64,
+    pub len: u64,
+    pub key: u32,
+}
+
 /// The operation of a send-queue work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RawOp {

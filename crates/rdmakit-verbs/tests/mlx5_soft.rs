@@ -200,3 +200,37 @@ fn dropping_everything_mid_binding_is_sound() -> Result<()> {
     drop((umr, key));
     Ok(())
 }
+
+/// The front checks KSM entries before the provider sees them: every refusal is a typed
+/// `InvalidArgument` and leaves the key free, so a correct bind still succeeds afterwards.
+#[test]
+fn refused_binds_leave_the_key_free() -> Result<()> {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd()?;
+    let other_pd = ctx.alloc_pd()?;
+    let umr = pd.create_umr_queue()?;
+    let key = pd.create_indirect_mkey(0, 128, AccessFlags::ALL_REMOTE)?;
+    let r = pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
+    let foreign = other_pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
+    let refused: [Vec<KsmEntry>; 4] = [
+        vec![KsmEntry { region: r.clone(), offset: 0, len: 0 }],
+        vec![KsmEntry::whole(&r), KsmEntry::whole(&foreign)],
+        vec![KsmEntry { region: r.clone(), offset: u64::MAX, len: 2 }],
+        // 192 bytes onto a key of 128.
+        vec![KsmEntry::whole(&r), KsmEntry::whole(&r), KsmEntry::whole(&r)],
+    ];
+    for entries in &refused {
+        match umr.bind(&key, entries) {
+            Err(Error::InvalidArgument(_)) => {}
+            other => panic!("expected InvalidArgument for {entries:?}, got {other:?}"),
+        }
+        assert!(!key.is_bound(), "a refused bind left the key bound");
+    }
+    assert!(matches!(
+        pd.create_ksm_mkey(0x1000, &[KsmEntry::whole(&foreign)], AccessFlags::ALL_REMOTE),
+        Err(Error::InvalidArgument(_))
+    ));
+    umr.bind(&key, &[KsmEntry::whole(&r), KsmEntry::whole(&r)])?;
+    assert!(key.is_bound());
+    Ok(())
+}

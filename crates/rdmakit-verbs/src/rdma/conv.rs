@@ -13,6 +13,30 @@ pub(super) fn nonnull<T>(call: &'static str, p: *mut T) -> Result<NonNull<T>> {
     NonNull::new(p).ok_or_else(|| Error::last_os(call))
 }
 
+/// NULL + errno, keeping the OS error for a caller that maps some errno values to errors of
+/// its own (`ibv_alloc_dm`, `ibv_reg_dm_mr`, DEVX object creation).
+pub(super) fn nonnull_os<T>(p: *mut T) -> std::result::Result<NonNull<T>, std::io::Error> {
+    NonNull::new(p).ok_or_else(std::io::Error::last_os_error)
+}
+
+/// A count, or a negative errno (`ibv_poll_cq`).
+pub(super) fn count(call: &'static str, n: i32) -> Result<usize> {
+    usize::try_from(n).map_err(|_| Error::errno(call, n.saturating_neg()))
+}
+
+/// A call releasing an object (`ibv_dealloc_pd`, `ibv_destroy_cq`, ...): 0 or an errno, as
+/// [`errno_ret`]. True on success; a failure is logged with the device, and the caller
+/// decides what the still-live object means (usually: leak what it reaches).
+pub(super) fn released(call: &'static str, device: &str, rc: i32) -> bool {
+    match errno_ret(call, rc) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!(device, error = %e, "{call} failed");
+            false
+        }
+    }
+}
+
 /// An errno returned directly, 0 on success (`ibv_modify_qp`, `ibv_post_send`, ...). Some
 /// providers return -1 and set errno instead; both are handled.
 pub(super) fn errno_ret(call: &'static str, rc: i32) -> Result<()> {
@@ -144,4 +168,40 @@ pub(crate) fn apply_path_options(attr: &mut sys::ibv_qp_attr, opts: &ConnectOpti
         }
     }
     mask
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_negative_count_is_its_errno() {
+        assert_eq!(count("ibv_poll_cq", 3).unwrap(), 3);
+        assert_eq!(count("ibv_poll_cq", 0).unwrap(), 0);
+        match count("ibv_poll_cq", -libc::EINVAL) {
+            Err(Error::Os { call: "ibv_poll_cq", source }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::EINVAL))
+            }
+            other => panic!("expected EINVAL from ibv_poll_cq, got {other:?}"),
+        }
+        // The most negative value does not overflow.
+        assert!(count("ibv_poll_cq", i32::MIN).is_err());
+    }
+
+    #[test]
+    fn released_is_true_only_on_zero() {
+        assert!(released("ibv_dealloc_pd", "test0", 0));
+        assert!(!released("ibv_dealloc_pd", "test0", libc::EBUSY));
+        assert!(!released("ibv_dealloc_pd", "test0", -1));
+    }
+
+    #[test]
+    fn null_keeps_the_os_error() {
+        // SAFETY: fcntl on a descriptor that is not open only sets errno (EBADF).
+        unsafe { libc::fcntl(-1, libc::F_GETFL) };
+        let e = nonnull_os(std::ptr::null_mut::<u8>()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EBADF));
+        let mut x = 0u8;
+        assert!(nonnull_os(&mut x as *mut u8).is_ok());
+    }
 }

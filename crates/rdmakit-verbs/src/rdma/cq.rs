@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use rdmakit_sys as sys;
 
-use super::conv::errno_ret;
+use super::conv::{errno_ret, nonnull, released};
 use super::*;
 use crate::error::{Error, Result, WcStatus};
 use crate::wc::{WcOpcode, WorkCompletion};
@@ -30,6 +30,39 @@ unsafe impl Send for Cq {}
 unsafe impl Sync for Cq {}
 
 impl Cq {
+    /// Creates a CQ of at least `cqe` entries on `ctx` with its own completion channel,
+    /// non-blocking (`ibv_create_comp_channel`, `ibv_create_cq`).
+    pub fn create(ctx: &Context, cqe: u32) -> Result<Cq> {
+        let dev = &ctx.dev;
+        let ctx = dev.ctx.as_ptr();
+        // SAFETY: the context is open.
+        let channel = nonnull("ibv_create_comp_channel", unsafe { sys::ibv_create_comp_channel(ctx) })?;
+        // SAFETY: the channel was just created; its fd is valid.
+        if let Err(e) = unsafe { conv::set_nonblocking((*channel.as_ptr()).fd) } {
+            // SAFETY: destroying the channel we created, unused.
+            unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
+            return Err(e);
+        }
+        let cqe = i32::try_from(cqe).map_err(|_| Error::InvalidArgument("CQ size too large".into()))?;
+        // SAFETY: open context, valid channel; no cq_context.
+        let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel.as_ptr(), 0) };
+        match nonnull("ibv_create_cq", cq) {
+            Ok(cq) => Ok(Cq {
+                cq,
+                channel,
+                dev: dev.clone(),
+                last_event_check: std::sync::atomic::AtomicU64::new(0),
+                created: std::time::Instant::now(),
+            }),
+            Err(e) => {
+                // SAFETY: the channel was created above and no CQ uses it (creation failed):
+                // destroying it once here is the only release.
+                unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
+                Err(e)
+            }
+        }
+    }
+
     pub fn capacity(&self) -> u32 {
         // SAFETY: valid CQ.
         unsafe { (*self.cq.as_ptr()).cqe }.max(0) as u32
@@ -48,17 +81,15 @@ impl Cq {
             let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::uninit();
             // SAFETY: valid CQ; room for `want` ibv_wc entries.
             let n = unsafe { sys::ibv_poll_cq(self.cq.as_ptr(), want as i32, wcs.as_mut_ptr().cast()) };
-            if n < 0 {
-                return Err(Error::Os { call: "ibv_poll_cq", source: std::io::Error::from_raw_os_error(-n) });
-            }
+            let n = conv::count("ibv_poll_cq", n)?;
             let base = wcs.as_ptr().cast::<sys::ibv_wc>();
-            for i in 0..n as usize {
+            for i in 0..n {
                 // SAFETY: ibv_poll_cq initialised the first `n` entries.
                 let wc = unsafe { &*base.add(i) };
                 out[done + i] = convert_wc(wc);
             }
-            done += n as usize;
-            if (n as usize) < want {
+            done += n;
+            if (n) < want {
                 break;
             }
         }
@@ -112,9 +143,7 @@ impl Drop for Cq {
         self.dev.drain_async_events();
         // SAFETY: created by ibv_create_cq; QPs using it hold the public CQ, so none is
         // left; all events are acknowledged (destroy would wait for them otherwise).
-        if unsafe { sys::ibv_destroy_cq(self.cq.as_ptr()) } != 0 {
-            tracing::error!("ibv_destroy_cq failed");
-        } else {
+        if released("ibv_destroy_cq", &self.dev.name, unsafe { sys::ibv_destroy_cq(self.cq.as_ptr()) }) {
             // The overrun flag is keyed by address: it must not outlive the CQ, or a new CQ
             // allocated at the same address would report an overrun it never had.
             self.dev.overrun.lock().expect("overrun set").remove(&(self.cq.as_ptr() as usize));

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use rdmakit_sys as sys;
 
-use super::conv::{errno_ret, nonnull};
+use super::conv::{errno_ret, nonnull, released};
 use super::*;
 use crate::error::{Error, Result};
 use crate::types::{DeviceAttr, GidEntry, GidKind, ProviderKind};
@@ -34,12 +34,11 @@ impl DeviceList {
         let mut n = 0;
         // SAFETY: `n` is a valid out-pointer; the call allocates the list it returns.
         let list = unsafe { sys::ibv_get_device_list(&mut n) };
-        match NonNull::new(list) {
-            Some(list) => Ok(DeviceList { list, len: n.max(0) as usize }),
-            None => Err(Error::NoDevice {
-                provider: "verbs",
-                reason: format!("ibv_get_device_list: {}", std::io::Error::last_os_error()),
-            }),
+        match conv::nonnull_os(list) {
+            Ok(list) => Ok(DeviceList { list, len: n.max(0) as usize }),
+            Err(os) => {
+                Err(Error::NoDevice { provider: "verbs", reason: format!("ibv_get_device_list: {os}") })
+            }
         }
     }
 
@@ -88,10 +87,7 @@ impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: opened by ibv_open_device; every child holds an `Arc<Device>`, so all
         // were destroyed before this runs.
-        let rc = unsafe { sys::ibv_close_device(self.ctx.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(device = %self.name, "ibv_close_device failed");
-        }
+        released("ibv_close_device", &self.name, unsafe { sys::ibv_close_device(self.ctx.as_ptr()) });
     }
 }
 
@@ -291,65 +287,16 @@ impl Context {
         Ok(GidEntry { index: choice.index, gid: self.dev.gid(port_num, choice.index)?, kind: choice.kind })
     }
 
+    /// `ibv_alloc_pd` (see [`Pd::alloc`]); for the tests of `rdma::cm`.
+    #[cfg(test)]
     pub fn alloc_pd(&self) -> Result<Pd> {
-        // SAFETY: the context is open.
-        let pd = nonnull("ibv_alloc_pd", unsafe { sys::ibv_alloc_pd(self.dev.ctx.as_ptr()) })?;
-        Ok(Pd { inner: Arc::new(PdShared { pd, dev: self.dev.clone() }) })
+        Pd::alloc(self)
     }
 
+    /// `ibv_create_cq` (see [`Cq::create`]); for the tests of `rdma::cm`.
+    #[cfg(test)]
     pub fn create_cq(&self, cqe: u32) -> Result<Cq> {
-        let ctx = self.dev.ctx.as_ptr();
-        // SAFETY: the context is open.
-        let channel = nonnull("ibv_create_comp_channel", unsafe { sys::ibv_create_comp_channel(ctx) })?;
-        // SAFETY: the channel was just created; its fd is valid.
-        if let Err(e) = unsafe { conv::set_nonblocking((*channel.as_ptr()).fd) } {
-            // SAFETY: destroying the channel we created, unused.
-            unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
-            return Err(e);
-        }
-        let cqe = i32::try_from(cqe).map_err(|_| Error::InvalidArgument("CQ size too large".into()))?;
-        // SAFETY: open context, valid channel; no cq_context.
-        let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel.as_ptr(), 0) };
-        match nonnull("ibv_create_cq", cq) {
-            Ok(cq) => Ok(Cq {
-                cq,
-                channel,
-                dev: self.dev.clone(),
-                last_event_check: std::sync::atomic::AtomicU64::new(0),
-                created: std::time::Instant::now(),
-            }),
-            Err(e) => {
-                // SAFETY: the channel was created above and no CQ uses it (creation failed):
-                // destroying it once here is the only release.
-                unsafe { sys::ibv_destroy_comp_channel(channel.as_ptr()) };
-                Err(e)
-            }
-        }
-    }
-
-    pub fn alloc_dm(&self, len: u64, max: u64) -> Result<Dm> {
-        let mut attr = sys::ibv_alloc_dm_attr {
-            length: len as usize,
-            // 8-byte alignment: device-memory atomics need it.
-            log_align_req: 3,
-            comp_mask: 0,
-        };
-        // SAFETY: open context; `attr` is a valid, initialised attribute struct.
-        let dm = unsafe { sys::ibv_alloc_dm(self.dev.ctx.as_ptr(), &mut attr) };
-        let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        // The header's inline sets EOPNOTSUPP when the provider has no `alloc_dm` at all.
-        match NonNull::new(dm) {
-            None => match errno() {
-                libc::ENOMEM | libc::ENOSPC => {
-                    Err(Error::DeviceMemoryExhausted { requested: len, available: 0, capacity: max })
-                }
-                libc::EOPNOTSUPP | libc::ENOSYS => {
-                    Err(Error::Unsupported(format!("{}: device memory not supported", self.dev.name)))
-                }
-                e => Err(Error::errno("ibv_alloc_dm", e)),
-            },
-            Some(dm) => Ok(Dm { dm, dev: self.dev.clone() }),
-        }
+        Cq::create(self, cqe)
     }
 }
 

@@ -21,8 +21,8 @@
 //! (see `MrInner::leak_memory`).
 
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdmakit_sys as sys;
@@ -31,6 +31,7 @@ use rdmakit_sys::mlx5dv as dv;
 use super::conv::nonnull;
 use super::{Cq, Device, PdShared, Qp};
 use crate::error::{Error, Result, WcStatus};
+use crate::raw::RawKsm;
 use crate::types::{AccessFlags, ConnectOptions, QpCaps};
 use crate::wc::WorkCompletion;
 
@@ -131,7 +132,7 @@ unsafe impl Sync for UmrQp {}
 impl UmrQp {
     fn create(ctx: &super::Context, pd: &Arc<PdShared>, max_entries: u16) -> Result<UmrQp> {
         supported(&pd.dev)?;
-        let cq = ctx.create_cq(64)?;
+        let cq = Cq::create(ctx, 64)?;
         // SAFETY: all-zero is a valid ibv_qp_init_attr_ex (null pointers, no comp_mask bits).
         let mut init: sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
         init.send_cq = cq.cq.as_ptr();
@@ -184,8 +185,14 @@ impl UmrQp {
         Ok(UmrQp { _qp: qp, max_entries, qpx, mqpx, cq })
     }
 
-    /// Binds `mkey` to the (address, length, lkey) entries, zero-based, and waits.
-    pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[(u64, u32, u32)]) -> Result<()> {
+    /// Binds `mkey` to the entries, zero-based, and waits.
+    pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[RawKsm]) -> Result<()> {
+        let mut sges = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            let length = u32::try_from(e.len)
+                .map_err(|_| Error::InvalidArgument(format!("KSM entry {i}: over 4 GiB")))?;
+            sges.push(sys::ibv_sge { addr: e.addr, length, lkey: e.key });
+        }
         if entries.len() > self.max_entries {
             return Err(Error::Unsupported(format!(
                 "a UMR carries at most {} entries inline on this QP ({} asked)",
@@ -193,8 +200,6 @@ impl UmrQp {
                 entries.len()
             )));
         }
-        let mut sges: Vec<sys::ibv_sge> =
-            entries.iter().map(|&(addr, length, lkey)| sys::ibv_sge { addr, length, lkey }).collect();
         let n =
             u16::try_from(sges.len()).map_err(|_| Error::InvalidArgument("too many UMR entries".into()))?;
         let qpx = self.qpx.as_ptr();
@@ -265,9 +270,16 @@ impl super::Pd {
         Mkey::create(&self.inner, max_entries)
     }
 
-    /// A UMR queue on this PD, on `ctx`'s device, for keys of up to `max_entries` entries.
-    pub(crate) fn create_umr_qp(&self, ctx: &super::Context, max_entries: u16) -> Result<UmrQp> {
-        UmrQp::create(ctx, &self.inner, max_entries)
+    /// The PD's UMR queue, on `ctx`'s device, for keys of up to `max_entries` entries: made
+    /// on first use and shared by every key of the PD.
+    pub(crate) fn umr_qp(&self, ctx: &super::Context, max_entries: u16) -> Result<Arc<Mutex<UmrQp>>> {
+        let mut shared = self.umr.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(umr) = &*shared {
+            return Ok(umr.clone());
+        }
+        let umr = Arc::new(Mutex::new(UmrQp::create(ctx, &self.inner, max_entries)?));
+        *shared = Some(umr.clone());
+        Ok(umr)
     }
 }
 
@@ -571,14 +583,13 @@ impl DevxKey {
                 out.len(),
             )
         };
-        let Some(obj) = NonNull::new(obj) else {
-            return Err(Error::Unsupported(format!(
-                "{what}: DEVX command failed ({}, status {:#x}, syndrome {:#x})",
-                std::io::Error::last_os_error(),
+        let obj = super::conv::nonnull_os(obj).map_err(|os| {
+            Error::Unsupported(format!(
+                "{what}: DEVX command failed ({os}, status {:#x}, syndrome {:#x})",
                 get(&out, status),
                 get(&out, syndrome)
-            )));
-        };
+            ))
+        })?;
         Ok(DevxKey { obj, key: key(&out), what, destroyed: AtomicBool::new(false), _pd: pd.clone() })
     }
 

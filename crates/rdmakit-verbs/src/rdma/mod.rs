@@ -1,10 +1,14 @@
 //! The rdma-core provider: thin owners of libibverbs objects.
 //!
-//! Each object holds an `Arc` of the object it was created from (MR → PD → device), so
-//! the C objects are destroyed children-first whatever order the safe layer drops them in.
-//! Return conventions are mapped once, in [`conv`]: NULL + errno, errno returned, and a
-//! negative count. Everything here trusts the safe layer for buffer lifetimes (see the
-//! `# Safety` sections); it adds no checks the NIC makes itself.
+//! One file per C object, each made on its own side (`Pd::alloc(ctx)`, `Mr::reg(pd, ..)`,
+//! `Qp::create(pd, ..)`, ...). Each object holds an `Arc` of the object it was created from
+//! (MR → PD → device), so the C objects are destroyed children-first whatever order the safe
+//! layer drops them in. Return conventions are mapped in [`conv`]: NULL + errno, errno
+//! returned, a negative count, and the 0-or-errno of a release. Outside it, a few queries
+//! whose failure is an answer (no event pending, no GID type, the QP state unknown) test
+//! their result in place, DEVX commands check the firmware's status and syndrome in
+//! `mlx5dv`, and librdmacm's calls are mapped in `cm`. Everything here trusts the safe layer
+//! for buffer lifetimes (see the `# Safety` sections); it adds no checks the NIC makes itself.
 
 pub(crate) mod cm;
 mod conv;

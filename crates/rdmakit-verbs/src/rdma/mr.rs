@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rdmakit_sys as sys;
 
+use super::conv::{nonnull, nonnull_os, released};
 use super::*;
+use crate::error::{Error, Result};
+use crate::types::AccessFlags;
 
 /// A registered memory region.
 pub(crate) struct Mr {
@@ -23,6 +26,52 @@ unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
 impl Mr {
+    /// Registers `len` bytes at `ptr` (`ibv_reg_mr`).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the returned region is deregistered.
+    pub unsafe fn reg(pd: &Pd, ptr: *mut u8, len: usize, access: AccessFlags) -> Result<Mr> {
+        // SAFETY: valid PD; the caller guarantees the memory's lifetime.
+        let mr = unsafe { sys::ibv_reg_mr(pd.inner.pd.as_ptr(), ptr.cast(), len, access.bits() as i32) };
+        Ok(Mr::new(nonnull("ibv_reg_mr", mr)?, pd.inner.clone()))
+    }
+
+    /// Registers device memory zero-based (`ibv_reg_dm_mr`).
+    pub fn reg_dm(pd: &Pd, dm: &Dm, offset: u64, len: u64, access: AccessFlags) -> Result<Mr> {
+        let access = (access | AccessFlags::ZERO_BASED).bits();
+        // SAFETY: valid PD and DM (the returned Mr keeps the DM's device alive; the safe
+        // layer keeps the DM itself alive through the region).
+        let mr =
+            unsafe { sys::ibv_reg_dm_mr(pd.inner.pd.as_ptr(), dm.dm.as_ptr(), offset, len as usize, access) };
+        match nonnull_os(mr) {
+            Ok(mr) => Ok(Mr::new(mr, pd.inner.clone())),
+            // The header's inline sets EOPNOTSUPP when the provider has no `reg_dm_mr`.
+            Err(os) if os.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                Err(Error::Unsupported("ibv_reg_dm_mr not supported by the provider".into()))
+            }
+            Err(source) => Err(Error::Os { call: "ibv_reg_dm_mr", source }),
+        }
+    }
+
+    /// Registers a dma-buf (`ibv_reg_dmabuf_mr`).
+    ///
+    /// # Safety
+    /// See `ProtectionDomain::register_dmabuf`.
+    pub unsafe fn reg_dmabuf(
+        pd: &Pd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: i32,
+        access: AccessFlags,
+    ) -> Result<Mr> {
+        // SAFETY: valid PD; the caller guarantees the dma-buf's validity and lifetime.
+        let mr = unsafe {
+            sys::ibv_reg_dmabuf_mr(pd.inner.pd.as_ptr(), offset, len, iova, fd, access.bits() as i32)
+        };
+        Ok(Mr::new(nonnull("ibv_reg_dmabuf_mr", mr)?, pd.inner.clone()))
+    }
+
     pub(super) fn new(mr: NonNull<sys::ibv_mr>, pd: Arc<PdShared>) -> Mr {
         Mr { mr, done: AtomicBool::new(false), _pd: pd }
     }
@@ -45,11 +94,7 @@ impl Mr {
             return true;
         }
         // SAFETY: registered, and deregistered once (guarded by `done`).
-        let rc = unsafe { sys::ibv_dereg_mr(self.mr.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(rc, "ibv_dereg_mr failed");
-        }
-        rc == 0
+        released("ibv_dereg_mr", &self._pd.dev.name, unsafe { sys::ibv_dereg_mr(self.mr.as_ptr()) })
     }
 }
 

@@ -1,15 +1,14 @@
-//! Protection domains (`ibv_alloc_pd`) and what is created in them: MRs, DM registrations, QPs.
+//! Protection domains (`ibv_alloc_pd`). What is created in one is made on its own side:
+//! `Mr::reg`, `Qp::create`, and the mlx5 keys of `mlx5dv`.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use rdmakit_sys as sys;
 
-use super::conv::nonnull;
+use super::conv::{nonnull, released};
 use super::*;
-use crate::error::{Error, Result};
-use crate::types::{AccessFlags, QpCaps};
+use crate::error::Result;
 
 pub(super) struct PdShared {
     pub(super) pd: NonNull<sys::ibv_pd>,
@@ -25,92 +24,39 @@ unsafe impl Sync for PdShared {}
 impl Drop for PdShared {
     fn drop(&mut self) {
         // SAFETY: allocated by ibv_alloc_pd; every MR and QP holds an `Arc<PdShared>`.
-        if unsafe { sys::ibv_dealloc_pd(self.pd.as_ptr()) } != 0 {
-            tracing::error!(device = %self.dev.name, "ibv_dealloc_pd failed");
-        }
+        released("ibv_dealloc_pd", &self.dev.name, unsafe { sys::ibv_dealloc_pd(self.pd.as_ptr()) });
     }
 }
 
 /// A protection domain.
 pub(crate) struct Pd {
     pub(super) inner: Arc<PdShared>,
+    /// The PD's mlx5 UMR queue (a dedicated QP and CQ), made on first use and shared by every
+    /// key of the PD (`crate::mlx5::UmrQueue`). It holds `inner`, not this.
+    pub(super) umr: std::sync::Mutex<Option<Arc<std::sync::Mutex<mlx5dv::UmrQp>>>>,
 }
 
 impl Pd {
-    /// Registers `len` bytes at `ptr` (`ibv_reg_mr`).
+    /// Allocates a protection domain on `ctx` (`ibv_alloc_pd`).
+    pub fn alloc(ctx: &Context) -> Result<Pd> {
+        // SAFETY: the context is open.
+        let pd = nonnull("ibv_alloc_pd", unsafe { sys::ibv_alloc_pd(ctx.dev.ctx.as_ptr()) })?;
+        Ok(Pd { inner: Arc::new(PdShared { pd, dev: ctx.dev.clone() }), umr: std::sync::Mutex::new(None) })
+    }
+
+    /// `ibv_reg_mr` (see [`Mr::reg`]); for the tests of `rdma::cm`.
     ///
     /// # Safety
-    /// The memory must stay allocated until the returned region is deregistered.
-    pub unsafe fn reg_mr(&self, ptr: *mut u8, len: usize, access: AccessFlags) -> Result<Mr> {
-        // SAFETY: valid PD; the caller guarantees the memory's lifetime.
-        let mr = unsafe { sys::ibv_reg_mr(self.inner.pd.as_ptr(), ptr.cast(), len, access.bits() as i32) };
-        Ok(Mr::new(nonnull("ibv_reg_mr", mr)?, self.inner.clone()))
+    /// See [`Mr::reg`].
+    #[cfg(test)]
+    pub unsafe fn reg_mr(&self, ptr: *mut u8, len: usize, access: crate::types::AccessFlags) -> Result<Mr> {
+        // SAFETY: the caller's contract is `Mr::reg`'s, which this forwards.
+        unsafe { Mr::reg(self, ptr, len, access) }
     }
 
-    /// Registers device memory zero-based (`ibv_reg_dm_mr`).
-    pub fn reg_dm_mr(&self, dm: &Dm, offset: u64, len: u64, access: AccessFlags) -> Result<Mr> {
-        let access = (access | AccessFlags::ZERO_BASED).bits();
-        // SAFETY: valid PD and DM (the returned Mr keeps the DM's device alive; the safe
-        // layer keeps the DM itself alive through the region).
-        let mr = unsafe {
-            sys::ibv_reg_dm_mr(self.inner.pd.as_ptr(), dm.dm.as_ptr(), offset, len as usize, access)
-        };
-        if mr.is_null() && std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
-            // The header's inline sets EOPNOTSUPP when the provider has no `reg_dm_mr`.
-            return Err(Error::Unsupported("ibv_reg_dm_mr not supported by the provider".into()));
-        }
-        Ok(Mr::new(nonnull("ibv_reg_dm_mr", mr)?, self.inner.clone()))
-    }
-
-    /// Registers a dma-buf (`ibv_reg_dmabuf_mr`).
-    ///
-    /// # Safety
-    /// See `ProtectionDomain::register_dmabuf`.
-    pub unsafe fn reg_dmabuf_mr(
-        &self,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        fd: i32,
-        access: AccessFlags,
-    ) -> Result<Mr> {
-        // SAFETY: valid PD; the caller guarantees the dma-buf's validity and lifetime.
-        let mr = unsafe {
-            sys::ibv_reg_dmabuf_mr(self.inner.pd.as_ptr(), offset, len, iova, fd, access.bits() as i32)
-        };
-        Ok(Mr::new(nonnull("ibv_reg_dmabuf_mr", mr)?, self.inner.clone()))
-    }
-
-    pub fn create_qp(&self, send_cq: &Cq, recv_cq: &Cq, caps: QpCaps) -> Result<Qp> {
-        // SAFETY: an all-zero ibv_qp_init_attr is a valid value (null pointers, zero caps).
-        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        init.send_cq = send_cq.cq.as_ptr();
-        init.recv_cq = recv_cq.cq.as_ptr();
-        init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        init.sq_sig_all = 0;
-        init.cap = sys::ibv_qp_cap {
-            max_send_wr: caps.max_send_wr,
-            max_recv_wr: caps.max_recv_wr,
-            max_send_sge: caps.max_send_sge,
-            max_recv_sge: caps.max_recv_sge,
-            max_inline_data: caps.max_inline_data,
-        };
-        // SAFETY: valid PD and CQs of the same device; `init` is initialised.
-        let qp = nonnull("ibv_create_qp", unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init) })?;
-        // ibv_create_qp writes back the capabilities it granted.
-        let granted = QpCaps {
-            max_send_wr: init.cap.max_send_wr,
-            max_recv_wr: init.cap.max_recv_wr,
-            max_send_sge: init.cap.max_send_sge,
-            max_recv_sge: init.cap.max_recv_sge,
-            max_inline_data: init.cap.max_inline_data,
-        };
-        Ok(Qp {
-            qp,
-            caps: granted,
-            destroyed: AtomicBool::new(false),
-            _pd: self.inner.clone(),
-            _cqs: (send_cq.dev.clone(), recv_cq.dev.clone()),
-        })
+    /// `ibv_create_qp` (see [`Qp::create`]); for the tests of `rdma::cm`.
+    #[cfg(test)]
+    pub fn create_qp(&self, send_cq: &Cq, recv_cq: &Cq, caps: crate::types::QpCaps) -> Result<Qp> {
+        Qp::create(self, send_cq, recv_cq, caps)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rdmakit_sys as sys;
 
-use super::conv::errno_ret;
+use super::conv::{errno_ret, nonnull};
 use super::*;
 use crate::error::{Error, Result};
 use crate::raw::{RawRecvWr, RawSendWr};
@@ -30,6 +30,40 @@ unsafe impl Send for Qp {}
 unsafe impl Sync for Qp {}
 
 impl Qp {
+    /// Creates an RC QP in `pd` on the two CQs (`ibv_create_qp`), with the capacities granted.
+    pub fn create(pd: &Pd, send_cq: &Cq, recv_cq: &Cq, caps: QpCaps) -> Result<Qp> {
+        // SAFETY: an all-zero ibv_qp_init_attr is a valid value (null pointers, zero caps).
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = send_cq.cq.as_ptr();
+        init.recv_cq = recv_cq.cq.as_ptr();
+        init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        init.sq_sig_all = 0;
+        init.cap = sys::ibv_qp_cap {
+            max_send_wr: caps.max_send_wr,
+            max_recv_wr: caps.max_recv_wr,
+            max_send_sge: caps.max_send_sge,
+            max_recv_sge: caps.max_recv_sge,
+            max_inline_data: caps.max_inline_data,
+        };
+        // SAFETY: valid PD and CQs of the same device; `init` is initialised.
+        let qp = nonnull("ibv_create_qp", unsafe { sys::ibv_create_qp(pd.inner.pd.as_ptr(), &mut init) })?;
+        // ibv_create_qp writes back the capabilities it granted.
+        let granted = QpCaps {
+            max_send_wr: init.cap.max_send_wr,
+            max_recv_wr: init.cap.max_recv_wr,
+            max_send_sge: init.cap.max_send_sge,
+            max_recv_sge: init.cap.max_recv_sge,
+            max_inline_data: init.cap.max_inline_data,
+        };
+        Ok(Qp {
+            qp,
+            caps: granted,
+            destroyed: AtomicBool::new(false),
+            _pd: pd.inner.clone(),
+            _cqs: (send_cq.dev.clone(), recv_cq.dev.clone()),
+        })
+    }
+
     pub(super) fn ptr(&self) -> *mut sys::ibv_qp {
         self.qp.as_ptr()
     }
@@ -214,9 +248,7 @@ impl Qp {
             // registered memory kept alive by the safe layer's in-flight table, or to inline
             // data that ibv_post_send copies before returning.
             let rc = unsafe { sys::ibv_post_send(self.ptr(), wrs_ptr, &mut bad) };
-            if rc != 0 {
-                return Err((posted + bad_index(bad, wrs_ptr, n), Error::errno("ibv_post_send", rc)));
-            }
+            errno_ret("ibv_post_send", rc).map_err(|e| (posted + bad_index(bad, wrs_ptr, n), e))?;
             posted += n;
         }
         Ok(())
@@ -253,9 +285,7 @@ impl Qp {
             // SAFETY: valid QP; SGEs point into registered memory kept alive by the safe
             // layer's in-flight table.
             let rc = unsafe { sys::ibv_post_recv(self.ptr(), wrs_ptr, &mut bad) };
-            if rc != 0 {
-                return Err((posted + bad_index(bad, wrs_ptr, n), Error::errno("ibv_post_recv", rc)));
-            }
+            errno_ret("ibv_post_recv", rc).map_err(|e| (posted + bad_index(bad, wrs_ptr, n), e))?;
             posted += n;
         }
         Ok(())

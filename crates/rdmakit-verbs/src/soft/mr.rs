@@ -16,6 +16,8 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
+use crate::error::Error;
+use crate::raw::RawKsm;
 use crate::types::AccessFlags;
 
 /// One key as the NIC sees it.
@@ -303,6 +305,77 @@ impl KeyTable {
     #[cfg(test)]
     pub fn len(&self) -> usize {
         self.map.read().expect("key table").len()
+    }
+
+    /// The soft UMR: binds indirect key `key`, covering `key_len` bytes, to `entries`
+    /// (checked by the caller: non-empty, inside their regions, of the key's PD), consecutive
+    /// from offset 0.
+    pub fn bind_indirect(&self, key: u32, key_len: u64, entries: &[RawKsm]) -> crate::error::Result<()> {
+        let mut segs = Vec::with_capacity(entries.len());
+        let mut start = 0u64;
+        for (i, e) in entries.iter().enumerate() {
+            let target = self.lookup(e.key).ok_or_else(|| {
+                Error::InvalidArgument(format!("KSM entry {i}: region no longer registered"))
+            })?;
+            segs.push(Seg { start, len: e.len, target, target_addr: e.addr });
+            start = start.saturating_add(e.len);
+        }
+        if start > key_len {
+            return Err(Error::InvalidArgument(format!(
+                "KSM entries map {start} bytes; the key covers {key_len}"
+            )));
+        }
+        self.indirect(key)?.rebind(Some(Binding::new(segs)));
+        Ok(())
+    }
+
+    /// The soft `LOCAL_INV`: indirect key `key` maps nothing until bound again.
+    pub fn invalidate_indirect(&self, key: u32) -> crate::error::Result<()> {
+        self.indirect(key)?.rebind(None);
+        Ok(())
+    }
+
+    /// Opens `key` to other vHCAs of the NIC with `access_key`.
+    pub fn allow_cross_vhca(&self, key: u32, access_key: [u8; 32]) -> crate::error::Result<()> {
+        self.indirect(key)?.allow_cross_vhca(access_key);
+        Ok(())
+    }
+
+    /// Creates an alias in PD `pd` of key `mkey` of vHCA `vhca_id`, whose table is `owner`,
+    /// if that key is open to other vHCAs with `access_key`. Returns the alias key and the
+    /// range it covers (base, length).
+    pub fn alias_of(
+        &self,
+        pd: u64,
+        owner: &Arc<KeyTable>,
+        vhca_id: u32,
+        mkey: u32,
+        access_key: &[u8; 32],
+        access: AccessFlags,
+    ) -> crate::error::Result<(u32, u64, u64)> {
+        let entry = owner
+            .lookup(mkey)
+            .ok_or_else(|| Error::InvalidArgument(format!("vHCA {vhca_id} has no key {mkey:#x}")))?;
+        match entry.cross_vhca_key() {
+            None => {
+                return Err(Error::PermissionDenied(format!(
+                    "key {mkey:#x} of vHCA {vhca_id} is not open to other vHCAs"
+                )));
+            }
+            Some(k) if k != *access_key => {
+                return Err(Error::PermissionDenied(format!(
+                    "wrong access key for key {mkey:#x} of vHCA {vhca_id}"
+                )));
+            }
+            Some(_) => {}
+        }
+        let key = self.register_alias(pd, owner, mkey, entry.base, entry.len, access);
+        Ok((key, entry.base, entry.len))
+    }
+
+    /// The entry of a live key of the mlx5 kinds (`crate::mlx5`).
+    fn indirect(&self, key: u32) -> crate::error::Result<Arc<MrEntry>> {
+        self.lookup(key).ok_or_else(|| Error::InvalidArgument("indirect key destroyed".into()))
     }
 }
 
