@@ -10,7 +10,7 @@
 //! block past its timeout. Events are copied out and acknowledged at once, so destroying an
 //! id never waits for an unacknowledged event.
 //!
-//! Private data: at most [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes are accepted. On InfiniBand and RoCE
+//! Private data: the front (`cm.rs`) checks the rdma_cm limit before calling in here. On InfiniBand and RoCE
 //! the CM messages have fixed-size private data fields, so what the peer receives is
 //! padded with zeros (56 bytes in a connect request, 196 in a reply, 148 in a reject);
 //! framing the length is up to the caller.
@@ -38,7 +38,13 @@ use super::LINK_LAYER_INFINIBAND;
 /// InfiniBand ports before `ibv_modify_qp` (see `ucma_modify_qp_rtr`), and so do we.
 const ROCE_RESERVED_MASK: u32 = 0x00e0_0000;
 
-use crate::cm::check_private_data;
+/// The length of private data as `rdma_conn_param` carries it (one byte). The front checks
+/// the rdma_cm limit before it calls in here; this only refuses what the C field cannot
+/// hold, so that nothing is truncated.
+fn data_len(data: &[u8]) -> Result<u8> {
+    u8::try_from(data.len())
+        .map_err(|_| Error::InvalidArgument(format!("private data of {} bytes", data.len())))
+}
 
 /// The last OS error of a librdmacm call (they return -1 and set errno). `ENODEV` (no
 /// RDMA in the kernel, or no device for the address) becomes [`Error::NoDevice`].
@@ -289,6 +295,20 @@ fn from_sockaddr(ss: &libc::sockaddr_storage) -> Result<SocketAddr> {
 struct CmId {
     id: NonNull<sys::rdma_cm_id>,
     channel: NonNull<sys::rdma_event_channel>,
+    /// The channel's fd in tokio's reactor, registered by the first async wait.
+    #[cfg(feature = "async")]
+    afd: std::sync::OnceLock<tokio::io::unix::AsyncFd<ChannelFd>>,
+}
+
+/// An event channel's fd as `AsyncFd` sees it; the channel owns and closes it.
+#[cfg(feature = "async")]
+struct ChannelFd(i32);
+
+#[cfg(feature = "async")]
+impl std::os::fd::AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> i32 {
+        self.0
+    }
 }
 
 // SAFETY: librdmacm calls are thread-safe (it locks its id and channel state internally);
@@ -313,6 +333,15 @@ fn create_channel() -> Result<NonNull<sys::rdma_event_channel>> {
 }
 
 impl CmId {
+    fn new(id: NonNull<sys::rdma_cm_id>, channel: NonNull<sys::rdma_event_channel>) -> CmId {
+        CmId {
+            id,
+            channel,
+            #[cfg(feature = "async")]
+            afd: std::sync::OnceLock::new(),
+        }
+    }
+
     /// A new RC (`RDMA_PS_TCP`) id on a new channel.
     fn create() -> Result<CmId> {
         let channel = create_channel()?;
@@ -322,7 +351,7 @@ impl CmId {
             sys::rdma_create_id(channel.as_ptr(), &mut id, ptr::null_mut(), sys::rdma_port_space::RDMA_PS_TCP)
         };
         match NonNull::new(id) {
-            Some(id) if rc == 0 => Ok(CmId { id, channel }),
+            Some(id) if rc == 0 => Ok(CmId::new(id, channel)),
             _ => {
                 let e = cm_error("rdma_create_id");
                 // SAFETY: no id was created on the channel; destroyed once.
@@ -349,7 +378,7 @@ impl CmId {
             }
         });
         match migrated {
-            Ok(channel) => Ok(CmId { id, channel }),
+            Ok(channel) => Ok(CmId::new(id, channel)),
             Err(e) => {
                 // SAFETY: a live connect-request id that we own; rejected, then destroyed
                 // once; it stays on the listener's channel, which outlives this call.
@@ -384,9 +413,8 @@ impl CmId {
         (!dev.is_null()).then(|| super::device_name(dev))
     }
 
-    /// The next event on this id's channel, acknowledged. Times out with
-    /// [`Error::Timeout`].
-    fn next_event(&self, deadline: &Deadline) -> Result<Event> {
+    /// The next event on this id's channel if one is queued, acknowledged.
+    fn try_event(&self) -> Result<Option<Event>> {
         loop {
             let mut raw = ptr::null_mut();
             // SAFETY: valid channel with a non-blocking fd, so this returns at once; `raw`
@@ -397,14 +425,24 @@ impl CmId {
                     call: "rdma_get_cm_event",
                     source: io::Error::other("returned no event"),
                 })?;
-                // SAFETY: a fresh, unacknowledged event.
-                return Ok(unsafe { Event::take(raw) });
+                // SAFETY: a fresh, unacknowledged event, taken once.
+                return Ok(Some(unsafe { Event::take(raw) }));
             }
             let err = io::Error::last_os_error();
             match err.raw_os_error() {
-                Some(libc::EAGAIN) => {}
+                Some(libc::EAGAIN) => return Ok(None),
                 Some(libc::EINTR) => continue,
                 _ => return Err(Error::Os { call: "rdma_get_cm_event", source: err }),
+            }
+        }
+    }
+
+    /// The next event on this id's channel, acknowledged. Times out with
+    /// [`Error::Timeout`].
+    fn next_event(&self, deadline: &Deadline) -> Result<Event> {
+        loop {
+            if let Some(event) = self.try_event()? {
+                return Ok(event);
             }
             let wait_ms = match deadline.remaining() {
                 None => -1,
@@ -413,13 +451,68 @@ impl CmId {
                 Some(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
             };
             let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd.
+            // SAFETY: `pfd` is one valid pollfd on this stack frame; the count passed is 1.
             if unsafe { libc::poll(&mut pfd, 1, wait_ms) } < 0 {
                 let err = io::Error::last_os_error();
                 if err.raw_os_error() != Some(libc::EINTR) {
                     return Err(Error::Os { call: "poll", source: err });
                 }
             }
+        }
+    }
+
+    /// The channel's fd registered with tokio's reactor (once; needs a runtime).
+    #[cfg(feature = "async")]
+    fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<ChannelFd>> {
+        if let Some(a) = self.afd.get() {
+            return Ok(a);
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::InvalidArgument("async rdma_cm calls need a tokio runtime".into()));
+        }
+        // SAFETY: the fd is the event channel's, closed only by `rdma_destroy_event_channel`
+        // in `CmId`'s `Drop`, which drops this `AsyncFd` first (a leaked `CmId` leaks both):
+        // it stays open while registered.
+        let afd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                ChannelFd(self.fd()),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })?;
+        // A racing caller may have set it first; theirs wins and ours deregisters on drop.
+        let _ = self.afd.set(afd);
+        Ok(self.afd.get().expect("just set"))
+    }
+
+    /// The next event on this id's channel, awaited on tokio (the fd is non-blocking, so
+    /// `rdma_get_cm_event` answers `EAGAIN` until the reactor reports it readable).
+    /// Cancel-safe: an event is only taken in the step that returns it.
+    #[cfg(feature = "async")]
+    async fn next_event_async(&self) -> Result<Event> {
+        let afd = self.async_fd()?;
+        loop {
+            if let Some(event) = self.try_event()? {
+                return Ok(event);
+            }
+            let mut guard =
+                afd.readable().await.map_err(|source| Error::Os { call: "AsyncFd::readable", source })?;
+            guard.clear_ready();
+        }
+    }
+
+    /// [`wait_for`](Self::wait_for) on tokio.
+    #[cfg(feature = "async")]
+    async fn wait_for_async(&self, want: u32, call: &'static str) -> Result<Event> {
+        loop {
+            let event = self.next_event_async().await?;
+            if event.kind == want {
+                return Ok(event);
+            }
+            if event.is_failure() {
+                return Err(event.into_error(call));
+            }
+            tracing::debug!(event = %event.name(), status = event.status, "rdma_cm: skipping event");
         }
     }
 
@@ -541,6 +634,9 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
+        // Out of tokio's reactor before the channel (and its fd) goes.
+        #[cfg(feature = "async")]
+        drop(self.afd.take());
         // SAFETY: a live id we own, destroyed once; every event read from its channel was
         // acknowledged at once, so this does not wait for one.
         if unsafe { sys::rdma_destroy_id(self.ptr()) } != 0 {
@@ -554,10 +650,16 @@ impl Drop for CmId {
 }
 
 /// Connection parameters for `rdma_connect`/`rdma_accept`. `data` must outlive the call.
-fn conn_param(qp: &Qp, data: &[u8], resp: u8, init: u8, opts: &ConnectOptions) -> sys::rdma_conn_param {
-    sys::rdma_conn_param {
+fn conn_param(
+    qp: &Qp,
+    data: &[u8],
+    resp: u8,
+    init: u8,
+    opts: &ConnectOptions,
+) -> Result<sys::rdma_conn_param> {
+    Ok(sys::rdma_conn_param {
         private_data: if data.is_empty() { ptr::null() } else { data.as_ptr().cast() },
-        private_data_len: data.len() as u8,
+        private_data_len: data_len(data)?,
         responder_resources: resp,
         initiator_depth: init,
         flow_control: 1,
@@ -565,7 +667,7 @@ fn conn_param(qp: &Qp, data: &[u8], resp: u8, init: u8, opts: &ConnectOptions) -
         rnr_retry_count: opts.rnr_retry.min(7),
         srq: 0,
         qp_num: qp.qpn(),
-    }
+    })
 }
 
 /// Moves a QP that reached RTR of a failed connection to ERR, so it does not keep talking
@@ -617,27 +719,44 @@ impl CmListener {
     pub fn get_request(&self, timeout: Option<Duration>) -> Result<CmRequest> {
         let deadline = Deadline::new(timeout);
         loop {
-            let event = self.cm.next_event(&deadline)?;
-            match event.kind {
-                ev::RDMA_CM_EVENT_CONNECT_REQUEST => {
-                    let Some(id) = NonNull::new(event.id) else {
-                        tracing::error!("rdma_cm: connect request without an id");
-                        continue;
-                    };
-                    let cm = CmId::adopt(id)?;
-                    return Ok(CmRequest {
-                        cm: Some(cm),
-                        private_data: event.private_data,
-                        responder_resources: event.responder_resources,
-                        initiator_depth: event.initiator_depth,
-                    });
-                }
-                ev::RDMA_CM_EVENT_DEVICE_REMOVAL => return Err(event.into_error("rdma_listen")),
-                _ => {
-                    let (name, status) = (event.name(), event.status);
-                    tracing::debug!(event = %name, status, "rdma_cm listener: skipping event");
-                }
+            if let Some(req) = request_of(self.cm.next_event(&deadline)?)? {
+                return Ok(req);
             }
+        }
+    }
+
+    /// [`get_request`](Self::get_request) on tokio, without limit. Cancel-safe.
+    #[cfg(feature = "async")]
+    pub async fn get_request_async(&self) -> Result<CmRequest> {
+        loop {
+            if let Some(req) = request_of(self.cm.next_event_async().await?)? {
+                return Ok(req);
+            }
+        }
+    }
+}
+
+/// A listener's event as a request: `Ok(None)` for events that are logged and skipped.
+fn request_of(event: Event) -> Result<Option<CmRequest>> {
+    match event.kind {
+        ev::RDMA_CM_EVENT_CONNECT_REQUEST => {
+            let Some(id) = NonNull::new(event.id) else {
+                tracing::error!("rdma_cm: connect request without an id");
+                return Ok(None);
+            };
+            let cm = CmId::adopt(id)?;
+            Ok(Some(CmRequest {
+                cm: Some(cm),
+                private_data: event.private_data,
+                responder_resources: event.responder_resources,
+                initiator_depth: event.initiator_depth,
+            }))
+        }
+        ev::RDMA_CM_EVENT_DEVICE_REMOVAL => Err(event.into_error("rdma_listen")),
+        _ => {
+            let (name, status) = (event.name(), event.status);
+            tracing::debug!(event = %name, status, "rdma_cm listener: skipping event");
+            Ok(None)
         }
     }
 }
@@ -682,29 +801,8 @@ impl CmRequest {
         private_data: &[u8],
         timeout: Option<Duration>,
     ) -> Result<CmConn> {
-        let cm = self.take()?;
         let deadline = Deadline::new(timeout);
-        if let Err(e) = check_private_data(private_data).and_then(|()| cm.check_qp(qp)) {
-            cm.reject_quietly();
-            return Err(e);
-        }
-        let accepted = (|| {
-            let (max_rd, max_init) = cm.rd_atomic_limits()?;
-            let resp = opts.max_rd_atomic.min(self.responder_resources).max(1).min(max_rd);
-            let init = opts.max_rd_atomic.min(self.initiator_depth).max(1).min(max_init);
-            cm.qp_to_init(qp, opts)?;
-            cm.qp_to_rtr(qp, opts, Some(resp))?;
-            cm.qp_to_rts(qp, opts, Some(init))?;
-            let mut param = conn_param(qp, private_data, resp, init, opts);
-            // SAFETY: live connect-request id; `param` and the private data it points to
-            // outlive the call, which copies them.
-            cm_ret("rdma_accept", unsafe { sys::rdma_accept(cm.ptr(), &mut param) })
-        })();
-        if let Err(e) = accepted {
-            cm.reject_quietly();
-            abort_qp(qp);
-            return Err(e);
-        }
+        let cm = self.start_accept(qp, opts, private_data)?;
         match cm.wait_for(ev::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept", &deadline) {
             Ok(_) => Ok(CmConn::new(cm)),
             Err(e) => {
@@ -714,15 +812,61 @@ impl CmRequest {
         }
     }
 
-    /// `rdma_reject` with `private_data`. Over [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes: `InvalidArgument`,
-    /// and the request (consumed) is rejected without private data.
+    /// [`accept`](Self::accept) on tokio, without a limit of its own (the caller bounds it
+    /// with `tokio::time::timeout`; dropping the future destroys the id, which ends the
+    /// attempt).
+    #[cfg(feature = "async")]
+    pub async fn accept_async(
+        mut self,
+        qp: &Qp,
+        opts: &ConnectOptions,
+        private_data: &[u8],
+    ) -> Result<CmConn> {
+        let cm = self.start_accept(qp, opts, private_data)?;
+        match cm.wait_for_async(ev::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept").await {
+            Ok(_) => Ok(CmConn::new(cm)),
+            Err(e) => {
+                abort_qp(qp);
+                Err(e)
+            }
+        }
+    }
+
+    /// The QP to RTS and `rdma_accept`: the id, waiting for ESTABLISHED.
+    fn start_accept(&mut self, qp: &Qp, opts: &ConnectOptions, private_data: &[u8]) -> Result<CmId> {
+        let cm = self.take()?;
+        if let Err(e) = cm.check_qp(qp) {
+            cm.reject_quietly();
+            return Err(e);
+        }
+        let accepted = (|| {
+            let (max_rd, max_init) = cm.rd_atomic_limits()?;
+            let resp = opts.max_rd_atomic.min(self.responder_resources).max(1).min(max_rd);
+            let init = opts.max_rd_atomic.min(self.initiator_depth).max(1).min(max_init);
+            let mut param = conn_param(qp, private_data, resp, init, opts)?;
+            cm.qp_to_init(qp, opts)?;
+            cm.qp_to_rtr(qp, opts, Some(resp))?;
+            cm.qp_to_rts(qp, opts, Some(init))?;
+            // SAFETY: live connect-request id; `param` and the private data it points to
+            // outlive the call, which copies them.
+            cm_ret("rdma_accept", unsafe { sys::rdma_accept(cm.ptr(), &mut param) })
+        })();
+        if let Err(e) = accepted {
+            cm.reject_quietly();
+            abort_qp(qp);
+            return Err(e);
+        }
+        Ok(cm)
+    }
+
+    /// `rdma_reject` with `private_data` (the front checked its length against the CM
+    /// limit). More than the C field holds: `InvalidArgument`, and the request (consumed)
+    /// is rejected without private data.
     pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
-        check_private_data(private_data)?;
+        let len = data_len(private_data)?;
         let cm = self.take()?;
         // SAFETY: live connect-request id; the private data outlives the call.
-        cm_ret("rdma_reject", unsafe {
-            sys::rdma_reject(cm.ptr(), private_data.as_ptr().cast(), private_data.len() as u8)
-        })
+        cm_ret("rdma_reject", unsafe { sys::rdma_reject(cm.ptr(), private_data.as_ptr().cast(), len) })
     }
 }
 
@@ -745,6 +889,27 @@ impl CmConnector {
     /// carry that traffic class.
     pub fn resolve(addr: SocketAddr, timeout: Duration, tos: Option<u8>) -> Result<CmConnector> {
         let deadline = Deadline::new(Some(timeout));
+        let cm = Self::start_resolve(addr, tos, &deadline)?;
+        cm.wait_for(ev::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr", &deadline)?;
+        Self::resolve_route(&cm, &deadline)?;
+        cm.wait_for(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route", &deadline)?;
+        Ok(CmConnector { cm })
+    }
+
+    /// [`resolve`](Self::resolve) on tokio (librdmacm's own timeouts still come from
+    /// `timeout`; the caller bounds the whole with `tokio::time::timeout`).
+    #[cfg(feature = "async")]
+    pub async fn resolve_async(addr: SocketAddr, timeout: Duration, tos: Option<u8>) -> Result<CmConnector> {
+        let deadline = Deadline::new(Some(timeout));
+        let cm = Self::start_resolve(addr, tos, &deadline)?;
+        cm.wait_for_async(ev::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr").await?;
+        Self::resolve_route(&cm, &deadline)?;
+        cm.wait_for_async(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route").await?;
+        Ok(CmConnector { cm })
+    }
+
+    /// A new id, its TOS set, `rdma_resolve_addr` started.
+    fn start_resolve(addr: SocketAddr, tos: Option<u8>, deadline: &Deadline) -> Result<CmId> {
         let cm = CmId::create()?;
         if let Some(mut tos) = tos {
             // SAFETY: live id; the option value is a u8 of the size passed, read during the call.
@@ -768,11 +933,12 @@ impl CmConnector {
                 deadline.remaining_ms(),
             )
         })?;
-        cm.wait_for(ev::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr", &deadline)?;
+        Ok(cm)
+    }
+
+    fn resolve_route(cm: &CmId, deadline: &Deadline) -> Result<()> {
         // SAFETY: live id with a resolved address.
-        cm_ret("rdma_resolve_route", unsafe { sys::rdma_resolve_route(cm.ptr(), deadline.remaining_ms()) })?;
-        cm.wait_for(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route", &deadline)?;
-        Ok(CmConnector { cm })
+        cm_ret("rdma_resolve_route", unsafe { sys::rdma_resolve_route(cm.ptr(), deadline.remaining_ms()) })
     }
 
     /// The device the route goes through: the QP must be created on it.
@@ -795,19 +961,43 @@ impl CmConnector {
         private_data: &[u8],
         timeout: Duration,
     ) -> Result<(CmConn, Vec<u8>)> {
-        check_private_data(private_data)?;
-        let cm = self.cm;
-        cm.check_qp(qp)?;
         let deadline = Deadline::new(Some(timeout));
+        self.start_connect(qp, opts, private_data)?;
+        let response = self.cm.wait_for(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect", &deadline)?;
+        self.establish(qp, opts, response)
+    }
+
+    /// [`connect`](Self::connect) on tokio, without a limit of its own (the caller bounds
+    /// it; dropping the future destroys the id, which ends the attempt).
+    #[cfg(feature = "async")]
+    pub async fn connect_async(
+        self,
+        qp: &Qp,
+        opts: &ConnectOptions,
+        private_data: &[u8],
+    ) -> Result<(CmConn, Vec<u8>)> {
+        self.start_connect(qp, opts, private_data)?;
+        let response = self.cm.wait_for_async(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect").await?;
+        self.establish(qp, opts, response)
+    }
+
+    /// INIT and `rdma_connect`.
+    fn start_connect(&self, qp: &Qp, opts: &ConnectOptions, private_data: &[u8]) -> Result<()> {
+        let cm = &self.cm;
+        cm.check_qp(qp)?;
         let (max_rd, max_init) = cm.rd_atomic_limits()?;
         let resp = opts.max_rd_atomic.min(max_rd);
         let init = opts.max_rd_atomic.min(max_init);
+        let mut param = conn_param(qp, private_data, resp, init, opts)?;
         cm.qp_to_init(qp, opts)?;
-        let mut param = conn_param(qp, private_data, resp, init, opts);
         // SAFETY: live id with a resolved route; `param` and the private data it points to
         // outlive the call, which copies them.
-        cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })?;
-        let response = cm.wait_for(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect", &deadline)?;
+        cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })
+    }
+
+    /// After the CONNECT_RESPONSE: RTR, RTS and `rdma_establish`.
+    fn establish(self, qp: &Qp, opts: &ConnectOptions, response: Event) -> Result<(CmConn, Vec<u8>)> {
+        let cm = self.cm;
         let established = (|| {
             cm.qp_to_rtr(qp, opts, None)?;
             cm.qp_to_rts(qp, opts, None)?;
@@ -913,7 +1103,6 @@ mod tests {
     //! the rxe VM (`scripts/rxe-vm.sh <test binary> rdma::cm`, which sets
     //! `RDMAKIT_RXE_IP`) and print "skipped" elsewhere.
 
-    use crate::cm::MAX_PRIVATE_DATA;
     use std::net::IpAddr;
     use std::thread;
 
@@ -964,9 +1153,9 @@ mod tests {
     }
 
     #[test]
-    fn private_data_limit() {
-        assert!(check_private_data(&[0; MAX_PRIVATE_DATA]).is_ok());
-        assert!(matches!(check_private_data(&[0; MAX_PRIVATE_DATA + 1]), Err(Error::InvalidArgument(_))));
+    fn private_data_length_fits_its_field() {
+        assert_eq!(data_len(&[0; 255]).unwrap(), 255);
+        assert!(matches!(data_len(&[0; 256]), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
@@ -1084,7 +1273,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let server = thread::spawn(move || {
             let req = listener.get_request(Some(T)).expect("get_request");
-            assert!(matches!(req.reject(&[0; MAX_PRIVATE_DATA + 1]), Err(Error::InvalidArgument(_))));
+            assert!(matches!(req.reject(&[0; 256]), Err(Error::InvalidArgument(_))));
             // The oversize reject consumed (and rejected) the request; answer the next one.
             let req = listener.get_request(Some(T)).expect("second get_request");
             req.reject(b"go away").expect("reject");
@@ -1196,7 +1385,7 @@ mod tests {
         let Some(ip) = rxe_ip() else { return };
         let connector = CmConnector::resolve(SocketAddr::new(ip, 9), T, None).expect("resolve");
         let c = side(&connector.device_name());
-        let e = connector.connect(&c.qp, &ConnectOptions::default(), &[1; 57], T).err().expect("too long");
+        let e = connector.connect(&c.qp, &ConnectOptions::default(), &[1; 256], T).err().expect("too long");
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
 }

@@ -18,6 +18,7 @@
 //! port, `RDMAKIT_SOFT_ADDR`, when it first hands out an endpoint). The seam between the
 //! two is `qp::Link`.
 
+pub(crate) mod bootstrap;
 pub(crate) mod cq;
 pub(crate) mod dm;
 pub(crate) mod mr;
