@@ -374,3 +374,33 @@ fn service_with_64_clients_some_killed() {
     );
     server.abort();
 }
+
+/// A client that completes the connection handshake but never sends its pipe hello, and
+/// one that opens the bootstrap socket and sends nothing, both with 30 s to go: a real
+/// client behind them gets its pipe at once, and its data through.
+#[test]
+fn silent_pipe_clients_do_not_delay_another() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let mut cm = cm_options();
+        cm.timeout = Duration::from_secs(30);
+        let config = PipeConfig { connect_timeout: Duration::from_secs(30), ..pipe_config() };
+        let listener = PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, 8).unwrap();
+        let addr = listener.local_addr();
+        let _silent_tcp = std::net::TcpStream::connect(addr).unwrap();
+        let _silent_conn = rdmakit_verbs::cm::connect_async(&pd, addr, &cm, b"").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let start = Instant::now();
+        let (server, client) = tokio::join!(listener.accept(), Pipe::connect_to_with(&pd, addr, &cm, config));
+        let took = start.elapsed();
+        let (server, client) = (server.unwrap(), client.unwrap());
+        eprintln!("a pipe behind two silent clients in {took:?}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let src = pd.alloc_mr(5, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write_at(0, b"hello").unwrap();
+        client.rwrite(src.local().unwrap()).await.0.unwrap();
+        assert_eq!(server.recv().await.unwrap().to_vec().unwrap(), b"hello");
+        assert_eq!(listener.failed_handshakes(), 0, "the silent ones are still within their budget");
+    });
+}
