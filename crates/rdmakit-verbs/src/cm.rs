@@ -60,7 +60,11 @@ use crate::error::{Error, Result};
 use crate::pd::ProtectionDomain;
 use crate::qp::QueuePair;
 #[cfg(rdmakit_verbs)]
-use crate::rdma::cm::{CmConn, CmConnector, CmListener, CmRequest};
+use crate::rdma::cm::CmConn;
+#[cfg(rdmakit_verbs)]
+use crate::rdma::cm::connector::CmConnector;
+#[cfg(rdmakit_verbs)]
+use crate::rdma::cm::listener::{CmListener, CmRequest};
 use crate::soft::bootstrap::{self, Hello, SoftConn, SoftIncoming, SoftListener, Token};
 use crate::types::{ConnectOptions, Endpoint, ProviderKind, QpCaps};
 

@@ -1,5 +1,5 @@
 //! The soft provider's connection bootstrap: a TCP exchange of endpoints, tokens and private
-//! data, returning raw pieces (streams, the peer's hello) as `rdma/cm.rs` does for rdma_cm.
+//! data, returning raw pieces (streams, the peer's hello) as `rdma/cm/` does for rdma_cm.
 //! The front (`cm.rs`) creates and connects the QP between the steps and checks private
 //! data; nothing here knows a QP.
 //!
