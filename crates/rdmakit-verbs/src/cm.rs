@@ -213,6 +213,7 @@ impl Listener {
         wait: Option<Duration>,
     ) -> Result<Connection> {
         check_private_data(private_data)?;
+        self.backend.check_pd(pd)?;
         self.backend.incoming(wait)?.accept(pd, opts, private_data)
     }
 }
@@ -354,6 +355,16 @@ impl ListenerBackend {
         }
     }
 
+    /// Refuses a PD of another provider before a request is taken (verbs checks the
+    /// device once a request names it).
+    fn check_pd(&self, pd: &ProtectionDomain) -> Result<()> {
+        match self {
+            ListenerBackend::Soft(_) => check_soft_pd(pd),
+            #[cfg(rdmakit_verbs)]
+            ListenerBackend::Verbs(_) => Ok(()),
+        }
+    }
+
     fn incoming(&self, wait: Option<Duration>) -> Result<Incoming> {
         Ok(match self {
             ListenerBackend::Soft(l) => Incoming::Soft(l.accept(wait)?),
@@ -379,7 +390,6 @@ impl Incoming {
     fn accept(self, pd: &ProtectionDomain, opts: &CmOptions, data: &[u8]) -> Result<Connection> {
         match self {
             Incoming::Soft(inc) => {
-                check_soft_pd(pd)?;
                 let mut req = inc.read_request(MAX_PRIVATE_DATA, opts.timeout)?;
                 let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
                 let peer_data = std::mem::take(&mut req.hello.private_data);
