@@ -284,3 +284,62 @@ fn oversize_private_data_is_invalid() {
     let e = connector.connect(&c.qp, &ConnectOptions::default(), &[1; 256], T).err().expect("too long");
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
+
+/// The async calls: the listener's and both ids' event channels awaited through tokio's
+/// `AsyncFd`; two connections handshake at once, and a listener wait is cancelled
+/// (dropped) without losing the request that comes after.
+#[cfg(feature = "async")]
+#[test]
+fn async_accept_and_connect() {
+    let Some(ip) = rxe_ip() else { return };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let listener = std::sync::Arc::new(CmListener::bind(SocketAddr::new(ip, 0), 8).expect("bind"));
+        let addr = listener.local_addr().expect("local_addr");
+        // A cancelled wait takes nothing.
+        let waited = tokio::time::timeout(Duration::from_millis(100), listener.get_request_async()).await;
+        assert!(waited.is_err(), "nobody connected yet");
+        let server = tokio::spawn({
+            let listener = listener.clone();
+            async move {
+                let mut accepted = Vec::new();
+                for _ in 0..2 {
+                    let req = listener.get_request_async().await.expect("get_request_async");
+                    let s = side(&req.device_name());
+                    let conn =
+                        tokio::time::timeout(T, req.accept_async(&s.qp, &ConnectOptions::default(), b"srv"))
+                            .await
+                            .expect("accept in time")
+                            .expect("accept_async");
+                    assert_eq!(s.qp.state(), QpState::ReadyToSend);
+                    accepted.push((conn, s));
+                }
+                accepted
+            }
+        });
+        let connect = |hello: &'static [u8]| async move {
+            let connector = tokio::time::timeout(T, CmConnector::resolve_async(addr, T, None))
+                .await
+                .unwrap()
+                .expect("resolve");
+            let c = side(&connector.device_name());
+            let (conn, reply) =
+                tokio::time::timeout(T, connector.connect_async(&c.qp, &ConnectOptions::default(), hello))
+                    .await
+                    .unwrap()
+                    .expect("connect_async");
+            assert_eq!(&reply[..3], b"srv");
+            assert_eq!(c.qp.state(), QpState::ReadyToSend);
+            (conn, c)
+        };
+        let (a, b) = tokio::join!(connect(b"one"), connect(b"two"));
+        let accepted = server.await.expect("acceptor task");
+        assert_eq!(accepted.len(), 2);
+        for (conn, _) in [a, b] {
+            conn.disconnect().expect("disconnect");
+        }
+        for (conn, _) in &accepted {
+            assert!(conn.wait_disconnected(T).unwrap(), "acceptor sees the disconnect");
+        }
+    });
+}
