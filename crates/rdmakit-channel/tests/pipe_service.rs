@@ -32,6 +32,8 @@ use common::cm_options;
 
 /// id, seq, checksum.
 const HDR: usize = 24;
+/// Handshakes the server runs at once (`AsyncListener::DEFAULT_MAX_HANDSHAKES`).
+const MAX_HANDSHAKES: usize = 64;
 const MAX_MSG: usize = 8 << 10;
 const END: u64 = u64::MAX;
 
@@ -77,8 +79,21 @@ fn u64_at(m: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(m[at..at + 8].try_into().unwrap())
 }
 
+/// Set-up budgets are wide: 64 handshakes at once on a loaded machine are slow, not dead.
 fn pipe_config() -> PipeConfig {
-    PipeConfig { ring_len: 64 << 10, ..PipeConfig::default() }
+    PipeConfig { ring_len: 64 << 10, connect_timeout: Duration::from_secs(60), ..PipeConfig::default() }
+}
+
+/// The transport budget too: 4.096 µs × 2^18 ≈ 1.07 s per try, 7 tries (≈ 7.5 s), so
+/// that a write failing with `RETRY_EXC_ERR` is not a loaded machine being slow. (Seen
+/// about one run in four on a machine at load 15: a surviving client's write fails so,
+/// clustered on one client process, near the time of the kills; with the soak's 1 s
+/// budget as well. Under investigation; see the notes of the session that added this.)
+fn service_cm_options() -> rdmakit_verbs::cm::CmOptions {
+    let mut o = rdmakit_verbs::cm::CmOptions { timeout: Duration::from_secs(60), ..cm_options() };
+    o.connect.timeout = 18;
+    o.connect.retry_cnt = 7;
+    o
 }
 
 /// One client: connect, stream `msgs` messages (or without end if `None`), then the end
@@ -89,7 +104,7 @@ async fn client(
     id: u64,
     msgs: Option<u64>,
 ) -> std::result::Result<(u64, u64), String> {
-    let pipe = Pipe::connect_to_with(&pd, addr, &cm_options(), pipe_config())
+    let pipe = Pipe::connect_to_with(&pd, addr, &service_cm_options(), pipe_config())
         .await
         .map_err(|e| format!("connect: {e}"))?;
     let src = pd.alloc_mr(MAX_MSG, AccessFlags::LOCAL_WRITE).unwrap();
@@ -146,13 +161,20 @@ fn pipe_service_clients() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async move {
         let pd = Context::open_soft().alloc_pd().unwrap();
-        let tasks: Vec<_> =
-            (first..first + count).map(|id| tokio::spawn(client(pd.clone(), addr, id, msgs))).collect();
-        for (id, t) in (first..).zip(tasks) {
-            match t.await.unwrap() {
-                Ok((n, bytes)) => println!("DONE {id} {n} {bytes}"),
-                Err(e) => println!("FAILED {id} {e}"),
-            }
+        // Each reports as it ends (not in order: a doomed client never ends).
+        let tasks: Vec<_> = (first..first + count)
+            .map(|id| {
+                let pd = pd.clone();
+                tokio::spawn(async move {
+                    match client(pd, addr, id, msgs).await {
+                        Ok((n, bytes)) => println!("DONE {id} {n} {bytes}"),
+                        Err(e) => println!("FAILED {id} {e}"),
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
         }
     });
 }
@@ -228,9 +250,14 @@ fn service_with_64_clients_some_killed() {
     let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let _guard = rt.enter();
-    let listener =
-        PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm_options(), pipe_config(), 64)
-            .unwrap();
+    let listener = PipeListener::bind_with(
+        &pd,
+        "127.0.0.1:0".parse().unwrap(),
+        &service_cm_options(),
+        pipe_config(),
+        MAX_HANDSHAKES,
+    )
+    .unwrap();
     let addr = listener.local_addr();
     let results: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
     let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -302,7 +329,14 @@ fn service_with_64_clients_some_killed() {
                     (w[2].parse::<u64>().unwrap(), w[3].parse::<u64>().unwrap()),
                 );
             }
-            Some("FAILED") => failed.push(line.clone()),
+            Some("FAILED") => {
+                // A doomed client that failed before streaming: fail the test below, but
+                // do not wait for it to stream.
+                if w[1].parse::<u64>().unwrap() >= (procs - killed) * per {
+                    streaming += 1;
+                }
+                failed.push(line.clone())
+            }
             _ => {}
         }
         if killed > 0 && streaming == doomed_clients && kills == 0 {
