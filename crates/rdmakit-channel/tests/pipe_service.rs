@@ -85,10 +85,16 @@ fn pipe_config() -> PipeConfig {
 }
 
 /// The transport budget too: 4.096 µs × 2^18 ≈ 1.07 s per try, 7 tries (≈ 7.5 s), so
-/// that a write failing with `RETRY_EXC_ERR` is not a loaded machine being slow. (Seen
-/// about one run in four on a machine at load 15: a surviving client's write fails so,
-/// clustered on one client process, near the time of the kills; with the soak's 1 s
-/// budget as well. Under investigation; see the notes of the session that added this.)
+/// that a write failing with `RETRY_EXC_ERR` is not a loaded machine being slow.
+///
+/// Known failure (about one run in three on a machine at load 15, with or without kills):
+/// some clients' first write fails so. Every client comes from 127.0.0.1, and a soft
+/// device keeps at most `MAX_PENDING_PER_ADDR` (16) not-yet-authenticated wire connections
+/// per peer address and closes the rest on arrival (`soft/tcp.rs`, against floods): when
+/// its acceptor thread lags, a burst of 64 set-ups exceeds that, and a closed link shows
+/// as `RETRY_EXC_ERR`. With the limit raised (an experiment, not committed) 4 runs of 4
+/// passed; the fix belongs in the soft NIC (leave the excess in the kernel's backlog
+/// instead of closing it).
 fn service_cm_options() -> rdmakit_verbs::cm::CmOptions {
     let mut o = rdmakit_verbs::cm::CmOptions { timeout: Duration::from_secs(60), ..cm_options() };
     o.connect.timeout = 18;
