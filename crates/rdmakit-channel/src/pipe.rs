@@ -94,9 +94,9 @@ use crate::error::{BufResult, ChannelError, Result, check_range};
 
 const HEAP: HeapId = HeapId(0);
 /// Receive buffers each end keeps posted for control messages and immediates.
-const RECV_SLOTS: u32 = 128;
+pub(crate) const RECV_SLOTS: u32 = 128;
 /// Size of one control message buffer; control messages go inline, so at most this.
-const MSG_LEN: u32 = 64;
+pub(crate) const MSG_LEN: u32 = 64;
 /// Most publications from the peer waiting for an `rread`, and read-done answers waiting
 /// for their `publish`: beyond, the peer is flooding.
 const MAX_QUEUED: usize = 1024;

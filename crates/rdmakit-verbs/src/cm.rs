@@ -16,6 +16,14 @@
 //! Users with their own bootstrap keep using [`QueuePair::endpoint`] and
 //! [`QueuePair::connect`] directly.
 //!
+//! **On tokio** (feature `async`, on by default): [`AsyncListener`] and [`connect_async`].
+//! The listener runs every handshake as a task of its own, each within
+//! [`CmOptions::timeout`] and at most [`AsyncListener::DEFAULT_MAX_HANDSHAKES`] (or the
+//! number given) at once, so a slow or silent client delays no other; established
+//! connections queue for [`AsyncListener::accept`]. On verbs the rdma_cm event channels'
+//! (non-blocking) fds are awaited through tokio's `AsyncFd`; on soft the bootstrap runs on
+//! tokio's `TcpListener`/`TcpStream`.
+//!
 //! # Examples
 //! ```
 //! use rdmakit_verbs::{cm, AccessFlags, Context, SendWr, RemoteRegion};
@@ -43,16 +51,21 @@
 //! # Ok::<(), rdmakit_verbs::Error>(())
 //! ```
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::time::Duration;
 
 use crate::cq::CompletionQueue;
 use crate::device::{Context, CtxBackend};
 use crate::error::{Error, Result};
 use crate::pd::ProtectionDomain;
 use crate::qp::QueuePair;
+#[cfg(rdmakit_verbs)]
+use crate::rdma::cm::CmConn;
+#[cfg(rdmakit_verbs)]
+use crate::rdma::cm::connector::CmConnector;
+#[cfg(rdmakit_verbs)]
+use crate::rdma::cm::listener::{CmListener, CmRequest};
+use crate::soft::bootstrap::{self, Hello, SoftConn, SoftIncoming, SoftListener, Token};
 use crate::types::{ConnectOptions, Endpoint, ProviderKind, QpCaps};
 
 /// The most private data a connect, accept or reject carries (the rdma_cm limit for a
@@ -83,7 +96,9 @@ impl Default for CmOptions {
     }
 }
 
-pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
+/// Our private data must fit the CM limit; checked here, in the front, before any
+/// provider sees it.
+fn check_private_data(data: &[u8]) -> Result<()> {
     if data.len() > MAX_PRIVATE_DATA {
         return Err(Error::InvalidArgument(format!(
             "private data is {} bytes; at most {MAX_PRIVATE_DATA} are allowed",
@@ -102,12 +117,6 @@ pub struct Connection {
     cq: CompletionQueue,
     peer_data: Vec<u8>,
     backend: ConnBackend,
-}
-
-enum ConnBackend {
-    Soft(TcpStream),
-    #[cfg(rdmakit_verbs)]
-    Verbs(crate::rdma::cm::CmConn),
 }
 
 impl std::fmt::Debug for Connection {
@@ -135,23 +144,13 @@ impl Connection {
     /// Disconnects (`rdma_disconnect` on verbs; closes the bootstrap stream on soft) and
     /// moves the QP to the error state, so outstanding requests flush. Idempotent.
     pub fn disconnect(&self) -> Result<()> {
-        match &self.backend {
-            ConnBackend::Soft(s) => {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-            #[cfg(rdmakit_verbs)]
-            ConnBackend::Verbs(c) => c.disconnect()?,
-        }
+        self.backend.disconnect()?;
         self.qp.modify_to_error()
     }
 
     /// Waits until the peer disconnects (or this side did). `Ok(false)` on timeout.
     pub fn wait_disconnected(&self, timeout: Duration) -> Result<bool> {
-        let seen = match &self.backend {
-            ConnBackend::Soft(s) => wait_eof(s, timeout)?,
-            #[cfg(rdmakit_verbs)]
-            ConnBackend::Verbs(c) => c.wait_disconnected(timeout)?,
-        };
+        let seen = self.backend.wait_disconnected(timeout)?;
         if seen {
             self.qp.modify_to_error()?;
         }
@@ -173,12 +172,6 @@ pub struct Listener {
     backend: ListenerBackend,
 }
 
-enum ListenerBackend {
-    Soft(TcpListener),
-    #[cfg(rdmakit_verbs)]
-    Verbs(crate::rdma::cm::CmListener),
-}
-
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Listener").field("addr", &self.local_addr().ok()).finish()
@@ -191,36 +184,12 @@ impl Listener {
     /// On verbs, bind to an address of the device (`rdma_bind_addr` then `rdma_listen`);
     /// a wildcard address accepts on any device.
     pub fn bind(ctx: &Context, addr: SocketAddr) -> Result<Listener> {
-        let backend = match &ctx.inner.backend {
-            CtxBackend::Soft(_) => ListenerBackend::Soft(
-                TcpListener::bind(addr).map_err(|source| Error::Os { call: "bind", source })?,
-            ),
-            #[cfg(rdmakit_verbs)]
-            CtxBackend::Verbs(_) => {
-                let l = crate::rdma::cm::CmListener::bind(addr, 64)?;
-                if let Some(dev) = l.device_name()
-                    && dev != ctx.name()
-                {
-                    return Err(Error::InvalidArgument(format!(
-                        "{addr} belongs to device {dev}, not {}",
-                        ctx.name()
-                    )));
-                }
-                ListenerBackend::Verbs(l)
-            }
-        };
-        Ok(Listener { ctx: ctx.clone(), backend })
+        Ok(Listener { ctx: ctx.clone(), backend: ListenerBackend::bind(ctx, addr)? })
     }
 
     /// The bound address (with the chosen port).
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        match &self.backend {
-            ListenerBackend::Soft(l) => {
-                l.local_addr().map_err(|source| Error::Os { call: "getsockname", source })
-            }
-            #[cfg(rdmakit_verbs)]
-            ListenerBackend::Verbs(l) => l.local_addr(),
-        }
+        self.backend.local_addr()
     }
 
     /// The device this listener belongs to.
@@ -244,31 +213,8 @@ impl Listener {
         wait: Option<Duration>,
     ) -> Result<Connection> {
         check_private_data(private_data)?;
-        match &self.backend {
-            ListenerBackend::Soft(l) => {
-                if pd.context().provider() != ProviderKind::Soft {
-                    return Err(Error::InvalidArgument("a soft listener needs a soft PD".into()));
-                }
-                soft_accept(l, pd, opts, private_data, wait)
-            }
-            #[cfg(rdmakit_verbs)]
-            ListenerBackend::Verbs(l) => {
-                let req = l.get_request(wait)?;
-                if req.device_name() != pd.context().name() {
-                    let dev = req.device_name();
-                    let _ = req.reject(&[]);
-                    return Err(Error::InvalidArgument(format!(
-                        "a request arrived on device {dev}, but the PD is on {}",
-                        pd.context().name()
-                    )));
-                }
-                let peer_data = req.private_data().to_vec();
-                let (qp, cq) = new_qp(pd, opts)?;
-                let Some(vqp) = qp.verbs_qp() else { unreachable!("a verbs PD makes verbs QPs") };
-                let conn = req.accept(vqp, &opts.connect, private_data, Some(opts.timeout))?;
-                Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
-            }
-        }
+        self.backend.check_pd(pd)?;
+        self.backend.incoming(wait)?.accept(pd, opts, private_data)
     }
 }
 
@@ -285,24 +231,7 @@ pub fn connect(
     private_data: &[u8],
 ) -> Result<Connection> {
     check_private_data(private_data)?;
-    match &pd.context().inner.backend {
-        CtxBackend::Soft(_) => soft_connect(pd, addr, opts, private_data),
-        #[cfg(rdmakit_verbs)]
-        CtxBackend::Verbs(_) => {
-            let conn = crate::rdma::cm::CmConnector::resolve(addr, opts.timeout, opts.connect.traffic_class)?;
-            if conn.device_name() != pd.context().name() {
-                return Err(Error::InvalidArgument(format!(
-                    "{addr} is reached through device {}, but the PD is on {}",
-                    conn.device_name(),
-                    pd.context().name()
-                )));
-            }
-            let (qp, cq) = new_qp(pd, opts)?;
-            let Some(vqp) = qp.verbs_qp() else { unreachable!("a verbs PD makes verbs QPs") };
-            let (c, peer_data) = conn.connect(vqp, &opts.connect, private_data, opts.timeout)?;
-            Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(c) })
-        }
-    }
+    connect_backend(pd, addr, opts, private_data)
 }
 
 fn new_qp(pd: &ProtectionDomain, opts: &CmOptions) -> Result<(QueuePair, CompletionQueue)> {
@@ -311,184 +240,520 @@ fn new_qp(pd: &ProtectionDomain, opts: &CmOptions) -> Result<(QueuePair, Complet
     Ok((qp, cq))
 }
 
-// ---- the soft provider's bootstrap protocol over TCP ----
-//
-// request:  "RKCM" 2 | endpoint (32) | token (16) | len u8 | private data
-// reply:    "RKCM" 2 | status u8 (0 accepted) | endpoint (32) | token (16) | len u8 | private data
-// ready:    "RKCM" 2 | 0xff            (the requester's QP is connected: start sending)
-// Then the stream stays open; closing it is the disconnect.
-//
-// Each side draws a random connection token and sends it: a requester of the other process
-// must present it in its soft NIC Hello (with both initial PSNs) before any of its requests
-// is served, so a client that did not take part in this exchange cannot forge one. The
-// token is soft-only: the verbs provider's exchange goes through rdma_cm and ignores it.
-
-const MAGIC: [u8; 5] = *b"RKCM\x02";
-const TOKEN_LEN: usize = 16;
-
-fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
-    move |source| Error::Os { call, source }
-}
-
-type Msg = (u8, Endpoint, [u8; TOKEN_LEN], Vec<u8>);
-
-/// Reads exactly `buf.len()` bytes before `deadline`: the whole handshake has one time
-/// budget, so a peer trickling bytes cannot hold an `accept` or `connect` (a per-read
-/// timeout would restart with every byte).
-fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, budget: Duration) -> Result<()> {
-    while !buf.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Timeout(budget));
-        }
-        s.set_read_timeout(Some(left)).map_err(io_err("setsockopt"))?;
-        match s.read(buf) {
-            Ok(0) => {
-                let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
-                return Err(Error::Os { call: "read handshake", source: eof });
-            }
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                return Err(Error::Timeout(budget));
-            }
-            Err(e) => return Err(Error::Os { call: "read handshake", source: e }),
-        }
+fn check_soft_pd(pd: &ProtectionDomain) -> Result<()> {
+    if pd.context().provider() != ProviderKind::Soft {
+        return Err(Error::InvalidArgument("a soft listener needs a soft PD".into()));
     }
     Ok(())
 }
 
-fn read_msg(s: &mut TcpStream, with_status: bool, deadline: Instant, budget: Duration) -> Result<Msg> {
-    let bad = |reason: &str| Error::Malformed { what: "connection handshake", reason: reason.into() };
-    let mut head = [0u8; 5 + 1 + Endpoint::ENCODED_LEN + TOKEN_LEN + 1];
-    let head = if with_status { &mut head[..] } else { &mut head[1..] };
-    read_by(s, head, deadline, budget)?;
-    if head[..5] != MAGIC {
-        return Err(bad("bad magic"));
-    }
-    let (status, rest) = if with_status { (head[5], &head[6..]) } else { (0, &head[5..]) };
-    let ep = Endpoint::decode(&rest[..Endpoint::ENCODED_LEN])?;
-    let mut token = [0u8; TOKEN_LEN];
-    token.copy_from_slice(&rest[Endpoint::ENCODED_LEN..Endpoint::ENCODED_LEN + TOKEN_LEN]);
-    let len = rest[Endpoint::ENCODED_LEN + TOKEN_LEN] as usize;
-    if len > MAX_PRIVATE_DATA {
-        return Err(bad("private data too long"));
-    }
-    let mut data = vec![0u8; len];
-    read_by(s, &mut data, deadline, budget)?;
-    Ok((status, ep, token, data))
-}
-
-fn write_msg(
-    s: &mut TcpStream,
-    status: Option<u8>,
-    ep: &Endpoint,
-    token: &[u8; TOKEN_LEN],
-    data: &[u8],
-) -> Result<()> {
-    let mut m = MAGIC.to_vec();
-    m.extend(status);
-    m.extend_from_slice(&ep.encode());
-    m.extend_from_slice(token);
-    m.push(data.len() as u8);
-    m.extend_from_slice(data);
-    s.write_all(&m).map_err(io_err("write handshake"))
-}
-
-fn soft_accept(
-    l: &TcpListener,
+/// The soft acceptor's QP for a request: connected to the requester's endpoint with both
+/// tokens set; returns it with what the reply carries (our endpoint and token).
+fn soft_accepting_qp(
     pd: &ProtectionDomain,
     opts: &CmOptions,
-    private_data: &[u8],
-    wait: Option<Duration>,
-) -> Result<Connection> {
-    if let Some(w) = wait
-        && !wait_readable(l.as_raw_fd(), w)?
-    {
-        return Err(Error::Timeout(w));
-    }
-    let (mut s, _) = l.accept().map_err(io_err("accept"))?;
-    let deadline = Instant::now() + opts.timeout;
-    let _ = s.set_write_timeout(Some(opts.timeout));
-    let (_, peer_ep, peer_token, peer_data) = read_msg(&mut s, false, deadline, opts.timeout)?;
+    peer: &Hello,
+) -> Result<(QueuePair, CompletionQueue, Endpoint, Token)> {
     let (qp, cq) = new_qp(pd, opts)?;
-    let token: [u8; TOKEN_LEN] = crate::soft::random();
-    qp.set_soft_tokens(token, peer_token);
-    qp.connect(&peer_ep, &opts.connect)?;
-    write_msg(&mut s, Some(0), &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
-    // Wait for the requester's "ready": its QP is connected, ours may send.
-    let mut ready = [0u8; 6];
-    read_by(&mut s, &mut ready, deadline, opts.timeout)?;
-    if ready[..5] != MAGIC || ready[5] != 0xff {
-        return Err(Error::Malformed { what: "connection handshake", reason: "bad ready message".into() });
-    }
-    s.set_read_timeout(None).map_err(io_err("setsockopt"))?;
-    Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(s) })
+    let token: Token = crate::soft::random();
+    qp.set_soft_tokens(token, peer.token);
+    qp.connect(&peer.endpoint, &opts.connect)?;
+    let ep = qp.endpoint_with(&opts.connect)?;
+    Ok((qp, cq, ep, token))
 }
 
-fn soft_connect(
+/// The soft requester's QP, in INIT, with what the request carries.
+fn soft_requesting_qp(
+    pd: &ProtectionDomain,
+    opts: &CmOptions,
+) -> Result<(QueuePair, CompletionQueue, Endpoint, Token)> {
+    let (qp, cq) = new_qp(pd, opts)?;
+    qp.modify_to_init(&opts.connect)?;
+    let ep = qp.endpoint_with(&opts.connect)?;
+    Ok((qp, cq, ep, crate::soft::random()))
+}
+
+/// The soft requester's QP once the reply came: connected if the peer accepted.
+fn soft_replied(qp: &QueuePair, opts: &CmOptions, token: Token, reply: Hello) -> Result<Vec<u8>> {
+    if reply.status != 0 {
+        return Err(Error::ConnectionRejected {
+            reason: format!("status {}", reply.status),
+            private_data: reply.private_data,
+        });
+    }
+    qp.set_soft_tokens(token, reply.token);
+    qp.connect(&reply.endpoint, &opts.connect)?;
+    Ok(reply.private_data)
+}
+
+#[cfg(rdmakit_verbs)]
+fn check_request_device(req: CmRequest, pd: &ProtectionDomain) -> Result<CmRequest> {
+    if req.device_name() != pd.context().name() {
+        let dev = req.device_name();
+        let _ = req.reject(&[]);
+        return Err(Error::InvalidArgument(format!(
+            "a request arrived on device {dev}, but the PD is on {}",
+            pd.context().name()
+        )));
+    }
+    Ok(req)
+}
+
+#[cfg(rdmakit_verbs)]
+fn check_route_device(conn: &CmConnector, addr: SocketAddr, pd: &ProtectionDomain) -> Result<()> {
+    if conn.device_name() != pd.context().name() {
+        return Err(Error::InvalidArgument(format!(
+            "{addr} is reached through device {}, but the PD is on {}",
+            conn.device_name(),
+            pd.context().name()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(rdmakit_verbs)]
+fn verbs_qp(qp: &QueuePair) -> &crate::rdma::Qp {
+    qp.verbs_qp().expect("a verbs PD makes verbs QPs")
+}
+
+// ---- the provider dispatch: every `#[cfg]` arm of this file is below ----
+
+enum ListenerBackend {
+    Soft(SoftListener),
+    #[cfg(rdmakit_verbs)]
+    Verbs(CmListener),
+}
+
+/// A request that arrived and is not answered yet.
+enum Incoming {
+    /// A TCP connection whose request is not read yet.
+    Soft(SoftIncoming),
+    #[cfg(rdmakit_verbs)]
+    Verbs(CmRequest),
+}
+
+enum ConnBackend {
+    Soft(SoftConn),
+    #[cfg(rdmakit_verbs)]
+    Verbs(CmConn),
+}
+
+impl ListenerBackend {
+    fn bind(ctx: &Context, addr: SocketAddr) -> Result<ListenerBackend> {
+        Ok(match &ctx.inner.backend {
+            CtxBackend::Soft(_) => ListenerBackend::Soft(SoftListener::bind(addr)?),
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(_) => ListenerBackend::Verbs(bind_verbs(ctx, addr)?),
+        })
+    }
+
+    fn local_addr(&self) -> Result<SocketAddr> {
+        match self {
+            ListenerBackend::Soft(l) => l.local_addr(),
+            #[cfg(rdmakit_verbs)]
+            ListenerBackend::Verbs(l) => l.local_addr(),
+        }
+    }
+
+    /// Refuses a PD of another provider before a request is taken (verbs checks the
+    /// device once a request names it).
+    fn check_pd(&self, pd: &ProtectionDomain) -> Result<()> {
+        match self {
+            ListenerBackend::Soft(_) => check_soft_pd(pd),
+            #[cfg(rdmakit_verbs)]
+            ListenerBackend::Verbs(_) => Ok(()),
+        }
+    }
+
+    fn incoming(&self, wait: Option<Duration>) -> Result<Incoming> {
+        Ok(match self {
+            ListenerBackend::Soft(l) => Incoming::Soft(l.accept(wait)?),
+            #[cfg(rdmakit_verbs)]
+            ListenerBackend::Verbs(l) => Incoming::Verbs(l.get_request(wait)?),
+        })
+    }
+}
+
+#[cfg(rdmakit_verbs)]
+fn bind_verbs(ctx: &Context, addr: SocketAddr) -> Result<CmListener> {
+    let l = CmListener::bind(addr, 64)?;
+    if let Some(dev) = l.device_name()
+        && dev != ctx.name()
+    {
+        return Err(Error::InvalidArgument(format!("{addr} belongs to device {dev}, not {}", ctx.name())));
+    }
+    Ok(l)
+}
+
+impl Incoming {
+    /// The handshake: a QP and CQ on `pd`, connected, answered with `data` (checked).
+    fn accept(self, pd: &ProtectionDomain, opts: &CmOptions, data: &[u8]) -> Result<Connection> {
+        match self {
+            Incoming::Soft(inc) => {
+                let mut req = inc.read_request(MAX_PRIVATE_DATA, opts.timeout)?;
+                let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
+                let peer_data = std::mem::take(&mut req.hello.private_data);
+                let conn = req.accept(&ep, &token, data)?;
+                Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
+            }
+            #[cfg(rdmakit_verbs)]
+            Incoming::Verbs(req) => {
+                let req = check_request_device(req, pd)?;
+                let peer_data = req.private_data().to_vec();
+                let (qp, cq) = new_qp(pd, opts)?;
+                let conn = req.accept(verbs_qp(&qp), &opts.connect, data, Some(opts.timeout))?;
+                Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
+            }
+        }
+    }
+}
+
+fn connect_backend(
     pd: &ProtectionDomain,
     addr: SocketAddr,
     opts: &CmOptions,
-    private_data: &[u8],
+    data: &[u8],
 ) -> Result<Connection> {
-    let mut s = TcpStream::connect_timeout(&addr, opts.timeout).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::ConnectionRefused {
-            Error::ConnectionRejected {
-                reason: format!("nothing listens at {addr}"),
-                private_data: Vec::new(),
+    match &pd.context().inner.backend {
+        CtxBackend::Soft(_) => {
+            let connecting = bootstrap::connect(addr, opts.timeout)?;
+            let (qp, cq, ep, token) = soft_requesting_qp(pd, opts)?;
+            let (replied, reply) = connecting.request(&ep, &token, data, MAX_PRIVATE_DATA)?;
+            let peer_data = soft_replied(&qp, opts, token, reply)?;
+            let conn = replied.ready()?;
+            Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
+        }
+        #[cfg(rdmakit_verbs)]
+        CtxBackend::Verbs(_) => {
+            let connector = CmConnector::resolve(addr, opts.timeout, opts.connect.traffic_class)?;
+            check_route_device(&connector, addr, pd)?;
+            let (qp, cq) = new_qp(pd, opts)?;
+            let (conn, peer_data) = connector.connect(verbs_qp(&qp), &opts.connect, data, opts.timeout)?;
+            Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
+        }
+    }
+}
+
+impl ConnBackend {
+    fn disconnect(&self) -> Result<()> {
+        match self {
+            ConnBackend::Soft(c) => c.disconnect(),
+            #[cfg(rdmakit_verbs)]
+            ConnBackend::Verbs(c) => c.disconnect()?,
+        }
+        Ok(())
+    }
+
+    fn wait_disconnected(&self, timeout: Duration) -> Result<bool> {
+        match self {
+            ConnBackend::Soft(c) => c.wait_disconnected(timeout),
+            #[cfg(rdmakit_verbs)]
+            ConnBackend::Verbs(c) => c.wait_disconnected(timeout),
+        }
+    }
+}
+
+// ---- on tokio ----
+
+#[cfg(feature = "async")]
+pub use self::on_tokio::{AsyncListener, connect_async};
+
+#[cfg(feature = "async")]
+mod on_tokio {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tokio::sync::{Semaphore, mpsc};
+    use tokio::task::JoinSet;
+
+    use super::*;
+    use crate::soft::bootstrap::{AsyncSoftIncoming, AsyncSoftListener};
+
+    /// Listens for connections on tokio and runs their handshakes concurrently.
+    ///
+    /// [`bind`](Self::bind) starts a task (on the current tokio runtime) that takes
+    /// requests and runs each handshake as a task of its own, within
+    /// [`CmOptions::timeout`]: a client that sends nothing, or trickles, is dropped when its
+    /// time is up and holds no other. At most `max_handshakes` run at once (further
+    /// requests wait in the kernel's backlog); established connections queue (as many
+    /// again) until [`accept`](Self::accept) takes them. A handshake that fails or times out
+    /// is logged and counted ([`failed_handshakes`](Self::failed_handshakes)), not returned:
+    /// one bad client is no error of the listener.
+    ///
+    /// Dropping the listener stops the task, the handshakes in progress and the queued
+    /// connections (which disconnect).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> rdmakit_verbs::Result<()> {
+    /// use rdmakit_verbs::{cm, Context};
+    /// let pd = Context::open_soft().alloc_pd()?;
+    /// let opts = cm::CmOptions::default();
+    /// let listener = cm::AsyncListener::bind(&pd, "127.0.0.1:0".parse().unwrap(), &opts, b"srv")?;
+    /// let addr = listener.local_addr();
+    /// let client = tokio::spawn({
+    ///     let pd = pd.clone();
+    ///     async move { cm::connect_async(&pd, addr, &opts, b"cli").await }
+    /// });
+    /// let conn = listener.accept().await?;
+    /// assert_eq!(conn.peer_private_data(), b"cli");
+    /// assert_eq!(client.await.unwrap()?.peer_private_data(), b"srv");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub struct AsyncListener {
+        ctx: Context,
+        local: SocketAddr,
+        rx: tokio::sync::Mutex<mpsc::Receiver<Result<Connection>>>,
+        failed: Arc<AtomicU64>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl std::fmt::Debug for AsyncListener {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("AsyncListener").field("addr", &self.local).finish()
+        }
+    }
+
+    impl AsyncListener {
+        /// Handshakes in progress at once unless [`bind_with`](Self::bind_with) says.
+        pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+
+        /// Listens at `addr` (port 0 picks one); every connection gets a QP and CQ on
+        /// `pd` made with `opts`, and is answered with `private_data`. Needs a tokio
+        /// runtime.
+        pub fn bind(
+            pd: &ProtectionDomain,
+            addr: SocketAddr,
+            opts: &CmOptions,
+            private_data: &[u8],
+        ) -> Result<AsyncListener> {
+            Self::bind_with(pd, addr, opts, private_data, Self::DEFAULT_MAX_HANDSHAKES)
+        }
+
+        /// [`bind`](Self::bind) with at most `max_handshakes` (at least 1) in progress.
+        pub fn bind_with(
+            pd: &ProtectionDomain,
+            addr: SocketAddr,
+            opts: &CmOptions,
+            private_data: &[u8],
+            max_handshakes: usize,
+        ) -> Result<AsyncListener> {
+            check_private_data(private_data)?;
+            if max_handshakes == 0 {
+                return Err(Error::InvalidArgument("max_handshakes must be at least 1".into()));
             }
-        } else {
-            Error::Os { call: "connect", source: e }
+            if tokio::runtime::Handle::try_current().is_err() {
+                return Err(Error::InvalidArgument("AsyncListener::bind needs a tokio runtime".into()));
+            }
+            let ctx = pd.context().clone();
+            let backend = AsyncListenerBackend::bind(&ctx, addr)?;
+            let local = backend.local_addr()?;
+            let (tx, rx) = mpsc::channel(max_handshakes);
+            let failed = Arc::new(AtomicU64::new(0));
+            let handshakes = Handshakes {
+                pd: pd.clone(),
+                opts: *opts,
+                data: Arc::from(private_data),
+                permits: Arc::new(Semaphore::new(max_handshakes)),
+                tx,
+                failed: failed.clone(),
+            };
+            let task = tokio::spawn(handshakes.run(backend));
+            Ok(AsyncListener { ctx, local, rx: tokio::sync::Mutex::new(rx), failed, task })
         }
-    })?;
-    let deadline = Instant::now() + opts.timeout;
-    let _ = s.set_write_timeout(Some(opts.timeout));
-    let (qp, cq) = new_qp(pd, opts)?;
-    qp.modify_to_init(&opts.connect)?;
-    let token: [u8; TOKEN_LEN] = crate::soft::random();
-    write_msg(&mut s, None, &qp.endpoint_with(&opts.connect)?, &token, private_data)?;
-    let (status, peer_ep, peer_token, peer_data) = read_msg(&mut s, true, deadline, opts.timeout)?;
-    if status != 0 {
-        return Err(Error::ConnectionRejected {
-            reason: format!("status {status}"),
-            private_data: peer_data,
-        });
-    }
-    qp.set_soft_tokens(token, peer_token);
-    qp.connect(&peer_ep, &opts.connect)?;
-    let mut ready = MAGIC.to_vec();
-    ready.push(0xff);
-    s.write_all(&ready).map_err(io_err("write handshake"))?;
-    s.set_read_timeout(None).map_err(io_err("setsockopt"))?;
-    Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(s) })
-}
 
-fn wait_readable(fd: i32, wait: Duration) -> Result<bool> {
-    let deadline = Instant::now() + wait;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd on the stack, count 1.
-        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if r >= 0 {
-            return Ok(r > 0);
+        /// The bound address (with the chosen port).
+        pub fn local_addr(&self) -> SocketAddr {
+            self.local
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::Os { call: "poll", source: e });
-        }
-    }
-}
 
-/// True once the stream reports end-of-file (the peer closed or this side shut it down).
-fn wait_eof(s: &TcpStream, wait: Duration) -> Result<bool> {
-    if !wait_readable(s.as_raw_fd(), wait)? {
-        return Ok(false);
+        /// The device this listener belongs to.
+        pub fn context(&self) -> &Context {
+            &self.ctx
+        }
+
+        /// The next established connection. Errors are the listener's own (its socket or
+        /// event channel failing), not a client's. Cancel-safe: a dropped call takes
+        /// nothing.
+        pub async fn accept(&self) -> Result<Connection> {
+            match self.rx.lock().await.recv().await {
+                Some(r) => r,
+                None => Err(Error::InvalidArgument("the listener's task ended".into())),
+            }
+        }
+
+        /// Handshakes that failed or ran out of time so far.
+        pub fn failed_handshakes(&self) -> u64 {
+            self.failed.load(Ordering::Relaxed)
+        }
     }
-    // Readable means end-of-file: the peer sends nothing after the handshake, so stray
-    // bytes or a read error are a broken bootstrap stream, which is a disconnect too.
-    let _ = (&*s).read(&mut [0u8; 1]);
-    Ok(true)
+
+    impl Drop for AsyncListener {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    /// What the listener's task needs for each handshake.
+    struct Handshakes {
+        pd: ProtectionDomain,
+        opts: CmOptions,
+        data: Arc<[u8]>,
+        permits: Arc<Semaphore>,
+        tx: mpsc::Sender<Result<Connection>>,
+        failed: Arc<AtomicU64>,
+    }
+
+    impl Handshakes {
+        async fn run(self, backend: AsyncListenerBackend) {
+            // Dropped with this task: aborts every handshake in progress.
+            let mut running = JoinSet::new();
+            loop {
+                let Ok(permit) = self.permits.clone().acquire_owned().await else { return };
+                while running.try_join_next().is_some() {}
+                let incoming = tokio::select! {
+                    r = backend.incoming() => r,
+                    () = self.tx.closed() => return,
+                };
+                let incoming = match incoming {
+                    Ok(i) => i,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "async listener");
+                        if self.tx.send(Err(e)).await.is_err() {
+                            return;
+                        }
+                        // Out of fds, say: do not spin.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let (pd, opts, data) = (self.pd.clone(), self.opts, self.data.clone());
+                let (tx, failed) = (self.tx.clone(), self.failed.clone());
+                running.spawn(async move {
+                    let r = tokio::time::timeout(opts.timeout, incoming.accept(&pd, &opts, &data)).await;
+                    match r {
+                        // The permit is held until the connection is queued: that bounds
+                        // the queue too.
+                        Ok(Ok(conn)) => drop(tx.send(Ok(conn)).await),
+                        Ok(Err(e)) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(error = %e, "handshake failed");
+                        }
+                        Err(_) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(budget = ?opts.timeout, "handshake timed out");
+                        }
+                    }
+                    drop(permit);
+                });
+            }
+        }
+    }
+
+    /// [`connect`](super::connect) on tokio: the whole of it within
+    /// [`CmOptions::timeout`] (else [`Error::Timeout`]).
+    pub async fn connect_async(
+        pd: &ProtectionDomain,
+        addr: SocketAddr,
+        opts: &CmOptions,
+        private_data: &[u8],
+    ) -> Result<Connection> {
+        check_private_data(private_data)?;
+        match tokio::time::timeout(opts.timeout, connect_backend_async(pd, addr, opts, private_data)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout(opts.timeout)),
+        }
+    }
+
+    // ---- the provider dispatch on tokio ----
+
+    enum AsyncListenerBackend {
+        Soft(AsyncSoftListener),
+        #[cfg(rdmakit_verbs)]
+        Verbs(CmListener),
+    }
+
+    enum AsyncIncoming {
+        Soft(AsyncSoftIncoming),
+        #[cfg(rdmakit_verbs)]
+        Verbs(CmRequest),
+    }
+
+    impl AsyncListenerBackend {
+        fn bind(ctx: &Context, addr: SocketAddr) -> Result<AsyncListenerBackend> {
+            Ok(match &ctx.inner.backend {
+                CtxBackend::Soft(_) => AsyncListenerBackend::Soft(AsyncSoftListener::bind(addr)?),
+                #[cfg(rdmakit_verbs)]
+                CtxBackend::Verbs(_) => AsyncListenerBackend::Verbs(bind_verbs(ctx, addr)?),
+            })
+        }
+
+        fn local_addr(&self) -> Result<SocketAddr> {
+            match self {
+                AsyncListenerBackend::Soft(l) => l.local_addr(),
+                #[cfg(rdmakit_verbs)]
+                AsyncListenerBackend::Verbs(l) => l.local_addr(),
+            }
+        }
+
+        /// The next request; its handshake is [`AsyncIncoming::accept`]. Cancel-safe.
+        async fn incoming(&self) -> Result<AsyncIncoming> {
+            Ok(match self {
+                AsyncListenerBackend::Soft(l) => AsyncIncoming::Soft(l.accept().await?),
+                #[cfg(rdmakit_verbs)]
+                AsyncListenerBackend::Verbs(l) => AsyncIncoming::Verbs(l.get_request_async().await?),
+            })
+        }
+    }
+
+    impl AsyncIncoming {
+        async fn accept(self, pd: &ProtectionDomain, opts: &CmOptions, data: &[u8]) -> Result<Connection> {
+            match self {
+                AsyncIncoming::Soft(inc) => {
+                    check_soft_pd(pd)?;
+                    let mut req = inc.read_request(MAX_PRIVATE_DATA).await?;
+                    let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
+                    let peer_data = std::mem::take(&mut req.hello.private_data);
+                    let conn = req.accept(&ep, &token, data).await?;
+                    Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
+                }
+                #[cfg(rdmakit_verbs)]
+                AsyncIncoming::Verbs(req) => {
+                    let req = check_request_device(req, pd)?;
+                    let peer_data = req.private_data().to_vec();
+                    let (qp, cq) = new_qp(pd, opts)?;
+                    let conn = req.accept_async(verbs_qp(&qp), &opts.connect, data).await?;
+                    Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
+                }
+            }
+        }
+    }
+
+    async fn connect_backend_async(
+        pd: &ProtectionDomain,
+        addr: SocketAddr,
+        opts: &CmOptions,
+        data: &[u8],
+    ) -> Result<Connection> {
+        match &pd.context().inner.backend {
+            CtxBackend::Soft(_) => {
+                let connecting = bootstrap::connect_async(addr).await?;
+                let (qp, cq, ep, token) = soft_requesting_qp(pd, opts)?;
+                let (replied, reply) = connecting.request(&ep, &token, data, MAX_PRIVATE_DATA).await?;
+                let peer_data = soft_replied(&qp, opts, token, reply)?;
+                let conn = replied.ready().await?;
+                Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
+            }
+            #[cfg(rdmakit_verbs)]
+            CtxBackend::Verbs(_) => {
+                let connector =
+                    CmConnector::resolve_async(addr, opts.timeout, opts.connect.traffic_class).await?;
+                check_route_device(&connector, addr, pd)?;
+                let (qp, cq) = new_qp(pd, opts)?;
+                let (conn, peer_data) = connector.connect_async(verbs_qp(&qp), &opts.connect, data).await?;
+                Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
+            }
+        }
+    }
 }

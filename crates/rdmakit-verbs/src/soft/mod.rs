@@ -51,6 +51,7 @@
 //! # Ok::<(), rdmakit_verbs::Error>(())
 //! ```
 
+pub(crate) mod bootstrap;
 pub(crate) mod cq;
 pub(crate) mod dm;
 pub(crate) mod mr;

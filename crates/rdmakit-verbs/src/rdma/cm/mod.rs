@@ -7,10 +7,15 @@
 //!
 //! Every id owns its own event channel (an accepted id is migrated off the listener's), and
 //! every channel's fd is non-blocking: waiting is `poll(2)` with a deadline, so no call can
-//! block past its timeout. Events are copied out and acknowledged at once, so destroying an
+//! block past its timeout, or, for the `_async` calls, tokio's `AsyncFd` on the same fd
+//! (`rdma_get_cm_event` answers `EAGAIN` until it is readable). Events are copied out and acknowledged at once, so destroying an
 //! id never waits for an unacknowledged event.
 //!
-//! Private data: at most [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes are accepted. On InfiniBand and RoCE
+//! Files: this one holds what both sides share (errors, events, the id and its channel, the
+//! QP-attribute steps, the established connection); [`listener`] the passive side
+//! (`CmListener`, `CmRequest`); [`connector`] the active side (`CmConnector`).
+//!
+//! Private data: the front (`cm.rs`) checks the rdma_cm limit before calling in here. On InfiniBand and RoCE
 //! the CM messages have fixed-size private data fields, so what the peer receives is
 //! padded with zeros (56 bytes in a connect request, 196 in a reply, 148 in a reject);
 //! framing the length is up to the caller.
@@ -34,11 +39,22 @@ use crate::types::{AccessFlags, ConnectOptions};
 
 use super::LINK_LAYER_INFINIBAND;
 
+pub(crate) mod connector;
+pub(crate) mod listener;
+#[cfg(test)]
+mod tests;
+
 /// Mask bits 21-23 that old rdma_ucm kernels set for RoCE; librdmacm clears them on
 /// InfiniBand ports before `ibv_modify_qp` (see `ucma_modify_qp_rtr`), and so do we.
 const ROCE_RESERVED_MASK: u32 = 0x00e0_0000;
 
-use crate::cm::check_private_data;
+/// The length of private data as `rdma_conn_param` carries it (one byte). The front checks
+/// the rdma_cm limit before it calls in here; this only refuses what the C field cannot
+/// hold, so that nothing is truncated.
+fn data_len(data: &[u8]) -> Result<u8> {
+    u8::try_from(data.len())
+        .map_err(|_| Error::InvalidArgument(format!("private data of {} bytes", data.len())))
+}
 
 /// The last OS error of a librdmacm call (they return -1 and set errno). `ENODEV` (no
 /// RDMA in the kernel, or no device for the address) becomes [`Error::NoDevice`].
@@ -289,6 +305,20 @@ fn from_sockaddr(ss: &libc::sockaddr_storage) -> Result<SocketAddr> {
 struct CmId {
     id: NonNull<sys::rdma_cm_id>,
     channel: NonNull<sys::rdma_event_channel>,
+    /// The channel's fd in tokio's reactor, registered by the first async wait.
+    #[cfg(feature = "async")]
+    afd: std::sync::OnceLock<tokio::io::unix::AsyncFd<ChannelFd>>,
+}
+
+/// An event channel's fd as `AsyncFd` sees it; the channel owns and closes it.
+#[cfg(feature = "async")]
+struct ChannelFd(i32);
+
+#[cfg(feature = "async")]
+impl std::os::fd::AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> i32 {
+        self.0
+    }
 }
 
 // SAFETY: librdmacm calls are thread-safe (it locks its id and channel state internally);
@@ -313,6 +343,15 @@ fn create_channel() -> Result<NonNull<sys::rdma_event_channel>> {
 }
 
 impl CmId {
+    fn new(id: NonNull<sys::rdma_cm_id>, channel: NonNull<sys::rdma_event_channel>) -> CmId {
+        CmId {
+            id,
+            channel,
+            #[cfg(feature = "async")]
+            afd: std::sync::OnceLock::new(),
+        }
+    }
+
     /// A new RC (`RDMA_PS_TCP`) id on a new channel.
     fn create() -> Result<CmId> {
         let channel = create_channel()?;
@@ -322,7 +361,7 @@ impl CmId {
             sys::rdma_create_id(channel.as_ptr(), &mut id, ptr::null_mut(), sys::rdma_port_space::RDMA_PS_TCP)
         };
         match NonNull::new(id) {
-            Some(id) if rc == 0 => Ok(CmId { id, channel }),
+            Some(id) if rc == 0 => Ok(CmId::new(id, channel)),
             _ => {
                 let e = cm_error("rdma_create_id");
                 // SAFETY: no id was created on the channel; destroyed once.
@@ -349,7 +388,7 @@ impl CmId {
             }
         });
         match migrated {
-            Ok(channel) => Ok(CmId { id, channel }),
+            Ok(channel) => Ok(CmId::new(id, channel)),
             Err(e) => {
                 // SAFETY: a live connect-request id that we own; rejected, then destroyed
                 // once; it stays on the listener's channel, which outlives this call.
@@ -384,9 +423,8 @@ impl CmId {
         (!dev.is_null()).then(|| super::device_name(dev))
     }
 
-    /// The next event on this id's channel, acknowledged. Times out with
-    /// [`Error::Timeout`].
-    fn next_event(&self, deadline: &Deadline) -> Result<Event> {
+    /// The next event on this id's channel if one is queued, acknowledged.
+    fn try_event(&self) -> Result<Option<Event>> {
         loop {
             let mut raw = ptr::null_mut();
             // SAFETY: valid channel with a non-blocking fd, so this returns at once; `raw`
@@ -397,14 +435,24 @@ impl CmId {
                     call: "rdma_get_cm_event",
                     source: io::Error::other("returned no event"),
                 })?;
-                // SAFETY: a fresh, unacknowledged event.
-                return Ok(unsafe { Event::take(raw) });
+                // SAFETY: a fresh, unacknowledged event, taken once.
+                return Ok(Some(unsafe { Event::take(raw) }));
             }
             let err = io::Error::last_os_error();
             match err.raw_os_error() {
-                Some(libc::EAGAIN) => {}
+                Some(libc::EAGAIN) => return Ok(None),
                 Some(libc::EINTR) => continue,
                 _ => return Err(Error::Os { call: "rdma_get_cm_event", source: err }),
+            }
+        }
+    }
+
+    /// The next event on this id's channel, acknowledged. Times out with
+    /// [`Error::Timeout`].
+    fn next_event(&self, deadline: &Deadline) -> Result<Event> {
+        loop {
+            if let Some(event) = self.try_event()? {
+                return Ok(event);
             }
             let wait_ms = match deadline.remaining() {
                 None => -1,
@@ -413,13 +461,68 @@ impl CmId {
                 Some(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
             };
             let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd.
+            // SAFETY: `pfd` is one valid pollfd on this stack frame; the count passed is 1.
             if unsafe { libc::poll(&mut pfd, 1, wait_ms) } < 0 {
                 let err = io::Error::last_os_error();
                 if err.raw_os_error() != Some(libc::EINTR) {
                     return Err(Error::Os { call: "poll", source: err });
                 }
             }
+        }
+    }
+
+    /// The channel's fd registered with tokio's reactor (once; needs a runtime).
+    #[cfg(feature = "async")]
+    fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<ChannelFd>> {
+        if let Some(a) = self.afd.get() {
+            return Ok(a);
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::InvalidArgument("async rdma_cm calls need a tokio runtime".into()));
+        }
+        // SAFETY: the fd is the event channel's, closed only by `rdma_destroy_event_channel`
+        // in `CmId`'s `Drop`, which drops this `AsyncFd` first (a leaked `CmId` leaks both):
+        // it stays open while registered.
+        let afd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                ChannelFd(self.fd()),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })?;
+        // A racing caller may have set it first; theirs wins and ours deregisters on drop.
+        let _ = self.afd.set(afd);
+        Ok(self.afd.get().expect("just set"))
+    }
+
+    /// The next event on this id's channel, awaited on tokio (the fd is non-blocking, so
+    /// `rdma_get_cm_event` answers `EAGAIN` until the reactor reports it readable).
+    /// Cancel-safe: an event is only taken in the step that returns it.
+    #[cfg(feature = "async")]
+    async fn next_event_async(&self) -> Result<Event> {
+        let afd = self.async_fd()?;
+        loop {
+            if let Some(event) = self.try_event()? {
+                return Ok(event);
+            }
+            let mut guard =
+                afd.readable().await.map_err(|source| Error::Os { call: "AsyncFd::readable", source })?;
+            guard.clear_ready();
+        }
+    }
+
+    /// [`wait_for`](Self::wait_for) on tokio.
+    #[cfg(feature = "async")]
+    async fn wait_for_async(&self, want: u32, call: &'static str) -> Result<Event> {
+        loop {
+            let event = self.next_event_async().await?;
+            if event.kind == want {
+                return Ok(event);
+            }
+            if event.is_failure() {
+                return Err(event.into_error(call));
+            }
+            tracing::debug!(event = %event.name(), status = event.status, "rdma_cm: skipping event");
         }
     }
 
@@ -541,6 +644,9 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
+        // Out of tokio's reactor before the channel (and its fd) goes.
+        #[cfg(feature = "async")]
+        drop(self.afd.take());
         // SAFETY: a live id we own, destroyed once; every event read from its channel was
         // acknowledged at once, so this does not wait for one.
         if unsafe { sys::rdma_destroy_id(self.ptr()) } != 0 {
@@ -554,10 +660,16 @@ impl Drop for CmId {
 }
 
 /// Connection parameters for `rdma_connect`/`rdma_accept`. `data` must outlive the call.
-fn conn_param(qp: &Qp, data: &[u8], resp: u8, init: u8, opts: &ConnectOptions) -> sys::rdma_conn_param {
-    sys::rdma_conn_param {
+fn conn_param(
+    qp: &Qp,
+    data: &[u8],
+    resp: u8,
+    init: u8,
+    opts: &ConnectOptions,
+) -> Result<sys::rdma_conn_param> {
+    Ok(sys::rdma_conn_param {
         private_data: if data.is_empty() { ptr::null() } else { data.as_ptr().cast() },
-        private_data_len: data.len() as u8,
+        private_data_len: data_len(data)?,
         responder_resources: resp,
         initiator_depth: init,
         flow_control: 1,
@@ -565,7 +677,7 @@ fn conn_param(qp: &Qp, data: &[u8], resp: u8, init: u8, opts: &ConnectOptions) -
         rnr_retry_count: opts.rnr_retry.min(7),
         srq: 0,
         qp_num: qp.qpn(),
-    }
+    })
 }
 
 /// Moves a QP that reached RTR of a failed connection to ERR, so it does not keep talking
@@ -573,253 +685,6 @@ fn conn_param(qp: &Qp, data: &[u8], resp: u8, init: u8, opts: &ConnectOptions) -
 fn abort_qp(qp: &Qp) {
     if let Err(e) = qp.modify_to_err() {
         tracing::warn!(qp_num = qp.qpn(), "moving the QP of a failed rdma_cm connection to ERR: {e}");
-    }
-}
-
-/// A listening rdma_cm id with its event channel.
-pub(crate) struct CmListener {
-    cm: CmId,
-}
-
-impl CmListener {
-    /// `rdma_bind_addr` + `rdma_listen`. Port 0 picks a free port (see [`Self::local_addr`]).
-    pub fn bind(addr: SocketAddr, backlog: i32) -> Result<CmListener> {
-        let cm = CmId::create()?;
-        let mut sa = to_sockaddr(addr);
-        // SAFETY: live id; `sa` is a valid socket address of its family.
-        cm_ret("rdma_bind_addr", unsafe {
-            sys::rdma_bind_addr(cm.ptr(), ptr::addr_of_mut!(sa).cast::<libc::sockaddr>())
-        })?;
-        // SAFETY: live, bound id.
-        cm_ret("rdma_listen", unsafe { sys::rdma_listen(cm.ptr(), backlog) })?;
-        Ok(CmListener { cm })
-    }
-
-    pub fn local_addr(&self) -> Result<SocketAddr> {
-        // SAFETY: live id; librdmacm keeps the bound source address in the route, in a
-        // union whose storage member covers it all.
-        let ss = unsafe {
-            ptr::addr_of!((*self.cm.ptr()).route.addr.__bindgen_anon_1)
-                .cast::<libc::sockaddr_storage>()
-                .read()
-        };
-        from_sockaddr(&ss)
-    }
-
-    /// Name of the verbs device the listener is bound to (None when bound to a wildcard
-    /// address).
-    pub fn device_name(&self) -> Option<String> {
-        self.cm.device_name()
-    }
-
-    /// Waits for the next CONNECT_REQUEST (other events are logged and skipped). `None`
-    /// waits without limit.
-    pub fn get_request(&self, timeout: Option<Duration>) -> Result<CmRequest> {
-        let deadline = Deadline::new(timeout);
-        loop {
-            let event = self.cm.next_event(&deadline)?;
-            match event.kind {
-                ev::RDMA_CM_EVENT_CONNECT_REQUEST => {
-                    let Some(id) = NonNull::new(event.id) else {
-                        tracing::error!("rdma_cm: connect request without an id");
-                        continue;
-                    };
-                    let cm = CmId::adopt(id)?;
-                    return Ok(CmRequest {
-                        cm: Some(cm),
-                        private_data: event.private_data,
-                        responder_resources: event.responder_resources,
-                        initiator_depth: event.initiator_depth,
-                    });
-                }
-                ev::RDMA_CM_EVENT_DEVICE_REMOVAL => return Err(event.into_error("rdma_listen")),
-                _ => {
-                    let (name, status) = (event.name(), event.status);
-                    tracing::debug!(event = %name, status, "rdma_cm listener: skipping event");
-                }
-            }
-        }
-    }
-}
-
-/// A connect request: owns the new id (rejected and destroyed on drop unless accepted).
-pub(crate) struct CmRequest {
-    /// `None` once accepted or rejected.
-    cm: Option<CmId>,
-    private_data: Vec<u8>,
-    /// The responder resources the requester wants (its initiator depth).
-    responder_resources: u8,
-    /// The initiator depth the requester allows (its responder resources).
-    initiator_depth: u8,
-}
-
-impl CmRequest {
-    fn take(&mut self) -> Result<CmId> {
-        self.cm.take().ok_or_else(|| Error::InvalidArgument("connect request already answered".into()))
-    }
-
-    /// The peer's private data (on InfiniBand and RoCE, zero-padded to 56 bytes).
-    pub fn private_data(&self) -> &[u8] {
-        &self.private_data
-    }
-
-    /// The device of the new id (`id->verbs->device`).
-    pub fn device_name(&self) -> String {
-        self.cm.as_ref().and_then(CmId::device_name).unwrap_or_default()
-    }
-
-    /// INIT -> RTR -> RTS for `qp` with the CM's attributes (access flags from
-    /// `opts.access`; `opts.timeout`, `retry_cnt`, `rnr_retry`, `min_rnr_timer` and `mtu`
-    /// applied), then `rdma_accept` with `private_data`, then waits for ESTABLISHED
-    /// (`None`: no limit of ours; the CM gives up after its own REP retries).
-    ///
-    /// On failure the request is rejected (if not yet accepted) and a QP that was
-    /// modified is moved to ERR.
-    pub fn accept(
-        mut self,
-        qp: &Qp,
-        opts: &ConnectOptions,
-        private_data: &[u8],
-        timeout: Option<Duration>,
-    ) -> Result<CmConn> {
-        let cm = self.take()?;
-        let deadline = Deadline::new(timeout);
-        if let Err(e) = check_private_data(private_data).and_then(|()| cm.check_qp(qp)) {
-            cm.reject_quietly();
-            return Err(e);
-        }
-        let accepted = (|| {
-            let (max_rd, max_init) = cm.rd_atomic_limits()?;
-            let resp = opts.max_rd_atomic.min(self.responder_resources).max(1).min(max_rd);
-            let init = opts.max_rd_atomic.min(self.initiator_depth).max(1).min(max_init);
-            cm.qp_to_init(qp, opts)?;
-            cm.qp_to_rtr(qp, opts, Some(resp))?;
-            cm.qp_to_rts(qp, opts, Some(init))?;
-            let mut param = conn_param(qp, private_data, resp, init, opts);
-            // SAFETY: live connect-request id; `param` and the private data it points to
-            // outlive the call, which copies them.
-            cm_ret("rdma_accept", unsafe { sys::rdma_accept(cm.ptr(), &mut param) })
-        })();
-        if let Err(e) = accepted {
-            cm.reject_quietly();
-            abort_qp(qp);
-            return Err(e);
-        }
-        match cm.wait_for(ev::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept", &deadline) {
-            Ok(_) => Ok(CmConn::new(cm)),
-            Err(e) => {
-                abort_qp(qp);
-                Err(e)
-            }
-        }
-    }
-
-    /// `rdma_reject` with `private_data`. Over [`MAX_PRIVATE_DATA`](crate::cm::MAX_PRIVATE_DATA) bytes: `InvalidArgument`,
-    /// and the request (consumed) is rejected without private data.
-    pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
-        check_private_data(private_data)?;
-        let cm = self.take()?;
-        // SAFETY: live connect-request id; the private data outlives the call.
-        cm_ret("rdma_reject", unsafe {
-            sys::rdma_reject(cm.ptr(), private_data.as_ptr().cast(), private_data.len() as u8)
-        })
-    }
-}
-
-impl Drop for CmRequest {
-    fn drop(&mut self) {
-        if let Some(cm) = self.cm.take() {
-            cm.reject_quietly();
-        }
-    }
-}
-
-/// The active side: an id whose address and route are resolved.
-pub(crate) struct CmConnector {
-    cm: CmId,
-}
-
-impl CmConnector {
-    /// `rdma_resolve_addr` + `rdma_resolve_route`, both within `timeout`. `tos`, when given,
-    /// is set on the id first (`RDMA_OPTION_ID_TOS`), so the route and rdma_cm's own packets
-    /// carry that traffic class.
-    pub fn resolve(addr: SocketAddr, timeout: Duration, tos: Option<u8>) -> Result<CmConnector> {
-        let deadline = Deadline::new(Some(timeout));
-        let cm = CmId::create()?;
-        if let Some(mut tos) = tos {
-            // SAFETY: live id; the option value is a u8 of the size passed, read during the call.
-            cm_ret("rdma_set_option(TOS)", unsafe {
-                sys::rdma_set_option(
-                    cm.ptr(),
-                    sys::RDMA_OPTION_ID as i32,
-                    sys::RDMA_OPTION_ID_TOS as i32,
-                    ptr::addr_of_mut!(tos).cast(),
-                    std::mem::size_of::<u8>(),
-                )
-            })?;
-        }
-        let mut dst = to_sockaddr(addr);
-        // SAFETY: live id; `dst` is a valid socket address; no source address.
-        cm_ret("rdma_resolve_addr", unsafe {
-            sys::rdma_resolve_addr(
-                cm.ptr(),
-                ptr::null_mut(),
-                ptr::addr_of_mut!(dst).cast::<libc::sockaddr>(),
-                deadline.remaining_ms(),
-            )
-        })?;
-        cm.wait_for(ev::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr", &deadline)?;
-        // SAFETY: live id with a resolved address.
-        cm_ret("rdma_resolve_route", unsafe { sys::rdma_resolve_route(cm.ptr(), deadline.remaining_ms()) })?;
-        cm.wait_for(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route", &deadline)?;
-        Ok(CmConnector { cm })
-    }
-
-    /// The device the route goes through: the QP must be created on it.
-    pub fn device_name(&self) -> String {
-        self.cm.device_name().unwrap_or_default()
-    }
-
-    /// INIT (CM attributes, `opts.access`), `rdma_connect` with our QP number and
-    /// `private_data`, waits for CONNECT_RESPONSE, then RTR and RTS (CM attributes with
-    /// `opts` applied as in [`CmRequest::accept`]) and `rdma_establish`. Returns the
-    /// connection and the peer's private data (on InfiniBand and RoCE zero-padded to 196
-    /// bytes).
-    ///
-    /// On failure before the response the QP is left in INIT; after it, the QP is moved to
-    /// ERR.
-    pub fn connect(
-        self,
-        qp: &Qp,
-        opts: &ConnectOptions,
-        private_data: &[u8],
-        timeout: Duration,
-    ) -> Result<(CmConn, Vec<u8>)> {
-        check_private_data(private_data)?;
-        let cm = self.cm;
-        cm.check_qp(qp)?;
-        let deadline = Deadline::new(Some(timeout));
-        let (max_rd, max_init) = cm.rd_atomic_limits()?;
-        let resp = opts.max_rd_atomic.min(max_rd);
-        let init = opts.max_rd_atomic.min(max_init);
-        cm.qp_to_init(qp, opts)?;
-        let mut param = conn_param(qp, private_data, resp, init, opts);
-        // SAFETY: live id with a resolved route; `param` and the private data it points to
-        // outlive the call, which copies them.
-        cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })?;
-        let response = cm.wait_for(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect", &deadline)?;
-        let established = (|| {
-            cm.qp_to_rtr(qp, opts, None)?;
-            cm.qp_to_rts(qp, opts, None)?;
-            // SAFETY: live id that received a connect response; sends the RTU.
-            cm_ret("rdma_establish", unsafe { sys::rdma_establish(cm.ptr()) })
-        })();
-        if let Err(e) = established {
-            cm.reject_quietly();
-            abort_qp(qp);
-            return Err(e);
-        }
-        Ok((CmConn::new(cm), response.private_data))
     }
 }
 
@@ -904,299 +769,5 @@ impl Drop for CmConn {
             tracing::warn!("rdma_cm: disconnect on drop: {e}");
         }
         // `cm` is dropped next: the id, then its channel.
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    //! The connection tests need rdma_cm, which needs an RDMA-capable kernel: they run in
-    //! the rxe VM (`scripts/rxe-vm.sh <test binary> rdma::cm`, which sets
-    //! `RDMAKIT_RXE_IP`) and print "skipped" elsewhere.
-
-    use crate::cm::MAX_PRIVATE_DATA;
-    use std::net::IpAddr;
-    use std::thread;
-
-    use super::super::{Context, Cq, Pd};
-    use super::*;
-    use crate::raw::{RawOp, RawSendWr, Sge};
-    use crate::types::{QpCaps, QpState};
-    use crate::wc::WorkCompletion;
-
-    const T: Duration = Duration::from_secs(20);
-
-    fn rxe_ip() -> Option<IpAddr> {
-        match std::env::var("RDMAKIT_RXE_IP") {
-            Ok(ip) => Some(ip.parse().expect("RDMAKIT_RXE_IP is an IP address")),
-            Err(_) => {
-                eprintln!("skipped: RDMAKIT_RXE_IP is unset (rdma_cm tests run in scripts/rxe-vm.sh)");
-                None
-            }
-        }
-    }
-
-    /// A device's PD, CQ and QP (fields drop in order: the QP before its CQ).
-    struct Side {
-        qp: Qp,
-        cq: Cq,
-        pd: Pd,
-        _ctx: Context,
-    }
-
-    fn side(device: &str) -> Side {
-        let ctx = Context::open(Some(device)).expect("open device");
-        let pd = ctx.alloc_pd().expect("pd");
-        let cq = ctx.create_cq(64).expect("cq");
-        let qp = pd.create_qp(&cq, &cq, QpCaps::default()).expect("qp");
-        Side { qp, cq, pd, _ctx: ctx }
-    }
-
-    fn poll_one(cq: &Cq) -> WorkCompletion {
-        let start = Instant::now();
-        let mut wcs = [WorkCompletion::default(); 1];
-        loop {
-            if cq.poll(&mut wcs).expect("poll") == 1 {
-                return wcs[0];
-            }
-            assert!(start.elapsed() < T, "no completion within {T:?}");
-            thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    #[test]
-    fn private_data_limit() {
-        assert!(check_private_data(&[0; MAX_PRIVATE_DATA]).is_ok());
-        assert!(matches!(check_private_data(&[0; MAX_PRIVATE_DATA + 1]), Err(Error::InvalidArgument(_))));
-    }
-
-    #[test]
-    fn sockaddr_round_trip() {
-        for addr in ["10.77.0.1:7471", "[fe80::1]:9"] {
-            let addr: SocketAddr = addr.parse().unwrap();
-            assert_eq!(from_sockaddr(&to_sockaddr(addr)).unwrap(), addr);
-        }
-    }
-
-    #[test]
-    fn no_rdma_kernel_is_no_device() {
-        if std::env::var_os("RDMAKIT_RXE_IP").is_some() {
-            return;
-        }
-        // Only meaningful on a host whose kernel has no RDMA (like the dev machines).
-        if !matches!(super::super::device_names(), Err(Error::NoDevice { .. })) {
-            eprintln!("skipped: this host has RDMA support");
-            return;
-        }
-        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let e = CmListener::bind(addr, 1).err().expect("bind must fail without RDMA");
-        assert!(matches!(e, Error::NoDevice { .. }), "{e}");
-        let e = CmConnector::resolve(addr, Duration::from_secs(1), None).err().expect("resolve must fail");
-        assert!(matches!(e, Error::NoDevice { .. }), "{e}");
-    }
-
-    /// Connect, exchange private data both ways, RDMA-write from the connector into the
-    /// acceptor's buffer (address and rkey in the acceptor's private data), disconnect.
-    #[test]
-    fn connect_write_disconnect() {
-        let Some(ip) = rxe_ip() else { return };
-        let listener = CmListener::bind(SocketAddr::new(ip, 0), 8).expect("bind");
-        let addr = listener.local_addr().expect("local_addr");
-        assert_eq!(addr.ip(), ip);
-        assert_ne!(addr.port(), 0);
-        let dev = listener.device_name().expect("bound to a device");
-        if let Ok(want) = std::env::var("RDMAKIT_RXE_DEV") {
-            assert_eq!(dev, want);
-        }
-        const CLIENT_HELLO: &[u8] = b"rdmakit client hello";
-        const PAYLOAD: &[u8] = b"written through rdma_cm";
-
-        let server = thread::spawn(move || {
-            let req = listener.get_request(Some(T)).expect("get_request");
-            let data = req.private_data();
-            assert_eq!(&data[..CLIENT_HELLO.len()], CLIENT_HELLO);
-            assert!(data[CLIENT_HELLO.len()..].iter().all(|b| *b == 0), "padding is zeros");
-            let s = side(&req.device_name());
-            let mut buf = vec![0u8; 4096];
-            // SAFETY: `buf` outlives the region (dropped at the end of this closure, after
-            // the region, which is declared later).
-            let mr =
-                unsafe { s.pd.reg_mr(buf.as_mut_ptr(), buf.len(), AccessFlags::ALL_REMOTE) }.expect("mr");
-            let mut reply = Vec::new();
-            reply.extend_from_slice(b"RKW1");
-            reply.extend_from_slice(&(buf.as_ptr() as u64).to_le_bytes());
-            reply.extend_from_slice(&mr.rkey().to_le_bytes());
-            let conn = req.accept(&s.qp, &ConnectOptions::default(), &reply, Some(T)).expect("accept");
-            assert!(conn.wait_disconnected(T).expect("wait_disconnected"), "saw DISCONNECTED");
-            // The write was acknowledged before the peer disconnected.
-            // SAFETY: `buf` is live; volatile reads because the NIC wrote it.
-            let got: Vec<u8> =
-                (0..PAYLOAD.len()).map(|i| unsafe { ptr::read_volatile(buf.as_ptr().add(i)) }).collect();
-            assert_eq!(got, PAYLOAD);
-            assert!(conn.wait_disconnected(Duration::ZERO).unwrap(), "stays disconnected");
-            drop(mr);
-            drop(buf);
-        });
-
-        let connector = CmConnector::resolve(addr, T, None).expect("resolve");
-        assert_eq!(connector.device_name(), dev);
-        let c = side(&connector.device_name());
-        let mut src = PAYLOAD.to_vec();
-        // SAFETY: `src` outlives the region (dropped explicitly below).
-        let mr = unsafe { c.pd.reg_mr(src.as_mut_ptr(), src.len(), AccessFlags::LOCAL_WRITE) }.expect("mr");
-        let (conn, reply) =
-            connector.connect(&c.qp, &ConnectOptions::default(), CLIENT_HELLO, T).expect("connect");
-        assert_eq!(&reply[..4], b"RKW1", "acceptor's private data");
-        let remote_addr = u64::from_le_bytes(reply[4..12].try_into().unwrap());
-        let rkey = u32::from_le_bytes(reply[12..16].try_into().unwrap());
-        assert!(reply[16..].iter().all(|b| *b == 0));
-        let wr = RawSendWr {
-            wr_id: 7,
-            op: RawOp::Write { imm: None },
-            sge: Some(Sge { addr: src.as_ptr() as u64, len: src.len() as u32, lkey: mr.lkey() }),
-            inline: None,
-            remote_addr,
-            rkey,
-            signaled: true,
-            fence: false,
-            solicited: false,
-        };
-        c.qp.post_send(&[wr]).map_err(|(_, e)| e).expect("post_send");
-        let wc = poll_one(&c.cq);
-        assert!(wc.status.is_success(), "write completed with {:?}", wc.status);
-        assert_eq!(wc.wr_id, 7);
-
-        conn.disconnect().expect("disconnect");
-        conn.disconnect().expect("disconnect is idempotent");
-        assert!(conn.wait_disconnected(T).expect("wait_disconnected"), "local side sees DISCONNECTED too");
-        server.join().expect("acceptor thread");
-        drop(conn);
-        drop(c);
-        drop(mr);
-        drop(src);
-    }
-
-    /// A rejected connect fails with `ConnectionRejected` carrying the rejecter's private
-    /// data; an oversize reject is refused (and the dropped request rejected without data).
-    #[test]
-    fn reject_carries_private_data() {
-        let Some(ip) = rxe_ip() else { return };
-        let listener = CmListener::bind(SocketAddr::new(ip, 0), 8).expect("bind");
-        let addr = listener.local_addr().unwrap();
-        let server = thread::spawn(move || {
-            let req = listener.get_request(Some(T)).expect("get_request");
-            assert!(matches!(req.reject(&[0; MAX_PRIVATE_DATA + 1]), Err(Error::InvalidArgument(_))));
-            // The oversize reject consumed (and rejected) the request; answer the next one.
-            let req = listener.get_request(Some(T)).expect("second get_request");
-            req.reject(b"go away").expect("reject");
-        });
-        for attempt in 0..2 {
-            let connector = CmConnector::resolve(addr, T, None).expect("resolve");
-            let c = side(&connector.device_name());
-            let start = Instant::now();
-            let e = connector.connect(&c.qp, &ConnectOptions::default(), b"hi", T).err().expect("rejected");
-            assert!(start.elapsed() < Duration::from_secs(10), "rejected quickly");
-            let Error::ConnectionRejected { reason, private_data } = &e else { panic!("{e}") };
-            assert!(reason.contains("RDMA_CM_EVENT_REJECTED"), "{reason}");
-            if attempt == 1 {
-                assert!(reason.contains("status 28"), "{reason}");
-                assert_eq!(&private_data[..7], b"go away");
-            }
-            eprintln!("attempt {attempt}: {e}");
-        }
-        server.join().unwrap();
-    }
-
-    /// A wildcard listener (no device until a request arrives), timeouts, and the
-    /// acceptor disconnecting first.
-    #[test]
-    fn wildcard_listener_acceptor_disconnects() {
-        let Some(ip) = rxe_ip() else { return };
-        let any = if ip.is_ipv4() {
-            IpAddr::from(Ipv4Addr::UNSPECIFIED)
-        } else {
-            IpAddr::from(Ipv6Addr::UNSPECIFIED)
-        };
-        let listener = CmListener::bind(SocketAddr::new(any, 0), 8).expect("bind");
-        assert_eq!(listener.device_name(), None);
-        let port = listener.local_addr().expect("local_addr").port();
-        assert_ne!(port, 0);
-        let start = Instant::now();
-        let e = listener.get_request(Some(Duration::from_millis(200))).err().expect("nobody connects");
-        assert!(matches!(e, Error::Timeout(_)), "{e}");
-        assert!(start.elapsed() < Duration::from_secs(5));
-
-        let (go, wait_go) = std::sync::mpsc::channel::<()>();
-        let server = thread::spawn(move || {
-            let req = listener.get_request(Some(T)).expect("get_request");
-            let s = side(&req.device_name());
-            let conn = req.accept(&s.qp, &ConnectOptions::default(), b"srv", Some(T)).expect("accept");
-            assert_eq!(s.qp.state(), QpState::ReadyToSend);
-            wait_go.recv().unwrap();
-            conn.disconnect().expect("disconnect");
-            assert!(conn.wait_disconnected(T).unwrap(), "acceptor sees its own disconnect complete");
-        });
-        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T, None).expect("resolve");
-        let c = side(&connector.device_name());
-        let (conn, reply) = connector.connect(&c.qp, &ConnectOptions::default(), b"", T).expect("connect");
-        assert_eq!(&reply[..3], b"srv");
-        assert_eq!(c.qp.state(), QpState::ReadyToSend);
-        assert!(!conn.wait_disconnected(Duration::from_millis(100)).unwrap(), "still connected");
-        go.send(()).unwrap();
-        assert!(conn.wait_disconnected(T).unwrap(), "connector sees the peer's disconnect");
-        assert!(conn.wait_disconnected(Duration::ZERO).unwrap());
-        conn.disconnect().expect("disconnect after the peer did");
-        server.join().expect("acceptor thread");
-    }
-
-    /// Nobody listens: a typed error within seconds, not a hang.
-    #[test]
-    fn connect_without_listener_fails_fast() {
-        let Some(ip) = rxe_ip() else { return };
-        // A port that was free a moment ago.
-        let port = {
-            let l = CmListener::bind(SocketAddr::new(ip, 0), 1).expect("bind");
-            l.local_addr().unwrap().port()
-        };
-        let connector = CmConnector::resolve(SocketAddr::new(ip, port), T, None).expect("resolve");
-        let c = side(&connector.device_name());
-        let start = Instant::now();
-        let e =
-            connector.connect(&c.qp, &ConnectOptions::default(), b"anyone?", T).err().expect("no listener");
-        let took = start.elapsed();
-        eprintln!("no listener: {e} after {took:?}");
-        assert!(took < Duration::from_secs(10), "took {took:?}");
-        match &e {
-            Error::ConnectionRejected { reason, .. } => assert!(reason.contains("REJECTED"), "{reason}"),
-            Error::Os { source, .. } => {
-                let msg = source.to_string();
-                assert!(msg.contains("UNREACHABLE") || msg.contains("CONNECT_ERROR"), "{msg}")
-            }
-            e => panic!("unexpected error {e}"),
-        }
-    }
-
-    /// An address no route leads to: an error within the timeout, not a hang.
-    #[test]
-    fn unroutable_address_fails_in_time() {
-        if rxe_ip().is_none() {
-            return;
-        }
-        let start = Instant::now();
-        let e = CmConnector::resolve("192.0.2.1:7471".parse().unwrap(), Duration::from_secs(3), None)
-            .err()
-            .expect("TEST-NET-1 is not routable in the VM");
-        let took = start.elapsed();
-        eprintln!("unroutable: {e} after {took:?}");
-        assert!(took < Duration::from_secs(6), "took {took:?}");
-        assert!(matches!(e, Error::Os { .. } | Error::Timeout(_) | Error::NoDevice { .. }), "{e}");
-    }
-
-    #[test]
-    fn oversize_private_data_is_invalid() {
-        let Some(ip) = rxe_ip() else { return };
-        let connector = CmConnector::resolve(SocketAddr::new(ip, 9), T, None).expect("resolve");
-        let c = side(&connector.device_name());
-        let e = connector.connect(&c.qp, &ConnectOptions::default(), &[1; 57], T).err().expect("too long");
-        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
 }

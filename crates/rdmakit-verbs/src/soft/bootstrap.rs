@@ -1,0 +1,428 @@
+//! The soft provider's connection bootstrap: a TCP exchange of endpoints, tokens and private
+//! data, returning raw pieces (streams, the peer's hello) as `rdma/cm/` does for rdma_cm.
+//! The front (`cm.rs`) creates and connects the QP between the steps and checks private
+//! data; nothing here knows a QP.
+//!
+//! ```text
+//! request:  "RKCM" 2 | endpoint (32) | token (16) | len u8 | private data
+//! reply:    "RKCM" 2 | status u8 (0 accepted) | endpoint (32) | token (16) | len u8 | private data
+//! ready:    "RKCM" 2 | 0xff            (the requester's QP is connected: start sending)
+//! ```
+//! Then the stream stays open; closing it is the disconnect.
+//!
+//! Each side draws a random connection token and sends it: a requester of the other process
+//! must present it in its soft NIC Hello (with both initial PSNs) before any of its requests
+//! is served, so a client that did not take part in this exchange cannot forge one.
+//!
+//! Every read of a handshake shares one deadline (a peer trickling bytes cannot stretch it);
+//! a length byte from the peer is checked against the caller's limit before anything is
+//! allocated for it.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::types::Endpoint;
+
+const MAGIC: [u8; 5] = *b"RKCM\x02";
+/// Bytes of a connection token.
+pub(crate) const TOKEN_LEN: usize = 16;
+/// A connection token.
+pub(crate) type Token = [u8; TOKEN_LEN];
+/// The requester's last message.
+const READY: [u8; 6] = *b"RKCM\x02\xff";
+/// A request's fixed part; a reply has one more byte (the status).
+const REQUEST_HEAD: usize = MAGIC.len() + Endpoint::ENCODED_LEN + TOKEN_LEN + 1;
+
+/// What one side sends: status (0 in a request), endpoint, token and private data.
+#[derive(Debug)]
+pub(crate) struct Hello {
+    /// 0: accepted (always 0 in a request).
+    pub status: u8,
+    /// The peer QP's endpoint.
+    pub endpoint: Endpoint,
+    /// The peer's connection token.
+    pub token: Token,
+    /// The peer's private data, at most the limit the front gave.
+    pub private_data: Vec<u8>,
+}
+
+fn malformed(reason: &str) -> Error {
+    Error::Malformed { what: "connection handshake", reason: reason.into() }
+}
+
+fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |source| Error::Os { call, source }
+}
+
+fn encode(status: Option<u8>, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<Vec<u8>> {
+    let len = u8::try_from(data.len())
+        .map_err(|_| Error::InvalidArgument(format!("private data of {} bytes", data.len())))?;
+    let mut m = MAGIC.to_vec();
+    m.extend(status);
+    m.extend_from_slice(&ep.encode());
+    m.extend_from_slice(token);
+    m.push(len);
+    m.extend_from_slice(data);
+    Ok(m)
+}
+
+/// The fixed part of a request (`with_status` false) or reply: the hello without its data,
+/// and how many data bytes follow (checked against `max_data`).
+fn decode_head(head: &[u8], with_status: bool, max_data: usize) -> Result<(Hello, usize)> {
+    if head[..MAGIC.len()] != MAGIC {
+        return Err(malformed("bad magic"));
+    }
+    let (status, rest) =
+        if with_status { (head[MAGIC.len()], &head[MAGIC.len() + 1..]) } else { (0, &head[MAGIC.len()..]) };
+    let endpoint = Endpoint::decode(&rest[..Endpoint::ENCODED_LEN])?;
+    let mut token = [0u8; TOKEN_LEN];
+    token.copy_from_slice(&rest[Endpoint::ENCODED_LEN..Endpoint::ENCODED_LEN + TOKEN_LEN]);
+    let len = usize::from(rest[Endpoint::ENCODED_LEN + TOKEN_LEN]);
+    if len > max_data {
+        return Err(malformed("private data too long"));
+    }
+    Ok((Hello { status, endpoint, token, private_data: Vec::new() }, len))
+}
+
+fn check_ready(m: &[u8; READY.len()]) -> Result<()> {
+    if *m != READY {
+        return Err(malformed("bad ready message"));
+    }
+    Ok(())
+}
+
+fn refused(addr: SocketAddr, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::ConnectionRefused {
+        Error::ConnectionRejected { reason: format!("nothing listens at {addr}"), private_data: Vec::new() }
+    } else {
+        Error::Os { call: "connect", source: e }
+    }
+}
+
+// ---- blocking ----
+
+/// Reads exactly `buf.len()` bytes before `deadline` (a per-read timeout would restart with
+/// every byte).
+fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, budget: Duration) -> Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(budget));
+        }
+        s.set_read_timeout(Some(left)).map_err(io_err("setsockopt"))?;
+        match s.read(buf) {
+            Ok(0) => {
+                let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                return Err(Error::Os { call: "read handshake", source: eof });
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(Error::Timeout(budget));
+            }
+            Err(e) => return Err(Error::Os { call: "read handshake", source: e }),
+        }
+    }
+    Ok(())
+}
+
+fn read_hello(
+    s: &mut TcpStream,
+    with_status: bool,
+    max_data: usize,
+    deadline: Instant,
+    budget: Duration,
+) -> Result<Hello> {
+    let mut head = [0u8; REQUEST_HEAD + 1];
+    let head = if with_status { &mut head[..] } else { &mut head[..REQUEST_HEAD] };
+    read_by(s, head, deadline, budget)?;
+    let (mut hello, len) = decode_head(head, with_status, max_data)?;
+    hello.private_data = vec![0u8; len];
+    read_by(s, &mut hello.private_data, deadline, budget)?;
+    Ok(hello)
+}
+
+/// A bootstrap listener (blocking).
+pub(crate) struct SoftListener(TcpListener);
+
+impl SoftListener {
+    pub fn bind(addr: SocketAddr) -> Result<SoftListener> {
+        TcpListener::bind(addr).map(SoftListener).map_err(io_err("bind"))
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.0.local_addr().map_err(io_err("getsockname"))
+    }
+
+    /// The next TCP connection (`Error::Timeout` if none within `wait`), its request not
+    /// yet read.
+    pub fn accept(&self, wait: Option<Duration>) -> Result<SoftIncoming> {
+        if let Some(w) = wait
+            && !wait_readable(self.0.as_raw_fd(), w)?
+        {
+            return Err(Error::Timeout(w));
+        }
+        let (s, _) = self.0.accept().map_err(io_err("accept"))?;
+        Ok(SoftIncoming(s))
+    }
+}
+
+/// A bootstrap connection whose request is not read yet.
+pub(crate) struct SoftIncoming(TcpStream);
+
+impl SoftIncoming {
+    /// Reads the request within `budget` (which also bounds the rest of the handshake).
+    pub fn read_request(mut self, max_data: usize, budget: Duration) -> Result<SoftRequest> {
+        let deadline = Instant::now() + budget;
+        let _ = self.0.set_write_timeout(Some(budget));
+        let hello = read_hello(&mut self.0, false, max_data, deadline, budget)?;
+        Ok(SoftRequest { s: self.0, deadline, budget, hello })
+    }
+}
+
+/// A request read: the peer's hello, and the stream to answer on.
+pub(crate) struct SoftRequest {
+    s: TcpStream,
+    deadline: Instant,
+    budget: Duration,
+    /// What the requester sent.
+    pub hello: Hello,
+}
+
+impl SoftRequest {
+    /// Answers with our endpoint, token and private data, then waits for the requester's
+    /// ready: the connection's stream.
+    pub fn accept(mut self, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<SoftConn> {
+        self.s.write_all(&encode(Some(0), ep, token, data)?).map_err(io_err("write handshake"))?;
+        let mut ready = [0u8; READY.len()];
+        read_by(&mut self.s, &mut ready, self.deadline, self.budget)?;
+        check_ready(&ready)?;
+        self.s.set_read_timeout(None).map_err(io_err("setsockopt"))?;
+        Ok(SoftConn(self.s))
+    }
+}
+
+/// The requester's side: a TCP connection to the listener, within `budget` (which also
+/// bounds the rest of the handshake).
+pub(crate) fn connect(addr: SocketAddr, budget: Duration) -> Result<SoftConnecting> {
+    let s = TcpStream::connect_timeout(&addr, budget).map_err(|e| refused(addr, e))?;
+    let _ = s.set_write_timeout(Some(budget));
+    Ok(SoftConnecting { s, deadline: Instant::now() + budget, budget })
+}
+
+/// A requester's TCP connection, the request not sent yet.
+pub(crate) struct SoftConnecting {
+    s: TcpStream,
+    deadline: Instant,
+    budget: Duration,
+}
+
+impl SoftConnecting {
+    /// Sends the request and reads the reply (of any status: the caller decides).
+    pub fn request(
+        mut self,
+        ep: &Endpoint,
+        token: &Token,
+        data: &[u8],
+        max_data: usize,
+    ) -> Result<(SoftReplied, Hello)> {
+        self.s.write_all(&encode(None, ep, token, data)?).map_err(io_err("write handshake"))?;
+        let hello = read_hello(&mut self.s, true, max_data, self.deadline, self.budget)?;
+        Ok((SoftReplied(self.s), hello))
+    }
+}
+
+/// A requester that has its reply: it sends ready once its QP is connected.
+pub(crate) struct SoftReplied(TcpStream);
+
+impl SoftReplied {
+    pub fn ready(mut self) -> Result<SoftConn> {
+        self.0.write_all(&READY).map_err(io_err("write handshake"))?;
+        self.0.set_read_timeout(None).map_err(io_err("setsockopt"))?;
+        Ok(SoftConn(self.0))
+    }
+}
+
+/// An established soft connection's bootstrap stream: closing it is the disconnect.
+pub(crate) struct SoftConn(TcpStream);
+
+impl SoftConn {
+    pub fn disconnect(&self) {
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// True once the stream reports end-of-file (the peer closed or this side shut it down).
+    pub fn wait_disconnected(&self, wait: Duration) -> Result<bool> {
+        if !wait_readable(self.0.as_raw_fd(), wait)? {
+            return Ok(false);
+        }
+        // Readable means end-of-file: the peer sends nothing after the handshake, so stray
+        // bytes or a read error are a broken bootstrap stream, which is a disconnect too.
+        let _ = (&self.0).read(&mut [0u8; 1]);
+        Ok(true)
+    }
+}
+
+fn wait_readable(fd: i32, wait: Duration) -> Result<bool> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `pfd` is one valid, initialised pollfd on this stack frame and the count
+        // passed is 1, so poll reads and writes only it.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if r >= 0 {
+            return Ok(r > 0);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Os { call: "poll", source: e });
+        }
+    }
+}
+
+// ---- on tokio ----
+//
+// The same exchange on tokio sockets. No deadline here: the front runs the whole handshake
+// under one `tokio::time::timeout`, which drops (closes) the stream when it fires.
+
+#[cfg(feature = "async")]
+pub(crate) use self::nonblocking::*;
+
+#[cfg(feature = "async")]
+mod nonblocking {
+    use super::*;
+    use tokio::net::{TcpListener, TcpStream};
+
+    async fn read_exact(s: &TcpStream, mut buf: &mut [u8]) -> Result<()> {
+        while !buf.is_empty() {
+            s.readable().await.map_err(io_err("read handshake"))?;
+            match s.try_read(buf) {
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(Error::Os { call: "read handshake", source: eof });
+                }
+                Ok(n) => buf = &mut buf[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(Error::Os { call: "read handshake", source: e }),
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_all(s: &TcpStream, mut buf: &[u8]) -> Result<()> {
+        while !buf.is_empty() {
+            s.writable().await.map_err(io_err("write handshake"))?;
+            match s.try_write(buf) {
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(Error::Os { call: "write handshake", source: e }),
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_hello(s: &TcpStream, with_status: bool, max_data: usize) -> Result<Hello> {
+        let mut head = [0u8; REQUEST_HEAD + 1];
+        let head = if with_status { &mut head[..] } else { &mut head[..REQUEST_HEAD] };
+        read_exact(s, head).await?;
+        let (mut hello, len) = decode_head(head, with_status, max_data)?;
+        hello.private_data = vec![0u8; len];
+        read_exact(s, &mut hello.private_data).await?;
+        Ok(hello)
+    }
+
+    /// Back to a blocking std stream: what the established connection keeps.
+    fn into_conn(s: TcpStream) -> Result<SoftConn> {
+        let s = s.into_std().map_err(io_err("deregister"))?;
+        s.set_nonblocking(false).map_err(io_err("fcntl"))?;
+        Ok(SoftConn(s))
+    }
+
+    /// A bootstrap listener on tokio (needs a runtime).
+    pub(crate) struct AsyncSoftListener(TcpListener);
+
+    impl AsyncSoftListener {
+        pub fn bind(addr: SocketAddr) -> Result<AsyncSoftListener> {
+            let l = std::net::TcpListener::bind(addr).map_err(io_err("bind"))?;
+            l.set_nonblocking(true).map_err(io_err("fcntl"))?;
+            TcpListener::from_std(l).map(AsyncSoftListener).map_err(io_err("register"))
+        }
+
+        pub fn local_addr(&self) -> Result<SocketAddr> {
+            self.0.local_addr().map_err(io_err("getsockname"))
+        }
+
+        /// The next TCP connection, its request not read yet.
+        pub async fn accept(&self) -> Result<AsyncSoftIncoming> {
+            let (s, _) = self.0.accept().await.map_err(io_err("accept"))?;
+            Ok(AsyncSoftIncoming(s))
+        }
+    }
+
+    /// A bootstrap connection whose request is not read yet.
+    pub(crate) struct AsyncSoftIncoming(TcpStream);
+
+    impl AsyncSoftIncoming {
+        pub async fn read_request(self, max_data: usize) -> Result<AsyncSoftRequest> {
+            let hello = read_hello(&self.0, false, max_data).await?;
+            Ok(AsyncSoftRequest { s: self.0, hello })
+        }
+    }
+
+    /// A request read: the peer's hello, and the stream to answer on.
+    pub(crate) struct AsyncSoftRequest {
+        s: TcpStream,
+        /// What the requester sent.
+        pub hello: Hello,
+    }
+
+    impl AsyncSoftRequest {
+        /// Answers, then waits for the requester's ready.
+        pub async fn accept(self, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<SoftConn> {
+            write_all(&self.s, &encode(Some(0), ep, token, data)?).await?;
+            let mut ready = [0u8; READY.len()];
+            read_exact(&self.s, &mut ready).await?;
+            check_ready(&ready)?;
+            into_conn(self.s)
+        }
+    }
+
+    /// The requester's side on tokio: the TCP connection, the request not sent yet.
+    pub(crate) async fn connect_async(addr: SocketAddr) -> Result<AsyncSoftConnecting> {
+        let s = TcpStream::connect(addr).await.map_err(|e| refused(addr, e))?;
+        Ok(AsyncSoftConnecting(s))
+    }
+
+    /// A requester's TCP connection, the request not sent yet.
+    pub(crate) struct AsyncSoftConnecting(TcpStream);
+
+    impl AsyncSoftConnecting {
+        /// Sends the request and reads the reply (of any status).
+        pub async fn request(
+            self,
+            ep: &Endpoint,
+            token: &Token,
+            data: &[u8],
+            max_data: usize,
+        ) -> Result<(AsyncSoftReplied, Hello)> {
+            write_all(&self.0, &encode(None, ep, token, data)?).await?;
+            let hello = read_hello(&self.0, true, max_data).await?;
+            Ok((AsyncSoftReplied(self.0), hello))
+        }
+    }
+
+    /// A requester that has its reply.
+    pub(crate) struct AsyncSoftReplied(TcpStream);
+
+    impl AsyncSoftReplied {
+        pub async fn ready(self) -> Result<SoftConn> {
+            write_all(&self.0, &READY).await?;
+            into_conn(self.0)
+        }
+    }
+}
