@@ -551,6 +551,65 @@ fn hello_for_an_unknown_qpn_is_refused() {
     l.write(&v, 0, 5);
 }
 
+/// `n` victim QPs that are not connected yet, with their endpoints (the device listens).
+fn unconnected(v: &Victim, n: usize) -> (Vec<QueuePair>, Vec<Endpoint>) {
+    let qps: Vec<QueuePair> =
+        (0..n).map(|_| v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap()).collect();
+    let eps = qps.iter().map(|q| q.endpoint().unwrap()).collect();
+    (qps, eps)
+}
+
+/// How many of `conns` the victim closed within a moment.
+fn closed_count(conns: &mut [TcpStream]) -> usize {
+    conns.iter_mut().map(|s| closed_within(s, Duration::from_millis(50))).filter(|&c| c).count()
+}
+
+#[test]
+fn a_burst_of_hellos_from_one_address_waits_for_its_qps() {
+    // A host setting up 40 connections at once (one per QP, as a service with many clients
+    // on one machine does): each complete Hello waits for its QP to be connected. Before,
+    // they counted against the 16 unauthenticated connections allowed per address, and 24
+    // were closed at once.
+    let _g = serial();
+    let v = Victim::new();
+    let (_qps, eps) = unconnected(&v, 40);
+    let me = far(&eps[0]);
+    let mut conns: Vec<TcpStream> = eps
+        .iter()
+        .map(|e| {
+            let mut s = attacker(e.lid);
+            s.write_all(&guessed_hello(&me, e)).unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = closed_count(&mut conns);
+    println!("40 complete Hellos from one address for 40 QPs not yet connected: {closed} closed");
+    assert_eq!(closed, 0, "Hellos waiting for their own QPs were refused");
+}
+
+#[test]
+fn hellos_waiting_for_one_qp_are_bounded() {
+    // What a legitimate peer never does: many complete Hellos for the same QP before it is
+    // connected. At most MAX_AWAITING_PER_QP (4) wait; the others are closed at once.
+    let _g = serial();
+    let v = Victim::new();
+    let (_qps, eps) = unconnected(&v, 1);
+    let me = far(&eps[0]);
+    let mut conns: Vec<TcpStream> = (0..10u8)
+        .map(|i| {
+            let mut s = attacker_from(2 + i, eps[0].lid);
+            s.write_all(&guessed_hello(&me, &eps[0])).unwrap();
+            std::thread::sleep(Duration::from_millis(20)); // in order
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = closed_count(&mut conns);
+    println!("10 complete Hellos for one QP not yet connected: {closed} closed, {} waiting", 10 - closed);
+    assert_eq!(closed, 6, "the number of Hellos waiting for one QP is not bounded to 4");
+}
+
 #[test]
 fn region_deregistered_mid_transfer() {
     let _g = serial();

@@ -13,7 +13,7 @@
 //! - before that, a connection costs the device one descriptor and a few bytes, no thread:
 //!   one acceptor thread per device reads Hellos from all of them with `poll(2)`, takes only
 //!   a header whose length is exactly a Hello's, and drops a connection whose Hello is not
-//!   complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`] such connections
+//!   complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`] connections with an incomplete Hello
 //!   per peer address and [`MAX_PENDING`] per device are kept, the rest are closed at once;
 //! - after it, a frame's length is checked against its kind before anything is allocated,
 //!   each frame must be complete within [`FRAME_TIMEOUT`] of its first byte, request PSNs
@@ -50,8 +50,12 @@ pub(crate) const AUTH_WAIT: Duration = Duration::from_secs(30);
 pub(crate) const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 /// A peer that does not take our bytes for this long is cut off.
 pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
-/// Unauthenticated connections kept per peer address.
+/// Connections per peer address whose `Hello` is still incomplete (slow or silent ones).
+/// Connections with a complete `Hello` waiting for their QP do not count here: a host of
+/// legitimate peers connecting at once (one per QP) has as many of those as QPs being set up.
 pub(crate) const MAX_PENDING_PER_ADDR: usize = 16;
+/// Complete `Hello`s waiting for the same not-yet-connected QP (a legitimate peer sends one).
+pub(crate) const MAX_AWAITING_PER_QP: usize = 4;
 /// Unauthenticated connections kept per device.
 pub(crate) const MAX_PENDING: usize = 256;
 /// Authenticated connections served per device (each is bound to one target QP).
@@ -227,7 +231,7 @@ impl Acceptor {
                 Ok((s, addr)) => {
                     self.backoff = BACKOFF_MIN;
                     let ip = addr.ip();
-                    let from_ip = self.pending.iter().filter(|p| p.ip == ip).count();
+                    let from_ip = self.pending.iter().filter(|p| p.ip == ip && p.hello.is_none()).count();
                     if self.pending.len() >= MAX_PENDING || from_ip >= MAX_PENDING_PER_ADDR {
                         warn_limited!(peer = %addr, "soft NIC: too many unauthenticated connections; refused");
                         continue; // dropping `s` closes it
@@ -244,6 +248,17 @@ impl Acceptor {
                         deadline: Instant::now() + HELLO_TIMEOUT,
                         hello: None,
                     });
+                    // A peer's Hello usually follows its connect at once: take it now, so a
+                    // burst of legitimate connections from one host is not counted as slow.
+                    let i = self.pending.len() - 1;
+                    match self.read_hello(i) {
+                        Next::Keep => {}
+                        Next::Drop => drop(self.pending.swap_remove(i)),
+                        Next::Serve(qp) => {
+                            let p = self.pending.swap_remove(i);
+                            self.start_serving(p, qp);
+                        }
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -290,7 +305,17 @@ impl Acceptor {
             }
         }
         match wire::decode_payload(wire::KIND_HELLO, &p.buf[wire::HEADER..]) {
-            Ok(h @ Frame::Hello { .. }) => {
+            Ok(h @ Frame::Hello { dst_qpn, .. }) => {
+                let awaiting = self
+                    .pending
+                    .iter()
+                    .filter(|o| matches!(o.hello, Some(Frame::Hello { dst_qpn: q, .. }) if q == dst_qpn))
+                    .count();
+                let p = &mut self.pending[i];
+                if awaiting >= MAX_AWAITING_PER_QP {
+                    warn_limited!(peer = %p.ip, qpn = dst_qpn, "soft NIC: too many Hellos waiting for one QP; dropped");
+                    return Next::Drop;
+                }
                 p.hello = Some(h);
                 p.deadline = Instant::now() + AUTH_WAIT;
                 self.try_auth(i)
