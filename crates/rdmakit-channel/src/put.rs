@@ -371,9 +371,9 @@ impl PutEndpoint {
     /// makes it return [`ChannelError::Broken`] within the bound of [`crate::control`].
     pub fn ready_poll(&self) -> Result<usize> {
         let inner = &self.inner;
-        inner.progress()?;
+        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+        let queued = inner.driver.progress_then(on_wc, |st| st.check().map(|()| st.queued.len()))??;
         let mut fired = 0;
-        let queued = inner.driver.with(|st| st.queued.len());
         for _ in 0..queued {
             // Take the callback out so it runs without the lock (it may call `ready`).
             let job = inner.driver.with(|st| -> Result<Option<(u32, u64, Callback, MemoryRegion)>> {
@@ -405,23 +405,40 @@ impl PutEndpoint {
                 });
             }
         }
+        if fired == 0 {
+            inner.watch()?; // blocked: the caller polls again
+        }
         Ok(fired)
     }
 
     /// Makes progress on completions (association messages, finished puts) without waiting.
     pub fn progress(&self) -> Result<()> {
-        self.inner.progress()
+        self.inner.progress_and_watch()
     }
 }
 
 impl Inner {
-    /// Applies what has completed, keeps the connection watched, and reports a failure.
+    /// Applies what has completed and reports a failure (one lock). Keeps no watch on the
+    /// connection: an operation that finds itself blocked (a poll that found no put, a
+    /// `Busy` put) calls [`watch`](Self::watch) too, so a call that gets on pays no clock
+    /// read for keep-alives.
     fn progress(&self) -> Result<()> {
-        self.driver.progress(&mut |st, wc| self.on_wc(st, wc))?;
+        self.driver.progress_then(&mut |st, wc| self.on_wc(st, wc), |st| st.check())?
+    }
+
+    /// Called by an operation that is blocked (its caller will retry): sends a keep-alive
+    /// if one is due, so a dead peer ends the wait, and reports a failure.
+    fn watch(&self) -> Result<()> {
         self.driver.with(|st| {
             st.ctl.tick();
             st.check()
         })
+    }
+
+    /// [`progress`](Self::progress) and [`watch`](Self::watch).
+    fn progress_and_watch(&self) -> Result<()> {
+        self.progress()?;
+        self.watch()
     }
 
     fn on_wc(&self, st: &mut State, wc: &WorkCompletion) {
@@ -525,8 +542,8 @@ impl RecvHandle {
     /// sender: the next put may already be there.
     pub fn ready_mark(&self) -> Result<()> {
         let inner = &self.ep.inner;
-        inner.progress()?;
-        inner.driver.with(|st| st.mark(self.id))
+        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+        inner.driver.progress_then(on_wc, |st| st.check().and_then(|()| st.mark(self.id)))?
     }
 
     /// `CkDirect_readyPollQ`: the data was already marked done; start checking for the next
@@ -543,11 +560,12 @@ impl RecvHandle {
     /// step.
     pub fn ready(&self) -> Result<()> {
         let inner = &self.ep.inner;
-        inner.progress()?;
-        inner.driver.with(|st| {
+        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+        inner.driver.progress_then(on_wc, |st| {
+            st.check()?;
             st.mark(self.id)?;
             st.queue(self.id)
-        })
+        })?
     }
 
     /// Whether the latest put seen has been marked done (or none was seen yet).
@@ -638,8 +656,8 @@ impl SendHandle {
     /// consumed the put, so the write has been placed), or the put may carry the new bytes.
     pub fn put(&self) -> Result<()> {
         let inner = &self.ep.inner;
-        inner.progress()?;
-        inner.driver.with(|st| -> Result<()> {
+        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+        let r = inner.driver.progress_then(on_wc, |st| -> Result<()> {
             st.check()?;
             let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
             let ready = count_for(inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?, Some(e.epoch));
@@ -656,7 +674,11 @@ impl SendHandle {
                 e.puts += 1;
             }
             Ok(())
-        })
+        })?;
+        if matches!(r, Err(ChannelError::Busy)) {
+            inner.watch()?; // blocked: the caller retries
+        }
+        r
     }
 
     /// Puts done so far.
@@ -667,11 +689,16 @@ impl SendHandle {
     /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`).
     pub fn is_ready(&self) -> Result<bool> {
         let inner = &self.ep.inner;
-        inner.progress()?;
-        let w = inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?;
-        Ok(inner.driver.with(|st| {
-            st.send[self.id as usize].as_ref().is_some_and(|e| count_for(w, Some(e.epoch)) >= e.puts)
-        }))
+        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+        let ready = inner.driver.progress_then(on_wc, |st| -> Result<bool> {
+            st.check()?;
+            let w = inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?;
+            Ok(st.send[self.id as usize].as_ref().is_some_and(|e| count_for(w, Some(e.epoch)) >= e.puts))
+        })??;
+        if !ready {
+            inner.watch()?; // the caller waits for it
+        }
+        Ok(ready)
     }
 
     /// Ends the association and tells the receiver.

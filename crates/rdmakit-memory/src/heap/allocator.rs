@@ -48,7 +48,7 @@ impl HeapAllocator {
         HeapAllocator {
             config,
             segments: SegmentTable::default(),
-            free: FreeSpace::new(config.policy().uses_size_index()),
+            free: FreeSpace::with_index(config.policy().size_order()),
             cursor: 0,
             pending: Vec::new(),
             next_batch: 0,

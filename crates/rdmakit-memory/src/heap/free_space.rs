@@ -1,5 +1,6 @@
 //! A set of disjoint free ranges, kept coalesced, with an optional index by size.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound::{Excluded, Unbounded};
 
@@ -28,56 +29,158 @@ pub(crate) struct FreeSpace {
 const SMALL: u64 = 1024;
 /// Words of the bitmap of non-empty bins.
 const WORDS: usize = (SMALL / 64) as usize;
+/// Most ends a bin keeps in a sorted vector; a bin that grows beyond becomes a B-tree set.
+const BIN_VEC: usize = 32;
+
+/// The ends of the free ranges of one exact length, lowest first: a sorted vector while
+/// it is short (the usual case: an insertion or removal is a short search and move, with
+/// no tree to walk), a B-tree set once it grows past [`BIN_VEC`] ends, so that every
+/// operation stays O(log n) however many ranges of one length a peer's frees create.
+#[derive(Clone, Debug)]
+enum Bin {
+    Few(Vec<u64>),
+    Many(BTreeSet<u64>),
+}
+
+impl Bin {
+    fn insert(&mut self, end: u64) {
+        match self {
+            Bin::Few(v) => {
+                let Err(i) = v.binary_search(&end) else { return };
+                if v.len() < BIN_VEC {
+                    v.insert(i, end);
+                } else {
+                    let mut set: BTreeSet<u64> = v.drain(..).collect();
+                    set.insert(end);
+                    *self = Bin::Many(set);
+                }
+            }
+            Bin::Many(set) => {
+                set.insert(end);
+            }
+        }
+    }
+
+    fn remove(&mut self, end: u64) {
+        match self {
+            Bin::Few(v) => {
+                if let Ok(i) = v.binary_search(&end) {
+                    v.remove(i);
+                }
+            }
+            Bin::Many(set) => {
+                set.remove(&end);
+            }
+        }
+    }
+
+    fn first(&self) -> Option<u64> {
+        match self {
+            Bin::Few(v) => v.first().copied(),
+            Bin::Many(set) => set.first().copied(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Bin::Few(v) => v.is_empty(),
+            Bin::Many(set) => set.is_empty(),
+        }
+    }
+
+    /// The ends in order (tests).
+    #[cfg(test)]
+    fn ends(&self) -> Vec<u64> {
+        match self {
+            Bin::Few(v) => v.clone(),
+            Bin::Many(set) => set.iter().copied().collect(),
+        }
+    }
+}
+
+/// Which of equal-length ranges the large set lists first, and so which query is one
+/// B-tree step: best-fit's (the smallest length at least `n`, lowest address first) or
+/// worst-fit's (the largest length, lowest address first, which is then simply the last
+/// key). Either order answers both queries with the same result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SizeOrder {
+    /// Keys `(len, end)`: best-fit's lookup is one range step.
+    BestFirst,
+    /// Keys `(len, !end)`: worst-fit's lookup is the last key.
+    WorstFirst,
+}
 
 /// The index by size best-fit and worst-fit need: `(len, end)` pairs ordered "smallest
 /// first, then lowest address".
 ///
 /// Small ranges (below [`SMALL`] bytes: the holes and remainders small allocations leave)
-/// sit in exact-size bins, each an ordered set of ends, with a bitmap of the
-/// non-empty bins; larger ones in one ordered set of `(len, end)`. A best-fit lookup for a
-/// small size is then a scan of at most `SMALL / 64` bitmap words plus the first element of
-/// one small set, and updates touch a set of a few elements instead of one holding every
-/// range; every operation stays O(log n) (the bins' sets are B-trees too), and the order
-/// is exactly that of a single `(len, end)` set, so each policy's choice is unchanged.
+/// sit in exact-size bins, each an ordered collection of ends ([`Bin`]), with a bitmap of
+/// the non-empty bins; larger ones in one ordered set keyed by length and end (in the
+/// [`SizeOrder`] the policy asks for). A best-fit lookup for a small size is then a scan
+/// of at most `SMALL / 64` bitmap words plus the first element of one bin, and updates
+/// touch a bin of a few elements instead of a set holding every range; every operation
+/// stays O(log n), and the answers are exactly those of a single `(len, end)` set, so each
+/// policy's choice is unchanged.
 #[derive(Clone, Debug)]
 struct SizeIndex {
     /// `bins[len]`: ends of the free ranges of exactly `len` bytes, for `len < SMALL`.
-    bins: Vec<BTreeSet<u64>>,
+    bins: Vec<Bin>,
     /// Bit `len` set iff `bins[len]` is non-empty.
     occupied: [u64; WORDS],
-    /// `(len, end)` of the ranges of `SMALL` bytes or more, packed as `len << 64 | end` so
+    /// The ranges of `SMALL` bytes or more, each packed as `len << 64 | e` with `e` the
+    /// end ([`SizeOrder::BestFirst`]) or its complement ([`SizeOrder::WorstFirst`]), so
     /// that the B-tree compares one integer instead of a pair.
     large: BTreeSet<u128>,
+    order: SizeOrder,
 }
 
 impl SizeIndex {
-    fn new() -> Self {
+    fn new(order: SizeOrder) -> Self {
         SizeIndex {
-            bins: vec![BTreeSet::new(); SMALL as usize],
+            bins: vec![Bin::Few(Vec::new()); SMALL as usize],
             occupied: [0; WORDS],
             large: BTreeSet::new(),
+            order,
+        }
+    }
+
+    /// The large set's key of `(len, end)`.
+    fn key(&self, len: u64, end: u64) -> u128 {
+        match self.order {
+            SizeOrder::BestFirst => pack(len, end),
+            SizeOrder::WorstFirst => pack(len, !end),
+        }
+    }
+
+    /// `(len, end)` of a large set's key.
+    fn unkey(&self, key: u128) -> (u64, u64) {
+        let (len, e) = unpack(key);
+        match self.order {
+            SizeOrder::BestFirst => (len, e),
+            SizeOrder::WorstFirst => (len, !e),
         }
     }
 
     fn insert(&mut self, len: u64, end: u64) {
         if len < SMALL {
-            let bin = &mut self.bins[len as usize];
-            bin.insert(end);
+            self.bins[len as usize].insert(end);
             self.occupied[(len / 64) as usize] |= 1 << (len % 64);
         } else {
-            self.large.insert(pack(len, end));
+            let key = self.key(len, end);
+            self.large.insert(key);
         }
     }
 
     fn remove(&mut self, len: u64, end: u64) {
         if len < SMALL {
             let bin = &mut self.bins[len as usize];
-            bin.remove(&end);
+            bin.remove(end);
             if bin.is_empty() {
                 self.occupied[(len / 64) as usize] &= !(1 << (len % 64));
             }
         } else {
-            self.large.remove(&pack(len, end));
+            let key = self.key(len, end);
+            self.large.remove(&key);
         }
     }
 
@@ -89,7 +192,7 @@ impl SizeIndex {
             loop {
                 if bits != 0 {
                     let len = w as u64 * 64 + u64::from(bits.trailing_zeros());
-                    return self.bins[len as usize].first().map(|&end| (len, end));
+                    return self.bins[len as usize].first().map(|end| (len, end));
                 }
                 w += 1;
                 if w == WORDS {
@@ -98,24 +201,43 @@ impl SizeIndex {
                 bits = self.occupied[w];
             }
         }
-        self.large.range(pack(n.max(SMALL), 0)..).next().map(|&k| unpack(k))
+        let n = n.max(SMALL);
+        match self.order {
+            SizeOrder::BestFirst => self.large.range(pack(n, 0)..).next().map(|&k| unpack(k)),
+            // Lowest end first among the smallest length: the first key of that length.
+            SizeOrder::WorstFirst => {
+                let (len, _) = self.large.range(pack(n, 0)..).next().map(|&k| unpack(k))?;
+                self.large.range(..=pack(len, u64::MAX)).next_back().map(|&k| self.unkey(k))
+            }
+        }
     }
 
     /// The largest range, the lowest among equals.
     fn largest(&self) -> Option<(u64, u64)> {
         if let Some(&last) = self.large.last() {
-            return self.large.range(pack(unpack(last).0, 0)..).next().map(|&k| unpack(k));
+            return match self.order {
+                SizeOrder::WorstFirst => Some(self.unkey(last)),
+                SizeOrder::BestFirst => {
+                    self.large.range(pack(unpack(last).0, 0)..).next().map(|&k| unpack(k))
+                }
+            };
         }
         let w = self.occupied.iter().rposition(|&bits| bits != 0)?;
         let len = w as u64 * 64 + 63 - u64::from(self.occupied[w].leading_zeros());
-        self.bins[len as usize].first().map(|&end| (len, end))
+        self.bins[len as usize].first().map(|end| (len, end))
     }
 
-    /// Every `(len, end)`, in index order (tests).
+    /// Every `(len, end)`, in `(len, end)` order (tests).
     #[cfg(test)]
     fn entries(&self) -> Vec<(u64, u64)> {
-        let small = self.bins.iter().enumerate().flat_map(|(len, b)| b.iter().map(move |&e| (len as u64, e)));
-        small.chain(self.large.iter().map(|&k| unpack(k))).collect()
+        let small = self
+            .bins
+            .iter()
+            .enumerate()
+            .flat_map(|(len, b)| b.ends().into_iter().map(move |e| (len as u64, e)));
+        let mut large: Vec<(u64, u64)> = self.large.iter().map(|&k| self.unkey(k)).collect();
+        large.sort_unstable();
+        small.chain(large).collect()
     }
 }
 
@@ -137,8 +259,15 @@ pub(crate) struct Taken {
 
 impl FreeSpace {
     /// An empty set; `size_index` keeps the `(len, end)` index best-fit and worst-fit need.
+    #[cfg(test)]
     pub(crate) fn new(size_index: bool) -> Self {
-        FreeSpace { by_end: BTreeMap::new(), by_size: size_index.then(SizeIndex::new), bytes: 0 }
+        Self::with_index(size_index.then_some(SizeOrder::BestFirst))
+    }
+
+    /// An empty set, with the size index in the given order (best-fit and worst-fit need
+    /// one; either order serves both, each its own policy faster).
+    pub(crate) fn with_index(order: Option<SizeOrder>) -> Self {
+        FreeSpace { by_end: BTreeMap::new(), by_size: order.map(SizeIndex::new), bytes: 0 }
     }
 
     /// Number of ranges.
@@ -242,8 +371,8 @@ impl FreeSpace {
     /// Needs the size index.
     pub(crate) fn take_best_fit(&mut self, n: u64) -> Option<Taken> {
         let idx = self.by_size.as_ref().expect("best-fit needs the size index");
-        let (_, end) = idx.best(n)?;
-        Some(self.take_at(end, n))
+        let (len, end) = idx.best(n)?;
+        Some(self.take_at(len, end, n))
     }
 
     /// Worst-fit: the largest range, the lowest among equals, if it holds `n` bytes.
@@ -254,15 +383,27 @@ impl FreeSpace {
         if largest < n {
             return None;
         }
-        Some(self.take_at(end, n))
+        Some(self.take_at(largest, end, n))
     }
 
-    /// Takes `n` bytes from the front of the range ending at `end`, which holds them.
-    fn take_at(&mut self, end: u64, n: u64) -> Taken {
-        let span = self.by_end.get_mut(&end).expect("size index and ranges agree");
-        let hit = (span.start, end, span.seg);
-        span.start += n;
-        self.carved(hit, n)
+    /// Takes `n` bytes from the front of the range of `len` bytes ending at `end`, which
+    /// holds them: one search of the ranges (the entry is changed or removed in place).
+    fn take_at(&mut self, len: u64, end: u64, n: u64) -> Taken {
+        let Entry::Occupied(mut range) = self.by_end.entry(end) else {
+            unreachable!("size index and ranges agree")
+        };
+        let Span { start, seg } = *range.get();
+        debug_assert_eq!(end - start, len, "size index and ranges agree");
+        let idx = self.by_size.as_mut().expect("taken through the size index");
+        idx.remove(len, end);
+        if n == len {
+            range.remove();
+        } else {
+            range.get_mut().start = start + n;
+            idx.insert(len - n, end);
+        }
+        self.bytes -= n;
+        Taken { addr: start, seg }
     }
 
     /// Bookkeeping after `n` bytes were taken from the front of the range `hit` (its
@@ -362,7 +503,13 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore)]
     fn size_index_matches_a_single_ordered_set() {
-        let mut idx = SizeIndex::new();
+        for order in [SizeOrder::BestFirst, SizeOrder::WorstFirst] {
+            size_index_matches_in(order);
+        }
+    }
+
+    fn size_index_matches_in(order: SizeOrder) {
+        let mut idx = SizeIndex::new(order);
         let mut reference = BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         let mut rand = move || {
@@ -389,12 +536,36 @@ mod tests {
                 idx.insert(len, end);
             }
             let largest = reference.last().and_then(|&(l, _)| reference.range((l, 0)..).next().copied());
-            assert_eq!(idx.largest(), largest, "step {step}");
+            assert_eq!(idx.largest(), largest, "{order:?} step {step}");
             for n in [1, 7, 63, 64, 65, SMALL - 1, SMALL, SMALL + 1, rand() % (5 * SMALL)] {
-                assert_eq!(idx.best(n), reference.range((n, 0)..).next().copied(), "step {step}, n {n}");
+                assert_eq!(
+                    idx.best(n),
+                    reference.range((n, 0)..).next().copied(),
+                    "{order:?} step {step}, n {n}"
+                );
             }
         }
         assert_eq!(idx.entries(), reference.into_iter().collect::<Vec<_>>());
+    }
+
+    /// A bin that outgrows its vector becomes a set and keeps the same order and answers.
+    #[test]
+    fn a_bin_grows_from_a_vector_to_a_set() {
+        let mut bin = Bin::Few(Vec::new());
+        let ends: Vec<u64> = (0..3 * BIN_VEC as u64).map(|i| (i * 7919) % 1000 * 8).collect();
+        for (k, &e) in ends.iter().enumerate() {
+            bin.insert(e);
+            bin.insert(e); // a duplicate changes nothing
+            assert_eq!(matches!(bin, Bin::Many(_)), k >= BIN_VEC, "after {} ends", k + 1);
+        }
+        let mut sorted = ends.clone();
+        sorted.sort_unstable();
+        assert_eq!(bin.ends(), sorted);
+        for &e in &sorted {
+            assert_eq!(bin.first(), Some(e));
+            bin.remove(e);
+        }
+        assert!(bin.is_empty() && bin.first().is_none());
     }
 
     #[test]

@@ -168,9 +168,14 @@ impl AllocPolicy {
         }
     }
 
-    /// Whether the policy searches the size index (and so the allocator maintains one).
-    pub(crate) const fn uses_size_index(self) -> bool {
-        matches!(self, AllocPolicy::BestFit | AllocPolicy::WorstFit)
+    /// The size index the policy searches (and so the allocator maintains), in the order
+    /// that makes its lookup one B-tree step; `None` for the policies that walk addresses.
+    pub(crate) const fn size_order(self) -> Option<free_space::SizeOrder> {
+        match self {
+            AllocPolicy::BestFit => Some(free_space::SizeOrder::BestFirst),
+            AllocPolicy::WorstFit => Some(free_space::SizeOrder::WorstFirst),
+            AllocPolicy::NextFit | AllocPolicy::FirstFit => None,
+        }
     }
 }
 
