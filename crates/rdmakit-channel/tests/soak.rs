@@ -67,6 +67,8 @@ use common::cm_options;
 /// Longest allowed time from a peer's kill to the typed error on each of its pipes and put
 /// handles.
 const BOUND: Duration = Duration::from_secs(5);
+/// A put sender waiting this long for a live peer's ready mark fails the soak.
+const STUCK: Duration = Duration::from_secs(60);
 /// How long the leak check waits for threads and fds to return to the baseline.
 const SETTLE: Duration = Duration::from_secs(10);
 /// Largest pipe message.
@@ -233,12 +235,20 @@ fn peer_main(pipes: usize, puts: usize) {
         h.ready_poll_q().unwrap();
         put_stats.push(check);
         std::thread::spawn(move || {
-            while ep.ready_poll().is_ok() {
-                if fired.swap(false, Ordering::SeqCst) && h.ready().is_err() {
-                    break;
+            let e = loop {
+                match ep.ready_poll() {
+                    Err(e) => break e,
+                    Ok(_) if fired.swap(false, Ordering::SeqCst) => {
+                        if let Err(e) = h.ready() {
+                            break e;
+                        }
+                    }
+                    Ok(_) => {}
                 }
                 std::thread::sleep(Duration::from_micros(100));
-            }
+            };
+            // Its sender then waits for a ready mark that never comes: say why.
+            eprintln!("soak peer: put handle {k} stopped: {e}");
         });
         keep.push((conn, buf));
     }
@@ -522,9 +532,11 @@ fn soak() {
                 let sender = std::thread::spawn(move || {
                     let _ep = ep;
                     let (mut sent, mut confirmed) = (0u64, 0u64);
+                    let mut waiting_since: Option<Instant> = None;
                     loop {
                         match sh.is_ready() {
                             Ok(true) => {
+                                waiting_since = None;
                                 confirmed = sent;
                                 if stop.load(Ordering::SeqCst) && killed_at.lock().unwrap().is_none() {
                                     return (confirmed, None);
@@ -540,6 +552,11 @@ fn soak() {
                                 // Give up (reported as never seeing the death) long after the bound.
                                 if killed_at.lock().unwrap().is_some_and(|t| t.elapsed() > BOUND * 12) {
                                     return (confirmed, None);
+                                }
+                                // A live peer that stops marking puts done (its receiver hit an
+                                // error; it says which on its stderr) is a failure, not a hang.
+                                if waiting_since.get_or_insert_with(Instant::now).elapsed() > STUCK {
+                                    panic!("put stream {stream}: no ready mark for {STUCK:?} from a live peer (put {sent})");
                                 }
                                 std::thread::sleep(Duration::from_micros(100))
                             }
