@@ -97,7 +97,7 @@ impl Env {
     /// Connection options: defaults, with the GID index from the environment.
     pub fn opts(&self) -> ConnectOptions {
         let gid_index = std::env::var("RDMAKIT_GID_INDEX").ok().and_then(|v| v.parse().ok());
-        ConnectOptions { gid_index, ..ConnectOptions::default() }
+        ConnectOptions::default().with_gid_index(gid_index)
     }
 
     pub fn pair(&self) -> Result<Pair, Failed> {

@@ -70,7 +70,11 @@ pub const FREE_BATCH_BLOCKS: usize = 64;
 const MAX_ANSWERS: usize = 1024;
 
 /// How an owner grows its heaps, and what one peer may make it hold.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OwnerLimits {
     /// Smallest segment registered (requests ask for at least the block that did not fit).
     pub segment_len: u64,
@@ -84,6 +88,26 @@ pub struct OwnerLimits {
 impl Default for OwnerLimits {
     fn default() -> Self {
         OwnerLimits { segment_len: 1 << 20, max_heap_bytes: 64 << 20, max_total_bytes: 256 << 20 }
+    }
+}
+
+impl OwnerLimits {
+    /// Sets [`segment_len`](Self::segment_len).
+    pub const fn with_segment_len(mut self, segment_len: u64) -> Self {
+        self.segment_len = segment_len;
+        self
+    }
+
+    /// Sets [`max_heap_bytes`](Self::max_heap_bytes).
+    pub const fn with_max_heap_bytes(mut self, max_heap_bytes: u64) -> Self {
+        self.max_heap_bytes = max_heap_bytes;
+        self
+    }
+
+    /// Sets [`max_total_bytes`](Self::max_total_bytes).
+    pub const fn with_max_total_bytes(mut self, max_total_bytes: u64) -> Self {
+        self.max_total_bytes = max_total_bytes;
+        self
     }
 }
 

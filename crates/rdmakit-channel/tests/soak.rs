@@ -171,7 +171,7 @@ impl Check {
 }
 
 fn pipe_config() -> PipeConfig {
-    PipeConfig { ring_len: 64 << 10, ..PipeConfig::default() }
+    PipeConfig::default().with_ring_len(64 << 10)
 }
 
 // ---------------------------------------------------------------------------------------

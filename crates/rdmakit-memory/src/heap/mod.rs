@@ -267,6 +267,7 @@ impl RemoteBlock {
 
 /// Occupancy of a heap as the allocating side sees it ([`HeapAllocator::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct HeapStats {
     /// Number of segments.
     pub segments: usize,

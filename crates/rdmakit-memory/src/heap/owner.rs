@@ -20,6 +20,7 @@ pub enum OwnerBlockState {
 
 /// The owner's side of a heap at a glance ([`HeapOwner::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OwnerStats {
     /// Number of segments.
     pub segments: usize,

@@ -215,7 +215,11 @@ fn input(a: &TransferArgs) -> Result<Input, Error> {
 }
 
 fn cm_options(a: &TransferArgs, (caps, cqe): (rdmakit_verbs::QpCaps, u32)) -> CmOptions {
-    CmOptions { caps, cqe, connect: a.dev.connect_options(), timeout: Duration::from_secs(30) }
+    CmOptions::default()
+        .with_caps(caps)
+        .with_cqe(cqe)
+        .with_connect(a.dev.connect_options())
+        .with_timeout(Duration::from_secs(30))
 }
 
 fn run(a: &TransferArgs) -> Result<(), Error> {
