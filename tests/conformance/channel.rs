@@ -6,8 +6,8 @@ use rdmakit::channel::put::PutEndpoint;
 use rdmakit::channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
 use rdmakit::*;
 
-use crate::cases::{Case, case};
 use crate::check_eq;
+use crate::fixture::{Case, case};
 use crate::fixture::{Env, WAIT};
 
 /// The channel cases, run on both providers by `main`.

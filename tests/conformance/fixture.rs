@@ -163,3 +163,17 @@ macro_rules! check_eq {
         }
     }};
 }
+
+/// A conformance case: its name, what it needs of the device, and its body.
+/// The body of a case.
+pub type CaseFn = fn(&Env) -> Result<(), Failed>;
+
+pub struct Case {
+    pub name: &'static str,
+    pub needs: Needs,
+    pub run: CaseFn,
+}
+
+pub const fn case(name: &'static str, run: CaseFn) -> Case {
+    Case { name, needs: Needs::Nothing, run }
+}

@@ -8,8 +8,8 @@ use rdmakit::channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit::memory::heap::{AllocPolicy, HeapConfig, HeapId};
 use rdmakit::*;
 
-use crate::cases::{Case, case};
 use crate::check_eq;
+use crate::fixture::{Case, case};
 use crate::fixture::{Env, WAIT};
 
 /// The heap cases, run on both providers by `main`.

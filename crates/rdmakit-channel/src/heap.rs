@@ -47,10 +47,10 @@ use std::time::{Duration, Instant};
 
 use rdmakit_memory::heap::{
     AllocAck, AllocNotice, HeapAllocator, HeapConfig, HeapError, HeapId, HeapMessage, HeapOwner, HeapStats,
-    OwnerStats, RemoteBlock, RemoteSegment, SyncMode,
+    OwnerStats, RemoteBlock, SyncMode,
 };
 use rdmakit_verbs::{
-    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, SendWr,
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion, SendWr,
 };
 
 use crate::control::{ControlConfig, ControlSlots, Event, Message};
@@ -235,7 +235,7 @@ struct Owned {
 }
 
 enum Answer {
-    Grant(HeapId, RemoteSegment),
+    Grant(HeapId, RemoteRegion),
     Refuse(HeapId, u64),
     Freed(HeapId),
     Ack(AllocAck),
@@ -397,11 +397,11 @@ impl HeapEndpoint {
         let inside = a.segments().get(block.segment as usize).is_some_and(|s| {
             s.rkey == block.rkey
                 && block.len > 0
-                && block.addr >= s.base
+                && block.addr >= s.addr
                 && block
                     .addr
                     .checked_add(block.len)
-                    .is_some_and(|e| s.base.checked_add(s.len).is_some_and(|se| e <= se))
+                    .is_some_and(|e| s.addr.checked_add(s.len).is_some_and(|se| e <= se))
         });
         if !inside {
             return Err(HeapError::UnknownBlock { addr: block.addr }.into());
@@ -708,7 +708,7 @@ impl HeapEndpoint {
                 return self.refuse(heap, min_len);
             }
         };
-        let seg = RemoteSegment::new(mr.addr(), len, mr.rkey());
+        let seg = RemoteRegion::new(mr.addr(), len, mr.rkey());
         owned.owner.add_segment(seg)?;
         owned.segments.push(mr);
         owned.bytes += len;

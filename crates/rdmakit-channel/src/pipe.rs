@@ -54,8 +54,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdmakit_memory::heap::{
-    AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock,
-    RemoteSegment, SyncMode,
+    AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock, SyncMode,
 };
 use rdmakit_verbs::cm::Connection;
 use rdmakit_verbs::{
@@ -340,7 +339,7 @@ impl Pipe {
         let owner = match &ring {
             Some(r) => {
                 let mut o = HeapOwner::new(HEAP);
-                o.add_segment(RemoteSegment::new(r.addr(), r.len() as u64, r.rkey()))?;
+                o.add_segment(RemoteRegion::new(r.addr(), r.len() as u64, r.rkey()))?;
                 Some(o)
             }
             None => None,
@@ -663,7 +662,7 @@ impl Inner {
         let (Some(seg), Some(start)) = (seg, start) else {
             return Err(ChannelError::Protocol(format!("block in unknown segment {}", block.segment)));
         };
-        let offset = start + (block.addr - seg.base);
+        let offset = start + (block.addr - seg.addr);
         let r = match peer.notify {
             NotifyMode::WriteImm => {
                 let imm =
@@ -781,7 +780,7 @@ impl Inner {
         let Some(mr) = seg else {
             return st.ctl.send(&Message::HeapRefuse { heap: HEAP, len }).map_err(|e| e.to_string());
         };
-        let segment = RemoteSegment::new(mr.addr(), mr.len() as u64, mr.rkey());
+        let segment = RemoteRegion::new(mr.addr(), mr.len() as u64, mr.rkey());
         st.owner.as_mut().expect("checked above").add_segment(segment).map_err(|e| e.to_string())?;
         st.segs.push((st.ring_bytes, mr));
         st.ring_bytes += segment.len;
@@ -872,7 +871,7 @@ impl Inner {
                     // its block's notice, and frees come back as credits.
                     let config = HeapConfig::new(HEAP, self.config.policy).with_sync(SyncMode::Deferred);
                     let mut a = HeapAllocator::new(config);
-                    a.add_segment(RemoteSegment::from(ring)).map_err(|e| e.to_string())?;
+                    a.add_segment(ring).map_err(|e| e.to_string())?;
                     st.alloc = Some(a);
                     st.seg_starts = vec![0];
                     st.peer_ring_bytes = ring.len;

@@ -280,14 +280,14 @@ async fn growth_requests_are_bounded_by_max_ring_len() {
 /// allocator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unasked_ring_segment_is_a_protocol_error() {
-    use rdmakit_memory::heap::{HeapId, RemoteSegment};
+    use rdmakit_memory::heap::HeapId;
     let (qa, ca, raw) = setup();
     let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
     let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
     pipe_hello(&raw).await;
     send(&raw, &raw_hello(&mailbox));
     let pipe = connecting.await.unwrap().unwrap();
-    let seg = RemoteSegment::new(0x10_0000, 4096, 5);
+    let seg = RemoteRegion::new(0x10_0000, 4096, 5);
     send(&raw, &Message::HeapGrant { heap: HeapId(0), segment: seg }.encode());
     let r = pipe.recv_timeout(Duration::from_secs(5)).await;
     assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");

@@ -529,6 +529,17 @@ impl RemoteRegion {
     /// Encoded length.
     pub const ENCODED_LEN: usize = 20;
 
+    /// `len` bytes at `addr`, accessed with `rkey` (a descriptor a peer advertised, or a
+    /// heap segment: see `rdmakit_memory::heap`).
+    pub const fn new(addr: u64, len: u64, rkey: u32) -> Self {
+        RemoteRegion { addr, len, rkey }
+    }
+
+    /// One past the last address, or `None` if `addr + len` overflows.
+    pub const fn end(&self) -> Option<u64> {
+        self.addr.checked_add(self.len)
+    }
+
     /// The part `offset..offset + len`, checked against this descriptor.
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
         // The descriptor comes from a peer: its address may be anything, so the sum is

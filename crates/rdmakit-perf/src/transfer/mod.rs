@@ -2,7 +2,8 @@
 //! receiver's "chunk consumed" flags checked by RDMA read, end-to-end CRC-32 verification,
 //! and live gauges (terminal, and a web speedometer fed by server-sent events); and
 //! `datagen`, a TCP data generator to feed it, as the seed's `fpga_emulator` feeds
-//! `transfer_real` (../shared/seeds/cots-rdma-data-transfer-verbs-ucx.txt).
+//! `transfer_real` (Isac Bruce and Hannes Ekstam Ljusegren, "COTS RDMA Data-Transfer: two
+//! throughput demos using UCX and Verbs", 2022).
 //!
 //! Modes: loopback (both ends in this process, the default), `--server ADDR` (the
 //! receiver, serving one sender; it owns the ring and announces its shape), `--connect

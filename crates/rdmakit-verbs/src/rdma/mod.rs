@@ -2,8 +2,9 @@
 //!
 //! Each object holds an `Arc` of the object it was created from (MR → PD → device), so
 //! the C objects are destroyed children-first whatever order the safe layer drops them in.
-//! Return conventions are mapped once, in [`conv`]: NULL + errno, errno returned, and a
-//! negative count. Everything here trusts the safe layer for buffer lifetimes (see the
+//! libibverbs' two common return conventions (NULL + errno, an errno returned) are mapped in
+//! [`conv`]; `ibv_poll_cq`'s negative count is mapped where it is called (`cq.rs`), and
+//! librdmacm's -1 + errno and its event statuses in `cm.rs`. Everything here trusts the safe layer for buffer lifetimes (see the
 //! `# Safety` sections); it adds no checks the NIC makes itself.
 
 pub(crate) mod cm;

@@ -1,27 +1,18 @@
-//! The conformance cases. Each takes an [`Env`] and uses only rdmakit's public API, so it
-//! runs unchanged on every provider.
+//! Conformance cases for the verbs API (rdmakit-verbs): registration, one-sided and two-sided
+//! operations, atomics, remote errors, QP states, CQs, GIDs, device memory and connection
+//! setup. Each takes an [`Env`] and uses only rdmakit's public API, so it runs unchanged on
+//! every provider.
 
 use std::time::Duration;
 
 use libtest_mimic::Failed;
 use rdmakit::*;
 
-use crate::fixture::{Env, Needs, pattern, wait, wait_ok};
+use crate::fixture::{Case, Env, Needs, case, pattern, wait, wait_ok};
 use crate::{check, check_eq};
 
-pub type CaseFn = fn(&Env) -> Result<(), Failed>;
-
-pub struct Case {
-    pub name: &'static str,
-    pub needs: Needs,
-    pub run: CaseFn,
-}
-
-pub const fn case(name: &'static str, run: CaseFn) -> Case {
-    Case { name, needs: Needs::Nothing, run }
-}
-
-pub const ALL: &[Case] = &[
+/// The verbs cases, run on both providers by `main`.
+pub const CASES: &[Case] = &[
     case("register_deregister", register_deregister),
     case("access_rule_enforced_at_registration", access_rule_enforced_at_registration),
     case("write_read_round_trip_1b_to_8mib", write_read_round_trip),
