@@ -34,7 +34,7 @@ fn raw_pair() -> Raw {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().expect("pd");
     let (ca, cb) = (ctx.create_cq(4096).expect("cq"), ctx.create_cq(4096).expect("cq"));
-    let caps = QpCaps { max_send_wr: 256, max_recv_wr: 256, max_inline_data: 64, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_send_wr(256).with_max_recv_wr(256).with_max_inline_data(64);
     let a = pd.create_qp(&ca, &ca, caps).expect("qp");
     let b = pd.create_qp(&cb, &cb, caps).expect("qp");
     a.connect(&b.endpoint().expect("ep"), &ConnectOptions::default()).expect("connect");
@@ -53,12 +53,10 @@ fn spin(cq: &CompletionQueue) -> WorkCompletion {
 fn pipe_latency(c: &mut Criterion) {
     let rt = rt();
     let pd = Context::open_soft().alloc_pd().expect("pd");
-    let cfg = PipeConfig {
-        notify: NotifyMode::WriteImm,
-        poll: PollMode::Busy,
-        ring_len: 1 << 20,
-        ..Default::default()
-    };
+    let cfg = PipeConfig::default()
+        .with_notify(NotifyMode::WriteImm)
+        .with_poll(PollMode::Busy)
+        .with_ring_len(1 << 20);
     let (a, b) = rt.block_on(Pipe::pair(&pd, cfg, cfg)).expect("pipe");
     let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr");
     let raw = raw_pair();
@@ -97,12 +95,10 @@ fn pipe_bandwidth(c: &mut Criterion) {
     const WINDOW: usize = 8;
     let rt = rt();
     let pd = Context::open_soft().alloc_pd().expect("pd");
-    let cfg = PipeConfig {
-        notify: NotifyMode::WriteImm,
-        poll: PollMode::Busy,
-        ring_len: 16 << 20,
-        ..Default::default()
-    };
+    let cfg = PipeConfig::default()
+        .with_notify(NotifyMode::WriteImm)
+        .with_poll(PollMode::Busy)
+        .with_ring_len(16 << 20);
     let (a, b) = rt.block_on(Pipe::pair(&pd, cfg, cfg)).expect("pipe");
     let srcs: Vec<_> =
         (0..WINDOW).map(|_| pd.alloc_mr(LEN as usize, AccessFlags::LOCAL_WRITE).expect("mr")).collect();

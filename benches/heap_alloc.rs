@@ -31,11 +31,12 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rdmakit::RemoteRegion;
 use rdmakit::memory::heap::*;
 
 const HEAP: HeapId = HeapId(1);
 const LIVE: usize = 1024;
-const SEGMENT: RemoteSegment = RemoteSegment::new(0x7f00_0000_0000, 16 << 20, 0x4242);
+const SEGMENT: RemoteRegion = RemoteRegion::new(0x7f00_0000_0000, 16 << 20, 0x4242);
 /// Frees per batch (deferred) and cycles per round (`allocator_side`).
 const BATCH_EVERY: u32 = 32;
 const SCRIPT_LEN: usize = 1 << 16;

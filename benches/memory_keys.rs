@@ -5,7 +5,7 @@
 //! - fetch-and-add on a MEMIC region vs on a host region.
 //!
 //! The soft NIC has no firmware, so its key creation costs microseconds where a
-//! BlueField-3 takes ~0.8 ms (`../shared/seeds/xgvmi-umr-mkey-pool-ucx.txt`); the pool's
+//! BlueField-3 takes ~0.8 ms (Yong Qin, "Cross-GVMI UMR Mkey Pool", UCF 2023); the pool's
 //! ratio here is a floor of what it saves on hardware.
 //!
 //! `cargo bench --bench memory_keys`; HTML reports land in `target/criterion/report/`.

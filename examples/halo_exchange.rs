@@ -43,7 +43,7 @@ fn serial() -> Vec<f64> {
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let pd = Context::open_soft().alloc_pd()?;
-    let caps = QpCaps { max_inline_data: 64, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_inline_data(64);
     // links[r] = (link to the left neighbour, link to the right neighbour)
     let mut lefts: Vec<Option<Link>> = (0..RANKS).map(|_| None).collect();
     let mut rights: Vec<Option<Link>> = (0..RANKS).map(|_| None).collect();

@@ -34,8 +34,7 @@ async fn serve(pipe: Pipe, pd: ProtectionDomain) -> rdmakit::channel::Result<u64
 }
 
 async fn client(pd: ProtectionDomain, addr: SocketAddr, id: u64) -> rdmakit::channel::Result<u64> {
-    let pipe =
-        Pipe::connect_to(&pd, addr, PipeConfig { ring_len: 64 << 10, ..PipeConfig::default() }).await?;
+    let pipe = Pipe::connect_to(&pd, addr, PipeConfig::default().with_ring_len(64 << 10)).await?;
     let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
     for i in 0..MESSAGES {
         let len = 1 + ((id * 131 + i * 17) % 4096) as u32;
@@ -55,7 +54,7 @@ async fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let pd = ctx.alloc_pd()?;
     let addr: SocketAddr =
         std::env::var("RDMAKIT_SERVICE_ADDR").as_deref().unwrap_or("127.0.0.1:0").parse()?;
-    let listener = PipeListener::bind(&pd, addr, PipeConfig { ring_len: 64 << 10, ..PipeConfig::default() })?;
+    let listener = PipeListener::bind(&pd, addr, PipeConfig::default().with_ring_len(64 << 10))?;
     let addr = listener.local_addr();
     println!("serving on {addr} ({:?} provider, device {})", ctx.provider(), ctx.name());
 

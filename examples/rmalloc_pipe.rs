@@ -24,7 +24,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let r = pd.create_qp(&cr, &cr, QpCaps::default())?;
     w.connect(&r.endpoint()?, &ConnectOptions::default())?;
     r.connect(&w.endpoint()?, &ConnectOptions::default())?;
-    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20, ..OwnerLimits::default() };
+    let limits = OwnerLimits::default().with_segment_len(64 << 10).with_max_heap_bytes(1 << 20);
     let mut writer = HeapEndpoint::new(w, cw, limits, Duration::from_secs(5))?;
     let mut reader = HeapEndpoint::new(r, cr, limits, Duration::from_secs(5))?;
     let heap = HeapId(1);

@@ -22,12 +22,8 @@ use rdmakit::*;
 async fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let pd = Context::open_soft().alloc_pd()?;
     // rpipe(): both ends offer a 64 KiB remote heap and want the NFP flag.
-    let cfg = PipeConfig {
-        notify: NotifyMode::Flag,
-        poll: PollMode::Busy,
-        ring_len: 64 << 10,
-        ..Default::default()
-    };
+    let cfg =
+        PipeConfig::default().with_notify(NotifyMode::Flag).with_poll(PollMode::Busy).with_ring_len(64 << 10);
     let (writer, reader) = Pipe::pair(&pd, cfg, cfg).await?;
 
     let consumer = tokio::spawn({

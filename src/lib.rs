@@ -41,6 +41,7 @@ pub mod seeds {
 
 /// What this build of rdmakit was compiled with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BuildInfo {
     /// The `verbs` provider (rdma-core) is compiled in (see [`VERBS_MISSING`] when not).
     pub verbs: bool,

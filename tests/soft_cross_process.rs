@@ -54,7 +54,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 /// Short transport budget so dead-peer tests finish fast: 4.096 µs × 2^12 × 4 ≈ 67 ms.
 fn opts() -> ConnectOptions {
-    ConnectOptions { timeout: 12, retry_cnt: 3, ..ConnectOptions::default() }
+    ConnectOptions::default().with_timeout(12).with_retry_cnt(3)
 }
 
 /// The peer process (this binary with `RDMAKIT_TEST_PEER=1`). Prints `EP <endpoint> MR

@@ -6,8 +6,8 @@ use rdmakit::channel::put::PutEndpoint;
 use rdmakit::channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
 use rdmakit::*;
 
-use crate::cases::{Case, case};
 use crate::check_eq;
+use crate::fixture::{Case, case};
 use crate::fixture::{Env, WAIT};
 
 /// The channel cases, run on both providers by `main`.
@@ -27,8 +27,8 @@ fn pipe_growth(env: &Env) -> Result<(), Failed> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     for policy in AllocPolicy::ALL {
         let p = env.pair_with(caps(), 1024, env.opts())?;
-        let reader = PipeConfig { ring_len: 8 << 10, max_ring_len: 32 << 10, ..PipeConfig::default() };
-        let writer = PipeConfig { ring_len: 0, policy, ..PipeConfig::default() };
+        let reader = PipeConfig::default().with_ring_len(8 << 10).with_max_ring_len(32 << 10);
+        let writer = PipeConfig::default().with_ring_len(0).with_policy(policy);
         rt.block_on(async {
             let (a, b) =
                 tokio::try_join!(Pipe::connect(p.a, p.cq_a, writer), Pipe::connect(p.b, p.cq_b, reader))?;
@@ -75,7 +75,7 @@ const LIVENESS_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
 fn pipe_liveness(env: &Env) -> Result<(), Failed> {
     let p = env.pair_with(caps(), 1024, env.opts())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let cfg = PipeConfig { ring_len: 64 << 10, slots: 4, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_ring_len(64 << 10).with_slots(4);
     rt.block_on(async {
         let (a, b) = tokio::try_join!(Pipe::connect(p.a, p.cq_a, cfg), Pipe::connect(p.b, p.cq_b, cfg))?;
         let src = p.pd.alloc_mr(1024, AccessFlags::LOCAL_WRITE)?;
@@ -109,13 +109,13 @@ fn pipe_liveness(env: &Env) -> Result<(), Failed> {
 }
 
 fn caps() -> QpCaps {
-    QpCaps { max_send_wr: 256, max_recv_wr: 160, max_inline_data: 64, ..QpCaps::default() }
+    QpCaps::default().with_max_send_wr(256).with_max_recv_wr(160).with_max_inline_data(64)
 }
 
 fn pipe_round_trips(env: &Env, notify: NotifyMode) -> Result<(), Failed> {
     let p = env.pair_with(caps(), 1024, env.opts())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let cfg = PipeConfig { notify, poll: PollMode::Event, ring_len: 64 << 10, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_notify(notify).with_poll(PollMode::Event).with_ring_len(64 << 10);
     rt.block_on(async {
         let (a, b) = tokio::try_join!(Pipe::connect(p.a, p.cq_a, cfg), Pipe::connect(p.b, p.cq_b, cfg))?;
         let reader = tokio::spawn(async move {

@@ -97,7 +97,7 @@ impl Env {
     /// Connection options: defaults, with the GID index from the environment.
     pub fn opts(&self) -> ConnectOptions {
         let gid_index = std::env::var("RDMAKIT_GID_INDEX").ok().and_then(|v| v.parse().ok());
-        ConnectOptions { gid_index, ..ConnectOptions::default() }
+        ConnectOptions::default().with_gid_index(gid_index)
     }
 
     pub fn pair(&self) -> Result<Pair, Failed> {
@@ -162,4 +162,18 @@ macro_rules! check_eq {
             );
         }
     }};
+}
+
+/// A conformance case: its name, what it needs of the device, and its body.
+/// The body of a case.
+pub type CaseFn = fn(&Env) -> Result<(), Failed>;
+
+pub struct Case {
+    pub name: &'static str,
+    pub needs: Needs,
+    pub run: CaseFn,
+}
+
+pub const fn case(name: &'static str, run: CaseFn) -> Case {
+    Case { name, needs: Needs::Nothing, run }
 }

@@ -8,8 +8,8 @@ use rdmakit::channel::heap::{HeapEndpoint, OwnerLimits};
 use rdmakit::memory::heap::{AllocPolicy, HeapConfig, HeapId};
 use rdmakit::*;
 
-use crate::cases::{Case, case};
 use crate::check_eq;
+use crate::fixture::{Case, case};
 use crate::fixture::{Env, WAIT};
 
 /// The heap cases, run on both providers by `main`.
@@ -20,7 +20,7 @@ pub const CASES: &[Case] = &[
 
 fn endpoints(env: &Env) -> Result<(HeapEndpoint, HeapEndpoint, ProtectionDomain), Failed> {
     let p = env.pair()?;
-    let limits = OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 4 << 20, ..OwnerLimits::default() };
+    let limits = OwnerLimits::default().with_segment_len(256 << 10).with_max_heap_bytes(4 << 20);
     let a = HeapEndpoint::new(p.a, p.cq_a, limits, WAIT)?;
     let b = HeapEndpoint::new(p.b, p.cq_b, limits, WAIT)?;
     Ok((a, b, p.pd))

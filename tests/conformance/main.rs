@@ -8,12 +8,12 @@
 //! Environment: `RDMAKIT_DEVICE` picks the verbs device; `RDMAKIT_GID_INDEX` its GID
 //! index (the rxe VM sets 1).
 
-mod cases;
 mod channel;
 mod fixture;
 mod heap;
 mod memory;
 mod model;
+mod verbs_api;
 
 use libtest_mimic::{Arguments, Trial};
 use rdmakit::ProviderKind;
@@ -25,7 +25,7 @@ fn main() {
         eprintln!("conformance: verbs cases ignored: {reason}");
     }
     let mut trials = Vec::new();
-    for case in cases::ALL.iter().chain(heap::CASES).chain(memory::CASES).chain(channel::CASES) {
+    for case in verbs_api::CASES.iter().chain(heap::CASES).chain(memory::CASES).chain(channel::CASES) {
         for provider in [ProviderKind::Soft, ProviderKind::Verbs] {
             let name = format!("{provider}::{}", case.name);
             let skip = match provider {

@@ -6,7 +6,7 @@ use libtest_mimic::Failed;
 use rdmakit::memory::memic::{CounterPool, Location, Mapping, Memic, Placement};
 use rdmakit::*;
 
-use crate::cases::{Case, case};
+use crate::fixture::{Case, case};
 use crate::fixture::{Env, Needs, wait_ok};
 use crate::{check, check_eq};
 

@@ -71,9 +71,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use rdmakit_memory::heap::{
-    AllocPolicy, FreeBatch, HeapConfig, HeapId, HeapMessage, RemoteSegment, SyncMode, WireError,
-};
+use rdmakit_memory::heap::{AllocPolicy, FreeBatch, HeapConfig, HeapId, HeapMessage, SyncMode, WireError};
 use rdmakit_verbs::{
     AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, RemoteSlice, SendWr, WcOpcode, WcStatus,
     WorkCompletion,
@@ -176,7 +174,7 @@ pub enum Message {
         /// The heap.
         heap: HeapId,
         /// The segment.
-        segment: RemoteSegment,
+        segment: RemoteRegion,
     },
     /// Heap: no segment of `len` bytes.
     HeapRefuse {
@@ -356,7 +354,7 @@ impl Message {
             Message::HeapGrant { heap, segment } => {
                 out.push(tag::HEAP_GRANT);
                 out.extend_from_slice(&heap.0.to_le_bytes());
-                out.extend_from_slice(&segment.base.to_le_bytes());
+                out.extend_from_slice(&segment.addr.to_le_bytes());
                 out.extend_from_slice(&segment.len.to_le_bytes());
                 out.extend_from_slice(&segment.rkey.to_le_bytes());
             }
@@ -504,7 +502,7 @@ impl Message {
             tag::HEAP_GRANT => {
                 exact("heap grant", m, 4 + 8 + 8 + 4)?;
                 let heap = f.heap();
-                let segment = RemoteSegment::new(f.u64(), f.u64(), f.u32());
+                let segment = RemoteRegion::new(f.u64(), f.u64(), f.u32());
                 if segment.end().is_none() {
                     return Err(DecodeError::Invalid { what: "heap grant", reason: "segment overflows" });
                 }
@@ -907,7 +905,7 @@ mod tests {
                 config: HeapConfig::new(HeapId(1), AllocPolicy::BestFit).with_align(64).unwrap(),
                 len: 1 << 20,
             },
-            Message::HeapGrant { heap: HeapId(1), segment: RemoteSegment::new(0x1000, 4096, 3) },
+            Message::HeapGrant { heap: HeapId(1), segment: RemoteRegion::new(0x1000, 4096, 3) },
             Message::HeapRefuse { heap: HeapId(1), len: 5 },
             Message::HeapGrow { heap: HeapId(1), len: 6 },
             Message::HeapReady { heap: HeapId(1), addr: 0x1000 },
@@ -959,9 +957,9 @@ mod tests {
         let mut bad = Message::ReadDone { id: 1, ok: true }.encode();
         bad[9] = 7;
         assert!(Message::decode(&bad).is_err());
-        let mut grant = Message::HeapGrant { heap: HeapId(1), segment: RemoteSegment::new(u64::MAX, 2, 0) };
+        let mut grant = Message::HeapGrant { heap: HeapId(1), segment: RemoteRegion::new(u64::MAX, 2, 0) };
         assert!(Message::decode(&grant.encode()).is_err(), "an overflowing segment");
-        grant = Message::HeapGrant { heap: HeapId(1), segment: RemoteSegment::new(1, 2, 0) };
+        grant = Message::HeapGrant { heap: HeapId(1), segment: RemoteRegion::new(1, 2, 0) };
         assert!(Message::decode(&grant.encode()).is_ok());
         let mut create =
             Message::HeapCreate { config: HeapConfig::new(HeapId(1), AllocPolicy::NextFit), len: 1 }.encode();

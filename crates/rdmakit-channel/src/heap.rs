@@ -90,10 +90,10 @@ use std::time::{Duration, Instant};
 
 use rdmakit_memory::heap::{
     AllocAck, AllocNotice, HeapAllocator, HeapConfig, HeapError, HeapId, HeapMessage, HeapOwner, HeapStats,
-    OwnerStats, RemoteBlock, RemoteSegment, SyncMode,
+    OwnerStats, RemoteBlock, SyncMode,
 };
 use rdmakit_verbs::{
-    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, SendWr,
+    AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion, SendWr,
 };
 
 use crate::control::{ControlConfig, ControlSlots, Event, Message};
@@ -113,7 +113,11 @@ pub const FREE_BATCH_BLOCKS: usize = 64;
 const MAX_ANSWERS: usize = 1024;
 
 /// How an owner grows its heaps, and what one peer may make it hold.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OwnerLimits {
     /// Smallest segment registered (requests ask for at least the block that did not fit).
     pub segment_len: u64,
@@ -127,6 +131,26 @@ pub struct OwnerLimits {
 impl Default for OwnerLimits {
     fn default() -> Self {
         OwnerLimits { segment_len: 1 << 20, max_heap_bytes: 64 << 20, max_total_bytes: 256 << 20 }
+    }
+}
+
+impl OwnerLimits {
+    /// Sets [`segment_len`](Self::segment_len).
+    pub const fn with_segment_len(mut self, segment_len: u64) -> Self {
+        self.segment_len = segment_len;
+        self
+    }
+
+    /// Sets [`max_heap_bytes`](Self::max_heap_bytes).
+    pub const fn with_max_heap_bytes(mut self, max_heap_bytes: u64) -> Self {
+        self.max_heap_bytes = max_heap_bytes;
+        self
+    }
+
+    /// Sets [`max_total_bytes`](Self::max_total_bytes).
+    pub const fn with_max_total_bytes(mut self, max_total_bytes: u64) -> Self {
+        self.max_total_bytes = max_total_bytes;
+        self
     }
 }
 
@@ -254,7 +278,7 @@ struct Owned {
 }
 
 enum Answer {
-    Grant(HeapId, RemoteSegment),
+    Grant(HeapId, RemoteRegion),
     Refuse(HeapId, u64),
     Freed(HeapId),
     Ack(AllocAck),
@@ -416,11 +440,11 @@ impl HeapEndpoint {
         let inside = a.segments().get(block.segment as usize).is_some_and(|s| {
             s.rkey == block.rkey
                 && block.len > 0
-                && block.addr >= s.base
+                && block.addr >= s.addr
                 && block
                     .addr
                     .checked_add(block.len)
-                    .is_some_and(|e| s.base.checked_add(s.len).is_some_and(|se| e <= se))
+                    .is_some_and(|e| s.addr.checked_add(s.len).is_some_and(|se| e <= se))
         });
         if !inside {
             return Err(HeapError::UnknownBlock { addr: block.addr }.into());
@@ -727,7 +751,7 @@ impl HeapEndpoint {
                 return self.refuse(heap, min_len);
             }
         };
-        let seg = RemoteSegment::new(mr.addr(), len, mr.rkey());
+        let seg = RemoteRegion::new(mr.addr(), len, mr.rkey());
         owned.owner.add_segment(seg)?;
         owned.segments.push(mr);
         owned.bytes += len;

@@ -52,16 +52,14 @@ impl std::fmt::Debug for PipeListener {
 /// Connection options a pipe's QP needs (inline control messages, receive slots, a CQ
 /// for both queues), with `rdmakit_verbs`' defaults otherwise.
 pub fn pipe_cm_options() -> CmOptions {
-    CmOptions {
-        caps: QpCaps {
-            max_send_wr: 256,
-            max_recv_wr: RECV_SLOTS + 8,
-            max_inline_data: MSG_LEN,
-            ..QpCaps::default()
-        },
-        cqe: 1024,
-        ..CmOptions::default()
-    }
+    CmOptions::default()
+        .with_caps(
+            QpCaps::default()
+                .with_max_send_wr(256)
+                .with_max_recv_wr(RECV_SLOTS + 8)
+                .with_max_inline_data(MSG_LEN),
+        )
+        .with_cqe(1024)
 }
 
 impl PipeListener {

@@ -79,8 +79,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdmakit_memory::heap::{
-    AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock,
-    RemoteSegment, SyncMode,
+    AllocNotice, AllocPolicy, HeapAllocator, HeapConfig, HeapError, HeapId, HeapOwner, RemoteBlock, SyncMode,
 };
 use rdmakit_verbs::cm::Connection;
 use rdmakit_verbs::{
@@ -114,7 +113,11 @@ pub enum NotifyMode {
 }
 
 /// The settings of one pipe end.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct PipeConfig {
     /// Bytes of the receive ring this end offers its peer (0: this end only sends), and
     /// the smallest segment it adds when the ring grows.
@@ -145,6 +148,50 @@ impl Default for PipeConfig {
             slots: 32,
             connect_timeout: Duration::from_secs(10),
         }
+    }
+}
+
+impl PipeConfig {
+    /// Sets [`ring_len`](Self::ring_len).
+    pub const fn with_ring_len(mut self, ring_len: u64) -> Self {
+        self.ring_len = ring_len;
+        self
+    }
+
+    /// Sets [`max_ring_len`](Self::max_ring_len).
+    pub const fn with_max_ring_len(mut self, max_ring_len: u64) -> Self {
+        self.max_ring_len = max_ring_len;
+        self
+    }
+
+    /// Sets [`policy`](Self::policy).
+    pub const fn with_policy(mut self, policy: AllocPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`notify`](Self::notify).
+    pub const fn with_notify(mut self, notify: NotifyMode) -> Self {
+        self.notify = notify;
+        self
+    }
+
+    /// Sets [`poll`](Self::poll).
+    pub const fn with_poll(mut self, poll: PollMode) -> Self {
+        self.poll = poll;
+        self
+    }
+
+    /// Sets [`slots`](Self::slots).
+    pub const fn with_slots(mut self, slots: u32) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// Sets [`connect_timeout`](Self::connect_timeout).
+    pub const fn with_connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.connect_timeout = connect_timeout;
+        self
     }
 }
 
@@ -269,12 +316,10 @@ impl Pipe {
         b: PipeConfig,
     ) -> Result<(Pipe, Pipe)> {
         let ctx = pd.context();
-        let caps = rdmakit_verbs::QpCaps {
-            max_send_wr: 256,
-            max_recv_wr: RECV_SLOTS + 8,
-            max_inline_data: MSG_LEN,
-            ..Default::default()
-        };
+        let caps = rdmakit_verbs::QpCaps::default()
+            .with_max_send_wr(256)
+            .with_max_recv_wr(RECV_SLOTS + 8)
+            .with_max_inline_data(MSG_LEN);
         let (ca, cb) = (ctx.create_cq(1024)?, ctx.create_cq(1024)?);
         let qa = pd.create_qp(&ca, &ca, caps)?;
         let qb = pd.create_qp(&cb, &cb, caps)?;
@@ -319,7 +364,7 @@ impl Pipe {
         let owner = match &ring {
             Some(r) => {
                 let mut o = HeapOwner::new(HEAP);
-                o.add_segment(RemoteSegment::new(r.addr(), r.len() as u64, r.rkey()))?;
+                o.add_segment(RemoteRegion::new(r.addr(), r.len() as u64, r.rkey()))?;
                 Some(o)
             }
             None => None,
@@ -642,7 +687,7 @@ impl Inner {
         let (Some(seg), Some(start)) = (seg, start) else {
             return Err(ChannelError::Protocol(format!("block in unknown segment {}", block.segment)));
         };
-        let offset = start + (block.addr - seg.base);
+        let offset = start + (block.addr - seg.addr);
         let r = match peer.notify {
             NotifyMode::WriteImm => {
                 let imm =
@@ -760,7 +805,7 @@ impl Inner {
         let Some(mr) = seg else {
             return st.ctl.send(&Message::HeapRefuse { heap: HEAP, len }).map_err(|e| e.to_string());
         };
-        let segment = RemoteSegment::new(mr.addr(), mr.len() as u64, mr.rkey());
+        let segment = RemoteRegion::new(mr.addr(), mr.len() as u64, mr.rkey());
         st.owner.as_mut().expect("checked above").add_segment(segment).map_err(|e| e.to_string())?;
         st.segs.push((st.ring_bytes, mr));
         st.ring_bytes += segment.len;
@@ -851,7 +896,7 @@ impl Inner {
                     // its block's notice, and frees come back as credits.
                     let config = HeapConfig::new(HEAP, self.config.policy).with_sync(SyncMode::Deferred);
                     let mut a = HeapAllocator::new(config);
-                    a.add_segment(RemoteSegment::from(ring)).map_err(|e| e.to_string())?;
+                    a.add_segment(ring).map_err(|e| e.to_string())?;
                     st.alloc = Some(a);
                     st.seg_starts = vec![0];
                     st.peer_ring_bytes = ring.len;

@@ -1,7 +1,7 @@
 //! CkDirect-style persistent put handles: the same transfer between the same partners every
 //! iteration, set up once and then one RDMA write per iteration.
 //!
-//! As in Charm++'s CkDirect (`../shared/seeds/ckdirect-charm-rdma-put.txt`): the receiver
+//! As in Charm++'s CkDirect (Eric Bohm et al., "CkDirect: Charm++ RDMA Put", 2008): the receiver
 //! creates a handle over its receive buffer with a callback ([`PutEndpoint::create_handle`])
 //! and ships the handle's [`HandleDesc`] to the sender; the sender associates a local
 //! buffer with it ([`PutEndpoint::assoc_local_buffer`]) and then [`put`](SendHandle::put)s

@@ -45,7 +45,7 @@ fn create(alloc: &mut HeapEndpoint, owner: &mut HeapEndpoint, config: HeapConfig
 #[test]
 fn next_fit_deferred_round_trips_with_checksums() {
     let (mut a, mut b, pd) =
-        in_process(OwnerLimits { segment_len: 256 << 10, max_heap_bytes: 1 << 20, ..OwnerLimits::default() });
+        in_process(OwnerLimits::default().with_segment_len(256 << 10).with_max_heap_bytes(1 << 20));
     let heap = HeapId(1);
     create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 256 << 10);
     let src = pd.alloc_mr(64 << 10, AccessFlags::LOCAL_WRITE).unwrap();
@@ -118,11 +118,8 @@ fn best_and_worst_fit_synchronise_immediately() {
 
 #[test]
 fn growth_is_granted_then_refused_at_the_limit() {
-    let (mut a, mut b, pd) = in_process(OwnerLimits {
-        segment_len: 64 << 10,
-        max_heap_bytes: 192 << 10,
-        ..OwnerLimits::default()
-    });
+    let (mut a, mut b, pd) =
+        in_process(OwnerLimits::default().with_segment_len(64 << 10).with_max_heap_bytes(192 << 10));
     let heap = HeapId(4);
     create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
     let src = pd.alloc_mr(32 << 10, AccessFlags::LOCAL_WRITE).unwrap();
@@ -239,7 +236,10 @@ fn a_malformed_message_does_not_lose_the_valid_one_behind_it() {
 /// heaps it creates (the per-heap limit alone let it create heaps without end).
 #[test]
 fn heaps_a_peer_creates_are_bounded_in_total() {
-    let limits = OwnerLimits { segment_len: 64 << 10, max_heap_bytes: 1 << 20, max_total_bytes: 256 << 10 };
+    let limits = OwnerLimits::default()
+        .with_segment_len(64 << 10)
+        .with_max_heap_bytes(1 << 20)
+        .with_max_total_bytes(256 << 10);
     let (mut a, mut b, _pd) = in_process(limits);
     for h in 0..4 {
         create(&mut a, &mut b, HeapConfig::new(HeapId(h), AllocPolicy::NextFit), 64 << 10);
@@ -266,7 +266,7 @@ fn unsolicited_answers_are_bounded() {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
     let (ca, cb) = (ctx.create_cq(4096).unwrap(), ctx.create_cq(4096).unwrap());
-    let raw = pd.create_qp(&ca, &ca, QpCaps { max_inline_data: 64, ..QpCaps::default() }).unwrap();
+    let raw = pd.create_qp(&ca, &ca, QpCaps::default().with_max_inline_data(64)).unwrap();
     let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
     raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
     b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
@@ -294,7 +294,7 @@ fn unsolicited_answers_are_bounded() {
 #[test]
 fn rmem_views_stage_blocks_before_rwrite() {
     const SEND_VAL: u32 = 0x5eed_0042;
-    let (mut a, mut b, _pd) = in_process(OwnerLimits { segment_len: 64 << 10, ..OwnerLimits::default() });
+    let (mut a, mut b, _pd) = in_process(OwnerLimits::default().with_segment_len(64 << 10));
     let heap = HeapId(7);
     create(&mut a, &mut b, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
 

@@ -16,7 +16,7 @@ use common::put_endpoints;
 const BOUND: Duration = Duration::from_secs(10);
 
 fn config(notify: NotifyMode, poll: PollMode) -> PipeConfig {
-    PipeConfig { notify, poll, ring_len: 64 << 10, slots: 4, ..PipeConfig::default() }
+    PipeConfig::default().with_notify(notify).with_poll(poll).with_ring_len(64 << 10).with_slots(4)
 }
 
 /// Runs `op` (blocked on a dead peer) and returns how long it took to fail, panicking if
@@ -71,7 +71,7 @@ async fn blocked_recv_fails_after_the_writer_is_dropped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_rread_and_publish_fail_after_the_peer_is_dropped() {
     let pd = Context::open_soft().alloc_pd().unwrap();
-    let cfg = PipeConfig { ring_len: 0, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_ring_len(0);
     // rread waiting for a publication that never comes.
     let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
     drop(a);
@@ -161,7 +161,7 @@ fn blocked_rmalloc_fails_after_the_owner_is_dropped() {
     // A time-out far beyond the bound: the error must come from liveness, not from it.
     let timeout = Duration::from_secs(60);
     for sync in [SyncMode::Deferred, SyncMode::Immediate] {
-        let limits = rdmakit_channel::heap::OwnerLimits { segment_len: 64 << 10, ..Default::default() };
+        let limits = rdmakit_channel::heap::OwnerLimits::default().with_segment_len(64 << 10);
         let pd = Context::open_soft().alloc_pd().unwrap();
         let (mut a, mut b) = common::heap_endpoints(&pd, limits, timeout);
         let heap = HeapId(1);

@@ -28,7 +28,7 @@ use common::cm_options;
 const BOUND: Duration = Duration::from_secs(15);
 
 fn pipe_config() -> PipeConfig {
-    PipeConfig { ring_len: 64 << 10, slots: 4, ..PipeConfig::default() }
+    PipeConfig::default().with_ring_len(64 << 10).with_slots(4)
 }
 
 const HEAP: HeapId = HeapId(1);

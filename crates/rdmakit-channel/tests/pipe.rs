@@ -16,7 +16,7 @@ fn payload(i: usize, len: usize) -> Vec<u8> {
 }
 
 fn config(notify: NotifyMode, poll: PollMode, ring_len: u64) -> PipeConfig {
-    PipeConfig { notify, poll, ring_len, ..PipeConfig::default() }
+    PipeConfig::default().with_notify(notify).with_poll(poll).with_ring_len(ring_len)
 }
 
 /// `n` messages of varying sizes from `a` to `b`, checked by checksum; the reader runs in
@@ -180,7 +180,7 @@ async fn a_cancelled_rread_loses_no_publication() {
         move || connect(&pd, addr, &opts, b"").unwrap()
     });
     let (server, client) = (server.await.unwrap(), client.await.unwrap());
-    let cfg = PipeConfig { ring_len: 0, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_ring_len(0);
     let (a, b) =
         tokio::try_join!(Pipe::from_connection(client, cfg), Pipe::from_connection(server, cfg)).unwrap();
     let src = pd.alloc_mr(1 << 20, AccessFlags::REMOTE_READ | AccessFlags::LOCAL_WRITE).unwrap();
@@ -219,7 +219,7 @@ async fn a_cancelled_rread_loses_no_publication() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_publish_keeps_its_slice_alive_until_read() {
     let pd = Context::open_soft().alloc_pd().unwrap();
-    let cfg = PipeConfig { ring_len: 0, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_ring_len(0);
     let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
     let src = pd.alloc_mr(4096, AccessFlags::REMOTE_READ | AccessFlags::LOCAL_WRITE).unwrap();
     src.fill(9).unwrap();
@@ -244,7 +244,7 @@ async fn a_cancelled_publish_keeps_its_slice_alive_until_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_and_rread() {
     let pd = Context::open_soft().alloc_pd().unwrap();
-    let cfg = PipeConfig { ring_len: 0, ..PipeConfig::default() }; // pull only
+    let cfg = PipeConfig::default().with_ring_len(0); // pull only
     let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
     let src = pd.alloc_mr(10_000, AccessFlags::REMOTE_READ | AccessFlags::LOCAL_WRITE).unwrap();
     let data = payload(3, 10_000);

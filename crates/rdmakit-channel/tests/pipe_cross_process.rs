@@ -27,7 +27,7 @@ fn payload(i: usize, len: usize) -> Vec<u8> {
 
 fn pipe_config(mode: &str) -> PipeConfig {
     let notify = if mode == "flag" { NotifyMode::Flag } else { NotifyMode::WriteImm };
-    PipeConfig { notify, ring_len: 256 << 10, ..PipeConfig::default() }
+    PipeConfig::default().with_notify(notify).with_ring_len(256 << 10)
 }
 
 const MAX: usize = 40_000;

@@ -27,7 +27,7 @@ async fn every_policy_round_trips_with_checksums() {
     for policy in [AllocPolicy::NextFit, AllocPolicy::FirstFit, AllocPolicy::BestFit, AllocPolicy::WorstFit] {
         for notify in [NotifyMode::WriteImm, NotifyMode::Flag] {
             let pd = Context::open_soft().alloc_pd().unwrap();
-            let cfg = PipeConfig { notify, ring_len: 48 << 10, policy, ..PipeConfig::default() };
+            let cfg = PipeConfig::default().with_notify(notify).with_ring_len(48 << 10).with_policy(policy);
             let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
             const N: usize = 300;
             let reader = tokio::spawn(async move {
@@ -73,9 +73,9 @@ async fn the_ring_grows_on_demand_up_to_its_maximum() {
     for notify in [NotifyMode::WriteImm, NotifyMode::Flag] {
         let pd = Context::open_soft().alloc_pd().unwrap();
         let reader_cfg =
-            PipeConfig { notify, ring_len: 16 << 10, max_ring_len: 64 << 10, ..PipeConfig::default() };
+            PipeConfig::default().with_notify(notify).with_ring_len(16 << 10).with_max_ring_len(64 << 10);
         let writer_cfg =
-            PipeConfig { notify, ring_len: 0, policy: AllocPolicy::BestFit, ..PipeConfig::default() };
+            PipeConfig::default().with_notify(notify).with_ring_len(0).with_policy(AllocPolicy::BestFit);
         let (a, b) = Pipe::pair(&pd, writer_cfg, reader_cfg).await.unwrap();
         assert_eq!((a.peer_ring_len(), b.ring_len(), b.ring_segments()), (16 << 10, 16 << 10, 1));
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -136,7 +136,7 @@ async fn the_ring_grows_on_demand_up_to_its_maximum() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_without_a_maximum_never_grows() {
     let pd = Context::open_soft().alloc_pd().unwrap();
-    let cfg = PipeConfig { ring_len: 16 << 10, ..PipeConfig::default() };
+    let cfg = PipeConfig::default().with_ring_len(16 << 10);
     let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
     let src = pd.alloc_mr(8 << 10, AccessFlags::LOCAL_WRITE).unwrap();
     a.rwrite(src.slice(0, 8 << 10).unwrap()).await.0.unwrap();

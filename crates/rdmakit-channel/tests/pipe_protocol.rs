@@ -18,7 +18,7 @@ struct Raw {
 fn setup() -> (QueuePair, CompletionQueue, Raw) {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
-    let caps = QpCaps { max_send_wr: 256, max_recv_wr: 200, max_inline_data: 64, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_send_wr(256).with_max_recv_wr(200).with_max_inline_data(64);
     let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
     let qa = pd.create_qp(&ca, &ca, caps).unwrap();
     let qb = pd.create_qp(&cb, &cb, caps).unwrap();
@@ -32,7 +32,7 @@ fn setup() -> (QueuePair, CompletionQueue, Raw) {
 }
 
 fn config() -> PipeConfig {
-    PipeConfig { ring_len: 4096, connect_timeout: Duration::from_secs(2), ..PipeConfig::default() }
+    PipeConfig::default().with_ring_len(4096).with_connect_timeout(Duration::from_secs(2))
 }
 
 /// The pipe's hello as the raw peer receives it: (ring, mailbox, wants write-with-imm).
@@ -98,7 +98,7 @@ async fn unknown_tag_is_a_protocol_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_peer_times_out() {
     let (qa, ca, raw) = setup();
-    let cfg = PipeConfig { connect_timeout: Duration::from_millis(200), ..config() };
+    let cfg = config().with_connect_timeout(Duration::from_millis(200));
     let r = Pipe::connect(qa, ca, cfg).await;
     assert!(matches!(r, Err(ChannelError::Timeout(_))), "{r:?}");
     drop(raw);
@@ -162,7 +162,7 @@ async fn a_mailbox_with_overflowing_words_is_refused() {
     for (offset, len) in [(u64::MAX - 3, 8u64), (0, u64::MAX - 2), (0, 0)] {
         let (qa, ca, raw) = setup();
         let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
-        let cfg = PipeConfig { notify: NotifyMode::Flag, ..config() };
+        let cfg = config().with_notify(NotifyMode::Flag);
         let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
         let (_, pipe_mailbox, imm) = pipe_hello(&raw).await;
         assert!(!imm, "the pipe asked for flag notifications");
@@ -187,7 +187,7 @@ async fn a_mailbox_with_overflowing_words_is_refused() {
 async fn notifications_beyond_the_credits_are_refused() {
     let (qa, ca, raw) = setup();
     let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
-    let cfg = PipeConfig { slots: 4, ..config() };
+    let cfg = config().with_slots(4);
     let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
     let (ring, _, _) = pipe_hello(&raw).await;
     send(&raw, &raw_hello(&mailbox));
@@ -239,7 +239,7 @@ async fn growth_requests_are_bounded_by_max_ring_len() {
     use rdmakit_memory::heap::HeapId;
     let (qa, ca, raw) = setup();
     let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
-    let cfg = PipeConfig { max_ring_len: 16 << 10, ..config() };
+    let cfg = config().with_max_ring_len(16 << 10);
     let connecting = tokio::spawn(Pipe::connect(qa, ca, cfg));
     pipe_hello(&raw).await;
     send(&raw, &raw_hello(&mailbox));
@@ -280,14 +280,14 @@ async fn growth_requests_are_bounded_by_max_ring_len() {
 /// allocator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unasked_ring_segment_is_a_protocol_error() {
-    use rdmakit_memory::heap::{HeapId, RemoteSegment};
+    use rdmakit_memory::heap::HeapId;
     let (qa, ca, raw) = setup();
     let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
     let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
     pipe_hello(&raw).await;
     send(&raw, &raw_hello(&mailbox));
     let pipe = connecting.await.unwrap().unwrap();
-    let seg = RemoteSegment::new(0x10_0000, 4096, 5);
+    let seg = RemoteRegion::new(0x10_0000, 4096, 5);
     send(&raw, &Message::HeapGrant { heap: HeapId(0), segment: seg }.encode());
     let r = pipe.recv_timeout(Duration::from_secs(5)).await;
     assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");

@@ -81,7 +81,7 @@ fn u64_at(m: &[u8], at: usize) -> u64 {
 
 /// Set-up budgets are wide: 64 handshakes at once on a loaded machine are slow, not dead.
 fn pipe_config() -> PipeConfig {
-    PipeConfig { ring_len: 64 << 10, connect_timeout: Duration::from_secs(60), ..PipeConfig::default() }
+    PipeConfig::default().with_ring_len(64 << 10).with_connect_timeout(Duration::from_secs(60))
 }
 
 /// The transport budget too: 4.096 µs × 2^18 ≈ 1.07 s per try, 7 tries (≈ 7.5 s), so
@@ -93,7 +93,7 @@ fn pipe_config() -> PipeConfig {
 /// the connection), so the burst is served; this test failed about one run in three before
 /// that (see `hostile_wire::a_burst_of_hellos_from_one_address_waits_for_its_qps`).
 fn service_cm_options() -> rdmakit_verbs::cm::CmOptions {
-    let mut o = rdmakit_verbs::cm::CmOptions { timeout: Duration::from_secs(60), ..cm_options() };
+    let mut o = cm_options().with_timeout(Duration::from_secs(60));
     o.connect.timeout = 18;
     o.connect.retry_cnt = 7;
     o
@@ -422,7 +422,7 @@ fn silent_pipe_clients_do_not_delay_another() {
         let pd = Context::open_soft().alloc_pd().unwrap();
         let mut cm = cm_options();
         cm.timeout = Duration::from_secs(30);
-        let config = PipeConfig { connect_timeout: Duration::from_secs(30), ..pipe_config() };
+        let config = pipe_config().with_connect_timeout(Duration::from_secs(30));
         let listener = PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, 8).unwrap();
         let addr = listener.local_addr();
         let _silent_tcp = std::net::TcpStream::connect(addr).unwrap();

@@ -354,7 +354,7 @@ fn reused_handle_slot_ignores_the_old_association() {
     assert_eq!(new_buf.read_u64(0).unwrap(), 7);
 }
 
-/// The CkDirect slides' receiver (`../shared/seeds/ckdirect-charm-rdma-put.txt`, "How does
+/// The CkDirect slides' receiver (Eric Bohm et al., "CkDirect: Charm++ RDMA Put", "How does
 /// it work?", "Reducing Polling Overhead" and "The CkDirect API"), ported call by call: the
 /// receiver creates the handle, the sender associates its buffer and puts every iteration,
 /// the callback triggers the computation, and the receiver calls `CkDirect_readyMark` when

@@ -173,7 +173,7 @@ impl Check {
 }
 
 fn pipe_config() -> PipeConfig {
-    PipeConfig { ring_len: 64 << 10, ..PipeConfig::default() }
+    PipeConfig::default().with_ring_len(64 << 10)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -556,7 +556,9 @@ fn soak() {
                                 // A live peer that stops marking puts done (its receiver hit an
                                 // error; it says which on its stderr) is a failure, not a hang.
                                 if waiting_since.get_or_insert_with(Instant::now).elapsed() > STUCK {
-                                    panic!("put stream {stream}: no ready mark for {STUCK:?} from a live peer (put {sent})");
+                                    panic!(
+                                        "put stream {stream}: no ready mark for {STUCK:?} from a live peer (put {sent})"
+                                    );
                                 }
                                 std::thread::sleep(Duration::from_micros(100))
                             }

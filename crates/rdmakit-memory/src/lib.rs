@@ -15,7 +15,8 @@
 //! # Example: a counter in NIC memory and a remote heap's first block
 //!
 //! ```
-//! use rdmakit_memory::heap::{AllocPolicy, HeapAllocator, HeapConfig, HeapId, RemoteSegment};
+//! use rdmakit_memory::heap::{AllocPolicy, HeapAllocator, HeapConfig, HeapId};
+//! use rdmakit_verbs::RemoteRegion;
 //! use rdmakit_memory::memic::{CounterPool, Memic, Placement};
 //!
 //! let pd = rdmakit_verbs::Context::open_soft().alloc_pd()?;
@@ -25,7 +26,7 @@
 //!
 //! // The allocating side of a heap whose memory a peer registered (address, length, rkey).
 //! let mut heap = HeapAllocator::new(HeapConfig::new(HeapId(1), AllocPolicy::BestFit));
-//! heap.add_segment(RemoteSegment::new(0x7000_0000, 1 << 16, 0xbeef))?;
+//! heap.add_segment(RemoteRegion::new(0x7000_0000, 1 << 16, 0xbeef))?;
 //! assert_eq!(heap.stats().free, 1 << 16);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -35,13 +35,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 fn config(p: &Params) -> PipeConfig {
     // Room for `window` messages of `size` bytes in the ring, twice over.
     let ring = (u64::from(p.size.next_multiple_of(8)) * u64::from(p.window.max(1)) * 2).max(1 << 20);
-    PipeConfig {
-        ring_len: ring,
-        notify: NotifyMode::WriteImm,
-        poll: PollMode::Busy,
-        slots: p.window.clamp(2, 64),
-        ..PipeConfig::default()
-    }
+    PipeConfig::default()
+        .with_ring_len(ring)
+        .with_notify(NotifyMode::WriteImm)
+        .with_poll(PollMode::Busy)
+        .with_slots(p.window.clamp(2, 64))
 }
 
 async fn pipe(side: &Side, p: &Params) -> Result<Pipe> {

@@ -40,7 +40,7 @@ pub struct Contended {
 }
 
 fn options(connect: ConnectOptions) -> CmOptions {
-    CmOptions { connect, timeout: Duration::from_secs(30), ..CmOptions::default() }
+    CmOptions::default().with_connect(connect).with_timeout(Duration::from_secs(30))
 }
 
 /// Coordinator: owns the counter and runs `procs` workers against it.

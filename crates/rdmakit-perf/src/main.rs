@@ -178,7 +178,7 @@ impl DeviceOpts {
     }
 
     fn connect_options(&self) -> ConnectOptions {
-        ConnectOptions { gid_index: self.gid_index, ..ConnectOptions::default() }
+        ConnectOptions::default().with_gid_index(self.gid_index)
     }
 }
 

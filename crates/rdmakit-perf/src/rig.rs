@@ -281,12 +281,10 @@ fn atomic_target(ctx: &Context, pd: &ProtectionDomain, placement: Placement) -> 
 fn qp_caps(p: &Params) -> QpCaps {
     // Room for a pipe's or put endpoint's posted receives and inline control messages, and
     // for the bidirectional report (an inline write of up to REPORT_LEN bytes).
-    QpCaps {
-        max_send_wr: (p.window + 8).max(256),
-        max_recv_wr: (p.rx_depth + 8).max(160),
-        max_inline_data: p.inline.max(REPORT_LEN as u32),
-        ..QpCaps::default()
-    }
+    QpCaps::default()
+        .with_max_send_wr((p.window + 8).max(256))
+        .with_max_recv_wr((p.rx_depth + 8).max(160))
+        .with_max_inline_data(p.inline.max(REPORT_LEN as u32))
 }
 
 fn cqe(p: &Params) -> u32 {
@@ -348,7 +346,11 @@ fn peer_regions(d: &[u8]) -> Result<(RemoteRegion, RemoteRegion)> {
 }
 
 fn cm_options(p: &Params, opts: &ConnectOptions) -> CmOptions {
-    CmOptions { caps: qp_caps(p), cqe: cqe(p), connect: *opts, timeout: Duration::from_secs(30) }
+    CmOptions::default()
+        .with_caps(qp_caps(p))
+        .with_cqe(cqe(p))
+        .with_connect(*opts)
+        .with_timeout(Duration::from_secs(30))
 }
 
 /// Client side: connects to `addr`, telling the server which test to serve.

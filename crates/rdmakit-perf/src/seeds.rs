@@ -53,7 +53,7 @@ const SIGNAL_EVERY: u64 = 32;
 fn atomic_rig(ctx: &Context, target: Target) -> Result<AtomicRig> {
     let pd = ctx.alloc_pd()?;
     let (ca, cb) = (ctx.create_cq(SQ_DEPTH * 2)?, ctx.create_cq(16)?);
-    let caps = QpCaps { max_send_wr: SQ_DEPTH, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_send_wr(SQ_DEPTH);
     let (a, b) = (pd.create_qp(&ca, &ca, caps)?, pd.create_qp(&cb, &cb, caps)?);
     a.connect(&b.endpoint()?, &ConnectOptions::default())?;
     b.connect(&a.endpoint()?, &ConnectOptions::default())?;

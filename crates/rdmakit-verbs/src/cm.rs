@@ -73,7 +73,11 @@ use crate::types::{ConnectOptions, Endpoint, ProviderKind, QpCaps};
 pub const MAX_PRIVATE_DATA: usize = 56;
 
 /// How connections are set up.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CmOptions {
     /// Queue sizes of the connection's QP.
     pub caps: QpCaps,
@@ -93,6 +97,32 @@ impl Default for CmOptions {
             connect: ConnectOptions::default(),
             timeout: Duration::from_secs(10),
         }
+    }
+}
+
+impl CmOptions {
+    /// Sets [`caps`](Self::caps).
+    pub const fn with_caps(mut self, caps: QpCaps) -> Self {
+        self.caps = caps;
+        self
+    }
+
+    /// Sets [`cqe`](Self::cqe).
+    pub const fn with_cqe(mut self, cqe: u32) -> Self {
+        self.cqe = cqe;
+        self
+    }
+
+    /// Sets [`connect`](Self::connect).
+    pub const fn with_connect(mut self, connect: ConnectOptions) -> Self {
+        self.connect = connect;
+        self
+    }
+
+    /// Sets [`timeout`](Self::timeout).
+    pub const fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 }
 

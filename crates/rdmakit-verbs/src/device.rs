@@ -16,6 +16,7 @@ pub const DEVICE_ENV: &str = "RDMAKIT_DEVICE";
 
 /// A device that can be opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceInfo {
     /// Device name.
     pub name: String,

@@ -1,6 +1,8 @@
-//! Typed errors. Verbs has three failure channels, all mapped here once:
+//! Typed errors. Verbs has three failure channels, all of which end up as an [`Error`]:
 //! a NULL return with `errno` (`ibv_reg_mr`), an errno returned directly (`ibv_post_send`,
-//! `ibv_modify_qp`), and a work completion whose status is not `IBV_WC_SUCCESS`.
+//! `ibv_modify_qp`), and a work completion whose status is not `IBV_WC_SUCCESS`. Each
+//! provider maps its own calls' conventions (the rdma-core provider in `rdma/conv.rs`, plus
+//! `ibv_poll_cq`'s negative count and librdmacm's -1 + errno where they are called).
 
 use std::io;
 

@@ -72,8 +72,10 @@ pub(crate) struct MkeyState {
     bound: Mutex<Vec<MemoryRegion>>,
 }
 
-/// One KSM entry: `len` bytes of `region` from `offset`.
+/// One KSM entry: `len` bytes of `region` from `offset`, made with [`new`](Self::new) or
+/// [`whole`](Self::whole).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct KsmEntry {
     /// The region the entry maps to (any key of the same PD, device memory included).
     pub region: MemoryRegion,
@@ -84,6 +86,11 @@ pub struct KsmEntry {
 }
 
 impl KsmEntry {
+    /// `len` bytes of `region` from `offset` (checked when the entry is bound).
+    pub fn new(region: &MemoryRegion, offset: u64, len: u64) -> KsmEntry {
+        KsmEntry { region: region.clone(), offset, len }
+    }
+
     /// All of `region`.
     pub fn whole(region: &MemoryRegion) -> KsmEntry {
         KsmEntry { region: region.clone(), offset: 0, len: region.len() as u64 }

@@ -196,7 +196,11 @@ impl Mtu {
 }
 
 /// Sizes of a queue pair's queues, given at creation.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QpCaps {
     /// Outstanding send work requests.
     pub max_send_wr: u32,
@@ -216,8 +220,44 @@ impl Default for QpCaps {
     }
 }
 
+impl QpCaps {
+    /// Sets [`max_send_wr`](Self::max_send_wr).
+    pub const fn with_max_send_wr(mut self, max_send_wr: u32) -> Self {
+        self.max_send_wr = max_send_wr;
+        self
+    }
+
+    /// Sets [`max_recv_wr`](Self::max_recv_wr).
+    pub const fn with_max_recv_wr(mut self, max_recv_wr: u32) -> Self {
+        self.max_recv_wr = max_recv_wr;
+        self
+    }
+
+    /// Sets [`max_send_sge`](Self::max_send_sge).
+    pub const fn with_max_send_sge(mut self, max_send_sge: u32) -> Self {
+        self.max_send_sge = max_send_sge;
+        self
+    }
+
+    /// Sets [`max_recv_sge`](Self::max_recv_sge).
+    pub const fn with_max_recv_sge(mut self, max_recv_sge: u32) -> Self {
+        self.max_recv_sge = max_recv_sge;
+        self
+    }
+
+    /// Sets [`max_inline_data`](Self::max_inline_data).
+    pub const fn with_max_inline_data(mut self, max_inline_data: u32) -> Self {
+        self.max_inline_data = max_inline_data;
+        self
+    }
+}
+
 /// How to take a QP from RESET to RTS against a peer (the `ibv_modify_qp` attributes).
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ConnectOptions {
     /// Port number (1-based).
     pub port_num: u8,
@@ -291,6 +331,92 @@ impl Default for ConnectOptions {
             hop_limit: None,
             pkey_index: None,
         }
+    }
+}
+
+impl ConnectOptions {
+    /// Sets [`port_num`](Self::port_num).
+    pub const fn with_port_num(mut self, port_num: u8) -> Self {
+        self.port_num = port_num;
+        self
+    }
+
+    /// Sets [`gid_index`](Self::gid_index) (a value, `Some(value)` or `None`).
+    pub fn with_gid_index(mut self, gid_index: impl Into<Option<u8>>) -> Self {
+        self.gid_index = gid_index.into();
+        self
+    }
+
+    /// Sets [`mtu`](Self::mtu) (a value, `Some(value)` or `None`).
+    pub fn with_mtu(mut self, mtu: impl Into<Option<Mtu>>) -> Self {
+        self.mtu = mtu.into();
+        self
+    }
+
+    /// Sets [`access`](Self::access).
+    pub const fn with_access(mut self, access: AccessFlags) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// Sets [`timeout`](Self::timeout).
+    pub const fn with_timeout(mut self, timeout: u8) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`retry_cnt`](Self::retry_cnt).
+    pub const fn with_retry_cnt(mut self, retry_cnt: u8) -> Self {
+        self.retry_cnt = retry_cnt;
+        self
+    }
+
+    /// Sets [`rnr_retry`](Self::rnr_retry).
+    pub const fn with_rnr_retry(mut self, rnr_retry: u8) -> Self {
+        self.rnr_retry = rnr_retry;
+        self
+    }
+
+    /// Sets [`min_rnr_timer`](Self::min_rnr_timer).
+    pub const fn with_min_rnr_timer(mut self, min_rnr_timer: u8) -> Self {
+        self.min_rnr_timer = min_rnr_timer;
+        self
+    }
+
+    /// Sets [`max_rd_atomic`](Self::max_rd_atomic).
+    pub const fn with_max_rd_atomic(mut self, max_rd_atomic: u8) -> Self {
+        self.max_rd_atomic = max_rd_atomic;
+        self
+    }
+
+    /// Sets [`service_level`](Self::service_level) (a value, `Some(value)` or `None`).
+    pub fn with_service_level(mut self, service_level: impl Into<Option<u8>>) -> Self {
+        self.service_level = service_level.into();
+        self
+    }
+
+    /// Sets [`traffic_class`](Self::traffic_class) (a value, `Some(value)` or `None`).
+    pub fn with_traffic_class(mut self, traffic_class: impl Into<Option<u8>>) -> Self {
+        self.traffic_class = traffic_class.into();
+        self
+    }
+
+    /// Sets [`flow_label`](Self::flow_label) (a value, `Some(value)` or `None`).
+    pub fn with_flow_label(mut self, flow_label: impl Into<Option<u32>>) -> Self {
+        self.flow_label = flow_label.into();
+        self
+    }
+
+    /// Sets [`hop_limit`](Self::hop_limit) (a value, `Some(value)` or `None`).
+    pub fn with_hop_limit(mut self, hop_limit: impl Into<Option<u8>>) -> Self {
+        self.hop_limit = hop_limit.into();
+        self
+    }
+
+    /// Sets [`pkey_index`](Self::pkey_index) (a value, `Some(value)` or `None`).
+    pub fn with_pkey_index(mut self, pkey_index: impl Into<Option<u16>>) -> Self {
+        self.pkey_index = pkey_index.into();
+        self
     }
 }
 
@@ -402,6 +528,17 @@ pub struct RemoteRegion {
 impl RemoteRegion {
     /// Encoded length.
     pub const ENCODED_LEN: usize = 20;
+
+    /// `len` bytes at `addr`, accessed with `rkey` (a descriptor a peer advertised, or a
+    /// heap segment: see `rdmakit_memory::heap`).
+    pub const fn new(addr: u64, len: u64, rkey: u32) -> Self {
+        RemoteRegion { addr, len, rkey }
+    }
+
+    /// One past the last address, or `None` if `addr + len` overflows.
+    pub const fn end(&self) -> Option<u64> {
+        self.addr.checked_add(self.len)
+    }
 
     /// The part `offset..offset + len`, checked against this descriptor.
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {

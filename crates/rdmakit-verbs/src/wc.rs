@@ -144,6 +144,7 @@ impl WcOpcode {
 /// One work completion (`struct ibv_wc`, the fields rdmakit's users need).
 #[doc(alias = "ibv_wc")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct WorkCompletion {
     /// The `wr_id` the user gave the work request.
     pub wr_id: u64,

@@ -10,7 +10,7 @@ use rdmakit_verbs::cm::{AsyncListener, CmOptions, connect_async};
 use rdmakit_verbs::{AccessFlags, Context, SendWr};
 
 fn opts(timeout: Duration) -> CmOptions {
-    CmOptions { timeout, ..CmOptions::default() }
+    CmOptions::default().with_timeout(timeout)
 }
 
 async fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
@@ -87,7 +87,7 @@ async fn handshakes_in_progress_are_bounded() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let client = tokio::spawn({
         let pd = pd.clone();
-        let o = CmOptions { timeout: Duration::from_secs(20), ..o };
+        let o = o.with_timeout(Duration::from_secs(20));
         async move { connect_async(&pd, addr, &o, b"third").await }
     });
     let conn = listener.accept().await.unwrap();

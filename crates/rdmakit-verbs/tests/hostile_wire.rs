@@ -47,7 +47,7 @@ fn fds() -> usize {
 
 /// Transport budget 4.096 µs × 2^14 × 4 ≈ 268 ms: dead peers show quickly.
 fn opts() -> ConnectOptions {
-    ConnectOptions { timeout: 14, retry_cnt: 3, ..ConnectOptions::default() }
+    ConnectOptions::default().with_timeout(14).with_retry_cnt(3)
 }
 
 /// Waits until `f` holds, up to `limit`; returns whether it did.
@@ -113,7 +113,7 @@ fn legit(v: &Victim) -> Legit {
     let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(1024).unwrap();
-    let qp = pd.create_qp(&cq, &cq, QpCaps { max_send_wr: 512, ..QpCaps::default() }).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default().with_max_send_wr(512)).unwrap();
     let src = pd.alloc_mr(4 << 20, AccessFlags::ALL_REMOTE).unwrap();
     let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
     let (vep, rep) = (vqp.endpoint().unwrap(), qp.endpoint().unwrap());
@@ -260,7 +260,7 @@ fn alloc_mr_of_absurd_sizes_is_a_typed_error() {
 fn absurd_device_memory_capacity_is_a_typed_error() {
     let _g = serial();
     for cap in [u64::MAX, 1 << 62, 1 << 48] {
-        let cfg = SoftConfig { dm_capacity: cap, ..SoftConfig::default() };
+        let cfg = SoftConfig::default().with_dm_capacity(cap);
         let r = std::panic::catch_unwind(|| Context::open_soft_with(cfg).map(|_| ()));
         match r {
             Ok(Err(Error::InvalidArgument(_))) => {}
@@ -268,7 +268,7 @@ fn absurd_device_memory_capacity_is_a_typed_error() {
             Err(_) => panic!("dm_capacity {cap} panicked"),
         }
     }
-    let cfg = SoftConfig { max_qp_wr: u32::MAX, ..SoftConfig::default() };
+    let cfg = SoftConfig::default().with_max_qp_wr(u32::MAX);
     assert!(matches!(Context::open_soft_with(cfg), Err(Error::InvalidArgument(_))));
 }
 
@@ -652,7 +652,7 @@ fn bootstrap_slow_loris_cannot_hold_accept() {
     let pd = ctx.alloc_pd().unwrap();
     let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = l.local_addr().unwrap();
-    let opts = cm::CmOptions { timeout: Duration::from_secs(2), ..cm::CmOptions::default() };
+    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(2));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();
     let trickle = std::thread::spawn(move || {
@@ -757,7 +757,7 @@ fn transport_timers_stay_bounded_over_many_bursts() {
     let _g = serial();
     let v = Victim::new();
     // A long transport budget (4.096 µs × 2^20 × 8 ≈ 34 s): each timer would live that long.
-    let long = ConnectOptions { timeout: 20, retry_cnt: 7, ..ConnectOptions::default() };
+    let long = ConnectOptions::default().with_timeout(20).with_retry_cnt(7);
     let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64).unwrap();
@@ -809,7 +809,7 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
         let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(1024).unwrap();
-        let qp = pd.create_qp(&cq, &cq, QpCaps { max_send_wr: 512, ..QpCaps::default() }).unwrap();
+        let qp = pd.create_qp(&cq, &cq, QpCaps::default().with_max_send_wr(512)).unwrap();
         let src = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
         let mut gid = [0u8; 16];
         gid[..2].copy_from_slice(&[0xfe, 0x80]);

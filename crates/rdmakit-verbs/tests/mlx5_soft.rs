@@ -28,7 +28,7 @@ fn ksm_key_maps_a_range_onto_two_regions() -> Result<()> {
     let (x, y) = (pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?, pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?);
     let key = pd.create_ksm_mkey(
         0x7000_0000,
-        &[KsmEntry { region: x.clone(), offset: 1024, len: 1024 }, KsmEntry::whole(&y)],
+        &[KsmEntry::new(&x, 1024, 1024), KsmEntry::whole(&y)],
         AccessFlags::ALL_REMOTE,
     )?;
     assert!(key.is_bound());
@@ -93,11 +93,11 @@ fn umr_refuses_what_it_cannot_serve() -> Result<()> {
     let umr = pd.create_umr_queue()?;
     let key = pd.create_indirect_mkey(0, u64::MAX / 2, AccessFlags::ALL_REMOTE)?;
     let r = pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
-    let huge = KsmEntry { region: r.clone(), offset: 0, len: UMR_MAX_LEN + 1 };
+    let huge = KsmEntry::new(&r, 0, UMR_MAX_LEN + 1);
     assert!(matches!(umr.bind(&key, &[huge]), Err(Error::Unsupported(_))));
     let foreign = other_pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
     assert!(umr.bind(&key, &[KsmEntry::whole(&foreign)]).is_err(), "entries must share the key's PD");
-    assert!(umr.bind(&key, &[KsmEntry { region: r.clone(), offset: 32, len: 64 }]).is_err());
+    assert!(umr.bind(&key, &[KsmEntry::new(&r, 32, 64)]).is_err());
     let other_key = other_pd.create_indirect_mkey(0, 64, AccessFlags::ALL_REMOTE)?;
     assert!(umr.invalidate(&other_key).is_err(), "UMR on another PD's key");
     assert!(pd.create_indirect_mkey(u64::MAX, 2, AccessFlags::ALL_REMOTE).is_err());
@@ -213,9 +213,9 @@ fn refused_binds_leave_the_key_free() -> Result<()> {
     let r = pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
     let foreign = other_pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
     let refused: [Vec<KsmEntry>; 4] = [
-        vec![KsmEntry { region: r.clone(), offset: 0, len: 0 }],
+        vec![KsmEntry::new(&r, 0, 0)],
         vec![KsmEntry::whole(&r), KsmEntry::whole(&foreign)],
-        vec![KsmEntry { region: r.clone(), offset: u64::MAX, len: 2 }],
+        vec![KsmEntry::new(&r, u64::MAX, 2)],
         // 192 bytes onto a key of 128.
         vec![KsmEntry::whole(&r), KsmEntry::whole(&r), KsmEntry::whole(&r)],
     ];

@@ -40,7 +40,7 @@ pub fn qp_pair(
 
 /// Two connected put endpoints (busy polling).
 pub fn put_endpoints(pd: &ProtectionDomain) -> (PutEndpoint, PutEndpoint) {
-    let ((a, ca), (b, cb)) = qp_pair(pd, QpCaps { max_inline_data: 64, ..QpCaps::default() });
+    let ((a, ca), (b, cb)) = qp_pair(pd, QpCaps::default().with_max_inline_data(64));
     (PutEndpoint::new(a, ca, PollMode::Busy).unwrap(), PutEndpoint::new(b, cb, PollMode::Busy).unwrap())
 }
 

@@ -3,19 +3,19 @@
 use super::free_space::FreeSpace;
 use super::segments::SegmentTable;
 use super::wire::{AllocAck, FreeBatch};
-use super::{AllocPolicy, HeapConfig, HeapError, HeapId, HeapStats, RemoteBlock, RemoteSegment, SyncMode};
+use super::{AllocPolicy, HeapConfig, HeapError, HeapId, HeapStats, RemoteBlock, RemoteRegion, SyncMode};
 
 /// Grants new segments when a heap is full: the owner's side of growth, as the allocating
-/// side reaches it (a closure `FnMut(HeapId, u64) -> Option<RemoteSegment>` will do).
+/// side reaches it (a closure `FnMut(HeapId, u64) -> Option<RemoteRegion>` will do).
 pub trait SegmentProvider {
     /// Heap `heap` cannot fit `min_len` bytes: grant a segment (which the owner has already
     /// added on its side, [`HeapOwner::add_segment`](super::HeapOwner::add_segment)), or
     /// `None` to refuse.
-    fn grow(&mut self, heap: HeapId, min_len: u64) -> Option<RemoteSegment>;
+    fn grow(&mut self, heap: HeapId, min_len: u64) -> Option<RemoteRegion>;
 }
 
-impl<F: FnMut(HeapId, u64) -> Option<RemoteSegment>> SegmentProvider for F {
-    fn grow(&mut self, heap: HeapId, min_len: u64) -> Option<RemoteSegment> {
+impl<F: FnMut(HeapId, u64) -> Option<RemoteRegion>> SegmentProvider for F {
+    fn grow(&mut self, heap: HeapId, min_len: u64) -> Option<RemoteRegion> {
         self(heap, min_len)
     }
 }
@@ -63,14 +63,14 @@ impl HeapAllocator {
     /// Adds a segment the owner granted (the owner adds it on its side in the same order, so
     /// both agree on its index); its space is free at once. Its base and length must be
     /// multiples of the alignment, and it must not overlap another segment.
-    pub fn add_segment(&mut self, seg: RemoteSegment) -> Result<u32, HeapError> {
+    pub fn add_segment(&mut self, seg: RemoteRegion) -> Result<u32, HeapError> {
         let index = self.segments.add(seg, self.config.align())?;
-        self.free.insert(seg.base, seg.base + seg.len, index).expect("a new segment is disjoint");
+        self.free.insert(seg.addr, seg.addr + seg.len, index).expect("a new segment is disjoint");
         Ok(index)
     }
 
     /// The segments, by index.
-    pub fn segments(&self) -> &[RemoteSegment] {
+    pub fn segments(&self) -> &[RemoteRegion] {
         self.segments.as_slice()
     }
 

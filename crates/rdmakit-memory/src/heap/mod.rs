@@ -59,8 +59,9 @@
 //!
 //! ```
 //! use rdmakit_memory::heap::*;
+//! use rdmakit_verbs::RemoteRegion;
 //!
-//! let seg = RemoteSegment::new(0x10_0000, 1 << 20, 0x1234);
+//! let seg = RemoteRegion::new(0x10_0000, 1 << 20, 0x1234);
 //! let config = HeapConfig::new(HeapId(7), AllocPolicy::NextFit);
 //! let mut alloc = HeapAllocator::new(config);
 //! let mut owner = HeapOwner::new(HeapId(7));
@@ -104,35 +105,6 @@ use rdmakit_verbs::RemoteRegion;
 /// Names one heap among those of an endpoint pair; every message carries it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HeapId(pub u32);
-
-/// A heap segment: a range of the owner's NIC address space and the rkey that grants it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RemoteSegment {
-    /// First address, as the owner's NIC translates it.
-    pub base: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Remote key of the memory region behind the segment.
-    pub rkey: u32,
-}
-
-impl RemoteSegment {
-    /// A segment of `len` bytes at `base`, accessed with `rkey`.
-    pub const fn new(base: u64, len: u64, rkey: u32) -> Self {
-        RemoteSegment { base, len, rkey }
-    }
-
-    /// One past the last address, or `None` if `base + len` overflows.
-    pub const fn end(&self) -> Option<u64> {
-        self.base.checked_add(self.len)
-    }
-}
-
-impl From<RemoteRegion> for RemoteSegment {
-    fn from(r: RemoteRegion) -> Self {
-        RemoteSegment { base: r.addr, len: r.len, rkey: r.rkey }
-    }
-}
 
 /// How the allocator chooses among free ranges that fit. The block is always taken from the
 /// start (lowest address) of the chosen free range.
@@ -272,6 +244,7 @@ impl RemoteBlock {
 
 /// Occupancy of a heap as the allocating side sees it ([`HeapAllocator::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct HeapStats {
     /// Number of segments.
     pub segments: usize,

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use super::segments::SegmentTable;
 use super::wire::{AllocAck, AllocNotice, FreeBatch, FreeRange};
-use super::{HeapError, HeapId, RemoteBlock, RemoteSegment};
+use super::{HeapError, HeapId, RemoteBlock, RemoteRegion};
 
 /// Where a block stands on the owner's side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -20,6 +20,7 @@ pub enum OwnerBlockState {
 
 /// The owner's side of a heap at a glance ([`HeapOwner::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OwnerStats {
     /// Number of segments.
     pub segments: usize,
@@ -90,12 +91,12 @@ impl HeapOwner {
     /// ([`HeapAllocator::add_segment`](super::HeapAllocator::add_segment)) in the same order,
     /// so that both agree on its index. The allocating side also requires the base and
     /// length to be multiples of the heap's alignment.
-    pub fn add_segment(&mut self, seg: RemoteSegment) -> Result<u32, HeapError> {
+    pub fn add_segment(&mut self, seg: RemoteRegion) -> Result<u32, HeapError> {
         self.segments.add(seg, 1)
     }
 
     /// The segments, by index.
-    pub fn segments(&self) -> &[RemoteSegment] {
+    pub fn segments(&self) -> &[RemoteRegion] {
         self.segments.as_slice()
     }
 
@@ -113,7 +114,7 @@ impl HeapOwner {
             _ => return Err(invalid),
         };
         match self.segments.get(b.segment) {
-            Some(s) if s.rkey == b.rkey && s.base <= b.addr && end <= s.base + s.len => {}
+            Some(s) if s.rkey == b.rkey && s.addr <= b.addr && end <= s.addr + s.len => {}
             _ => return Err(invalid),
         }
         if let Some((&addr, held)) = self.blocks.range(..end).next_back()

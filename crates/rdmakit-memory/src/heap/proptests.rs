@@ -22,13 +22,13 @@ struct Out {
 
 /// The model: every block handed out and not yet returned by an applied batch.
 struct Model {
-    segs: Vec<RemoteSegment>,
+    segs: Vec<RemoteRegion>,
     align: u64,
     out: BTreeMap<u64, Out>,
 }
 
 impl Model {
-    fn new(segs: &[RemoteSegment], align: u64) -> Self {
+    fn new(segs: &[RemoteRegion], align: u64) -> Self {
         Model { segs: segs.to_vec(), align, out: BTreeMap::new() }
     }
 
@@ -53,7 +53,7 @@ impl Model {
         assert_eq!(b.addr % self.align, 0, "{b:?}");
         let seg = self.segs[b.segment as usize];
         assert!(
-            b.addr >= seg.base && b.end() <= seg.base + seg.len && b.rkey == seg.rkey,
+            b.addr >= seg.addr && b.end() <= seg.addr + seg.len && b.rkey == seg.rkey,
             "{b:?} outside {seg:?}"
         );
         assert!(!self.overlaps_out(b.addr, b.end()), "{b:?} handed out while still held");
@@ -98,7 +98,7 @@ impl Model {
         }
         for &(start, end, seg) in &free {
             let sg = self.segs[seg as usize];
-            assert!(start < end && start >= sg.base && end <= sg.base + sg.len);
+            assert!(start < end && start >= sg.addr && end <= sg.addr + sg.len);
             assert!(!self.overlaps_out(start, end), "free range {start:#x}..{end:#x} is held");
         }
     }
@@ -109,7 +109,7 @@ impl Model {
         self.check(alloc);
         let free: Vec<(u64, u64, u32)> = alloc.free_ranges().collect();
         let mut segs: Vec<(u64, u64, u32)> =
-            self.segs.iter().enumerate().map(|(i, s)| (s.base, s.base + s.len, i as u32)).collect();
+            self.segs.iter().enumerate().map(|(i, s)| (s.addr, s.addr + s.len, i as u32)).collect();
         segs.sort();
         assert_eq!(free, segs);
         assert_eq!(alloc.stats().free, self.total());
@@ -121,14 +121,14 @@ fn size() -> impl Strategy<Value = u64> {
 }
 
 /// An alignment and 1–3 segments, some adjacent (gap 0), with distinct rkeys.
-fn layout() -> impl Strategy<Value = (u64, Vec<RemoteSegment>)> {
+fn layout() -> impl Strategy<Value = (u64, Vec<RemoteRegion>)> {
     let segs = prop::collection::vec((0u64..=2, 1u64..=48), 1..=3);
     (prop::sample::select(vec![1u64, 8, 64]), segs).prop_map(|(align, segs)| {
         let mut base = 0x1_0000;
         let mut out = Vec::new();
         for (i, (gap, units)) in segs.into_iter().enumerate() {
             base += gap * 4096;
-            out.push(RemoteSegment::new(base, units * 128, 100 + i as u32));
+            out.push(RemoteRegion::new(base, units * 128, 100 + i as u32));
             base += units * 128;
         }
         (align, out)

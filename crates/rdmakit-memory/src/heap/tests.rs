@@ -14,7 +14,7 @@ pub(super) struct Pair {
 }
 
 impl Pair {
-    pub(super) fn new(config: HeapConfig, segs: &[RemoteSegment]) -> Self {
+    pub(super) fn new(config: HeapConfig, segs: &[RemoteRegion]) -> Self {
         let mut pair = Pair { alloc: HeapAllocator::new(config), owner: HeapOwner::new(config.heap()) };
         for &s in segs {
             pair.grant(s).expect("segment");
@@ -22,7 +22,7 @@ impl Pair {
         pair
     }
 
-    pub(super) fn grant(&mut self, seg: RemoteSegment) -> Result<u32, HeapError> {
+    pub(super) fn grant(&mut self, seg: RemoteRegion) -> Result<u32, HeapError> {
         let i = self.owner.add_segment(seg)?;
         assert_eq!(self.alloc.add_segment(seg)?, i);
         Ok(i)
@@ -56,8 +56,8 @@ impl Pair {
     }
 }
 
-fn seg(base: u64, len: u64) -> RemoteSegment {
-    RemoteSegment::new(base, len, RKEY)
+fn seg(base: u64, len: u64) -> RemoteRegion {
+    RemoteRegion::new(base, len, RKEY)
 }
 
 /// A heap over one segment cut into `pieces` (length, free?), allocated in order, whose free
@@ -363,12 +363,12 @@ fn growth_asks_the_owner_and_a_refusal_is_typed() {
     let mut asked = None;
     let mut grant = |heap: HeapId, min_len: u64| {
         asked = Some((heap, min_len));
-        Some(RemoteSegment::new(0x20_0000, 4096, RKEY + 1))
+        Some(RemoteRegion::new(0x20_0000, 4096, RKEY + 1))
     };
     let b = p.alloc.alloc_or_grow(100, &mut grant).expect("grown");
     assert_eq!(asked, Some((H, 104)));
     assert_eq!((b.addr, b.len, b.rkey, b.segment), (0x20_0000, 104, RKEY + 1, 1));
-    let mut tiny = |_: HeapId, _: u64| Some(RemoteSegment::new(0x30_0000, 64, RKEY + 2));
+    let mut tiny = |_: HeapId, _: u64| Some(RemoteRegion::new(0x30_0000, 64, RKEY + 2));
     assert!(matches!(
         p.alloc.alloc_or_grow(8192, &mut tiny),
         Err(HeapError::Exhausted { requested: 8192, .. })
@@ -413,7 +413,8 @@ fn stats_and_fragmentation() {
 #[test]
 fn remote_block_and_segment_conversions() {
     let r = rdmakit_verbs::RemoteRegion { addr: 0x1000, len: 4096, rkey: 7 };
-    assert_eq!(RemoteSegment::from(r), RemoteSegment::new(0x1000, 4096, 7));
+    assert_eq!(rdmakit_verbs::RemoteRegion::new(0x1000, 4096, 7), r);
+    assert_eq!(r.end(), Some(0x2000));
     let b = RemoteBlock { addr: 0x1008, len: 16, rkey: 7, segment: 0 };
     assert_eq!(b.region(), rdmakit_verbs::RemoteRegion { addr: 0x1008, len: 16, rkey: 7 });
     assert_eq!(b.end(), 0x1018);

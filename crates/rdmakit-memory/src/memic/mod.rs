@@ -2,7 +2,7 @@
 //!
 //! ConnectX NICs have a little memory of their own (128–256 KiB, `max_dm_size`). Atomics
 //! on it complete without a PCIe round trip to host memory, which is why UCX places
-//! fetch-and-add targets there (`../shared/seeds/memic-in-chip-memory-ucx.txt`). Device
+//! fetch-and-add targets there (Roie Danino, "Use in-chip memory for RDMA operations", UCF 2023). Device
 //! memory is registered zero-based, so every allocation starts at address 0; to give a
 //! region a unique non-zero address that remote peers use like any other, rdmakit does as
 //! UCX does:

@@ -10,10 +10,7 @@ use super::*;
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
 
 fn device(dm: u64) -> ProtectionDomain {
-    Context::open_soft_with(SoftConfig { dm_capacity: dm, ..SoftConfig::default() })
-        .unwrap()
-        .alloc_pd()
-        .unwrap()
+    Context::open_soft_with(SoftConfig::default().with_dm_capacity(dm)).unwrap().alloc_pd().unwrap()
 }
 
 fn qp_pair(pd: &ProtectionDomain) -> (QueuePair, CompletionQueue, QueuePair) {

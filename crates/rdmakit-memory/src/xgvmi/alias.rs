@@ -18,6 +18,7 @@ pub trait AliasOps {
 
 /// Counters of an alias cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AliasStats {
     /// Imports served by a cached alias.
     pub hits: u64,
@@ -36,6 +37,7 @@ pub struct AliasStats {
 }
 
 /// An imported key: the alias (shared with the cache for pool keys) and the packed key.
+#[non_exhaustive]
 pub struct ImportedAlias<A> {
     /// The alias; use it as an lkey in the DPU function's protection domain.
     pub alias: Arc<A>,

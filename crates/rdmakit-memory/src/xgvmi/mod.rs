@@ -6,7 +6,7 @@
 //! key in its own protection domain, usable as an lkey (and rkey). Doing that per buffer is
 //! slow: creating an indirect mkey (~220 µs), opening it to another vHCA (~140 µs) and
 //! creating the alias on the DPU (~200 µs) add up to 0.8–0.9 ms per buffer in the UCX
-//! measurements (`../shared/seeds/xgvmi-umr-mkey-pool-ucx.txt`), while re-pointing an existing
+//! measurements (Yong Qin, "Cross-GVMI UMR Mkey Pool", UCF 2023), while re-pointing an existing
 //! indirect mkey at another region with a UMR work request costs about 1 µs.
 //!
 //! So, as UCX's UMR mkey pool does:

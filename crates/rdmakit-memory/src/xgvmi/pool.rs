@@ -38,7 +38,11 @@ pub trait HostKeyOps {
 }
 
 /// How a pool behaves.
+///
+/// Start from [`new`](Self::new) and change what you need with the `with_*` setters (the
+/// struct is `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Keys created when the pool is made; the others are created at first use.
     pub precreate: usize,
@@ -56,8 +60,29 @@ impl PoolConfig {
     }
 }
 
+impl PoolConfig {
+    /// Sets [`precreate`](Self::precreate).
+    pub const fn with_precreate(mut self, precreate: usize) -> Self {
+        self.precreate = precreate;
+        self
+    }
+
+    /// Sets [`max_keys`](Self::max_keys).
+    pub const fn with_max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// Sets [`access_key`](Self::access_key).
+    pub const fn with_access_key(mut self, access_key: [u8; 32]) -> Self {
+        self.access_key = access_key;
+        self
+    }
+}
+
 /// Counters of a pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Pool keys created (each costs an mkey creation and an access change).
     pub created: u64,

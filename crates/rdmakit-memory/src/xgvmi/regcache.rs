@@ -7,6 +7,7 @@ use rdmakit_verbs::{AccessFlags, Error, MemoryRegion, ProtectionDomain, Result};
 
 /// Counters of a registration cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RegCacheStats {
     /// Requests served by a cached region.
     pub hits: u64,
@@ -151,6 +152,7 @@ impl Drop for CachedRegion {
 
 /// Counters of a [`RangeCache`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RangeCacheStats {
     /// Lookups served by a cached registration covering the whole range.
     pub hits: u64,

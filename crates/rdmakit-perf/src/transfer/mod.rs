@@ -2,7 +2,8 @@
 //! receiver's "chunk consumed" flags checked by RDMA read, end-to-end CRC-32 verification,
 //! and live gauges (terminal, and a web speedometer fed by server-sent events); and
 //! `datagen`, a TCP data generator to feed it, as the seed's `fpga_emulator` feeds
-//! `transfer_real` (../shared/seeds/cots-rdma-data-transfer-verbs-ucx.txt).
+//! `transfer_real` (Isac Bruce and Hannes Ekstam Ljusegren, "COTS RDMA Data-Transfer: two
+//! throughput demos using UCX and Verbs", 2022).
 //!
 //! Modes: loopback (both ends in this process, the default), `--server ADDR` (the
 //! receiver, serving one sender; it owns the ring and announces its shape), `--connect
@@ -215,7 +216,11 @@ fn input(a: &TransferArgs) -> Result<Input, Error> {
 }
 
 fn cm_options(a: &TransferArgs, (caps, cqe): (rdmakit_verbs::QpCaps, u32)) -> CmOptions {
-    CmOptions { caps, cqe, connect: a.dev.connect_options(), timeout: Duration::from_secs(30) }
+    CmOptions::default()
+        .with_caps(caps)
+        .with_cqe(cqe)
+        .with_connect(a.dev.connect_options())
+        .with_timeout(Duration::from_secs(30))
 }
 
 fn run(a: &TransferArgs) -> Result<(), Error> {

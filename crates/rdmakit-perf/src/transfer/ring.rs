@@ -111,12 +111,12 @@ fn decode_msg(tag: u8, b: &[u8]) -> Result<Tally, Error> {
 
 /// Queue and CQ sizes for the sender with `window` writes outstanding.
 pub fn sender_caps(window: u32) -> (QpCaps, u32) {
-    (QpCaps { max_send_wr: window + 4, max_recv_wr: 4, ..QpCaps::default() }, window + 16)
+    (QpCaps::default().with_max_send_wr(window + 4).with_max_recv_wr(4), window + 16)
 }
 
 /// Queue and CQ sizes for the receiver of a ring of `slots`.
 pub fn receiver_caps(slots: u32) -> (QpCaps, u32) {
-    (QpCaps { max_send_wr: 4, max_recv_wr: slots + 4, ..QpCaps::default() }, slots + 16)
+    (QpCaps::default().with_max_send_wr(4).with_max_recv_wr(slots + 4), slots + 16)
 }
 
 /// The receiver's memory: ring, flags, and receive buffers for the control messages.

@@ -1,4 +1,5 @@
-//! Return conventions of libibverbs, mapped once, and request/state conversions.
+//! libibverbs' common return conventions (NULL + errno, an errno returned), and request/state
+//! conversions. `ibv_poll_cq`'s negative count is mapped in `cq.rs`, librdmacm's in `cm.rs`.
 
 use std::ptr::NonNull;
 

@@ -91,7 +91,11 @@ pub const SOFT_VENDOR_ID: u32 = 0x534f_4654;
 pub const MAX_QP_WR: u32 = 1 << 20;
 
 /// Settings of a soft NIC device.
+///
+/// Start from [`Default`] and change what you need with the `with_*` setters (the struct is
+/// `#[non_exhaustive]`, so fields can be added without breaking you).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SoftConfig {
     /// Device memory capacity in bytes (`max_dm_size`), at most 1 GiB. ConnectX-6 has
     /// 256 KiB.
@@ -112,6 +116,32 @@ impl Default for SoftConfig {
             max_cqe: 4 * 1024 * 1024,
             max_inline_data: qp::MAX_INLINE as u32,
         }
+    }
+}
+
+impl SoftConfig {
+    /// Sets [`dm_capacity`](Self::dm_capacity).
+    pub const fn with_dm_capacity(mut self, dm_capacity: u64) -> Self {
+        self.dm_capacity = dm_capacity;
+        self
+    }
+
+    /// Sets [`max_qp_wr`](Self::max_qp_wr).
+    pub const fn with_max_qp_wr(mut self, max_qp_wr: u32) -> Self {
+        self.max_qp_wr = max_qp_wr;
+        self
+    }
+
+    /// Sets [`max_cqe`](Self::max_cqe).
+    pub const fn with_max_cqe(mut self, max_cqe: u32) -> Self {
+        self.max_cqe = max_cqe;
+        self
+    }
+
+    /// Sets [`max_inline_data`](Self::max_inline_data).
+    pub const fn with_max_inline_data(mut self, max_inline_data: u32) -> Self {
+        self.max_inline_data = max_inline_data;
+        self
     }
 }
 

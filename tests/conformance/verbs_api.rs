@@ -1,27 +1,18 @@
-//! The conformance cases. Each takes an [`Env`] and uses only rdmakit's public API, so it
-//! runs unchanged on every provider.
+//! Conformance cases for the verbs API (rdmakit-verbs): registration, one-sided and two-sided
+//! operations, atomics, remote errors, QP states, CQs, GIDs, device memory and connection
+//! setup. Each takes an [`Env`] and uses only rdmakit's public API, so it runs unchanged on
+//! every provider.
 
 use std::time::Duration;
 
 use libtest_mimic::Failed;
 use rdmakit::*;
 
-use crate::fixture::{Env, Needs, pattern, wait, wait_ok};
+use crate::fixture::{Case, Env, Needs, case, pattern, wait, wait_ok};
 use crate::{check, check_eq};
 
-pub type CaseFn = fn(&Env) -> Result<(), Failed>;
-
-pub struct Case {
-    pub name: &'static str,
-    pub needs: Needs,
-    pub run: CaseFn,
-}
-
-pub const fn case(name: &'static str, run: CaseFn) -> Case {
-    Case { name, needs: Needs::Nothing, run }
-}
-
-pub const ALL: &[Case] = &[
+/// The verbs cases, run on both providers by `main`.
+pub const CASES: &[Case] = &[
     case("register_deregister", register_deregister),
     case("access_rule_enforced_at_registration", access_rule_enforced_at_registration),
     case("write_read_round_trip_1b_to_8mib", write_read_round_trip),
@@ -392,7 +383,7 @@ fn other_pd_key(env: &Env) -> Result<(), Failed> {
 
 fn post_after_peer_destroyed(env: &Env) -> Result<(), Failed> {
     // Short transport timeout so the retry budget is small: 4.096 µs × 2^10 × 2 ≈ 8 ms.
-    let opts = ConnectOptions { timeout: 10, retry_cnt: 1, ..env.opts() };
+    let opts = env.opts().with_timeout(10).with_retry_cnt(1);
     let p = env.pair_with(QpCaps::default(), 64, opts)?;
     let src = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
     let dst = p.pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?;
@@ -411,7 +402,7 @@ fn post_after_peer_destroyed(env: &Env) -> Result<(), Failed> {
 }
 
 fn rnr_retry_exceeded(env: &Env) -> Result<(), Failed> {
-    let opts = ConnectOptions { rnr_retry: 1, min_rnr_timer: 1, ..env.opts() };
+    let opts = env.opts().with_rnr_retry(1).with_min_rnr_timer(1);
     let p = env.pair_with(QpCaps::default(), 64, opts)?;
     let src = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
     p.a.post_send(SendWr::send(src.local()?).wr_id(4))?;
@@ -464,7 +455,7 @@ fn unsignaled_retire(env: &Env) -> Result<(), Failed> {
 }
 
 fn send_queue_full(env: &Env) -> Result<(), Failed> {
-    let caps = QpCaps { max_send_wr: 4, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_send_wr(4);
     let p = env.pair_with(caps, 64, env.opts())?;
     let depth = p.a.caps().max_send_wr;
     let src = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
@@ -489,7 +480,7 @@ fn send_queue_full(env: &Env) -> Result<(), Failed> {
 }
 
 fn cq_overrun(env: &Env) -> Result<(), Failed> {
-    let caps = QpCaps { max_send_wr: 256, ..QpCaps::default() };
+    let caps = QpCaps::default().with_max_send_wr(256);
     let p = env.pair_with(caps, 8, env.opts())?;
     let cap = p.cq_a.capacity();
     check!(cap < 256, "provider rounded the CQ to {cap}");
@@ -573,14 +564,13 @@ fn default_gid_is_chosen_by_type(env: &Env) -> Result<(), Failed> {
 /// Service level, traffic class, flow label, hop limit and P_Key index reach the QP (a write
 /// still lands with them set), and values the headers cannot carry are refused up front.
 fn connect_options_path_fields(env: &Env) -> Result<(), Failed> {
-    let opts = ConnectOptions {
-        service_level: Some(1),
-        traffic_class: Some(32),
-        flow_label: Some(0x1_2345),
-        hop_limit: Some(8),
-        pkey_index: Some(0),
-        ..env.opts()
-    };
+    let opts = env
+        .opts()
+        .with_service_level(1)
+        .with_traffic_class(32)
+        .with_flow_label(0x1_2345)
+        .with_hop_limit(8)
+        .with_pkey_index(0);
     let p = env.pair_with(QpCaps::default(), 16, opts)?;
     let src = p.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
     let dst = p.pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
@@ -588,10 +578,7 @@ fn connect_options_path_fields(env: &Env) -> Result<(), Failed> {
     p.a.post_send(SendWr::write(src.local()?, dst.remote().slice(0, 8)?).wr_id(1))?;
     check_eq!(wait_ok(&p.cq_a)?.wr_id, 1);
     check_eq!(dst.read_u64(0)?, 0x5eed);
-    for bad in [
-        ConnectOptions { service_level: Some(16), ..env.opts() },
-        ConnectOptions { flow_label: Some(1 << 20), ..env.opts() },
-    ] {
+    for bad in [env.opts().with_service_level(16), env.opts().with_flow_label(1 << 20)] {
         let pd = env.ctx.alloc_pd()?;
         let cq = env.ctx.create_cq(4)?;
         let qp = pd.create_qp(&cq, &cq, QpCaps::default())?;
@@ -750,7 +737,7 @@ fn cm_round_trip(env: &Env) -> Result<(), Failed> {
     let listener = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
     let addr = listener.local_addr()?;
     let pd = env.ctx.alloc_pd()?;
-    let opts = cm::CmOptions { connect: env.opts(), ..cm::CmOptions::default() };
+    let opts = cm::CmOptions::default().with_connect(env.opts());
     let target = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
     let server = std::thread::spawn({
         let (pd, target) = (pd.clone(), target.clone());
@@ -768,10 +755,7 @@ fn cm_round_trip(env: &Env) -> Result<(), Failed> {
     });
     // The active side sets a traffic class (rdma_cm's TOS option and the QP's GRH) and a hop
     // limit: the connection and its write must work with them.
-    let client_opts = cm::CmOptions {
-        connect: ConnectOptions { traffic_class: Some(32), hop_limit: Some(16), ..env.opts() },
-        ..opts
-    };
+    let client_opts = opts.with_connect(env.opts().with_traffic_class(32).with_hop_limit(16));
     let conn = cm::connect(&pd, addr, &client_opts, b"client-hello")?;
     let region = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN])?;
     check_eq!(region, target.remote());
@@ -795,8 +779,7 @@ fn cm_refused_and_limits(env: &Env) -> Result<(), Failed> {
     use rdmakit::cm;
     let ip = crate::fixture::cm_ip(env.provider).ok_or("no address")?;
     let pd = env.ctx.alloc_pd()?;
-    let opts =
-        cm::CmOptions { connect: env.opts(), timeout: Duration::from_secs(5), ..cm::CmOptions::default() };
+    let opts = cm::CmOptions::default().with_connect(env.opts()).with_timeout(Duration::from_secs(5));
     // Nothing listens on this port (bound then dropped).
     let port = {
         let l = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
