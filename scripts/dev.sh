@@ -194,13 +194,14 @@ miri_tier() {
 #   built for an exact count and leak check in real time; instrumented 5-15x slower it
 #   measures the sanitizer more than rdmakit, and its pipes, put handles and kill paths are
 #   the ones the pipe, put and liveness tests run here already.
-# - blocked_pipe_operations_fail_after_kill_9 (crates/rdmakit-channel/tests/liveness_cross_process.rs):
-#   its five pipe operations must each stay blocked against an idle, instrumented peer
-#   process and then fail within the bound; with a transport budget of about 1.07 s, a
-#   peer slowed by the sanitizer on a loaded machine misses a keep-alive now and then (one
-#   run of two here: "rread: should block while the peer is alive and idle", 76 s instead of
-#   10 s). The same operations run under the sanitizers in process (liveness.rs), and the
-#   put and rmalloc cases of that file run across processes.
+# - crates/rdmakit-channel/tests/liveness_cross_process.rs: each case must stay blocked
+#   against an idle, instrumented peer process and fail within a bound, on a transport
+#   budget of about 1.07 s. Instrumented, on a loaded machine, a peer now and then misses
+#   that budget while alive, and the connection is (rightly, by its rules) declared broken
+#   before the kill: once under TSan ("rread: should block while the peer is alive and
+#   idle", 76 s instead of 10 s) and once under ASan (the heap owner's poll_messages got
+#   RETRY_EXC_ERR during set-up). The same operations run under the sanitizers in process
+#   (liveness.rs), and pipe_cross_process.rs runs pipes across processes.
 # Shortened: the property tests run 32 cases instead of 256 (PROPTEST_CASES). They are
 # single-threaded model checks of the allocators and the heap protocol (the plain test tier
 # runs them in full); instrumented, the full count took minutes, and a few cases walk the
@@ -233,7 +234,7 @@ san_tests() { # the cargo target selection of the sanitizer tiers (see above)
     echo --lib --test conformance --test soft_cross_process
     for t in crates/rdmakit-channel/tests/*.rs crates/rdmakit-memory/tests/*.rs; do
         t=$(basename "$t" .rs)
-        [ "$t" = soak ] || echo --test "$t"
+        case "$t" in soak | liveness_cross_process) ;; *) echo --test "$t" ;; esac
     done
 }
 
@@ -269,8 +270,7 @@ sanitizer_tier() { # sanitizer_tier thread|address
     # Then everything, every binary run even after a failure. The conformance suite's verbs
     # cases and the canaries report themselves ignored.
     # shellcheck disable=SC2046 # san_tests prints separate words on purpose
-    san_cargo "$san" "${SAN_PKGS[@]}" --no-fail-fast $(san_tests) -- --skip blocked_pipe_operations_fail_after_kill_9 ||
-        return 1
+    san_cargo "$san" "${SAN_PKGS[@]}" --no-fail-fast $(san_tests) || return 1
     echo "$san sanitizer tier: $((SECONDS - start)) s"
 }
 
