@@ -7,6 +7,10 @@
 //! connection, sets up its end (a pipe, a put endpoint or a heap endpoint), prints
 //! `READY`, and then does nothing at all, so that the test's operation blocks; the test
 //! kills it and times how long the blocked operation takes to fail.
+//!
+//! Across two network namespaces: run the binary in one with `RDMAKIT_SOFT_ADDR` on its
+//! address, and set `RDMAKIT_TEST_PEER_WRAP="ip netns exec <other> env RDMAKIT_SOFT_ADDR=<ip>:0
+//! RDMAKIT_LIVENESS_LISTEN=<ip>:0"` so that the peer runs, listens and serves in the other.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -42,7 +46,9 @@ fn liveness_peer() {
         return;
     };
     let ctx = Context::open_soft();
-    let listener = Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    // `RDMAKIT_LIVENESS_LISTEN`: the peer's listening address (another network namespace's).
+    let at = std::env::var("RDMAKIT_LIVENESS_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
+    let listener = Listener::bind(&ctx, at.parse().unwrap()).unwrap();
     println!("LISTEN {}", listener.local_addr().unwrap());
     let pd = ctx.alloc_pd().unwrap();
     let conn = listener.accept(&pd, &cm_options(), b"").unwrap();
@@ -104,7 +110,19 @@ impl Drop for Peer {
 
 impl Peer {
     fn spawn(mode: &str) -> (Peer, SocketAddr) {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        // `RDMAKIT_TEST_PEER_WRAP`: a command prefix for the peer (e.g. `ip netns exec <ns>`).
+        let exe = std::env::current_exe().unwrap();
+        let wrap = std::env::var("RDMAKIT_TEST_PEER_WRAP").unwrap_or_default();
+        let mut prefix = wrap.split_whitespace();
+        let mut cmd = match prefix.next() {
+            Some(program) => {
+                let mut c = Command::new(program);
+                c.args(prefix).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args(["--exact", "liveness_peer", "--ignored", "--nocapture", "--test-threads=1"])
             .env("RDMAKIT_LIVENESS_PEER", mode)
             .stdout(Stdio::piped())

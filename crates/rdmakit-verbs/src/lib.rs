@@ -77,8 +77,8 @@ pub use pd::ProtectionDomain;
 pub use qp::QueuePair;
 pub use soft::SoftConfig;
 pub use types::{
-    AccessFlags, ConnectOptions, DeviceAttr, Endpoint, GidEntry, GidKind, Mtu, ProviderKind, QpCaps, QpState,
-    RemoteRegion, RemoteSlice,
+    AccessFlags, ConnectOptions, DeviceAttr, Endpoint, EndpointDecodeError, GidEntry, GidKind, Mtu,
+    ProviderKind, QpCaps, QpState, RemoteRegion, RemoteSlice,
 };
 pub use wc::{WcOpcode, WorkCompletion};
 pub use wr::{RecvWr, SendWr};

@@ -190,7 +190,7 @@ fn guessed_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
 /// *legitimate* peer): used to test what is checked after authentication.
 fn true_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
     let (src_gid, src_qpn, dst_qpn) = (src.gid, src.qp_num, dst.qp_num);
-    frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: src.psn, dst_psn: dst.psn, token: [0; 16] })
+    frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: src.psn, dst_psn: dst.psn, token: dst.token })
 }
 
 /// A frame header of `kind` declaring `len` payload bytes.
@@ -464,6 +464,50 @@ fn replayed_and_out_of_order_psns_are_refused() {
     );
     assert_eq!(&got[24..32], &[4u8; 8]);
     assert_eq!(&got[32..40], &[0u8; 8], "a first frame with a wrong PSN wrote the region");
+}
+
+/// Endpoints exchanged by the application out of band (no CM bootstrap): an attacker who
+/// knows everything the endpoints used to carry (GIDs, QPNs, both initial PSNs) but not the
+/// victim QP's token is refused, and writes nothing.
+#[test]
+fn raw_endpoint_hello_without_the_token_is_refused() {
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    // What the application sends its peer: the versioned record, with the victim's token.
+    let sent = Endpoint::from_bytes(&vep.to_bytes()).unwrap();
+    assert_eq!(sent, vep);
+    assert_ne!(vep.token, [0; 16], "a soft endpoint carries its QP's token");
+    let target = v.mr.remote();
+    let (src_gid, src_qpn, dst_qpn, src_psn, dst_psn) = (pep.gid, pep.qp_num, vep.qp_num, pep.psn, vep.psn);
+    // Everything but the token: no token, and the requester's own token (the other half of
+    // what was exchanged, which an eavesdropper of one direction might have).
+    for token in [[0u8; 16], pep.token] {
+        let mut s = attacker(vep.lid);
+        s.write_all(&frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token })).unwrap();
+        let _ = s.write_all(&write_frame(src_psn, target, 0, 0xee));
+        let reply = read_reply(&mut s, Duration::from_millis(1500));
+        let mut landed = [0u8; 8];
+        v.mr.read_at(0, &mut landed).unwrap();
+        println!(
+            "Hello with the PSNs but token {token:02x?}: reply {reply:?}, bytes at the target {landed:02x?}"
+        );
+        assert!(
+            !matches!(reply, Some(Frame::HelloAck { status: 0 })),
+            "a Hello without the token was accepted"
+        );
+        assert_eq!(landed, [0u8; 8], "a requester without the token wrote the region");
+    }
+    // The peer that was given the endpoint is served (the refusals did not claim the QP).
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &sent)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    s.write_all(&write_frame(src_psn, target, 0, 0x5a)).unwrap();
+    let ack = read_reply(&mut s, Duration::from_secs(5));
+    assert!(matches!(ack, Some(Frame::Ack { status: 0, .. })), "{ack:?}");
+    let mut landed = [0u8; 8];
+    v.mr.read_at(0, &mut landed).unwrap();
+    assert_eq!(landed, [0x5a; 8]);
 }
 
 #[test]
@@ -815,7 +859,8 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
         gid[..2].copy_from_slice(&[0xfe, 0x80]);
         gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
         gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-        let fake = Endpoint { provider: ProviderKind::Soft, lid: port, gid, qp_num: 0x42, psn: 7 };
+        let fake =
+            Endpoint { provider: ProviderKind::Soft, lid: port, gid, qp_num: 0x42, psn: 7, token: [0; 16] };
         qp.connect(&fake, &opts()).unwrap();
         // Enough bytes to fill both socket buffers: the writer blocks.
         for i in 0..256u64 {

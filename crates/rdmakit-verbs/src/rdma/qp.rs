@@ -115,6 +115,8 @@ impl Qp {
             gid: self.gid(opts.port_num, index)?,
             qp_num: self.qpn(),
             psn,
+            // The connection token is the soft NIC's; rdma-core ignores it.
+            token: [0; 16],
         })
     }
 

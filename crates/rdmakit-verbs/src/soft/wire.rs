@@ -11,7 +11,8 @@
 //!
 //! Version 2 made the `Hello` an authenticator: besides naming the requester and the target
 //! QP, it proves that the client is the peer the target QP was connected to (both initial
-//! PSNs from the exchanged endpoints, and the connection token of the soft bootstrap).
+//! PSNs from the exchanged endpoints, and the target QP's connection token: the random one
+//! its `Endpoint` carries, or the one the soft bootstrap exchanged).
 
 use std::fmt;
 
@@ -33,8 +34,8 @@ pub const HELLO_LEN: usize = 16 + 4 + 4 + 4 + 4 + 16;
 pub enum Frame {
     /// First frame of a connection: requester QP `src_qpn` on device `src_gid` talks to QP
     /// `dst_qpn` of the accepting device. `src_psn` and `dst_psn` are the two QPs' initial
-    /// PSNs and `token` the target QP's connection token (zero when the endpoints were
-    /// exchanged without the soft bootstrap): what only the connected peer knows.
+    /// PSNs and `token` the target QP's connection token (random per QP and carried in its
+    /// endpoint, or exchanged by the soft bootstrap): what only the connected peer knows.
     Hello { src_gid: [u8; 16], src_qpn: u32, dst_qpn: u32, src_psn: u32, dst_psn: u32, token: [u8; 16] },
     /// Answer to `Hello`: 0 accepted, 1 no such QP.
     HelloAck { status: u8 },

@@ -76,11 +76,14 @@ impl Link {
     }
 }
 
-/// Connection tokens of the soft bootstrap (see [`SoftQp::set_tokens`]).
-#[derive(Clone, Copy, Default)]
+/// Connection tokens: `rx` is what a requester of another process must present to this QP
+/// (random per QP, carried in its [`Endpoint`]; the soft bootstrap may replace it), `tx`
+/// what this QP presents to its peer when the soft bootstrap set it explicitly (otherwise
+/// the token of the endpoint it is connected to).
+#[derive(Clone, Copy)]
 struct Tokens {
     rx: [u8; 16],
-    tx: [u8; 16],
+    tx: Option<[u8; 16]>,
 }
 
 /// The verdict on a Hello.
@@ -222,8 +225,7 @@ pub(crate) struct SoftQp {
     /// Our initial PSN: the first request we send carries it, and a requester in another
     /// process proves it knows it in its Hello.
     psn: u32,
-    /// Connection tokens from the soft bootstrap (zero when endpoints were exchanged
-    /// otherwise): `rx` is what a requester must present to us, `tx` what we present.
+    /// Connection tokens (see [`Tokens`]).
     tokens: Mutex<Tokens>,
     /// True once a requester in another process authenticated against this QP: one
     /// connection per connected QP, so a replayed Hello gets nothing.
@@ -279,7 +281,7 @@ impl SoftQp {
             remote_qpn: AtomicU32::new(0),
             remote_psn: AtomicU32::new(0),
             psn: psn & 0x00ff_ffff,
-            tokens: Mutex::new(Tokens::default()),
+            tokens: Mutex::new(Tokens { rx: super::random(), tx: None }),
             claimed: AtomicBool::new(false),
             max_send_wr: caps.max_send_wr,
             timer: Mutex::new(None),
@@ -308,7 +310,8 @@ impl SoftQp {
     }
 
     /// The endpoint peers connect to; `lid` carries the device's TCP port so that QPs of
-    /// other processes can reach it.
+    /// other processes can reach it, `token` what a requester of another process must
+    /// present.
     pub fn endpoint(&self) -> Endpoint {
         let lid = self.device.port();
         Endpoint {
@@ -317,12 +320,14 @@ impl SoftQp {
             gid: self.device.gid(),
             qp_num: self.qpn,
             psn: self.psn,
+            token: self.tokens.lock().expect("tokens").rx,
         }
     }
 
-    /// Sets the connection tokens the soft bootstrap exchanged (before RTR).
+    /// Sets the connection tokens the soft bootstrap exchanged (before RTR): they replace
+    /// this QP's own token and the one in the peer's endpoint.
     pub fn set_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
-        *self.tokens.lock().expect("tokens") = Tokens { rx, tx };
+        *self.tokens.lock().expect("tokens") = Tokens { rx, tx: Some(tx) };
     }
 
     /// Checks a Hello from another process against what this QP was connected to: the
@@ -396,7 +401,7 @@ impl SoftQp {
                     dst_qpn: remote.qp_num,
                     src_psn: self.psn,
                     dst_psn: remote.psn & 0x00ff_ffff,
-                    token: self.tokens.lock().expect("tokens").tx,
+                    token: self.tokens.lock().expect("tokens").tx.unwrap_or(remote.token),
                 };
                 // Frames in the queue: at most the outstanding requests, twice over when an
                 // RNR NAK makes them go back (the queue may still hold the first copies).
