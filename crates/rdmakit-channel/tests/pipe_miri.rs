@@ -31,13 +31,11 @@ fn flag_mode_round_trip() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     rt.block_on(async {
         let pd = Context::open_soft().alloc_pd().unwrap();
-        let cfg = PipeConfig {
-            notify: NotifyMode::Flag,
-            poll: PollMode::Busy,
-            ring_len: 4096,
-            slots: 4,
-            ..PipeConfig::default()
-        };
+        let cfg = PipeConfig::default()
+            .with_notify(NotifyMode::Flag)
+            .with_poll(PollMode::Busy)
+            .with_ring_len(4096)
+            .with_slots(4);
         let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
         let src = pd.alloc_mr(max, AccessFlags::LOCAL_WRITE).unwrap();
         let echo = pd.alloc_mr(max, AccessFlags::LOCAL_WRITE).unwrap();
