@@ -37,8 +37,8 @@ fn raw_pair() -> Raw {
     let caps = QpCaps::default().with_max_send_wr(256).with_max_recv_wr(256).with_max_inline_data(64);
     let a = pd.create_qp(&ca, &ca, caps).expect("qp");
     let b = pd.create_qp(&cb, &cb, caps).expect("qp");
-    a.connect(&b.endpoint().expect("ep"), &ConnectOptions::default()).expect("connect");
-    b.connect(&a.endpoint().expect("ep"), &ConnectOptions::default()).expect("connect");
+    a.connect(&b.address().expect("ep"), &ConnectOptions::default()).expect("connect");
+    b.connect(&a.address().expect("ep"), &ConnectOptions::default()).expect("connect");
     Raw { a, b, ca, cb, pd }
 }
 

@@ -72,8 +72,8 @@ fn fetch_add(c: &mut Criterion) {
     let cq = ctx.create_cq(64).expect("cq");
     let a = pd.create_qp(&cq, &cq, QpCaps::default()).expect("qp");
     let b = pd.create_qp(&cq, &cq, QpCaps::default()).expect("qp");
-    a.connect(&b.endpoint().expect("ep"), &ConnectOptions::default()).expect("connect");
-    b.connect(&a.endpoint().expect("ep"), &ConnectOptions::default()).expect("connect");
+    a.connect(&b.address().expect("ep"), &ConnectOptions::default()).expect("connect");
+    b.connect(&a.address().expect("ep"), &ConnectOptions::default()).expect("connect");
     let memic = Memic::open(&pd);
     let on_nic = memic.alloc(64, Placement::NicRequired).expect("memic");
     let host = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).expect("host");

@@ -27,8 +27,8 @@ fn rig(len: usize) -> Rig {
     let a = pd.create_qp(&cq, &cq, QpCaps::default()).expect("qp");
     let b = pd.create_qp(&cq_b, &cq_b, QpCaps::default()).expect("qp");
     let opts = ConnectOptions::default();
-    a.connect(&b.endpoint().expect("ep"), &opts).expect("connect");
-    b.connect(&a.endpoint().expect("ep"), &opts).expect("connect");
+    a.connect(&b.address().expect("ep"), &opts).expect("connect");
+    b.connect(&a.address().expect("ep"), &opts).expect("connect");
     let src = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).expect("mr");
     let dst = pd.alloc_mr(len, AccessFlags::ALL_REMOTE).expect("mr");
     src.fill(0x5a).expect("fill");

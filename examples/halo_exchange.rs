@@ -50,8 +50,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     for r in 0..RANKS - 1 {
         let (ca, cb) = (pd.context().create_cq(256)?, pd.context().create_cq(256)?);
         let (qa, qb) = (pd.create_qp(&ca, &ca, caps)?, pd.create_qp(&cb, &cb, caps)?);
-        qa.connect(&qb.endpoint()?, &ConnectOptions::default())?;
-        qb.connect(&qa.endpoint()?, &ConnectOptions::default())?;
+        qa.connect(&qb.address()?, &ConnectOptions::default())?;
+        qb.connect(&qa.address()?, &ConnectOptions::default())?;
         let (ea, eb) = (PutEndpoint::new(qa, ca, PollMode::Busy)?, PutEndpoint::new(qb, cb, PollMode::Busy)?);
         let mk = |ep: &PutEndpoint| -> std::result::Result<(RecvHandle, MemoryRegion), ChannelError> {
             let buf = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;

@@ -45,8 +45,8 @@ fn main() -> Result<()> {
             let qp = pd.create_qp(&cq, &cq, QpCaps::default())?;
             let scq = server.create_cq(64)?;
             let sqp = spd.create_qp(&scq, &scq, QpCaps::default())?;
-            qp.connect(&sqp.endpoint()?, &ConnectOptions::default())?;
-            sqp.connect(&qp.endpoint()?, &ConnectOptions::default())?;
+            qp.connect(&sqp.address()?, &ConnectOptions::default())?;
+            sqp.connect(&qp.address()?, &ConnectOptions::default())?;
             let targets = targets.clone();
             workers.push(s.spawn(move || -> Result<()> {
                 let _server_side = (sqp, scq);

@@ -22,8 +22,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (cw, cr) = (ctx.create_cq(256)?, ctx.create_cq(256)?);
     let w = pd.create_qp(&cw, &cw, QpCaps::default())?;
     let r = pd.create_qp(&cr, &cr, QpCaps::default())?;
-    w.connect(&r.endpoint()?, &ConnectOptions::default())?;
-    r.connect(&w.endpoint()?, &ConnectOptions::default())?;
+    w.connect(&r.address()?, &ConnectOptions::default())?;
+    r.connect(&w.address()?, &ConnectOptions::default())?;
     let limits = OwnerLimits::default().with_segment_len(64 << 10).with_max_heap_bytes(1 << 20);
     let mut writer = HeapEndpoint::new(w, cw, limits, Duration::from_secs(5))?;
     let mut reader = HeapEndpoint::new(r, cr, limits, Duration::from_secs(5))?;

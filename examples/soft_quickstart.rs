@@ -22,14 +22,14 @@ fn main() -> Result<()> {
     );
 
     // One protection domain; each side gets its own completion queue and QP. In a real
-    // program the two sides are two processes or hosts that swap `Endpoint`s out of band.
+    // program the two sides are two processes or hosts that swap `QpAddress`s out of band.
     let pd = ctx.alloc_pd()?;
     let (cq_a, cq_b) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
     let a = pd.create_qp(&cq_a, &cq_a, QpCaps::default())?;
     let b = pd.create_qp(&cq_b, &cq_b, QpCaps::default())?;
     let opts = ConnectOptions::default();
-    a.connect(&b.endpoint()?, &opts)?;
-    b.connect(&a.endpoint()?, &opts)?;
+    a.connect(&b.address()?, &opts)?;
+    b.connect(&a.address()?, &opts)?;
     println!("connected QP {:#x} <-> QP {:#x}", a.qp_num(), b.qp_num());
 
     // B exposes 4 KiB; A only ever sees B's (addr, len, rkey) descriptor.

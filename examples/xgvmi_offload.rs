@@ -39,8 +39,8 @@ fn main() -> Result<()> {
     let (dcq, rcq) = (dpu.create_cq(16)?, remote.create_cq(16)?);
     let dqp = dpd.create_qp(&dcq, &dcq, QpCaps::default())?;
     let rqp = rpd.create_qp(&rcq, &rcq, QpCaps::default())?;
-    dqp.connect(&rqp.endpoint()?, &ConnectOptions::default())?;
-    rqp.connect(&dqp.endpoint()?, &ConnectOptions::default())?;
+    dqp.connect(&rqp.address()?, &ConnectOptions::default())?;
+    rqp.connect(&dqp.address()?, &ConnectOptions::default())?;
     let sink = rpd.alloc_mr(LEN as usize * usize::from(ITERS), AccessFlags::ALL_REMOTE)?;
     let sink_desc = sink.remote();
 
@@ -91,8 +91,8 @@ fn main() -> Result<()> {
     let (pcq, qcq) = (dpu.create_cq(4)?, remote.create_cq(4)?);
     let pqp = pull_pd.create_qp(&pcq, &pcq, QpCaps::default())?;
     let qqp = rpd.create_qp(&qcq, &qcq, QpCaps::default())?;
-    pqp.connect(&qqp.endpoint()?, &ConnectOptions::default())?;
-    qqp.connect(&pqp.endpoint()?, &ConnectOptions::default())?;
+    pqp.connect(&qqp.address()?, &ConnectOptions::default())?;
+    qqp.connect(&pqp.address()?, &ConnectOptions::default())?;
     let buf = buffers.get(LEN as usize)?;
     buf.write_at(0, &vec![0xa5; LEN as usize])?;
     let export = pool.export(buf.region())?;

@@ -75,7 +75,7 @@ fn peer_process() {
     writeln!(
         out,
         "EP {} MR {} RX {}",
-        hex(&qp.endpoint().unwrap().encode()),
+        hex(&qp.address().unwrap().encode()),
         hex(&mr.remote().encode()),
         hex(&rx.remote().encode())
     )
@@ -84,7 +84,7 @@ fn peer_process() {
     let mut line = String::new();
     let mut stdin = BufReader::new(std::io::stdin());
     stdin.read_line(&mut line).unwrap();
-    let peer = Endpoint::decode(&unhex(line.trim().strip_prefix("EP ").unwrap())).unwrap();
+    let peer = QpAddress::decode(&unhex(line.trim().strip_prefix("EP ").unwrap())).unwrap();
     qp.connect(&peer, &opts()).unwrap();
     writeln!(out, "CONNECTED").unwrap();
     out.flush().unwrap();
@@ -101,7 +101,7 @@ fn peer_process() {
 struct Peer {
     child: Child,
     out: BufReader<std::process::ChildStdout>,
-    ep: Endpoint,
+    ep: QpAddress,
     mr: RemoteRegion,
     rx: RemoteRegion,
 }
@@ -146,7 +146,7 @@ fn spawn_peer(recv_delay_ms: u64) -> Peer {
         }
     };
     let f: Vec<&str> = line[at..].split_whitespace().collect();
-    let ep = Endpoint::decode(&unhex(f[1])).unwrap();
+    let ep = QpAddress::decode(&unhex(f[1])).unwrap();
     assert_ne!(ep.lid, 0, "the peer's soft device is not listening");
     Peer {
         child,
@@ -161,7 +161,7 @@ impl Peer {
     fn connect(&mut self, qp: &QueuePair) {
         qp.connect(&self.ep, &opts()).unwrap();
         let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "EP {}", hex(&qp.endpoint().unwrap().encode())).unwrap();
+        writeln!(stdin, "EP {}", hex(&qp.address().unwrap().encode())).unwrap();
         stdin.flush().unwrap();
     }
 
@@ -317,8 +317,8 @@ fn killed_peer_gives_retry_exceeded_within_the_budget() {
         pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
         pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
     );
-    a.connect(&b.endpoint().unwrap(), &opts()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &opts()).unwrap();
+    a.connect(&b.address().unwrap(), &opts()).unwrap();
+    b.connect(&a.address().unwrap(), &opts()).unwrap();
     let m = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
     a.post_send(SendWr::write(m.local().unwrap(), m.remote().slice(0, 8).unwrap())).unwrap();
     wait(&cq).ok().unwrap();
@@ -330,7 +330,7 @@ fn hostile_bytes_on_the_port_are_dropped() {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(8).unwrap();
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    let ep = qp.endpoint().unwrap();
+    let ep = qp.address().unwrap();
     let addr = (std::net::Ipv4Addr::new(ep.gid[4], ep.gid[5], ep.gid[6], ep.gid[7]), ep.lid);
     let mut read_before_hello = b"RK\x01\x0b\x18\x00\x00\x00".to_vec();
     read_before_hello.extend_from_slice(&[0u8; 24]); // a well-formed Read, but no Hello first
@@ -353,8 +353,8 @@ fn hostile_bytes_on_the_port_are_dropped() {
     }
     // The device still works.
     let qp2 = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    qp.connect(&qp2.endpoint().unwrap(), &opts()).unwrap();
-    qp2.connect(&qp.endpoint().unwrap(), &opts()).unwrap();
+    qp.connect(&qp2.address().unwrap(), &opts()).unwrap();
+    qp2.connect(&qp.address().unwrap(), &opts()).unwrap();
     let m = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
     qp.post_send(SendWr::write(m.local().unwrap(), m.remote().slice(0, 8).unwrap())).unwrap();
     wait(&cq).ok().unwrap();

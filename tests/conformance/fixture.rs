@@ -111,7 +111,7 @@ impl Env {
         let cq_b = self.ctx.create_cq(cqe)?;
         let a = pd.create_qp(&cq_a, &cq_a, caps)?;
         let b = pd.create_qp(&cq_b, &cq_b, caps)?;
-        let (ea, eb) = (a.endpoint_with(&opts)?, b.endpoint_with(&opts)?);
+        let (ea, eb) = (a.address_with(&opts)?, b.address_with(&opts)?);
         a.connect(&eb, &opts)?;
         b.connect(&ea, &opts)?;
         Ok(Pair { pd, cq_a, cq_b, a, b })

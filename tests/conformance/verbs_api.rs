@@ -582,7 +582,7 @@ fn connect_options_path_fields(env: &Env) -> Result<(), Failed> {
         let pd = env.ctx.alloc_pd()?;
         let cq = env.ctx.create_cq(4)?;
         let qp = pd.create_qp(&cq, &cq, QpCaps::default())?;
-        let peer = qp.endpoint_with(&env.opts())?;
+        let peer = qp.address_with(&env.opts())?;
         match qp.connect(&peer, &bad) {
             Err(Error::InvalidArgument(_)) => {}
             other => return Err(format!("{bad:?}: {other:?} instead of InvalidArgument").into()),

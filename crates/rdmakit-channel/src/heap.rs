@@ -54,8 +54,8 @@
 //! let pd = ctx.alloc_pd()?;
 //! let (cw, cr) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
 //! let (w, r) = (pd.create_qp(&cw, &cw, QpCaps::default())?, pd.create_qp(&cr, &cr, QpCaps::default())?);
-//! w.connect(&r.endpoint()?, &ConnectOptions::default())?;
-//! r.connect(&w.endpoint()?, &ConnectOptions::default())?;
+//! w.connect(&r.address()?, &ConnectOptions::default())?;
+//! r.connect(&w.address()?, &ConnectOptions::default())?;
 //! let wait = Duration::from_secs(5);
 //! let mut writer = HeapEndpoint::new(w, cw, OwnerLimits::default(), wait)?;
 //! let mut reader = HeapEndpoint::new(r, cr, OwnerLimits::default(), wait)?;

@@ -324,8 +324,8 @@ impl Pipe {
         let qa = pd.create_qp(&ca, &ca, caps)?;
         let qb = pd.create_qp(&cb, &cb, caps)?;
         let opts = rdmakit_verbs::ConnectOptions::default();
-        qa.connect(&qb.endpoint()?, &opts)?;
-        qb.connect(&qa.endpoint()?, &opts)?;
+        qa.connect(&qb.address()?, &opts)?;
+        qb.connect(&qa.address()?, &opts)?;
         tokio::try_join!(Pipe::connect(qa, ca, a), Pipe::connect(qb, cb, b))
     }
 

@@ -85,8 +85,8 @@
 //! let pd = ctx.alloc_pd()?;
 //! let (ca, cb) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
 //! let (qa, qb) = (pd.create_qp(&ca, &ca, QpCaps::default())?, pd.create_qp(&cb, &cb, QpCaps::default())?);
-//! qa.connect(&qb.endpoint()?, &ConnectOptions::default())?;
-//! qb.connect(&qa.endpoint()?, &ConnectOptions::default())?;
+//! qa.connect(&qb.address()?, &ConnectOptions::default())?;
+//! qb.connect(&qa.address()?, &ConnectOptions::default())?;
 //! let tx = PutEndpoint::new(qa, ca, PollMode::Busy)?;
 //! let rx = PutEndpoint::new(qb, cb, PollMode::Busy)?;
 //! let ghost = pd.alloc_mr(32, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;

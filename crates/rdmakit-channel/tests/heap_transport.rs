@@ -206,8 +206,8 @@ fn a_malformed_message_does_not_lose_the_valid_one_behind_it() {
     let (ca, cb) = (ctx.create_cq(64).unwrap(), ctx.create_cq(1024).unwrap());
     let raw = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
     let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
-    raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    raw.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
     let mut owner = HeapEndpoint::new(b, cb, OwnerLimits::default(), T).unwrap();
     let answer = pd.alloc_mr(16 << 10, AccessFlags::LOCAL_WRITE).unwrap();
     raw.post_recv(RecvWr::new(answer.local().unwrap())).unwrap();
@@ -268,8 +268,8 @@ fn unsolicited_answers_are_bounded() {
     let (ca, cb) = (ctx.create_cq(4096).unwrap(), ctx.create_cq(4096).unwrap());
     let raw = pd.create_qp(&ca, &ca, QpCaps::default().with_max_inline_data(64)).unwrap();
     let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
-    raw.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&raw.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    raw.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
     let mut ep = HeapEndpoint::new(b, cb, OwnerLimits::default(), T).unwrap();
     let freed = Message::HeapFreed { heap: HeapId(3) }.encode();
     let mut err = None;

@@ -22,8 +22,8 @@ fn setup() -> (QueuePair, CompletionQueue, Raw) {
     let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
     let qa = pd.create_qp(&ca, &ca, caps).unwrap();
     let qb = pd.create_qp(&cb, &cb, caps).unwrap();
-    qa.connect(&qb.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    qb.connect(&qa.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
     let rx = pd.alloc_mr(64 * 64, AccessFlags::LOCAL_WRITE).unwrap();
     for i in 0..64u64 {
         qb.post_recv(RecvWr::new(rx.slice(i * 64, 64).unwrap()).wr_id(i)).unwrap();

@@ -24,8 +24,8 @@ fn a_remote_peer_reads_host_memory_through_the_dpu_alias_until_the_host_invalida
     let (dcq, rcq) = (dpu.create_cq(8)?, remote.create_cq(8)?);
     let dqp = dpd.create_qp(&dcq, &dcq, QpCaps::default())?;
     let rqp = rpd.create_qp(&rcq, &rcq, QpCaps::default())?;
-    dqp.connect(&rqp.endpoint()?, &ConnectOptions::default())?;
-    rqp.connect(&dqp.endpoint()?, &ConnectOptions::default())?;
+    dqp.connect(&rqp.address()?, &ConnectOptions::default())?;
+    rqp.connect(&dqp.address()?, &ConnectOptions::default())?;
 
     // Host: a buffer, a pooled key bound to it, the packed key on the wire.
     let buffer = hpd.alloc_mr(LEN as usize, AccessFlags::ALL_REMOTE)?;

@@ -303,8 +303,8 @@ pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Sid
     };
     let (qa, ca, ba, aa) = mk()?;
     let (qb, cb, bb, ab) = mk()?;
-    qa.connect(&qb.endpoint_with(opts)?, opts)?;
-    qb.connect(&qa.endpoint_with(opts)?, opts)?;
+    qa.connect(&qb.address_with(opts)?, opts)?;
+    qb.connect(&qa.address_with(opts)?, opts)?;
     let a = Side {
         _pd: pd.clone(),
         qp: qa,

@@ -55,8 +55,8 @@ fn atomic_rig(ctx: &Context, target: Target) -> Result<AtomicRig> {
     let (ca, cb) = (ctx.create_cq(SQ_DEPTH * 2)?, ctx.create_cq(16)?);
     let caps = QpCaps::default().with_max_send_wr(SQ_DEPTH);
     let (a, b) = (pd.create_qp(&ca, &ca, caps)?, pd.create_qp(&cb, &cb, caps)?);
-    a.connect(&b.endpoint()?, &ConnectOptions::default())?;
-    b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+    a.connect(&b.address()?, &ConnectOptions::default())?;
+    b.connect(&a.address()?, &ConnectOptions::default())?;
     let (region, dm) = match target {
         Target::Host => (pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?, None),
         Target::DeviceMemory => {

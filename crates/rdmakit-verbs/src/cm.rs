@@ -13,7 +13,7 @@
 //! request, up to 196 with a reply): encode lengths yourself if you need them. The soft
 //! provider delivers exactly what was sent.
 //!
-//! Users with their own bootstrap keep using [`QueuePair::endpoint`] and
+//! Users with their own bootstrap keep using [`QueuePair::address`] and
 //! [`QueuePair::connect`] directly.
 //!
 //! **On tokio** (feature `async`, on by default): [`AsyncListener`] and [`connect_async`].
@@ -66,7 +66,7 @@ use crate::rdma::cm::connector::CmConnector;
 #[cfg(rdmakit_verbs)]
 use crate::rdma::cm::listener::{CmListener, CmRequest};
 use crate::soft::bootstrap::{self, Hello, SoftConn, SoftIncoming, SoftListener, Token};
-use crate::types::{ConnectOptions, Endpoint, ProviderKind, QpCaps};
+use crate::types::{ConnectOptions, ProviderKind, QpAddress, QpCaps};
 
 /// The most private data a connect, accept or reject carries (the rdma_cm limit for a
 /// connect request on InfiniBand and RoCE).
@@ -283,12 +283,12 @@ fn soft_accepting_qp(
     pd: &ProtectionDomain,
     opts: &CmOptions,
     peer: &Hello,
-) -> Result<(QueuePair, CompletionQueue, Endpoint, Token)> {
+) -> Result<(QueuePair, CompletionQueue, QpAddress, Token)> {
     let (qp, cq) = new_qp(pd, opts)?;
     let token: Token = crate::soft::random();
     qp.set_soft_tokens(token, peer.token);
     qp.connect(&peer.endpoint, &opts.connect)?;
-    let ep = qp.endpoint_with(&opts.connect)?;
+    let ep = qp.address_with(&opts.connect)?;
     Ok((qp, cq, ep, token))
 }
 
@@ -296,10 +296,10 @@ fn soft_accepting_qp(
 fn soft_requesting_qp(
     pd: &ProtectionDomain,
     opts: &CmOptions,
-) -> Result<(QueuePair, CompletionQueue, Endpoint, Token)> {
+) -> Result<(QueuePair, CompletionQueue, QpAddress, Token)> {
     let (qp, cq) = new_qp(pd, opts)?;
     qp.modify_to_init(&opts.connect)?;
-    let ep = qp.endpoint_with(&opts.connect)?;
+    let ep = qp.address_with(&opts.connect)?;
     Ok((qp, cq, ep, crate::soft::random()))
 }
 

@@ -32,8 +32,8 @@
 //! let pd = ctx.alloc_pd()?;
 //! let cq = ctx.create_cq(64)?;
 //! let (a, b) = (pd.create_qp(&cq, &cq, QpCaps::default())?, pd.create_qp(&cq, &cq, QpCaps::default())?);
-//! a.connect(&b.endpoint()?, &ConnectOptions::default())?;
-//! b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+//! a.connect(&b.address()?, &ConnectOptions::default())?;
+//! b.connect(&a.address()?, &ConnectOptions::default())?;
 //!
 //! let counter = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?; // b's memory, in a real program
 //! let result = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
@@ -77,8 +77,8 @@ pub use pd::ProtectionDomain;
 pub use qp::QueuePair;
 pub use soft::SoftConfig;
 pub use types::{
-    AccessFlags, ConnectOptions, DeviceAttr, Endpoint, EndpointDecodeError, GidEntry, GidKind, Mtu,
-    ProviderKind, QpCaps, QpState, RemoteRegion, RemoteSlice,
+    AccessFlags, ConnectOptions, DeviceAttr, GidEntry, GidKind, Mtu, ProviderKind, QpAddress,
+    QpAddressDecodeError, QpCaps, QpState, RemoteRegion, RemoteSlice,
 };
 pub use wc::{WcOpcode, WorkCompletion};
 pub use wr::{RecvWr, SendWr};

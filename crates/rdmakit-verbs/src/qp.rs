@@ -11,7 +11,7 @@ use crate::inflight::Inflight;
 use crate::pd::{PdBackend, ProtectionDomain};
 use crate::raw::{RawRecvWr, RawSendWr};
 use crate::soft::qp::SoftQp;
-use crate::types::{ConnectOptions, Endpoint, QpCaps};
+use crate::types::{ConnectOptions, QpAddress, QpCaps};
 use crate::wr::{RecvWr, SendWr};
 
 /// A reliable-connected queue pair (`struct ibv_qp`, `IBV_QPT_RC`).
@@ -30,8 +30,8 @@ use crate::wr::{RecvWr, SendWr};
 /// let cq = ctx.create_cq(16)?;
 /// let a = pd.create_qp(&cq, &cq, QpCaps::default())?;
 /// let b = pd.create_qp(&cq, &cq, QpCaps::default())?;
-/// a.connect(&b.endpoint()?, &ConnectOptions::default())?;
-/// b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+/// a.connect(&b.address()?, &ConnectOptions::default())?;
+/// b.connect(&a.address()?, &ConnectOptions::default())?;
 ///
 /// let src = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
 /// let dst = pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?;
@@ -112,14 +112,14 @@ impl QpBackend {
         }
     }
 
-    fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint> {
+    fn address(&self, opts: &ConnectOptions, psn: u32) -> Result<QpAddress> {
         match self {
             QpBackend::Soft(q) => {
                 let _ = (opts, psn);
-                Ok(q.endpoint())
+                Ok(q.address())
             }
             #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(q) => q.endpoint(opts, psn),
+            QpBackend::Verbs(q) => q.address(opts, psn),
         }
     }
 
@@ -132,7 +132,7 @@ impl QpBackend {
     }
 
     /// INIT → RTR → RTS.
-    fn modify_to_rts(&self, remote: &Endpoint, opts: &ConnectOptions, psn: u32) -> Result<()> {
+    fn modify_to_rts(&self, remote: &QpAddress, opts: &ConnectOptions, psn: u32) -> Result<()> {
         match self {
             QpBackend::Soft(q) => {
                 let _ = psn;
@@ -288,13 +288,13 @@ impl QueuePair {
     }
 
     /// What a peer needs to connect to this QP, using the default GID choice.
-    pub fn endpoint(&self) -> Result<Endpoint> {
-        self.endpoint_with(&ConnectOptions::default())
+    pub fn address(&self) -> Result<QpAddress> {
+        self.address_with(&ConnectOptions::default())
     }
 
     /// What a peer needs to connect to this QP, with the port and GID index of `opts`.
-    pub fn endpoint_with(&self, opts: &ConnectOptions) -> Result<Endpoint> {
-        self.inner.backend.endpoint(opts, self.inner.psn)
+    pub fn address_with(&self, opts: &ConnectOptions) -> Result<QpAddress> {
+        self.inner.backend.address(opts, self.inner.psn)
     }
 
     /// RESET → INIT, granting peers `opts.access`. Post receives after this and before
@@ -310,7 +310,7 @@ impl QueuePair {
     /// # Errors
     /// [`Error::QpState`] if the QP is past INIT; provider errors for unreachable or
     /// mismatched endpoints (a soft QP cannot connect to a verbs endpoint).
-    pub fn connect(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+    pub fn connect(&self, remote: &QpAddress, opts: &ConnectOptions) -> Result<()> {
         if self.state() == QpState::Reset {
             self.modify_to_init(opts)?;
         }

@@ -456,7 +456,8 @@ impl ConnectOptions {
 /// as a secret between the two peers, as rdma_cm's private data would be. The verbs
 /// provider carries zeros there and ignores the field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Endpoint {
+#[non_exhaustive]
+pub struct QpAddress {
     /// Which provider the QP lives on; soft and verbs QPs cannot connect to each other.
     pub provider: ProviderKind,
     /// Port LID (InfiniBand); 0 on RoCE and the soft NIC.
@@ -474,10 +475,10 @@ pub struct Endpoint {
 
 const ENDPOINT_MAGIC: [u8; 3] = *b"RKE";
 
-/// Why bytes are not an [`Endpoint`] record ([`Endpoint::from_bytes`]).
+/// Why bytes are not a [`QpAddress`] record ([`QpAddress::from_bytes`]).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum EndpointDecodeError {
+pub enum QpAddressDecodeError {
     /// The record has the wrong length for its version.
     #[error("endpoint record of {got} bytes, expected {expected}")]
     Length {
@@ -496,7 +497,7 @@ pub enum EndpointDecodeError {
     )]
     Legacy,
     /// A record version this release does not read.
-    #[error("endpoint record version {0}, this release reads version {v}", v = Endpoint::VERSION)]
+    #[error("endpoint record version {0}, this release reads version {v}", v = QpAddress::VERSION)]
     Version(u8),
     /// An unknown provider tag.
     #[error("unknown provider tag {0}")]
@@ -509,7 +510,21 @@ pub enum EndpointDecodeError {
     Psn(u32),
 }
 
-impl Endpoint {
+impl QpAddress {
+    /// An address built by hand (a QP's own comes from
+    /// [`QueuePair::address`](crate::QueuePair::address), a peer's from
+    /// [`from_bytes`](Self::from_bytes)), with a zero token: a soft NIC peer refuses it
+    /// unless [`with_token`](Self::with_token) sets the one the QP was given.
+    pub const fn new(provider: ProviderKind, lid: u16, gid: [u8; 16], qp_num: u32, psn: u32) -> QpAddress {
+        QpAddress { provider, lid, gid, qp_num, psn, token: [0; 16] }
+    }
+
+    /// Sets [`token`](Self::token).
+    pub const fn with_token(mut self, token: [u8; 16]) -> QpAddress {
+        self.token = token;
+        self
+    }
+
     /// Encoded length ([`to_bytes`](Self::to_bytes)).
     pub const ENCODED_LEN: usize = 48;
 
@@ -549,8 +564,8 @@ impl Endpoint {
 
     /// Decodes a record [`to_bytes`](Self::to_bytes) produced. Total: any other bytes give
     /// a typed error, never a panic.
-    pub fn from_bytes(b: &[u8]) -> std::result::Result<Endpoint, EndpointDecodeError> {
-        use EndpointDecodeError as E;
+    pub fn from_bytes(b: &[u8]) -> std::result::Result<QpAddress, QpAddressDecodeError> {
+        use QpAddressDecodeError as E;
         if b.len() < 4 {
             return Err(E::Length { got: b.len(), expected: Self::ENCODED_LEN });
         }
@@ -581,7 +596,7 @@ impl Endpoint {
         gid.copy_from_slice(&b[8..24]);
         let mut token = [0u8; 16];
         token.copy_from_slice(&b[32..48]);
-        Ok(Endpoint { provider, lid: u16::from_le_bytes([b[6], b[7]]), gid, qp_num: le32(24), psn, token })
+        Ok(QpAddress { provider, lid: u16::from_le_bytes([b[6], b[7]]), gid, qp_num: le32(24), psn, token })
     }
 
     /// The same as [`to_bytes`](Self::to_bytes).
@@ -591,7 +606,7 @@ impl Endpoint {
 
     /// [`from_bytes`](Self::from_bytes) with the crate's error type
     /// ([`Error::Malformed`]).
-    pub fn decode(b: &[u8]) -> Result<Endpoint> {
+    pub fn decode(b: &[u8]) -> Result<QpAddress> {
         Self::from_bytes(b).map_err(|e| Error::Malformed { what: "endpoint", reason: e.to_string() })
     }
 }
@@ -692,7 +707,7 @@ mod tests {
 
     #[test]
     fn endpoint_round_trip_and_rejects_garbage() {
-        let e = Endpoint {
+        let e = QpAddress {
             provider: ProviderKind::Soft,
             lid: 3,
             gid: [7; 16],
@@ -701,22 +716,22 @@ mod tests {
             token: *b"0123456789abcdef",
         };
         let b = e.to_bytes();
-        assert_eq!(Endpoint::from_bytes(&b), Ok(e));
-        assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
-        let v = Endpoint { provider: ProviderKind::Verbs, token: [0; 16], ..e };
-        assert_eq!(Endpoint::from_bytes(&v.to_bytes()), Ok(v));
-        use EndpointDecodeError as E;
-        assert_eq!(Endpoint::from_bytes(&[]), Err(E::Length { got: 0, expected: 48 }));
-        assert_eq!(Endpoint::from_bytes(&b[..47]), Err(E::Length { got: 47, expected: 48 }));
+        assert_eq!(QpAddress::from_bytes(&b), Ok(e));
+        assert_eq!(QpAddress::decode(&e.encode()).unwrap(), e);
+        let v = QpAddress { provider: ProviderKind::Verbs, token: [0; 16], ..e };
+        assert_eq!(QpAddress::from_bytes(&v.to_bytes()), Ok(v));
+        use QpAddressDecodeError as E;
+        assert_eq!(QpAddress::from_bytes(&[]), Err(E::Length { got: 0, expected: 48 }));
+        assert_eq!(QpAddress::from_bytes(&b[..47]), Err(E::Length { got: 47, expected: 48 }));
         assert_eq!(
-            Endpoint::from_bytes(&[b.as_slice(), &[0]].concat()),
+            QpAddress::from_bytes(&[b.as_slice(), &[0]].concat()),
             Err(E::Length { got: 49, expected: 48 })
         );
-        assert_eq!(Endpoint::from_bytes(&[0u8; 48]), Err(E::Magic));
+        assert_eq!(QpAddress::from_bytes(&[0u8; 48]), Err(E::Magic));
         let with = |at: usize, v: u8| {
             let mut c = b;
             c[at] = v;
-            Endpoint::from_bytes(&c)
+            QpAddress::from_bytes(&c)
         };
         // The earlier unversioned records had the provider tag where the version is now.
         assert_eq!(with(3, 1), Err(E::Legacy));
@@ -725,7 +740,7 @@ mod tests {
         assert_eq!(with(4, 9), Err(E::Provider(9)));
         assert_eq!(with(5, 1), Err(E::Reserved(1)));
         assert_eq!(with(31, 1), Err(E::Psn(0x0112_3456)));
-        assert!(matches!(Endpoint::decode(&b[..31]), Err(Error::Malformed { .. })));
+        assert!(matches!(QpAddress::decode(&b[..31]), Err(Error::Malformed { .. })));
     }
 
     #[test]
@@ -733,7 +748,7 @@ mod tests {
         // Every length up to a record and a half, every value of each header byte, and
         // pseudo-random records: an endpoint or a typed error, never a panic; whatever
         // decodes re-encodes to the same bytes.
-        let e = Endpoint {
+        let e = QpAddress {
             provider: ProviderKind::Soft,
             lid: 1,
             gid: [2; 16],
@@ -744,7 +759,7 @@ mod tests {
         for len in 0..72 {
             let mut b = [e.to_bytes().as_slice(), &[0u8; 24]].concat();
             b.truncate(len);
-            let _ = Endpoint::from_bytes(&b);
+            let _ = QpAddress::from_bytes(&b);
         }
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         for i in 0..if cfg!(miri) { 200 } else { 20_000u32 } {
@@ -755,7 +770,7 @@ mod tests {
                 x ^= x << 17;
                 b[(x % 48) as usize] = (x >> 8) as u8;
             }
-            if let Ok(d) = Endpoint::from_bytes(&b) {
+            if let Ok(d) = QpAddress::from_bytes(&b) {
                 assert_eq!(d.to_bytes(), b);
             }
         }

@@ -109,7 +109,7 @@ async fn oversize_private_data_claim_is_refused() {
     let cq = pd.context().create_cq(4).unwrap();
     let qp = pd.create_qp(&cq, &cq, Default::default()).unwrap();
     let mut m = b"RKCM\x02".to_vec();
-    m.extend_from_slice(&qp.endpoint().unwrap().encode());
+    m.extend_from_slice(&qp.address().unwrap().encode());
     m.extend_from_slice(&[7u8; 16]);
     m.push(255);
     let mut hostile = TcpStream::connect(addr).unwrap();

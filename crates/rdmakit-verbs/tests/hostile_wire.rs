@@ -81,7 +81,7 @@ impl Victim {
         Victim { ctx, pd, cq, mr }
     }
 
-    fn port(&self, ep: &Endpoint) -> u16 {
+    fn port(&self, ep: &QpAddress) -> u16 {
         let _ = &self.ctx;
         ep.lid
     }
@@ -89,7 +89,7 @@ impl Victim {
 
 /// `ep` as a QP of another process would see it: same address and port, but a GID no
 /// device of this process has, so connecting to it goes over TCP.
-fn far(ep: &Endpoint) -> Endpoint {
+fn far(ep: &QpAddress) -> QpAddress {
     let mut e = *ep;
     for b in &mut e.gid[8..12] {
         *b ^= 0xa5;
@@ -105,8 +105,8 @@ struct Legit {
     qp: QueuePair,
     src: MemoryRegion,
     vqp: QueuePair,
-    vep: Endpoint,
-    rep: Endpoint,
+    vep: QpAddress,
+    rep: QpAddress,
 }
 
 fn legit(v: &Victim) -> Legit {
@@ -116,7 +116,7 @@ fn legit(v: &Victim) -> Legit {
     let qp = pd.create_qp(&cq, &cq, QpCaps::default().with_max_send_wr(512)).unwrap();
     let src = pd.alloc_mr(4 << 20, AccessFlags::ALL_REMOTE).unwrap();
     let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
-    let (vep, rep) = (vqp.endpoint().unwrap(), qp.endpoint().unwrap());
+    let (vep, rep) = (vqp.address().unwrap(), qp.address().unwrap());
     assert_ne!(vep.lid, 0, "the victim listens");
     vqp.connect(&rep, &opts()).unwrap();
     qp.connect(&far(&vep), &opts()).unwrap();
@@ -181,14 +181,14 @@ fn frame(f: &Frame) -> Vec<u8> {
 
 /// The Hello an attacker who knows the peer's GID and QPN (both guessable) but none of the
 /// secrets exchanged out of band can build.
-fn guessed_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
+fn guessed_hello(src: &QpAddress, dst: &QpAddress) -> Vec<u8> {
     let (src_gid, src_qpn, dst_qpn) = (src.gid, src.qp_num, dst.qp_num);
     frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: 0, dst_psn: 0, token: [0; 16] })
 }
 
 /// The Hello of a peer that knows everything about the connection (a buggy or hostile
 /// *legitimate* peer): used to test what is checked after authentication.
-fn true_hello(src: &Endpoint, dst: &Endpoint) -> Vec<u8> {
+fn true_hello(src: &QpAddress, dst: &QpAddress) -> Vec<u8> {
     let (src_gid, src_qpn, dst_qpn) = (src.gid, src.qp_num, dst.qp_num);
     frame(&Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn: src.psn, dst_psn: dst.psn, token: dst.token })
 }
@@ -416,13 +416,13 @@ fn forged_hello_cannot_write() {
 
 /// A victim QP connected to a *phantom* requester: a QP whose endpoint the victim knows but
 /// which the test speaks for on the wire.
-fn phantom(v: &Victim) -> (QueuePair, Endpoint, Endpoint, Context, QueuePair) {
+fn phantom(v: &Victim) -> (QueuePair, QpAddress, QpAddress, Context, QueuePair) {
     let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(16).unwrap();
     let p = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
-    let (vep, pep) = (vqp.endpoint().unwrap(), p.endpoint().unwrap());
+    let (vep, pep) = (vqp.address().unwrap(), p.address().unwrap());
     vqp.connect(&pep, &opts()).unwrap();
     (vqp, vep, pep, ctx, p)
 }
@@ -475,7 +475,7 @@ fn raw_endpoint_hello_without_the_token_is_refused() {
     let v = Victim::new();
     let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
     // What the application sends its peer: the versioned record, with the victim's token.
-    let sent = Endpoint::from_bytes(&vep.to_bytes()).unwrap();
+    let sent = QpAddress::from_bytes(&vep.to_bytes()).unwrap();
     assert_eq!(sent, vep);
     assert_ne!(vep.token, [0; 16], "a soft endpoint carries its QP's token");
     let target = v.mr.remote();
@@ -596,10 +596,10 @@ fn hello_for_an_unknown_qpn_is_refused() {
 }
 
 /// `n` victim QPs that are not connected yet, with their endpoints (the device listens).
-fn unconnected(v: &Victim, n: usize) -> (Vec<QueuePair>, Vec<Endpoint>) {
+fn unconnected(v: &Victim, n: usize) -> (Vec<QueuePair>, Vec<QpAddress>) {
     let qps: Vec<QueuePair> =
         (0..n).map(|_| v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap()).collect();
-    let eps = qps.iter().map(|q| q.endpoint().unwrap()).collect();
+    let eps = qps.iter().map(|q| q.address().unwrap()).collect();
     (qps, eps)
 }
 
@@ -808,8 +808,8 @@ fn transport_timers_stay_bounded_over_many_bursts() {
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let src = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
     let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
-    vqp.connect(&qp.endpoint().unwrap(), &long).unwrap();
-    qp.connect(&far(&vqp.endpoint().unwrap()), &long).unwrap();
+    vqp.connect(&qp.address().unwrap(), &long).unwrap();
+    qp.connect(&far(&vqp.address().unwrap()), &long).unwrap();
     let before = rdmakit_verbs::soft::pending_timers();
     // 300 bursts of one request each, every one answered.
     for i in 0..300u64 {
@@ -859,8 +859,7 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
         gid[..2].copy_from_slice(&[0xfe, 0x80]);
         gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
         gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-        let fake =
-            Endpoint { provider: ProviderKind::Soft, lid: port, gid, qp_num: 0x42, psn: 7, token: [0; 16] };
+        let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
         qp.connect(&fake, &opts()).unwrap();
         // Enough bytes to fill both socket buffers: the writer blocks.
         for i in 0..256u64 {

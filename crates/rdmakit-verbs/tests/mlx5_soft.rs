@@ -17,8 +17,8 @@ fn pair(
     let (cq_a, cq_b) = (pd_a.context().create_cq(64)?, pd_b.context().create_cq(64)?);
     let a = pd_a.create_qp(&cq_a, &cq_a, QpCaps::default())?;
     let b = pd_b.create_qp(&cq_b, &cq_b, QpCaps::default())?;
-    a.connect(&b.endpoint()?, &ConnectOptions::default())?;
-    b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+    a.connect(&b.address()?, &ConnectOptions::default())?;
+    b.connect(&a.address()?, &ConnectOptions::default())?;
     Ok((a, cq_a, b, cq_b))
 }
 

@@ -16,8 +16,8 @@ fn pair() -> (ProtectionDomain, CompletionQueue, QueuePair, QueuePair) {
     let a = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let b = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let o = ConnectOptions::default();
-    a.connect(&b.endpoint().unwrap(), &o).unwrap();
-    b.connect(&a.endpoint().unwrap(), &o).unwrap();
+    a.connect(&b.address().unwrap(), &o).unwrap();
+    b.connect(&a.address().unwrap(), &o).unwrap();
     (pd, cq, a, b)
 }
 

@@ -33,8 +33,8 @@ pub fn qp_pair(
     let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
     let a = pd.create_qp(&ca, &ca, caps).unwrap();
     let b = pd.create_qp(&cb, &cb, caps).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
     ((a, ca), (b, cb))
 }
 

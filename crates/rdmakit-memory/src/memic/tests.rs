@@ -17,8 +17,8 @@ fn qp_pair(pd: &ProtectionDomain) -> (QueuePair, CompletionQueue, QueuePair) {
     let cq = pd.context().create_cq(256).unwrap();
     let a = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let b = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    a.connect(&b.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    b.connect(&a.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
     (a, cq, b)
 }
 

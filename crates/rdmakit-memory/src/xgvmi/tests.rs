@@ -400,8 +400,8 @@ fn pool_and_cache_on_the_soft_nic() {
     let (dcq, pcq) = (dpu.create_cq(16).unwrap(), peer.create_cq(16).unwrap());
     let qp = dpd.create_qp(&dcq, &dcq, QpCaps::default()).unwrap();
     let pqp = ppd.create_qp(&pcq, &pcq, QpCaps::default()).unwrap();
-    qp.connect(&pqp.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-    pqp.connect(&qp.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+    qp.connect(&pqp.address().unwrap(), &ConnectOptions::default()).unwrap();
+    pqp.connect(&qp.address().unwrap(), &ConnectOptions::default()).unwrap();
     let sink = ppd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
 
     let mut last = None;
@@ -483,8 +483,8 @@ fn range_cache_registers_the_applications_memory() {
             pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
             pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
         );
-        qa.connect(&qb.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
-        qb.connect(&qa.endpoint().unwrap(), &ConnectOptions::default()).unwrap();
+        qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+        qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
         let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
         src.write_u64(0, 0xfeed).unwrap();
         qa.post_send(SendWr::write(src.local().unwrap(), d.remote().unwrap().slice(0, 8).unwrap())).unwrap();

@@ -332,8 +332,8 @@ fn loopback(
     let sqp = pd.create_qp(&scq, &scq, scaps)?;
     let rmem = ReceiverMem::new(&pd, chunk, a.slots)?;
     let smem = SenderMem::new(&pd, chunk, window, a.slots)?;
-    rqp.connect(&sqp.endpoint_with(&opts)?, &opts)?;
-    sqp.connect(&rqp.endpoint_with(&opts)?, &opts)?;
+    rqp.connect(&sqp.address_with(&opts)?, &opts)?;
+    sqp.connect(&rqp.address_with(&opts)?, &opts)?;
     rmem.post_receives(&rqp)?;
     smem.post_receive(&sqp)?;
     let input = input(a)?;

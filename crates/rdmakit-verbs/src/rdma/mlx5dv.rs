@@ -177,7 +177,7 @@ impl UmrQp {
             nonnull("mlx5dv_qp_ex_from_ibv_qp_ex", unsafe { dv::mlx5dv_qp_ex_from_ibv_qp_ex(qpx.as_ptr()) })?;
         // Connected to itself: UMR and LOCAL_INV are local operations of an RTS QP.
         let opts = ConnectOptions::default();
-        let me = qp.endpoint(&opts, 0)?;
+        let me = qp.address(&opts, 0)?;
         qp.modify_to_init(&opts)?;
         qp.modify_to_rtr(&me, &opts)?;
         qp.modify_to_rts(&opts, 0)?;

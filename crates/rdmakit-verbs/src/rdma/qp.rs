@@ -11,7 +11,7 @@ use super::conv::{errno_ret, nonnull};
 use super::*;
 use crate::error::{Error, Result};
 use crate::raw::{RawRecvWr, RawSendWr};
-use crate::types::{AccessFlags, ConnectOptions, Endpoint, ProviderKind, QpCaps, QpState};
+use crate::types::{AccessFlags, ConnectOptions, ProviderKind, QpAddress, QpCaps, QpState};
 
 /// An RC queue pair.
 pub(crate) struct Qp {
@@ -106,10 +106,10 @@ impl Qp {
         self.dev().choose_gid(opts.port_num, opts.gid_index, port).index
     }
 
-    pub fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint> {
+    pub fn address(&self, opts: &ConnectOptions, psn: u32) -> Result<QpAddress> {
         let port = self.port(opts.port_num)?;
         let index = self.gid_index(opts, &port);
-        Ok(Endpoint {
+        Ok(QpAddress {
             provider: ProviderKind::Verbs,
             lid: port.lid,
             gid: self.gid(opts.port_num, index)?,
@@ -145,7 +145,7 @@ impl Qp {
         self.modify(&mut attr, mask, "RESET -> INIT")
     }
 
-    pub fn modify_to_rtr(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+    pub fn modify_to_rtr(&self, remote: &QpAddress, opts: &ConnectOptions) -> Result<()> {
         if remote.provider != ProviderKind::Verbs {
             return Err(Error::InvalidArgument(format!(
                 "cannot connect a verbs QP to a {} endpoint",

@@ -24,7 +24,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::types::Endpoint;
+use crate::types::QpAddress;
 
 const MAGIC: [u8; 5] = *b"RKCM\x02";
 /// Bytes of a connection token.
@@ -34,7 +34,7 @@ pub(crate) type Token = [u8; TOKEN_LEN];
 /// The requester's last message.
 const READY: [u8; 6] = *b"RKCM\x02\xff";
 /// A request's fixed part; a reply has one more byte (the status).
-const REQUEST_HEAD: usize = MAGIC.len() + Endpoint::ENCODED_LEN + TOKEN_LEN + 1;
+const REQUEST_HEAD: usize = MAGIC.len() + QpAddress::ENCODED_LEN + TOKEN_LEN + 1;
 
 /// What one side sends: status (0 in a request), endpoint, token and private data.
 #[derive(Debug)]
@@ -42,7 +42,7 @@ pub(crate) struct Hello {
     /// 0: accepted (always 0 in a request).
     pub status: u8,
     /// The peer QP's endpoint.
-    pub endpoint: Endpoint,
+    pub endpoint: QpAddress,
     /// The peer's connection token.
     pub token: Token,
     /// The peer's private data, at most the limit the front gave.
@@ -57,7 +57,7 @@ fn io_err(call: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |source| Error::Os { call, source }
 }
 
-fn encode(status: Option<u8>, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<Vec<u8>> {
+fn encode(status: Option<u8>, ep: &QpAddress, token: &Token, data: &[u8]) -> Result<Vec<u8>> {
     let len = u8::try_from(data.len())
         .map_err(|_| Error::InvalidArgument(format!("private data of {} bytes", data.len())))?;
     let mut m = MAGIC.to_vec();
@@ -77,10 +77,10 @@ fn decode_head(head: &[u8], with_status: bool, max_data: usize) -> Result<(Hello
     }
     let (status, rest) =
         if with_status { (head[MAGIC.len()], &head[MAGIC.len() + 1..]) } else { (0, &head[MAGIC.len()..]) };
-    let endpoint = Endpoint::decode(&rest[..Endpoint::ENCODED_LEN])?;
+    let endpoint = QpAddress::decode(&rest[..QpAddress::ENCODED_LEN])?;
     let mut token = [0u8; TOKEN_LEN];
-    token.copy_from_slice(&rest[Endpoint::ENCODED_LEN..Endpoint::ENCODED_LEN + TOKEN_LEN]);
-    let len = usize::from(rest[Endpoint::ENCODED_LEN + TOKEN_LEN]);
+    token.copy_from_slice(&rest[QpAddress::ENCODED_LEN..QpAddress::ENCODED_LEN + TOKEN_LEN]);
+    let len = usize::from(rest[QpAddress::ENCODED_LEN + TOKEN_LEN]);
     if len > max_data {
         return Err(malformed("private data too long"));
     }
@@ -195,7 +195,7 @@ pub(crate) struct SoftRequest {
 impl SoftRequest {
     /// Answers with our endpoint, token and private data, then waits for the requester's
     /// ready: the connection's stream.
-    pub fn accept(mut self, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<SoftConn> {
+    pub fn accept(mut self, ep: &QpAddress, token: &Token, data: &[u8]) -> Result<SoftConn> {
         self.s.write_all(&encode(Some(0), ep, token, data)?).map_err(io_err("write handshake"))?;
         let mut ready = [0u8; READY.len()];
         read_by(&mut self.s, &mut ready, self.deadline, self.budget)?;
@@ -224,7 +224,7 @@ impl SoftConnecting {
     /// Sends the request and reads the reply (of any status: the caller decides).
     pub fn request(
         mut self,
-        ep: &Endpoint,
+        ep: &QpAddress,
         token: &Token,
         data: &[u8],
         max_data: usize,
@@ -383,7 +383,7 @@ mod nonblocking {
 
     impl AsyncSoftRequest {
         /// Answers, then waits for the requester's ready.
-        pub async fn accept(self, ep: &Endpoint, token: &Token, data: &[u8]) -> Result<SoftConn> {
+        pub async fn accept(self, ep: &QpAddress, token: &Token, data: &[u8]) -> Result<SoftConn> {
             write_all(&self.s, &encode(Some(0), ep, token, data)?).await?;
             let mut ready = [0u8; READY.len()];
             read_exact(&self.s, &mut ready).await?;
@@ -405,7 +405,7 @@ mod nonblocking {
         /// Sends the request and reads the reply (of any status).
         pub async fn request(
             self,
-            ep: &Endpoint,
+            ep: &QpAddress,
             token: &Token,
             data: &[u8],
             max_data: usize,

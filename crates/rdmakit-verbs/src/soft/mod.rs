@@ -32,8 +32,8 @@
 //! let pd = ctx.alloc_pd()?;
 //! let (ca, cb) = (ctx.create_cq(8)?, ctx.create_cq(8)?);
 //! let (a, b) = (pd.create_qp(&ca, &ca, QpCaps::default())?, pd.create_qp(&cb, &cb, QpCaps::default())?);
-//! a.connect(&b.endpoint()?, &ConnectOptions::default())?;
-//! b.connect(&a.endpoint()?, &ConnectOptions::default())?;
+//! a.connect(&b.address()?, &ConnectOptions::default())?;
+//! b.connect(&a.address()?, &ConnectOptions::default())?;
 //! let (src, dst) = (pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?, pd.alloc_mr(64, AccessFlags::ALL_REMOTE)?);
 //! src.write_at(0, b"hello")?;
 //!

@@ -12,7 +12,7 @@
 //! Version 2 made the `Hello` an authenticator: besides naming the requester and the target
 //! QP, it proves that the client is the peer the target QP was connected to (both initial
 //! PSNs from the exchanged endpoints, and the target QP's connection token: the random one
-//! its `Endpoint` carries, or the one the soft bootstrap exchanged).
+//! its `QpAddress` carries, or the one the soft bootstrap exchanged).
 
 use std::fmt;
 

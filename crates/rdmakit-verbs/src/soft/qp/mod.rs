@@ -35,7 +35,7 @@ use super::wire::{self, Frame};
 use crate::error::{Error, Result, WcStatus};
 use crate::raw::{RawOp, RawRecvWr, RawSendWr, Sge};
 use crate::shared_mem::{self, Dst, Src};
-use crate::types::{AccessFlags, ConnectOptions, Endpoint, ProviderKind, QpCaps, QpState};
+use crate::types::{AccessFlags, ConnectOptions, ProviderKind, QpAddress, QpCaps, QpState};
 use crate::wc::{WcOpcode, WorkCompletion};
 
 /// Largest inline payload the soft NIC accepts.
@@ -77,7 +77,7 @@ impl Link {
 }
 
 /// Connection tokens: `rx` is what a requester of another process must present to this QP
-/// (random per QP, carried in its [`Endpoint`]; the soft bootstrap may replace it), `tx`
+/// (random per QP, carried in its [`QpAddress`]; the soft bootstrap may replace it), `tx`
 /// what this QP presents to its peer when the soft bootstrap set it explicitly (otherwise
 /// the token of the endpoint it is connected to).
 #[derive(Clone, Copy)]
@@ -312,9 +312,9 @@ impl SoftQp {
     /// The endpoint peers connect to; `lid` carries the device's TCP port so that QPs of
     /// other processes can reach it, `token` what a requester of another process must
     /// present.
-    pub fn endpoint(&self) -> Endpoint {
+    pub fn address(&self) -> QpAddress {
         let lid = self.device.port();
-        Endpoint {
+        QpAddress {
             provider: ProviderKind::Soft,
             lid,
             gid: self.device.gid(),
@@ -375,7 +375,7 @@ impl SoftQp {
     }
 
     /// INIT → RTR, aimed at `remote`.
-    pub fn modify_to_rtr(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
+    pub fn modify_to_rtr(&self, remote: &QpAddress, opts: &ConnectOptions) -> Result<()> {
         if remote.provider != ProviderKind::Soft {
             return Err(Error::InvalidArgument(format!(
                 "cannot connect a soft QP to a {} endpoint",
