@@ -67,6 +67,8 @@ if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
         cargo bench --quiet --bench channel -- --noplot --warm-up-time 1 --measurement-time 3
     section "Remote-heap allocation policies (criterion)" soft \
         cargo bench --quiet --bench heap_alloc -- --noplot --warm-up-time 1 --measurement-time 3
+else
+    printf '## Criterion groups (soft)\n\nNot run this time (RDMAKIT_BENCH_CRITERION=0): `cargo bench --bench channel` and `--bench heap_alloc`.\n\n' >>"$tmp"
 fi
 if [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     section "perftest against rdmakit-perf on rdma-core" rxe scripts/perftest-compare.sh
