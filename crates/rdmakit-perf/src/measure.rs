@@ -118,7 +118,7 @@ fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<bool> {
         }
         // The clock only every 256 spins: this loop is what a latency test measures.
         spins = spins.wrapping_add(1);
-        if spins % 256 == 0 && start.elapsed() > STUCK {
+        if spins.is_multiple_of(256) && start.elapsed() > STUCK {
             return Err(err(&format!(
                 "no answer from the peer in {STUCK:?}: byte {at} of the buffer is {}, waited for {v}",
                 b[0]

@@ -219,7 +219,7 @@ impl CompletionQueue {
                 return Ok(wc);
             }
             spins = spins.wrapping_add(1);
-            if spins % SPINS_PER_CLOCK == 0 && start.elapsed() >= timeout {
+            if spins.is_multiple_of(SPINS_PER_CLOCK) && start.elapsed() >= timeout {
                 return Err(Error::Timeout(timeout));
             }
             std::hint::spin_loop();
