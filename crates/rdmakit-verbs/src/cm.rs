@@ -548,6 +548,9 @@ mod on_tokio {
     impl AsyncListener {
         /// Handshakes in progress at once unless [`bind_with`](Self::bind_with) says.
         pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+        /// The most [`bind_with`](Self::bind_with) accepts: each handshake holds a socket or
+        /// a CM id and a task, and tokio's semaphore panics beyond its own limit.
+        pub const MAX_HANDSHAKES: usize = 4096;
 
         /// Listens at `addr` (port 0 picks one); every connection gets a QP and CQ on
         /// `pd` made with `opts`, and is answered with `private_data`. Needs a tokio
@@ -570,8 +573,11 @@ mod on_tokio {
             max_handshakes: usize,
         ) -> Result<AsyncListener> {
             check_private_data(private_data)?;
-            if max_handshakes == 0 {
-                return Err(Error::InvalidArgument("max_handshakes must be at least 1".into()));
+            if !(1..=Self::MAX_HANDSHAKES).contains(&max_handshakes) {
+                return Err(Error::InvalidArgument(format!(
+                    "max_handshakes is {max_handshakes}; it must be 1 to {}",
+                    Self::MAX_HANDSHAKES
+                )));
             }
             if tokio::runtime::Handle::try_current().is_err() {
                 return Err(Error::InvalidArgument("AsyncListener::bind needs a tokio runtime".into()));

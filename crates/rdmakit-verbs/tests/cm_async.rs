@@ -135,3 +135,21 @@ async fn oversize_private_data_is_invalid() {
     let e = connect_async(&pd, "127.0.0.1:9".parse().unwrap(), &o, &[0; 57]).await.unwrap_err();
     assert!(matches!(e, rdmakit_verbs::Error::InvalidArgument(_)), "{e}");
 }
+
+#[test]
+fn absurd_handshake_bounds_are_typed_errors() {
+    // usize::MAX used to reach tokio's Semaphore::new, which panics above its limit.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let addr = "127.0.0.1:0".parse().unwrap();
+        for n in [0, AsyncListener::MAX_HANDSHAKES + 1, usize::MAX] {
+            let r = AsyncListener::bind_with(&pd, addr, &CmOptions::default(), b"", n);
+            assert!(matches!(r, Err(rdmakit_verbs::Error::InvalidArgument(_))), "{n}: {:?}", r.err());
+        }
+        assert!(
+            AsyncListener::bind_with(&pd, addr, &CmOptions::default(), b"", AsyncListener::MAX_HANDSHAKES)
+                .is_ok()
+        );
+    });
+}
