@@ -555,6 +555,9 @@ pub(crate) fn run(ctx: &Context, copts: &ConnectOptions, a: &CkArgs) -> Result<(
     if a.faces.iter().any(|&f| !(8..=rig::MAX_SIZE).contains(&f)) {
         return Err(Error::InvalidArgument(format!("--faces must each be 8..={} bytes", rig::MAX_SIZE)));
     }
+    if a.ranks < 2 {
+        return Err(Error::InvalidArgument("--ranks must be at least 2 (a halo needs a neighbour)".into()));
+    }
     let o = CkOpts {
         max_size: a.max_size.min(rig::MAX_SIZE),
         iters: a.iters.max(1),
@@ -565,4 +568,59 @@ pub(crate) fn run(ctx: &Context, copts: &ConnectOptions, a: &CkArgs) -> Result<(
         jacobi_iters: a.jacobi_iters.max(1),
     };
     ckdirect_seed(ctx, copts, &o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole grid relaxed in one slab, for comparison.
+    fn serial(ranks: usize, rows: usize, cols: usize, iters: u32) -> Vec<f64> {
+        let mut s = Slab::new(0, ranks * rows, cols);
+        for _ in 0..iters {
+            s.relax();
+        }
+        s.u[cols..(ranks * rows + 1) * cols].to_vec()
+    }
+
+    fn interiors(grids: &[Vec<f64>], rows: usize, cols: usize) -> Vec<f64> {
+        grids.iter().flat_map(|u| u[cols..(rows + 1) * cols].iter().copied()).collect()
+    }
+
+    /// Both transports' halo exchanges give exactly the single-slab result: every face
+    /// arrives, whole and in its iteration (a lost or stale ghost would change the heat
+    /// front), for a 1-D rod (one column) and a 2-D slab.
+    #[test]
+    fn both_halo_exchanges_match_the_serial_grid() {
+        let ctx = Context::open_soft();
+        let copts = ConnectOptions::default();
+        let (ranks, rows, iters) = (3usize, 4usize, 40u32);
+        for cols in [1usize, 16] {
+            let len = (cols * 8) as u32;
+            let want = serial(ranks, rows, cols, iters);
+            let mut puts = Vec::new();
+            let mut keep = Vec::new();
+            let mut msgs = Vec::new();
+            for _ in 0..ranks - 1 {
+                let (a, b, k) = put_link(&ctx, &copts, len).expect("put link");
+                puts.push((a, b));
+                keep.push(k);
+                msgs.push(msg_link(&ctx, &copts, len).expect("send/recv link"));
+            }
+            let (_, gp) = jacobi(&mut puts, rows, cols, iters).expect("put handles");
+            let (_, gm) = jacobi(&mut msgs, rows, cols, iters).expect("send/recv");
+            // The heat reached the last slab: the exchange carried it across both links.
+            assert!(want[want.len() - cols + cols / 2] > 0.0);
+            assert_eq!(interiors(&gp, rows, cols), want, "put handles, {cols} columns");
+            assert_eq!(interiors(&gm, rows, cols), want, "send/recv, {cols} columns");
+        }
+    }
+
+    #[test]
+    fn the_sweep_sizes() {
+        assert_eq!(sizes(8), [8]);
+        assert_eq!(sizes(4096), [8, 1024, 4096]);
+        assert_eq!(sizes(1 << 30).last(), Some(&(1 << 20)));
+        assert!(sizes(4).is_empty());
+    }
 }
