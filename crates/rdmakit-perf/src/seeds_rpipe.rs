@@ -66,9 +66,14 @@ pub(crate) async fn join2<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Ou
     (ra.expect("polled to completion"), rb.expect("polled to completion"))
 }
 
-/// The sizes of the sweep, 8 B to `max` by factors of 8.
+/// The sizes of the sweep: 8 B to `max` by factors of 8, and `max` itself.
 pub fn sizes(max: u32) -> Vec<u32> {
-    std::iter::successors(Some(8u32), |&s| s.checked_mul(8)).take_while(|&s| s <= max).collect()
+    let mut v: Vec<u32> =
+        std::iter::successors(Some(8u32), |&s| s.checked_mul(8)).take_while(|&s| s <= max).collect();
+    if v.last().is_some_and(|&l| l < max) {
+        v.push(max);
+    }
+    v
 }
 
 /// Median of `v` (sorted in place); NaN for an empty set.
@@ -298,7 +303,7 @@ pub fn rpipe_seed(ctx: &Context, copts: &ConnectOptions, max: u32, iters: u32, r
 pub(crate) struct RpipeArgs {
     #[command(flatten)]
     pub(crate) dev: crate::DeviceOpts,
-    /// The largest message (the sweep is 8 B to it by factors of 8).
+    /// The largest message (the sweep is 8 B to it by factors of 8, and it).
     #[arg(long, default_value_t = 1 << 20)]
     max_size: u32,
     /// Round trips (or rreads) per run.
@@ -312,4 +317,28 @@ pub(crate) struct RpipeArgs {
 /// Runs `rpipe-seed` with `a`'s options.
 pub(crate) fn run(ctx: &Context, copts: &ConnectOptions, a: &RpipeArgs) -> Result<()> {
     rpipe_seed(ctx, copts, a.max_size.min(rig::MAX_SIZE), a.iters.max(1), a.runs.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sweep_ends_at_the_largest_size() {
+        assert_eq!(sizes(8), [8]);
+        assert_eq!(sizes(4096), [8, 64, 512, 4096]);
+        assert_eq!(sizes(1 << 20), [8, 64, 512, 4096, 32768, 262144, 1 << 20]);
+        assert_eq!(sizes(5000), [8, 64, 512, 4096, 5000]);
+        assert!(sizes(7).is_empty());
+    }
+
+    #[test]
+    fn join2_waits_for_both() {
+        let rt = runtime().unwrap();
+        let (a, b) = rt.block_on(join2(async { 1 }, async {
+            tokio::task::yield_now().await;
+            2
+        }));
+        assert_eq!((a, b), (1, 2));
+    }
 }
