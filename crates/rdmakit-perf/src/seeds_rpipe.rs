@@ -3,7 +3,9 @@
 //!
 //! - rwrite latency over a size sweep, the two notification modes side by side: one RDMA
 //!   write with immediate ([`NotifyMode::WriteImm`], the paper's `PUT_W_SYNC`) against the
-//!   data write followed by a flag write ([`NotifyMode::Flag`], the paper's `2PUT`);
+//!   data write followed by a flag write ([`NotifyMode::Flag`], the paper's `2PUT`), beside
+//!   raw RDMA writes with immediate between two QPs (the pipe's cost over the wire's; the
+//!   paper's baseline was MPI RMA, which rdmakit has no counterpart for);
 //! - rread latency over the same sweep (the owner publishes, the reader RDMA-reads);
 //! - rwrite latency per allocation policy of the pipe's remote heap (next-fit, first-fit,
 //!   best-fit, worst-fit) over a fragmented ring, and each policy's slowdown against
@@ -134,6 +136,56 @@ async fn rwrite_pingpong(pp: &PipePair, size: u32, iters: u32) -> Result<f64> {
     Ok(median(&mut lat))
 }
 
+/// The baseline under a pipe: raw RDMA writes with immediate between two QPs of the rig
+/// (what one PUT_W_SYNC `rwrite` is on the wire), as a ping-pong in one thread.
+struct RawPair {
+    a: Side,
+    b: Side,
+}
+
+const RAW_RECV: u64 = 1;
+const RAW_SEND: u64 = 2;
+
+impl RawPair {
+    fn new(ctx: &Context, copts: &ConnectOptions, max: u32) -> Result<RawPair> {
+        let (a, b) = rig::loopback(ctx, &Params::simple(Test::WriteLat, max, 1, 2, Placement::Host), copts)?;
+        for s in [&a, &b] {
+            s.qp.post_recv(RecvWr::new(s.buf.slice(0, 8)?).wr_id(RAW_RECV))?;
+        }
+        Ok(RawPair { a, b })
+    }
+
+    /// Waits for `side`'s receive completion (a write with immediate landed), reaping its
+    /// own sends' completions on the way, and posts the next receive.
+    fn landed(side: &Side) -> Result<()> {
+        loop {
+            let wc = side.cq.spin(std::time::Duration::from_secs(30))?.ok()?;
+            if wc.wr_id == RAW_RECV {
+                return side.qp.post_recv(RecvWr::new(side.buf.slice(0, 8)?).wr_id(RAW_RECV));
+            }
+        }
+    }
+
+    /// Typical (median) half round trip (us) of `iters` ping-pongs of `size` bytes.
+    fn pingpong(&self, size: u32, iters: u32) -> Result<f64> {
+        let (a, b) = (&self.a, &self.b);
+        let mut lat = Vec::with_capacity(iters as usize);
+        for i in 0..iters {
+            let t = Instant::now();
+            a.qp.post_send(
+                SendWr::write(a.buf.slice(0, size)?, a.peer_buf.slice(0, size)?).with_imm(i).wr_id(RAW_SEND),
+            )?;
+            Self::landed(b)?;
+            b.qp.post_send(
+                SendWr::write(b.buf.slice(0, size)?, b.peer_buf.slice(0, size)?).with_imm(i).wr_id(RAW_SEND),
+            )?;
+            Self::landed(a)?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+        Ok(median(&mut lat))
+    }
+}
+
 /// Typical (median) time (us) of `iters` rreads of `size` bytes: `a` publishes, `b` reads
 /// it (the publication's control message, the RDMA read, the read-done answer).
 async fn rread_loop(pp: &PipePair, size: u32, iters: u32) -> Result<f64> {
@@ -210,27 +262,41 @@ pub fn rpipe_seed(ctx: &Context, copts: &ConnectOptions, max: u32, iters: u32, r
     println!(
         "rwrite latency [us], half round trip: PUT_W_SYNC (write with immediate) vs 2PUT (data write + flag write)"
     );
-    println!("{:<10} {:>12} {:>12} {:>9}   {:<8}", "size", "PUT_W_SYNC", "2PUT", "2PUT/PWS", "");
+    println!(
+        "{:<10} {:>12} {:>12} {:>9}   {:>12} {:>9}   {:<8}",
+        "size", "PUT_W_SYNC", "2PUT", "2PUT/PWS", "raw w/imm", "PWS/raw", ""
+    );
     rt.block_on(async {
         let imm = pipe_pair(ctx, copts, max, config(max, NotifyMode::WriteImm, AllocPolicy::NextFit)).await?;
         let flag = pipe_pair(ctx, copts, max, config(max, NotifyMode::Flag, AllocPolicy::NextFit)).await?;
+        let raw = RawPair::new(ctx, copts, max)?;
         for &s in &sizes {
-            // Warm up (first touches, ring cursor), then interleave the two modes' runs.
+            // Warm up (first touches, ring cursor), then interleave the three's runs.
             rwrite_pingpong(&imm, s, iters.min(64)).await?;
             rwrite_pingpong(&flag, s, iters.min(64)).await?;
-            let (mut vi, mut vf) = (Vec::new(), Vec::new());
+            raw.pingpong(s, iters.min(64))?;
+            let (mut vi, mut vf, mut vr) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..runs {
                 vi.push(rwrite_pingpong(&imm, s, iters).await?);
                 vf.push(rwrite_pingpong(&flag, s, iters).await?);
+                vr.push(raw.pingpong(s, iters)?);
             }
-            let (li, lf) = (median(&mut vi), median(&mut vf));
-            println!("{:<10} {:>12.3} {:>12.3} {:>9.2}   {kind}", label(s), li, lf, lf / li);
+            let (li, lf, lr) = (median(&mut vi), median(&mut vf), median(&mut vr));
+            println!(
+                "{:<10} {:>12.3} {:>12.3} {:>9.2}   {:>12.3} {:>9.2}   {kind}",
+                label(s),
+                li,
+                lf,
+                lf / li,
+                lr,
+                li / lr
+            );
         }
         Ok::<(), Error>(())
     })?;
     println!(
-        "{:<10} {:>12} {:>12} {:>9}   seed (small/medium rwrite {SEED_RWRITE_US} us; PUT_W_SYNC(s) < 2PUT(s) at every size; up to 6x faster than MPI RMA)",
-        "", "", "", ""
+        "{:<10} {:>12} {:>12} {:>9}   {:>12} {:>9}   seed (small/medium rwrite {SEED_RWRITE_US} us; PUT_W_SYNC(s) < 2PUT(s) at every size; up to 6x faster than MPI RMA)",
+        "", "", "", "", "", ""
     );
     // 2. rread.
     println!();

@@ -34,8 +34,8 @@ fn rpipe_seed_prints_its_three_tables() {
     let out = run(&["rpipe-seed", "-n", "20", "--runs", "1", "--max-size", "4096"]);
     let rows = rows(&out);
     let sizes = ["8 B", "64 B", "512 B", "4 KiB"];
-    // rwrite PUT_W_SYNC | 2PUT | ratio, rread, per-policy (4 latencies, 3 ratios).
-    for (cols, what) in [(3, "rwrite modes"), (1, "rread"), (7, "policies")] {
+    // rwrite PUT_W_SYNC | 2PUT | ratio | raw | ratio, rread, per-policy (4 latencies, 3 ratios).
+    for (cols, what) in [(5, "rwrite modes"), (1, "rread"), (7, "policies")] {
         let t: Vec<_> = rows.iter().filter(|(_, n)| n.len() == cols).collect();
         assert_eq!(t.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), sizes, "{what}:\n{out}");
         for (s, n) in t {
