@@ -332,8 +332,8 @@ impl Halo for MsgEnd {
     }
 }
 
-/// Per iteration (us): the whole iteration, and the exchange alone (posting the faces and
-/// taking the ghosts, without the relaxation).
+/// Per iteration (us, the median over a run's iterations): the whole iteration, and the
+/// exchange alone (posting the faces and taking the ghosts, without the relaxation).
 #[derive(Clone, Copy, Debug)]
 pub struct IterTime {
     /// The whole iteration.
@@ -343,7 +343,7 @@ pub struct IterTime {
 }
 
 /// Runs `iters` Jacobi iterations over `links` (link r joins slab r's bottom to slab r+1's
-/// top); returns the mean times per iteration and the final grids.
+/// top); returns the typical (median) times per iteration and the final grids.
 fn jacobi<H: Halo>(
     links: &mut [(H, H)],
     rows: usize,
@@ -353,8 +353,8 @@ fn jacobi<H: Halo>(
     let ranks = links.len() + 1;
     let mut slabs: Vec<Slab> = (0..ranks).map(|r| Slab::new(r, rows, cols)).collect();
     let mut buf = vec![0u8; cols * 8];
-    let mut exchange = std::time::Duration::ZERO;
-    let start = Instant::now();
+    let (mut totals, mut exchanges) =
+        (Vec::with_capacity(iters as usize), Vec::with_capacity(iters as usize));
     for _ in 0..iters {
         let t = Instant::now();
         // Every slab posts its faces: its bottom row down the link below, its top row up.
@@ -373,16 +373,13 @@ fn jacobi<H: Halo>(
             up.take(&mut buf)?;
             slabs[r + 1].set_row(0, &buf);
         }
-        exchange += t.elapsed();
+        exchanges.push(t.elapsed().as_secs_f64() * 1e6);
         for s in &mut slabs {
             s.relax();
         }
+        totals.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    let n = f64::from(iters.max(1));
-    let time = IterTime {
-        total: start.elapsed().as_secs_f64() * 1e6 / n,
-        exchange: exchange.as_secs_f64() * 1e6 / n,
-    };
+    let time = IterTime { total: median(&mut totals), exchange: median(&mut exchanges) };
     Ok((time, slabs.into_iter().map(|s| s.u).collect()))
 }
 
@@ -491,7 +488,7 @@ pub fn ckdirect_seed(ctx: &Context, copts: &ConnectOptions, o: &CkOpts) -> Resul
     );
     println!();
     println!(
-        "Jacobi halo exchange, {} slabs x {} rows, {} iterations per run: time per iteration [us], put handles vs send/recv",
+        "Jacobi halo exchange, {} slabs x {} rows, typical (median) of {} iterations per run: time per iteration [us], put handles vs send/recv",
         o.ranks, o.rows, o.jacobi_iters
     );
     println!(
