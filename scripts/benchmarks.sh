@@ -62,6 +62,28 @@ section "The default suite" soft "$perf"
 section "rdmakit against this machine's limits (memcpy, TCP loopback)" soft "$perf" limits
 section "MEMIC atomics, the UCX talk's table" soft "$perf" memic-atomics
 section "Cross-GVMI export costs, the UMR mkey pool talk's table" soft "$perf" xgvmi-export
+section "rpipe: rwrite PUT_W_SYNC vs 2PUT, rread, allocation policies through pipes, the rmalloc/rpipe paper's tables" soft \
+    "$perf" rpipe-seed
+cat >>"$tmp" <<'NOTE'
+What the soft NIC can and cannot reproduce of the rpipe paper (Cray XC30, Aries, uGNI): the
+shapes and ratios (write with immediate against data + flag, each allocation policy against
+next-fit, all through the same pipes) are rdmakit's own and comparable; the paper's absolute
+figures (0.65 us rwrite, 2.14 us rread) come from Aries' FMA/BTE engines, which a NIC made of
+CPU copies and threads on a loaded machine cannot approach, and uGNI's FMA/BTE switch at 4 KiB
+has no counterpart here.
+
+NOTE
+section "CkDirect: put handles vs send/recv (ping-pong improvement, Jacobi halo), the slides' tables" soft \
+    "$perf" ckdirect-seed
+cat >>"$tmp" <<'NOTE'
+What the soft NIC can and cannot reproduce of the CkDirect slides (BG/P and the InfiniBand
+cluster Abe, whose figures are charts only): the comparison of rdmakit's put path (one RDMA
+write and a sequence-word write, polled) against its send/recv path on the same software
+engine, and whether the halo exchange gains from it; not the hardware's saving, where a
+polled put skips the receive-queue and completion work of a message in the HCA, nor Charm++'s
+own messaging cost, which was the slides' baseline (ours is raw verbs send/recv).
+
+NOTE
 if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
     section "Channel layers against raw verbs (criterion, median time per iteration)" soft \
         cargo bench --quiet --bench channel -- --noplot --warm-up-time 1 --measurement-time 3

@@ -1004,6 +1004,12 @@ impl RecvGuard {
         self.len == 0
     }
 
+    /// Where the block starts in its ring segment: the placement the writer's
+    /// [`PipeConfig::policy`] chose (for tests and diagnostics).
+    pub fn segment_offset(&self) -> u64 {
+        self.addr - self.seg.addr()
+    }
+
     fn ring(&self) -> &MemoryRegion {
         &self.seg
     }

@@ -19,6 +19,8 @@ mod plot;
 mod report;
 mod rig;
 mod seeds;
+mod seeds_ckdirect;
+mod seeds_rpipe;
 mod transfer;
 
 use std::io::IsTerminal;
@@ -125,6 +127,13 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         runs: usize,
     },
+    /// The rmalloc()/rpipe() paper's tables through pipes: rwrite latency with write with
+    /// immediate (PUT_W_SYNC) beside data + flag (2PUT), rread latency, and rwrite latency per
+    /// allocation policy of the pipe's heap, over a size sweep, beside the paper's figures.
+    RpipeSeed(seeds_rpipe::RpipeArgs),
+    /// The CkDirect slides' tables: put-handle vs send/recv ping-pong improvement in % over a
+    /// size sweep, and a Jacobi halo exchange timed with put handles vs send/recv.
+    CkdirectSeed(seeds_ckdirect::CkArgs),
     /// The default suite in loopback (what no arguments runs): the soft NIC unless
     /// `--provider`/`--device` say otherwise.
     Suite(SuiteArgs),
@@ -697,6 +706,12 @@ fn main() -> ExitCode {
         }
         Some(Cmd::XgvmiExport { dev, max_size, runs }) => {
             dev.open().and_then(|ctx| seeds::xgvmi_export(&ctx, *max_size, (*runs).max(1)))
+        }
+        Some(Cmd::RpipeSeed(a)) => {
+            a.dev.open().and_then(|ctx| seeds_rpipe::run(&ctx, &a.dev.connect_options(), a))
+        }
+        Some(Cmd::CkdirectSeed(a)) => {
+            a.dev.open().and_then(|ctx| seeds_ckdirect::run(&ctx, &a.dev.connect_options(), a))
         }
         Some(Cmd::Plot(p)) => match plot::run(p) {
             Ok(n) => {
