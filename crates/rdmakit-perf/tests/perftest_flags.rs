@@ -147,17 +147,39 @@ fn queue_depth_inline_and_cpu_freq_flags_are_taken() {
     );
 }
 
+/// Starts a server on a port the system picks and returns once it listens, with the address
+/// it printed. (Picking a free port first and sleeping a while raced: on a loaded machine
+/// the client could connect before the server listened, or another process take the port.)
 fn server(args: &[&str]) -> (Child, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = format!("127.0.0.1:{port}");
-    let child = Command::new(BIN)
+    use std::io::BufRead;
+    let mut child = Command::new(BIN)
         .args(args)
-        .args(["--server", &addr])
+        .args(["--server", "127.0.0.1:0"])
         .stderr(Stdio::piped())
         .spawn()
         .expect("server");
-    std::thread::sleep(Duration::from_millis(300));
-    (child, addr)
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Reads the server's stderr to the end, so that it never blocks on a full pipe; the
+    // address goes back as soon as the listening line appears.
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("rdmakit-perf: serving on ") {
+                let addr = rest.split_whitespace().next().unwrap_or_default().to_owned();
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(addr);
+                }
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(addr) => (child, addr),
+        Err(e) => {
+            let _ = child.kill();
+            panic!("the server did not say where it listens within 60 s ({e})");
+        }
+    }
 }
 
 #[test]
