@@ -48,7 +48,7 @@ impl HeapAllocator {
         HeapAllocator {
             config,
             segments: SegmentTable::default(),
-            free: FreeSpace::with_index(config.policy().size_order()),
+            free: FreeSpace::new(config.policy().needs_size_index()),
             cursor: 0,
             pending: Vec::new(),
             next_batch: 0,
