@@ -35,7 +35,8 @@ pub struct HeapAllocator {
     free: FreeSpace,
     /// Next-fit's roving cursor: the end of the previous allocation.
     cursor: u64,
-    /// Immediate mode: blocks handed out and not yet acknowledged, oldest first. Each is an
+    /// Immediate mode: blocks handed out and not yet acknowledged, by address (disjoint, so
+    /// a binary search finds a block, or the one a freed range would overlap). Each is an
     /// allocation awaiting its round trip, so there are few.
     pending: Vec<RemoteBlock>,
     /// Sequence number of the next free batch to apply.
@@ -48,7 +49,7 @@ impl HeapAllocator {
         HeapAllocator {
             config,
             segments: SegmentTable::default(),
-            free: FreeSpace::with_index(config.policy().size_order()),
+            free: FreeSpace::new(config.policy().needs_size_index()),
             cursor: 0,
             pending: Vec::new(),
             next_batch: 0,
@@ -107,7 +108,8 @@ impl HeapAllocator {
         let block = RemoteBlock { addr: taken.addr, len: n, rkey, segment: taken.seg };
         self.cursor = block.end();
         if self.config.sync() == SyncMode::Immediate {
-            self.pending.push(block);
+            let i = self.pending.partition_point(|b| b.addr < block.addr);
+            self.pending.insert(i, block);
         }
         Ok(block)
     }
@@ -138,9 +140,8 @@ impl HeapAllocator {
     pub fn confirm(&mut self, ack: &AllocAck) -> Result<RemoteBlock, HeapError> {
         self.check_heap(ack.heap)?;
         let i = self
-            .pending
-            .iter()
-            .position(|b| b.addr == ack.addr && b.len == ack.len)
+            .pending_index(ack.addr)
+            .filter(|&i| self.pending[i].len == ack.len)
             .ok_or(HeapError::NotPending { addr: ack.addr })?;
         self.apply_free_batch(&ack.freed)?;
         Ok(self.pending.remove(i))
@@ -150,7 +151,7 @@ impl HeapAllocator {
     /// [`HeapOwner::acknowledge`](super::HeapOwner::acknowledge) failed, so it never held it).
     /// Never cancel a block whose notice may have been accepted.
     pub fn cancel(&mut self, addr: u64) -> Result<(), HeapError> {
-        let i = self.pending.iter().position(|b| b.addr == addr).ok_or(HeapError::NotPending { addr })?;
+        let i = self.pending_index(addr).ok_or(HeapError::NotPending { addr })?;
         let block = self.pending.remove(i);
         self.free.insert(block.addr, block.end(), block.segment).expect("a pending block is not free");
         Ok(())
@@ -158,7 +159,12 @@ impl HeapAllocator {
 
     /// Whether the block at `addr` is waiting for the owner's acknowledgement.
     pub fn is_pending(&self, addr: u64) -> bool {
-        self.pending.iter().any(|b| b.addr == addr)
+        self.pending_index(addr).is_some()
+    }
+
+    /// The index in `pending` of the block at `addr`.
+    fn pending_index(&self, addr: u64) -> Option<usize> {
+        self.pending.binary_search_by_key(&addr, |b| b.addr).ok()
     }
 
     /// Number of blocks waiting for the owner's acknowledgement.
@@ -189,7 +195,10 @@ impl HeapAllocator {
             if (r.addr | r.len) & mask != 0 || self.segments.find(r.addr, end).is_none() {
                 return Err(HeapError::InvalidBlock { addr: r.addr, len: r.len });
             }
-            if let Some(b) = self.pending.iter().find(|b| b.addr < end && r.addr < b.end()) {
+            // The lowest pending block ending after the range's start overlaps it if it
+            // begins before the range's end.
+            let first_after = self.pending.partition_point(|b| b.end() <= r.addr);
+            if let Some(b) = self.pending.get(first_after).filter(|b| b.addr < end) {
                 return Err(HeapError::NotPending { addr: b.addr });
             }
         }

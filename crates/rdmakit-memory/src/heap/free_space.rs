@@ -1,10 +1,10 @@
 //! A set of disjoint free ranges, kept coalesced, with an optional index by size.
 
-use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound::{Excluded, Unbounded};
 
-/// The start and segment of a free range; the map key is its end.
+/// The start and segment of a free range, in the [`FreeSpace`]'s arena; the range's end is
+/// its key in the address map.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Span {
     start: u64,
@@ -14,71 +14,134 @@ struct Span {
 /// Disjoint free ranges `start..end`, each inside one segment. Adjacent ranges of the same
 /// segment are always merged; ranges of different segments never are.
 ///
-/// Ranges are keyed by their **end** address: taking a block from the front of a range (what
-/// every policy does) then only changes the value in place, and merging with the range
-/// after a freed one too. The size index holds `(len, end)` pairs, so its order is "smallest
-/// first, then lowest address".
+/// Each range lives in a slot of an arena (`start` and segment); the address map takes a
+/// range's **end** to its slot, and the size index holds `(len, end, slot)` entries. Taking
+/// a block from the front of a range (what every policy does) then changes only its slot
+/// (the end, and so the map, stay as they are): best-fit and worst-fit find the range in
+/// the size index and carve it without searching the address map at all; only a range
+/// used up or freed touches the map. Next-fit and first-fit walk the map in address order.
 #[derive(Clone, Debug)]
 pub(crate) struct FreeSpace {
-    by_end: BTreeMap<u64, Span>,
+    /// End address → slot in `arena`.
+    by_end: BTreeMap<u64, usize>,
+    /// The ranges' starts and segments; slots of merged or used-up ranges are `vacant`.
+    arena: Vec<Span>,
+    /// Free slots of `arena`, reused first: the arena never holds more slots than the most
+    /// ranges there ever were at once.
+    vacant: Vec<usize>,
     by_size: Option<SizeIndex>,
     bytes: u64,
 }
 
-/// Lengths below this get an exact-size bin of their own in the [`SizeIndex`].
-const SMALL: u64 = 1024;
+/// Lengths below this have an exact-size bin each in the [`SizeIndex`].
+const EXACT: u64 = 1 << SUB_BITS;
+/// Each power of two from [`EXACT`] up is split into `2^SUB_BITS` bins of equal width.
+const SUB_BITS: u32 = 4;
+/// Number of bins: the exact ones, then `2^SUB_BITS` per power of two from `EXACT` to 2^63.
+const BINS: usize = EXACT as usize + (64 - SUB_BITS as usize) * (1 << SUB_BITS);
 /// Words of the bitmap of non-empty bins.
-const WORDS: usize = (SMALL / 64) as usize;
-/// Most ends a bin keeps in a sorted vector; a bin that grows beyond becomes a B-tree set.
+const WORDS: usize = BINS.div_ceil(64);
+/// Most entries a bin keeps in a sorted vector; a bin that grows beyond becomes a B-tree
+/// set (and a set that shrinks to half of it a vector again).
 const BIN_VEC: usize = 32;
 
-/// The ends of the free ranges of one exact length, lowest first: a sorted vector while
-/// it is short (the usual case: an insertion or removal is a short search and move, with
-/// no tree to walk), a B-tree set once it grows past [`BIN_VEC`] ends, so that every
-/// operation stays O(log n) however many ranges of one length a peer's frees create.
+/// The bin of ranges of `len` bytes: two-level segregated fit (TLSF). Lengths below
+/// [`EXACT`] have a bin each; above, the position of the highest set bit picks a power of
+/// two and the next [`SUB_BITS`] bits one of its equal parts. Monotone: a longer range never
+/// sits in a lower bin, so every range in a bin above `bin_of(n)` holds at least `n` bytes.
+fn bin_of(len: u64) -> usize {
+    if len < EXACT {
+        return len as usize;
+    }
+    let top = 63 - len.leading_zeros(); // >= SUB_BITS
+    let sub = (len >> (top - SUB_BITS)) & (EXACT - 1);
+    EXACT as usize + (top - SUB_BITS) as usize * (1 << SUB_BITS) + sub as usize
+}
+
+/// A size index entry: a free range of `len` bytes ending at `end`, in arena slot `slot`.
+/// Ordered by length, then address (ends of disjoint ranges are distinct, so the slot
+/// never decides).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Entry {
+    len: u64,
+    end: u64,
+    slot: usize,
+}
+
+impl Entry {
+    /// Below every entry of `len` bytes or more.
+    const fn floor(len: u64) -> Entry {
+        Entry { len, end: 0, slot: 0 }
+    }
+}
+
+/// The entries of one bin in order: a sorted vector while it is short (the usual case: an
+/// insertion or removal is a short search and move, with no tree to walk), a B-tree set
+/// once it grows past [`BIN_VEC`] entries, so that every operation stays O(log n) however
+/// many ranges of one size class a peer's frees create.
 #[derive(Clone, Debug)]
 enum Bin {
-    Few(Vec<u64>),
-    Many(BTreeSet<u64>),
+    Few(Vec<Entry>),
+    Many(BTreeSet<Entry>),
 }
 
 impl Bin {
-    fn insert(&mut self, end: u64) {
+    fn insert(&mut self, e: Entry) {
         match self {
             Bin::Few(v) => {
-                let Err(i) = v.binary_search(&end) else { return };
+                let Err(i) = v.binary_search(&e) else { return };
                 if v.len() < BIN_VEC {
-                    v.insert(i, end);
+                    v.insert(i, e);
                 } else {
-                    let mut set: BTreeSet<u64> = v.drain(..).collect();
-                    set.insert(end);
+                    let mut set: BTreeSet<Entry> = v.drain(..).collect();
+                    set.insert(e);
                     *self = Bin::Many(set);
                 }
             }
             Bin::Many(set) => {
-                set.insert(end);
+                set.insert(e);
             }
         }
     }
 
-    fn remove(&mut self, end: u64) {
+    fn remove(&mut self, e: Entry) {
         match self {
             Bin::Few(v) => {
-                if let Ok(i) = v.binary_search(&end) {
+                if let Ok(i) = v.binary_search(&e) {
                     v.remove(i);
                 }
             }
             Bin::Many(set) => {
-                set.remove(&end);
+                set.remove(&e);
+                if set.len() <= BIN_VEC / 2 {
+                    *self = Bin::Few(std::mem::take(set).into_iter().collect());
+                }
             }
         }
     }
 
-    fn first(&self) -> Option<u64> {
+    fn first(&self) -> Option<Entry> {
         match self {
             Bin::Few(v) => v.first().copied(),
             Bin::Many(set) => set.first().copied(),
         }
+    }
+
+    /// The first entry of `len` bytes or more.
+    fn at_least(&self, len: u64) -> Option<Entry> {
+        match self {
+            Bin::Few(v) => v.get(v.partition_point(|e| e.len < len)).copied(),
+            Bin::Many(set) => set.range(Entry::floor(len)..).next().copied(),
+        }
+    }
+
+    /// The first entry of the greatest length: the lowest of the longest ranges.
+    fn first_longest(&self) -> Option<Entry> {
+        let longest = match self {
+            Bin::Few(v) => v.last()?.len,
+            Bin::Many(set) => set.last()?.len,
+        };
+        self.at_least(longest)
     }
 
     fn is_empty(&self) -> bool {
@@ -88,9 +151,9 @@ impl Bin {
         }
     }
 
-    /// The ends in order (tests).
+    /// The entries in order (tests).
     #[cfg(test)]
-    fn ends(&self) -> Vec<u64> {
+    fn entries(&self) -> Vec<Entry> {
         match self {
             Bin::Few(v) => v.clone(),
             Bin::Many(set) => set.iter().copied().collect(),
@@ -98,156 +161,92 @@ impl Bin {
     }
 }
 
-/// Which of equal-length ranges the large set lists first, and so which query is one
-/// B-tree step: best-fit's (the smallest length at least `n`, lowest address first) or
-/// worst-fit's (the largest length, lowest address first, which is then simply the last
-/// key). Either order answers both queries with the same result.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SizeOrder {
-    /// Keys `(len, end)`: best-fit's lookup is one range step.
-    BestFirst,
-    /// Keys `(len, !end)`: worst-fit's lookup is the last key.
-    WorstFirst,
-}
-
-/// The index by size best-fit and worst-fit need: `(len, end)` pairs ordered "smallest
-/// first, then lowest address".
+/// The index by size best-fit and worst-fit need, answering as one set of `(len, end)`
+/// pairs ordered "smallest first, then lowest address" would.
 ///
-/// Small ranges (below [`SMALL`] bytes: the holes and remainders small allocations leave)
-/// sit in exact-size bins, each an ordered collection of ends ([`Bin`]), with a bitmap of
-/// the non-empty bins; larger ones in one ordered set keyed by length and end (in the
-/// [`SizeOrder`] the policy asks for). A best-fit lookup for a small size is then a scan
-/// of at most `SMALL / 64` bitmap words plus the first element of one bin, and updates
-/// touch a bin of a few elements instead of a set holding every range; every operation
-/// stays O(log n), and the answers are exactly those of a single `(len, end)` set, so each
-/// policy's choice is unchanged.
+/// A two-level segregated fit: [`BINS`] bins by size class ([`bin_of`]), each an ordered
+/// collection of entries ([`Bin`]), with a bitmap of the non-empty bins and a summary word
+/// of the non-empty bitmap words. A lookup is a few bit operations to the first non-empty
+/// bin that can hold the size (or the last non-empty one, for the largest range) and a
+/// short search in that bin; an update touches one bin. Every operation stays O(log n).
 #[derive(Clone, Debug)]
 struct SizeIndex {
-    /// `bins[len]`: ends of the free ranges of exactly `len` bytes, for `len < SMALL`.
     bins: Vec<Bin>,
-    /// Bit `len` set iff `bins[len]` is non-empty.
+    /// Bit `b % 64` of word `b / 64` set iff `bins[b]` is non-empty.
     occupied: [u64; WORDS],
-    /// The ranges of `SMALL` bytes or more, each packed as `len << 64 | e` with `e` the
-    /// end ([`SizeOrder::BestFirst`]) or its complement ([`SizeOrder::WorstFirst`]), so
-    /// that the B-tree compares one integer instead of a pair.
-    large: BTreeSet<u128>,
-    order: SizeOrder,
+    /// Bit `w` set iff `occupied[w]` is non-zero.
+    summary: u64,
 }
 
 impl SizeIndex {
-    fn new(order: SizeOrder) -> Self {
-        SizeIndex {
-            bins: vec![Bin::Few(Vec::new()); SMALL as usize],
-            occupied: [0; WORDS],
-            large: BTreeSet::new(),
-            order,
-        }
+    fn new() -> Self {
+        SizeIndex { bins: vec![Bin::Few(Vec::new()); BINS], occupied: [0; WORDS], summary: 0 }
     }
 
-    /// The large set's key of `(len, end)`.
-    fn key(&self, len: u64, end: u64) -> u128 {
-        match self.order {
-            SizeOrder::BestFirst => pack(len, end),
-            SizeOrder::WorstFirst => pack(len, !end),
-        }
+    fn insert(&mut self, e: Entry) {
+        let b = bin_of(e.len);
+        self.bins[b].insert(e);
+        self.occupied[b / 64] |= 1 << (b % 64);
+        self.summary |= 1 << (b / 64);
     }
 
-    /// `(len, end)` of a large set's key.
-    fn unkey(&self, key: u128) -> (u64, u64) {
-        let (len, e) = unpack(key);
-        match self.order {
-            SizeOrder::BestFirst => (len, e),
-            SizeOrder::WorstFirst => (len, !e),
-        }
-    }
-
-    fn insert(&mut self, len: u64, end: u64) {
-        if len < SMALL {
-            self.bins[len as usize].insert(end);
-            self.occupied[(len / 64) as usize] |= 1 << (len % 64);
-        } else {
-            let key = self.key(len, end);
-            self.large.insert(key);
-        }
-    }
-
-    fn remove(&mut self, len: u64, end: u64) {
-        if len < SMALL {
-            let bin = &mut self.bins[len as usize];
-            bin.remove(end);
-            if bin.is_empty() {
-                self.occupied[(len / 64) as usize] &= !(1 << (len % 64));
+    fn remove(&mut self, e: Entry) {
+        let b = bin_of(e.len);
+        let bin = &mut self.bins[b];
+        bin.remove(e);
+        if bin.is_empty() {
+            self.occupied[b / 64] &= !(1 << (b % 64));
+            if self.occupied[b / 64] == 0 {
+                self.summary &= !(1 << (b / 64));
             }
-        } else {
-            let key = self.key(len, end);
-            self.large.remove(&key);
         }
+    }
+
+    /// The first non-empty bin from `b` on.
+    fn occupied_from(&self, b: usize) -> Option<usize> {
+        let w = b / 64;
+        let bits = *self.occupied.get(w)? & (u64::MAX << (b % 64));
+        if bits != 0 {
+            return Some(w * 64 + bits.trailing_zeros() as usize);
+        }
+        let words = self.summary & !((2 << w) - 1);
+        if words == 0 {
+            return None;
+        }
+        let w = words.trailing_zeros() as usize;
+        Some(w * 64 + self.occupied[w].trailing_zeros() as usize)
     }
 
     /// The smallest range of at least `n` bytes, the lowest among equals.
-    fn best(&self, n: u64) -> Option<(u64, u64)> {
-        if n < SMALL {
-            let mut w = (n / 64) as usize;
-            let mut bits = self.occupied[w] & (u64::MAX << (n % 64));
-            loop {
-                if bits != 0 {
-                    let len = w as u64 * 64 + u64::from(bits.trailing_zeros());
-                    return self.bins[len as usize].first().map(|end| (len, end));
-                }
-                w += 1;
-                if w == WORDS {
-                    break;
-                }
-                bits = self.occupied[w];
+    fn best(&self, n: u64) -> Option<Entry> {
+        let b = bin_of(n);
+        let first = self.occupied_from(b)?;
+        if first == b {
+            // This bin may also hold shorter ranges (of `n`'s class); the bins after it
+            // hold only longer ones.
+            if let Some(e) = self.bins[b].at_least(n) {
+                return Some(e);
             }
+            return self.bins[self.occupied_from(b + 1)?].first();
         }
-        let n = n.max(SMALL);
-        match self.order {
-            SizeOrder::BestFirst => self.large.range(pack(n, 0)..).next().map(|&k| unpack(k)),
-            // Lowest end first among the smallest length: the first key of that length.
-            SizeOrder::WorstFirst => {
-                let (len, _) = self.large.range(pack(n, 0)..).next().map(|&k| unpack(k))?;
-                self.large.range(..=pack(len, u64::MAX)).next_back().map(|&k| self.unkey(k))
-            }
-        }
+        self.bins[first].first()
     }
 
     /// The largest range, the lowest among equals.
-    fn largest(&self) -> Option<(u64, u64)> {
-        if let Some(&last) = self.large.last() {
-            return match self.order {
-                SizeOrder::WorstFirst => Some(self.unkey(last)),
-                SizeOrder::BestFirst => {
-                    self.large.range(pack(unpack(last).0, 0)..).next().map(|&k| unpack(k))
-                }
-            };
+    fn largest(&self) -> Option<Entry> {
+        if self.summary == 0 {
+            return None;
         }
-        let w = self.occupied.iter().rposition(|&bits| bits != 0)?;
-        let len = w as u64 * 64 + 63 - u64::from(self.occupied[w].leading_zeros());
-        self.bins[len as usize].first().map(|end| (len, end))
+        let w = 63 - self.summary.leading_zeros() as usize;
+        let b = w * 64 + 63 - self.occupied[w].leading_zeros() as usize;
+        self.bins[b].first_longest()
     }
 
     /// Every `(len, end)`, in `(len, end)` order (tests).
     #[cfg(test)]
     fn entries(&self) -> Vec<(u64, u64)> {
-        let small = self
-            .bins
-            .iter()
-            .enumerate()
-            .flat_map(|(len, b)| b.ends().into_iter().map(move |e| (len as u64, e)));
-        let mut large: Vec<(u64, u64)> = self.large.iter().map(|&k| self.unkey(k)).collect();
-        large.sort_unstable();
-        small.chain(large).collect()
+        self.bins.iter().flat_map(Bin::entries).map(|e| (e.len, e.end)).collect()
     }
-}
-
-/// `(len, end)` as one integer ordered like the pair.
-fn pack(len: u64, end: u64) -> u128 {
-    u128::from(len) << 64 | u128::from(end)
-}
-
-fn unpack(key: u128) -> (u64, u64) {
-    ((key >> 64) as u64, key as u64)
 }
 
 /// A free range taken by an allocation: its start became the block.
@@ -258,16 +257,15 @@ pub(crate) struct Taken {
 }
 
 impl FreeSpace {
-    /// An empty set; `size_index` keeps the `(len, end)` index best-fit and worst-fit need.
-    #[cfg(test)]
+    /// An empty set; `size_index` keeps the index by size best-fit and worst-fit need.
     pub(crate) fn new(size_index: bool) -> Self {
-        Self::with_index(size_index.then_some(SizeOrder::BestFirst))
-    }
-
-    /// An empty set, with the size index in the given order (best-fit and worst-fit need
-    /// one; either order serves both, each its own policy faster).
-    pub(crate) fn with_index(order: Option<SizeOrder>) -> Self {
-        FreeSpace { by_end: BTreeMap::new(), by_size: order.map(SizeIndex::new), bytes: 0 }
+        FreeSpace {
+            by_end: BTreeMap::new(),
+            arena: Vec::new(),
+            vacant: Vec::new(),
+            by_size: size_index.then(SizeIndex::new),
+            bytes: 0,
+        }
     }
 
     /// Number of ranges.
@@ -280,17 +278,20 @@ impl FreeSpace {
         self.bytes
     }
 
-    /// The largest range's length (0 if none): O(log n) with the size index, else a scan.
+    /// The largest range's length (0 if none): O(1) with the size index, else a scan.
     pub(crate) fn largest(&self) -> u64 {
         match &self.by_size {
-            Some(idx) => idx.largest().map_or(0, |(len, _)| len),
-            None => self.by_end.iter().map(|(&end, s)| end - s.start).max().unwrap_or(0),
+            Some(idx) => idx.largest().map_or(0, |e| e.len),
+            None => self.iter().map(|(start, end, _)| end - start).max().unwrap_or(0),
         }
     }
 
     /// Ranges in address order, as `(start, end, segment)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.by_end.iter().map(|(&end, s)| (s.start, end, s.seg))
+        self.by_end.iter().map(|(&end, &slot)| {
+            let Span { start, seg } = self.arena[slot];
+            (start, end, seg)
+        })
     }
 
     /// Adds `start..end` of segment `seg`, merging it with adjacent ranges of that segment.
@@ -301,34 +302,51 @@ impl FreeSpace {
         // One lookup finds both neighbours: the range ending at `start` (if any), then the
         // first range ending after `start`, which overlaps if it begins before `end` and
         // is the neighbour after if it begins at `end`.
-        let mut ranges = self.by_end.range_mut(start..);
+        let mut ranges = self.by_end.range(start..);
         let (before, next) = match ranges.next() {
-            Some((&e, span)) if e == start => ((span.seg == seg).then_some(span.start), ranges.next()),
+            Some((&e, &slot)) if e == start => ((self.arena[slot].seg == seg).then_some(slot), ranges.next()),
             first => (None, first),
         };
         let after = match next {
-            Some((_, span)) if span.start < end => return Err(span.start.max(start)),
-            Some((&e, span)) if span.start == end && span.seg == seg => Some((e, span)),
-            _ => None,
+            Some((&e, &slot)) => {
+                let span = self.arena[slot];
+                if span.start < end {
+                    return Err(span.start.max(start));
+                }
+                (span.start == end && span.seg == seg).then_some((e, slot))
+            }
+            None => None,
         };
         self.bytes += end - start;
-        let merged_start = before.unwrap_or(start);
-        let merged_after = match after {
-            Some((after_end, span)) => {
-                span.start = merged_start;
-                index_remove(&mut self.by_size, after_end - end, after_end);
-                index_insert(&mut self.by_size, after_end - merged_start, after_end);
-                true
+        match (before, after) {
+            (Some(b), Some((after_end, a))) => {
+                // Bridges two ranges: the one after absorbs the one before.
+                let merged_start = self.arena[b].start;
+                self.index_remove(start - merged_start, start, b);
+                self.index_remove(after_end - end, after_end, a);
+                self.by_end.remove(&start);
+                self.vacant.push(b);
+                self.arena[a].start = merged_start;
+                self.index_insert(after_end - merged_start, after_end, a);
             }
-            None => false,
-        };
-        if before.is_some() {
-            self.by_end.remove(&start);
-            index_remove(&mut self.by_size, start - merged_start, start);
-        }
-        if !merged_after {
-            self.by_end.insert(end, Span { start: merged_start, seg });
-            index_insert(&mut self.by_size, end - merged_start, end);
+            (Some(b), None) => {
+                // Extends the range before: its end, and so its key, moves to `end`.
+                let merged_start = self.arena[b].start;
+                self.index_remove(start - merged_start, start, b);
+                self.by_end.remove(&start);
+                self.by_end.insert(end, b);
+                self.index_insert(end - merged_start, end, b);
+            }
+            (None, Some((after_end, a))) => {
+                self.index_remove(after_end - end, after_end, a);
+                self.arena[a].start = start;
+                self.index_insert(after_end - start, after_end, a);
+            }
+            (None, None) => {
+                let slot = self.new_slot(Span { start, seg });
+                self.by_end.insert(end, slot);
+                self.index_insert(end - start, end, slot);
+            }
         }
         Ok(())
     }
@@ -336,19 +354,21 @@ impl FreeSpace {
     /// Takes `start..end` out again; it lies inside one free range. Undoes an
     /// [`insert`](Self::insert) exactly, since ranges are kept maximal.
     pub(crate) fn remove(&mut self, start: u64, end: u64) {
-        let (&e, span) = self.by_end.range_mut((Excluded(start), Unbounded)).next().expect("inside a range");
-        let (s, seg) = (span.start, span.seg);
+        let (&e, &slot) = self.by_end.range((Excluded(start), Unbounded)).next().expect("inside a range");
+        let Span { start: s, seg } = self.arena[slot];
         debug_assert!(s <= start && end <= e);
-        index_remove(&mut self.by_size, e - s, e);
+        self.index_remove(e - s, e, slot);
         if end < e {
-            span.start = end;
-            index_insert(&mut self.by_size, e - end, e);
+            self.arena[slot].start = end;
+            self.index_insert(e - end, e, slot);
         } else {
             self.by_end.remove(&e);
+            self.vacant.push(slot);
         }
         if s < start {
-            self.by_end.insert(start, Span { start: s, seg });
-            index_insert(&mut self.by_size, start - s, start);
+            let slot = self.new_slot(Span { start: s, seg });
+            self.by_end.insert(start, slot);
+            self.index_insert(start - s, start, slot);
         }
         self.bytes -= end - start;
     }
@@ -356,14 +376,14 @@ impl FreeSpace {
     /// Next-fit: the first range from the one containing or following `cursor`, in address
     /// order, wrapping around, that holds `n` bytes; `n` is taken from its front.
     pub(crate) fn take_next_fit(&mut self, n: u64, cursor: u64) -> Option<Taken> {
-        let hit = carve_first(self.by_end.range_mut((Excluded(cursor), Unbounded)), n)
-            .or_else(|| carve_first(self.by_end.range_mut(..=cursor), n))?;
+        let hit = carve_first(&mut self.arena, self.by_end.range((Excluded(cursor), Unbounded)), n)
+            .or_else(|| carve_first(&mut self.arena, self.by_end.range(..=cursor), n))?;
         Some(self.carved(hit, n))
     }
 
     /// First-fit: the lowest range that holds `n` bytes.
     pub(crate) fn take_first_fit(&mut self, n: u64) -> Option<Taken> {
-        let hit = carve_first(self.by_end.iter_mut(), n)?;
+        let hit = carve_first(&mut self.arena, self.by_end.iter(), n)?;
         Some(self.carved(hit, n))
     }
 
@@ -371,78 +391,98 @@ impl FreeSpace {
     /// Needs the size index.
     pub(crate) fn take_best_fit(&mut self, n: u64) -> Option<Taken> {
         let idx = self.by_size.as_ref().expect("best-fit needs the size index");
-        let (len, end) = idx.best(n)?;
-        Some(self.take_at(len, end, n))
+        let e = idx.best(n)?;
+        Some(self.take_entry(e, n))
     }
 
     /// Worst-fit: the largest range, the lowest among equals, if it holds `n` bytes.
     /// Needs the size index.
     pub(crate) fn take_worst_fit(&mut self, n: u64) -> Option<Taken> {
         let idx = self.by_size.as_ref().expect("worst-fit needs the size index");
-        let (largest, end) = idx.largest()?;
-        if largest < n {
+        let e = idx.largest()?;
+        if e.len < n {
             return None;
         }
-        Some(self.take_at(largest, end, n))
+        Some(self.take_entry(e, n))
     }
 
-    /// Takes `n` bytes from the front of the range of `len` bytes ending at `end`, which
-    /// holds them: one search of the ranges (the entry is changed or removed in place).
-    fn take_at(&mut self, len: u64, end: u64, n: u64) -> Taken {
-        let Entry::Occupied(mut range) = self.by_end.entry(end) else {
-            unreachable!("size index and ranges agree")
-        };
-        let Span { start, seg } = *range.get();
-        debug_assert_eq!(end - start, len, "size index and ranges agree");
+    /// Takes `n` bytes from the front of the range of index entry `e`, which holds them:
+    /// its slot is changed in place, and the address map touched only if it is used up.
+    fn take_entry(&mut self, e: Entry, n: u64) -> Taken {
         let idx = self.by_size.as_mut().expect("taken through the size index");
-        idx.remove(len, end);
-        if n == len {
-            range.remove();
+        idx.remove(e);
+        let span = &mut self.arena[e.slot];
+        let Span { start, seg } = *span;
+        debug_assert_eq!(e.end - start, e.len, "size index and ranges agree");
+        if n == e.len {
+            self.by_end.remove(&e.end);
+            self.vacant.push(e.slot);
         } else {
-            range.get_mut().start = start + n;
-            idx.insert(len - n, end);
+            span.start = start + n;
+            idx.insert(Entry { len: e.len - n, ..e });
         }
         self.bytes -= n;
         Taken { addr: start, seg }
     }
 
     /// Bookkeeping after `n` bytes were taken from the front of the range `hit` (its
-    /// `(start, end, segment)` before the cut), whose start was already advanced in place.
-    fn carved(&mut self, (start, end, seg): (u64, u64, u32), n: u64) -> Taken {
-        index_remove(&mut self.by_size, end - start, end);
+    /// `(start, end, segment, slot)` before the cut), whose start was already advanced in
+    /// its slot.
+    fn carved(&mut self, (start, end, seg, slot): (u64, u64, u32, usize), n: u64) -> Taken {
+        self.index_remove(end - start, end, slot);
         if start + n == end {
             self.by_end.remove(&end);
+            self.vacant.push(slot);
         } else {
-            index_insert(&mut self.by_size, end - start - n, end);
+            self.index_insert(end - start - n, end, slot);
         }
         self.bytes -= n;
         Taken { addr: start, seg }
     }
+
+    /// A slot for `span`: a vacant one, or a new one.
+    fn new_slot(&mut self, span: Span) -> usize {
+        match self.vacant.pop() {
+            Some(slot) => {
+                self.arena[slot] = span;
+                slot
+            }
+            None => {
+                self.arena.push(span);
+                self.arena.len() - 1
+            }
+        }
+    }
+
+    fn index_insert(&mut self, len: u64, end: u64, slot: usize) {
+        if let Some(idx) = &mut self.by_size {
+            idx.insert(Entry { len, end, slot });
+        }
+    }
+
+    fn index_remove(&mut self, len: u64, end: u64, slot: usize) {
+        if let Some(idx) = &mut self.by_size {
+            idx.remove(Entry { len, end, slot });
+        }
+    }
 }
 
 /// Advances the start of the first range of `ranges` holding `n` bytes by `n`; returns its
-/// `(start, end, segment)` before the cut.
-fn carve_first<'a>(ranges: impl Iterator<Item = (&'a u64, &'a mut Span)>, n: u64) -> Option<(u64, u64, u32)> {
-    for (&end, span) in ranges {
+/// `(start, end, segment, slot)` before the cut.
+fn carve_first<'a>(
+    arena: &mut [Span],
+    ranges: impl Iterator<Item = (&'a u64, &'a usize)>,
+    n: u64,
+) -> Option<(u64, u64, u32, usize)> {
+    for (&end, &slot) in ranges {
+        let span = &mut arena[slot];
         if end - span.start >= n {
-            let hit = (span.start, end, span.seg);
+            let hit = (span.start, end, span.seg, slot);
             span.start += n;
             return Some(hit);
         }
     }
     None
-}
-
-fn index_insert(idx: &mut Option<SizeIndex>, len: u64, end: u64) {
-    if let Some(idx) = idx {
-        idx.insert(len, end);
-    }
-}
-
-fn index_remove(idx: &mut Option<SizeIndex>, len: u64, end: u64) {
-    if let Some(idx) = idx {
-        idx.remove(len, end);
-    }
 }
 
 #[cfg(test)]
@@ -451,6 +491,18 @@ mod tests {
 
     fn ranges(f: &FreeSpace) -> Vec<(u64, u64, u32)> {
         f.iter().collect()
+    }
+
+    /// The size index holds exactly the ranges, each entry naming the range's slot.
+    fn check_index(f: &FreeSpace) {
+        if let Some(idx) = &f.by_size {
+            let mut lens: Vec<(u64, u64)> = f.iter().map(|(s, e, _)| (e - s, e)).collect();
+            lens.sort_unstable();
+            assert_eq!(idx.entries(), lens);
+            for e in idx.bins.iter().flat_map(Bin::entries) {
+                assert_eq!(f.by_end.get(&e.end), Some(&e.slot));
+            }
+        }
     }
 
     #[test]
@@ -466,6 +518,7 @@ mod tests {
             }
             assert_eq!(ranges(&f), [(0, 24, 0), (24, 48, 1)]);
             assert_eq!((f.bytes(), f.largest(), f.ranges()), (48, 24, 2));
+            check_index(&f);
         }
     }
 
@@ -486,30 +539,40 @@ mod tests {
                 let (bytes, largest) = (f.bytes(), f.largest());
                 let snapshot = ranges(&f);
                 f.insert(start, end, 0).expect("disjoint");
+                check_index(&f);
                 f.remove(start, end);
                 assert_eq!((ranges(&f), f.bytes(), f.largest()), (snapshot, bytes, largest));
-                if let Some(idx) = &f.by_size {
-                    let mut lens: Vec<(u64, u64)> = f.iter().map(|(s, e, _)| (e - s, e)).collect();
-                    lens.sort_unstable();
-                    assert_eq!(idx.entries(), lens);
-                }
+                check_index(&f);
             }
         }
     }
 
+    /// Size classes are monotone in the length, exact below [`EXACT`], and cover every
+    /// length up to `u64::MAX` with [`BINS`] bins.
+    #[test]
+    fn size_classes_are_monotone() {
+        let mut lens: Vec<u64> = (0..64).flat_map(|k| [1u64 << k, (1u64 << k) - 1, (1 << k) + 1]).collect();
+        lens.extend((0..4096).step_by(7));
+        lens.push(u64::MAX);
+        lens.sort_unstable();
+        for w in lens.windows(2) {
+            assert!(bin_of(w[0]) <= bin_of(w[1]), "{w:?}");
+        }
+        assert!((1..EXACT).all(|len| bin_of(len) == len as usize));
+        assert_eq!(bin_of(EXACT), EXACT as usize);
+        assert_eq!(bin_of(u64::MAX), BINS - 1);
+        // Equal width within a power of two: 1024..2048 in 16 bins of 64 bytes.
+        assert_eq!(bin_of(1024 + 63), bin_of(1024));
+        assert_eq!(bin_of(1024 + 64), bin_of(1024) + 1);
+    }
+
     /// The binned index answers exactly as one ordered `(len, end)` set would, across the
-    /// small/large boundary, for every query size. (Thousands of operations: too slow for
+    /// bins' boundaries, for every query size. (Thousands of operations: too slow for
     /// Miri, which runs the deterministic tests around it.)
     #[test]
     #[cfg_attr(miri, ignore)]
     fn size_index_matches_a_single_ordered_set() {
-        for order in [SizeOrder::BestFirst, SizeOrder::WorstFirst] {
-            size_index_matches_in(order);
-        }
-    }
-
-    fn size_index_matches_in(order: SizeOrder) {
-        let mut idx = SizeIndex::new(order);
+        let mut idx = SizeIndex::new();
         let mut reference = BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         let mut rand = move || {
@@ -518,54 +581,103 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for step in 0..4000 {
-            let len = match rand() % 4 {
+        let entry = |(len, end): (u64, u64)| Entry { len, end, slot: end as usize };
+        for step in 0..6000 {
+            let len = match rand() % 6 {
                 0 => 1 + rand() % 64,
-                1 => SMALL - 2 + rand() % 4, // both sides of the boundary
-                2 => 1 + rand() % (4 * SMALL),
-                _ => 1 + rand() % 8, // many equal lengths: ties by lowest end
+                1 => (1 << (rand() % 20)) + rand() % 3 - 1, // both sides of powers of two
+                2 => 1 + rand() % 4096,
+                3 => u64::MAX - rand() % 4,                 // the highest bin
+                4 => 1024 + 64 * (rand() % 4) + rand() % 2, // both sides of sub-bin bounds
+                _ => 1 + rand() % 8,                        // many equal lengths: ties by lowest end
             };
             let end = rand() % 512;
             if rand() % 3 == 0 || reference.contains(&(len, end)) {
                 if let Some(&(l, e)) = reference.iter().nth((rand() % 8) as usize) {
                     reference.remove(&(l, e));
-                    idx.remove(l, e);
+                    idx.remove(entry((l, e)));
                 }
             } else {
                 reference.insert((len, end));
-                idx.insert(len, end);
+                idx.insert(entry((len, end)));
             }
             let largest = reference.last().and_then(|&(l, _)| reference.range((l, 0)..).next().copied());
-            assert_eq!(idx.largest(), largest, "{order:?} step {step}");
-            for n in [1, 7, 63, 64, 65, SMALL - 1, SMALL, SMALL + 1, rand() % (5 * SMALL)] {
+            assert_eq!(idx.largest(), largest.map(entry), "step {step}");
+            for n in [1, 7, 15, 16, 17, 63, 64, 65, 1023, 1024, 1025, 1088, rand() % 5000, u64::MAX - 2] {
                 assert_eq!(
                     idx.best(n),
-                    reference.range((n, 0)..).next().copied(),
-                    "{order:?} step {step}, n {n}"
+                    reference.range((n, 0)..).next().copied().map(entry),
+                    "step {step}, n {n}"
                 );
             }
         }
         assert_eq!(idx.entries(), reference.into_iter().collect::<Vec<_>>());
     }
 
-    /// A bin that outgrows its vector becomes a set and keeps the same order and answers.
+    /// A bin that outgrows its vector becomes a set and keeps the same order and answers;
+    /// emptied to half the vector's bound, it is a vector again.
     #[test]
-    fn a_bin_grows_from_a_vector_to_a_set() {
+    fn a_bin_grows_from_a_vector_to_a_set_and_back() {
         let mut bin = Bin::Few(Vec::new());
-        let ends: Vec<u64> = (0..3 * BIN_VEC as u64).map(|i| (i * 7919) % 1000 * 8).collect();
-        for (k, &e) in ends.iter().enumerate() {
+        let entries: Vec<Entry> = (0..3 * BIN_VEC as u64)
+            .map(|i| {
+                let end = (i * 7919) % 1000 * 8;
+                Entry { len: 8 + end % 3, end, slot: i as usize }
+            })
+            .collect();
+        for (k, &e) in entries.iter().enumerate() {
             bin.insert(e);
             bin.insert(e); // a duplicate changes nothing
-            assert_eq!(matches!(bin, Bin::Many(_)), k >= BIN_VEC, "after {} ends", k + 1);
+            assert_eq!(matches!(bin, Bin::Many(_)), k >= BIN_VEC, "after {} entries", k + 1);
         }
-        let mut sorted = ends.clone();
+        let mut sorted = entries.clone();
         sorted.sort_unstable();
-        assert_eq!(bin.ends(), sorted);
-        for &e in &sorted {
+        assert_eq!(bin.entries(), sorted);
+        assert_eq!(bin.at_least(9), sorted.iter().find(|e| e.len >= 9).copied());
+        assert_eq!(bin.first_longest(), sorted.iter().find(|e| e.len == 10).copied());
+        for (k, &e) in sorted.iter().enumerate() {
             assert_eq!(bin.first(), Some(e));
             bin.remove(e);
+            let left = sorted.len() - k - 1;
+            assert_eq!(matches!(bin, Bin::Few(_)), left <= BIN_VEC / 2, "with {left} left");
         }
         assert!(bin.is_empty() && bin.first().is_none());
+    }
+
+    /// A peer's frees can leave a great many ranges of one length: their bin is a B-tree
+    /// set (each operation O(log n), no vector of them to shift), best-fit still takes the
+    /// lowest first and worst-fit the lowest of the largest, and the arena reuses the slots
+    /// of ranges merged away instead of growing.
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn many_ranges_of_one_size_stay_logarithmic() {
+        const N: u64 = 20_000;
+        let mut f = FreeSpace::new(true);
+        for i in (0..N).rev() {
+            f.insert(32 * i, 32 * i + 16, 0).expect("disjoint");
+        }
+        let idx = f.by_size.as_ref().expect("indexed");
+        assert!(matches!(idx.bins[bin_of(16)], Bin::Many(ref s) if s.len() == N as usize));
+        assert_eq!(f.take_best_fit(16), Some(Taken { addr: 0, seg: 0 }));
+        assert_eq!(f.take_best_fit(8), Some(Taken { addr: 32, seg: 0 }));
+        assert_eq!(f.take_worst_fit(16), Some(Taken { addr: 64, seg: 0 }));
+        assert_eq!(f.take_best_fit(8), Some(Taken { addr: 40, seg: 0 })); // the 8 left at 40
+        // Fill every gap: the ranges merge into one, slot by slot.
+        f.insert(0, 16, 0).expect("disjoint");
+        f.insert(32, 48, 0).expect("disjoint");
+        f.insert(64, 80, 0).expect("disjoint");
+        for i in 0..N - 1 {
+            f.insert(32 * i + 16, 32 * i + 32, 0).expect("disjoint");
+        }
+        assert_eq!(ranges(&f), [(0, 32 * (N - 1) + 16, 0)]);
+        check_index(&f);
+        assert_eq!(f.arena.len(), N as usize);
+        // Split and merge again: slots are reused, the arena does not grow.
+        for i in 0..N - 1 {
+            f.remove(32 * i + 16, 32 * i + 32);
+        }
+        assert_eq!((f.ranges(), f.arena.len()), (N as usize, N as usize));
+        check_index(&f);
     }
 
     #[test]
@@ -578,9 +690,10 @@ mod tests {
         assert_eq!(f.take_worst_fit(16), Some(Taken { addr: 0, seg: 0 }));
         assert_eq!(f.take_worst_fit(64), None);
         assert_eq!(f.by_size.as_ref().map(SizeIndex::entries), Some(vec![(48, 64)]));
+        check_index(&f);
         assert_eq!(f.take_first_fit(48), Some(Taken { addr: 16, seg: 0 }));
         assert!(f.ranges() == 0 && f.by_size.as_ref().is_some_and(|i| i.entries().is_empty()));
-        assert!(f.by_size.as_ref().is_some_and(|i| i.occupied == [0; WORDS]));
+        assert!(f.by_size.as_ref().is_some_and(|i| i.occupied == [0; WORDS] && i.summary == 0));
         assert_eq!(f.bytes(), 0);
     }
 }

@@ -50,9 +50,11 @@
 //! With n free ranges on the allocating side and m blocks held by the owner: next-fit
 //! walks from the cursor's range to the first that fits (usually the cursor's own, which
 //! it carves in place), first-fit scans from the lowest address (O(n) at worst, like
-//! next-fit's), best-fit and worst-fit take O(log n) through the size index (exact-size
-//! bins with a bitmap of the non-empty ones below 1 KiB, one ordered set above). Applying a
-//! free batch costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
+//! next-fit's), best-fit and worst-fit find their range through the size index (a two-level
+//! segregated fit: bins by size class, exact below 16 bytes and 16 per power of two above,
+//! with a bitmap of the non-empty ones; a lookup is a few bit operations and a search in one
+//! bin, O(log n) at worst) and carve it without searching the address map. Applying a free
+//! batch costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
 //! `benches/heap_alloc.rs` measures them under a realistic size mix.
 //!
 //! # Example
@@ -140,14 +142,10 @@ impl AllocPolicy {
         }
     }
 
-    /// The size index the policy searches (and so the allocator maintains), in the order
-    /// that makes its lookup one B-tree step; `None` for the policies that walk addresses.
-    pub(crate) const fn size_order(self) -> Option<free_space::SizeOrder> {
-        match self {
-            AllocPolicy::BestFit => Some(free_space::SizeOrder::BestFirst),
-            AllocPolicy::WorstFit => Some(free_space::SizeOrder::WorstFirst),
-            AllocPolicy::NextFit | AllocPolicy::FirstFit => None,
-        }
+    /// Whether the policy searches by size (and so the allocator keeps the size index);
+    /// next-fit and first-fit walk addresses.
+    pub(crate) const fn needs_size_index(self) -> bool {
+        matches!(self, AllocPolicy::BestFit | AllocPolicy::WorstFit)
     }
 }
 

@@ -354,6 +354,35 @@ fn immediate_mode_blocks_wait_for_the_owner() {
     assert_eq!(p.alloc.stats().free, 1024 - 64);
 }
 
+/// Several blocks pending at once, handed out in no address order: each is found by its
+/// address, a batch touching any of them is refused (naming the lowest one it overlaps),
+/// and their acknowledgements confirm them in any order.
+#[test]
+fn many_pending_blocks_are_found_by_address() {
+    let pieces = [(8, false), (48, true), (8, false), (32, true), (8, false), (64, true), (8, false)];
+    let (mut p, a) = with_holes(AllocPolicy::BestFit, &pieces);
+    let (h48, h32, h64) = (a[1], a[3], a[5]);
+    let blocks: Vec<RemoteBlock> = [64, 32, 48].iter().map(|&n| p.alloc.alloc(n).expect("alloc")).collect();
+    assert_eq!(blocks.iter().map(|b| b.addr).collect::<Vec<_>>(), [h64, h32, h48]);
+    assert!(p.alloc.pending_count() == 3 && blocks.iter().all(|b| p.alloc.is_pending(b.addr)));
+    let seq = p.alloc.expected_batch();
+    for b in &blocks {
+        for (addr, len) in [(b.addr, 8), (b.end() - 8, 8), (b.addr - 8, 16), (b.end() - 8, 16)] {
+            let forged = FreeBatch::new(H, seq, vec![FreeRange { addr, len }]).expect("batch");
+            assert_eq!(p.alloc.apply_free_batch(&forged), Err(HeapError::NotPending { addr: b.addr }));
+        }
+    }
+    // Spanning the used piece between the 48 and the 32: the lower block is named.
+    let forged = FreeBatch::new(H, seq, vec![FreeRange { addr: h48 + 40, len: 24 }]).expect("batch");
+    assert_eq!(p.alloc.apply_free_batch(&forged), Err(HeapError::NotPending { addr: h48 }));
+    for &i in &[1, 2, 0] {
+        let ack = p.owner.acknowledge(&AllocNotice::new(H, blocks[i])).expect("ack");
+        assert_eq!(p.alloc.confirm(&ack), Ok(blocks[i]));
+        assert!(!p.alloc.is_pending(blocks[i].addr));
+    }
+    assert_eq!((p.alloc.pending_count(), p.alloc.stats().free), (0, 0));
+}
+
 #[test]
 fn growth_asks_the_owner_and_a_refusal_is_typed() {
     let mut p = Pair::new(HeapConfig::new(H, AllocPolicy::NextFit), &[seg(BASE, 256)]);
