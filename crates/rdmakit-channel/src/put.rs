@@ -558,9 +558,10 @@ impl RecvHandle {
     /// landed but was not seen yet) makes it a no-op that touches neither the buffer nor the
     /// sender: the next put may already be there.
     pub fn ready_mark(&self) -> Result<()> {
-        let inner = &self.ep.inner;
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        inner.driver.progress_then(on_wc, |st| st.check().and_then(|()| st.mark(self.id)))?
+        // No CQ poll: marking needs no completion applied first (a put can only have been
+        // seen once its association was; a late one is told apart by its epoch), and
+        // whoever saw the put (`ready_poll`, `next_put`) polls the CQ.
+        self.ep.inner.driver.with(|st| st.check().and_then(|()| st.mark(self.id)))
     }
 
     /// `CkDirect_readyPollQ`: the data was already marked done; start checking for the next
@@ -576,13 +577,12 @@ impl RecvHandle {
     /// [`ready_mark`](Self::ready_mark) then [`ready_poll_q`](Self::ready_poll_q), in one
     /// step.
     pub fn ready(&self) -> Result<()> {
-        let inner = &self.ep.inner;
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        inner.driver.progress_then(on_wc, |st| {
+        // No CQ poll, as in `ready_mark`.
+        self.ep.inner.driver.with(|st| {
             st.check()?;
             st.mark(self.id)?;
             st.queue(self.id)
-        })?
+        })
     }
 
     /// Whether the latest put seen has been marked done (or none was seen yet).
