@@ -373,13 +373,18 @@ impl PutEndpoint {
         let inner = &self.inner;
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
         // The first queued handle is looked at in the same critical section as the
-        // completions (one lock on the fast path), the others one lock each.
-        let (queued, mut job) =
-            inner.driver.progress_then(on_wc, |st| -> Result<(usize, Option<Job>)> {
-                st.check()?;
-                let queued = st.queued.len();
-                Ok((queued, if queued > 0 { inner.take_job(st)? } else { None }))
-            })??;
+        // completions (one lock on the fast path), the others one lock each. When that
+        // already says nothing will fire, the watch (see below) is kept there too.
+        let (queued, mut job, watched) = inner.driver.progress_then(on_wc, |st| {
+            st.check()?;
+            let queued = st.queued.len();
+            let job = if queued > 0 { inner.take_job(st)? } else { None };
+            let watched = job.is_none() && queued <= 1;
+            if watched {
+                Inner::watch_locked(st)?;
+            }
+            Ok::<_, ChannelError>((queued, job, watched))
+        })??;
         let mut fired = 0;
         for i in 0..queued {
             if i > 0 {
@@ -398,7 +403,7 @@ impl PutEndpoint {
                 });
             }
         }
-        if fired == 0 {
+        if fired == 0 && !watched {
             inner.watch()?; // blocked: the caller polls again
         }
         Ok(fired)
@@ -445,10 +450,13 @@ impl Inner {
     /// Called by an operation that is blocked (its caller will retry): sends a keep-alive
     /// if one is due, so a dead peer ends the wait, and reports a failure.
     fn watch(&self) -> Result<()> {
-        self.driver.with(|st| {
-            st.ctl.tick();
-            st.check()
-        })
+        self.driver.with(Inner::watch_locked)
+    }
+
+    /// [`watch`](Self::watch) under the lock.
+    fn watch_locked(st: &mut State) -> Result<()> {
+        st.ctl.tick();
+        st.check()
     }
 
     /// [`progress`](Self::progress) and [`watch`](Self::watch).
