@@ -83,6 +83,9 @@ use crate::pipe::NotifyMode;
 /// How often an end that waits with nothing in flight sends a keep-alive.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Most requests [`ControlSlots::post_lazy`] posts unsignalled in a row.
+const MAX_UNSIGNALED_RUN: u32 = 16;
+
 /// Bytes per pipe mailbox slot: `offset u64, len u64, seq u64`.
 pub(crate) const MAILBOX_SLOT: u64 = 24;
 
@@ -593,6 +596,17 @@ pub(crate) struct ControlSlots {
     next_send: u32,
     backlog: VecDeque<Vec<u8>>,
     failure: Option<Failure>,
+    /// Requests posted in a row without a signalled one (by `post_unsignaled` and
+    /// `post_lazy`), and the most `post_lazy` lets run before it signals one.
+    unsignaled_run: u32,
+    signal_every: u32,
+    /// Every request posted so far: posting reads no clock; [`tick`](Self::tick) notices
+    /// that this moved and dates the activity (see there).
+    sent: u64,
+    /// `sent` when `tick` last looked, and when that was.
+    sent_at_tick: u64,
+    last_tick: Instant,
+    /// When the last request went out, as `tick` dates it (never later than the truth).
     last_sent: Instant,
     scratch: Vec<u8>,
     keepalives: u64,
@@ -627,6 +641,10 @@ impl ControlSlots {
             n => Some(pd.alloc_mr(len(n)?, AccessFlags::LOCAL_WRITE)?),
         };
         let inline_max = (qp.caps().max_inline_data as usize).min(cfg.slot_len as usize);
+        // A quarter of the send queue at most, so that the requests one signalled
+        // completion retires never hold much of it.
+        let signal_every = (qp.caps().max_send_wr / 4).clamp(1, MAX_UNSIGNALED_RUN);
+        let now = Instant::now();
         let c = ControlSlots {
             qp,
             cfg,
@@ -639,7 +657,12 @@ impl ControlSlots {
             next_send: 0,
             backlog: VecDeque::new(),
             failure: None,
-            last_sent: Instant::now(),
+            unsignaled_run: 0,
+            signal_every,
+            sent: 0,
+            sent_at_tick: 0,
+            last_tick: now,
+            last_sent: now,
             scratch: Vec::with_capacity(64),
             keepalives: 0,
         };
@@ -708,13 +731,29 @@ impl ControlSlots {
     pub fn post(&mut self, wr: SendWr<'_>) -> Result<u64> {
         self.qp.post_send(wr)?;
         self.posted += 1;
-        self.last_sent = Instant::now();
+        self.sent += 1;
+        self.unsignaled_run = 0;
         Ok(self.posted)
     }
 
     /// Posts an unsignalled request (a later signalled one on the same QP reports it).
     pub fn post_unsignaled(&mut self, wr: SendWr<'_>) -> Result<()> {
-        Ok(self.qp.post_send(wr.unsignaled())?)
+        self.qp.post_send(wr.unsignaled())?;
+        self.sent += 1;
+        self.unsignaled_run = self.unsignaled_run.saturating_add(1);
+        Ok(())
+    }
+
+    /// Posts a request nobody waits for: unsignalled, except one in every
+    /// `min(max_send_wr / 4, 16)` in a row, which retires those before it from the send
+    /// queue (RC completes in order). A failed request still completes, with an error,
+    /// which breaks the channel as a signalled one would.
+    pub fn post_lazy(&mut self, wr: SendWr<'_>) -> Result<()> {
+        if self.unsignaled_run + 1 >= self.signal_every {
+            self.post(wr).map(drop)
+        } else {
+            self.post_unsignaled(wr)
+        }
     }
 
     /// Sends `m`, or queues it behind earlier ones when the send queue is full.
@@ -777,7 +816,8 @@ impl ControlSlots {
         match r {
             Ok(()) => {
                 self.posted += 1;
-                self.last_sent = Instant::now();
+                self.sent += 1;
+                self.unsignaled_run = 0;
                 Ok(true)
             }
             Err(rdmakit_verbs::Error::QueueFull { .. }) => Ok(false),
@@ -867,18 +907,31 @@ impl ControlSlots {
 
     /// Called while an operation waits: posts the backlog, and sends a keep-alive when
     /// nothing is in flight and none was sent for an interval.
+    ///
+    /// Posting reads no clock: a request posted since the previous tick is dated at that
+    /// tick (it went out between the two), which is never later than the truth, so a
+    /// keep-alive is due at most one interval after the last request (possibly sooner),
+    /// and tick-to-tick at most one per interval.
     pub fn tick(&mut self) {
+        let now = Instant::now();
+        if self.sent != self.sent_at_tick {
+            self.sent_at_tick = self.sent;
+            self.last_sent = self.last_tick;
+        }
+        self.last_tick = now;
         self.flush_backlog();
         if self.failure.is_some() || self.posted != self.done || !self.backlog.is_empty() {
             return;
         }
-        if self.last_sent.elapsed() < self.cfg.keepalive {
+        if now.saturating_duration_since(self.last_sent) < self.cfg.keepalive {
             return;
         }
         self.keepalives += 1;
         if let Err(e) = self.send(&Message::KeepAlive) {
             self.fail(format!("posting a keep-alive failed: {e}"));
         }
+        self.sent_at_tick = self.sent;
+        self.last_sent = now;
     }
 }
 

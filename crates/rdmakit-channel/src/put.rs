@@ -372,27 +372,25 @@ impl PutEndpoint {
     pub fn ready_poll(&self) -> Result<usize> {
         let inner = &self.inner;
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        let queued = inner.driver.progress_then(on_wc, |st| st.check().map(|()| st.queued.len()))??;
+        // The first queued handle is looked at in the same critical section as the
+        // completions (one lock on the fast path), the others one lock each. When that
+        // already says nothing will fire, the watch (see below) is kept there too.
+        let (queued, mut job, watched) = inner.driver.progress_then(on_wc, |st| {
+            st.check()?;
+            let queued = st.queued.len();
+            let job = if queued > 0 { inner.take_job(st)? } else { None };
+            let watched = job.is_none() && queued <= 1;
+            if watched {
+                Inner::watch_locked(st)?;
+            }
+            Ok::<_, ChannelError>((queued, job, watched))
+        })??;
         let mut fired = 0;
-        for _ in 0..queued {
-            // Take the callback out so it runs without the lock (it may call `ready`).
-            let job = inner.driver.with(|st| -> Result<Option<(u32, u64, Callback, MemoryRegion)>> {
-                st.check()?;
-                let Some(id) = st.queued.pop_front() else { return Ok(None) };
-                let w = inner.seq_words.load_u64_acquire(u64::from(id) * 8)?;
-                let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
-                let seq = count_for(w, e.epoch);
-                // Not yet; or the callback is out, running for the previous put on another
-                // thread: this put is seen with its own callback once that one is back.
-                if seq <= e.seen || e.callback.is_none() {
-                    st.queued.push_back(id); // stays in the queue
-                    return Ok(None);
-                }
-                e.seen = seq;
-                e.queued = false;
-                Ok(e.callback.take().map(|cb| (id, e.incarnation, cb, e.buf.clone())))
-            })?;
-            if let Some((id, incarnation, mut cb, buf)) = job {
+        for i in 0..queued {
+            if i > 0 {
+                job = inner.driver.with(|st| inner.take_job(st))?;
+            }
+            if let Some((id, incarnation, mut cb, buf)) = job.take() {
                 cb(&buf);
                 fired += 1;
                 inner.driver.with(|st| {
@@ -405,7 +403,7 @@ impl PutEndpoint {
                 });
             }
         }
-        if fired == 0 {
+        if fired == 0 && !watched {
             inner.watch()?; // blocked: the caller polls again
         }
         Ok(fired)
@@ -417,7 +415,30 @@ impl PutEndpoint {
     }
 }
 
+/// A put to report: the handle, its incarnation, its callback (taken out to run without
+/// the lock) and its buffer.
+type Job = (u32, u64, Callback, MemoryRegion);
+
 impl Inner {
+    /// Takes the first queued handle out of the poll queue: its job if its put has landed
+    /// and its callback is in; else it goes back to the end of the queue.
+    fn take_job(&self, st: &mut State) -> Result<Option<Job>> {
+        st.check()?;
+        let Some(id) = st.queued.pop_front() else { return Ok(None) };
+        let w = self.seq_words.load_u64_acquire(u64::from(id) * 8)?;
+        let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
+        let seq = count_for(w, e.epoch);
+        // Not yet; or the callback is out, running for the previous put on another
+        // thread: this put is seen with its own callback once that one is back.
+        if seq <= e.seen || e.callback.is_none() {
+            st.queued.push_back(id); // stays in the queue
+            return Ok(None);
+        }
+        e.seen = seq;
+        e.queued = false;
+        Ok(e.callback.take().map(|cb| (id, e.incarnation, cb, e.buf.clone())))
+    }
+
     /// Applies what has completed and reports a failure (one lock). Keeps no watch on the
     /// connection: an operation that finds itself blocked (a poll that found no put, a
     /// `Busy` put) calls [`watch`](Self::watch) too, so a call that gets on pays no clock
@@ -429,10 +450,13 @@ impl Inner {
     /// Called by an operation that is blocked (its caller will retry): sends a keep-alive
     /// if one is due, so a dead peer ends the wait, and reports a failure.
     fn watch(&self) -> Result<()> {
-        self.driver.with(|st| {
-            st.ctl.tick();
-            st.check()
-        })
+        self.driver.with(Inner::watch_locked)
+    }
+
+    /// [`watch`](Self::watch) under the lock.
+    fn watch_locked(st: &mut State) -> Result<()> {
+        st.ctl.tick();
+        st.check()
     }
 
     /// [`progress`](Self::progress) and [`watch`](Self::watch).
@@ -498,7 +522,8 @@ impl State {
         e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
         if let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) {
             let v = word(epoch, e.seen).to_le_bytes();
-            self.ctl.post(SendWr::write_inline(&v, target.slice(0, 8)?))?;
+            // Nobody waits for its completion (RC reports a failure all the same).
+            self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?))?;
         }
         // (No sender associated: it deassociated after its put; nobody to tell.)
         e.consumed = e.seen;
@@ -541,9 +566,10 @@ impl RecvHandle {
     /// landed but was not seen yet) makes it a no-op that touches neither the buffer nor the
     /// sender: the next put may already be there.
     pub fn ready_mark(&self) -> Result<()> {
-        let inner = &self.ep.inner;
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        inner.driver.progress_then(on_wc, |st| st.check().and_then(|()| st.mark(self.id)))?
+        // No CQ poll: marking needs no completion applied first (a put can only have been
+        // seen once its association was; a late one is told apart by its epoch), and
+        // whoever saw the put (`ready_poll`, `next_put`) polls the CQ.
+        self.ep.inner.driver.with(|st| st.check().and_then(|()| st.mark(self.id)))
     }
 
     /// `CkDirect_readyPollQ`: the data was already marked done; start checking for the next
@@ -559,13 +585,12 @@ impl RecvHandle {
     /// [`ready_mark`](Self::ready_mark) then [`ready_poll_q`](Self::ready_poll_q), in one
     /// step.
     pub fn ready(&self) -> Result<()> {
-        let inner = &self.ep.inner;
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        inner.driver.progress_then(on_wc, |st| {
+        // No CQ poll, as in `ready_mark`.
+        self.ep.inner.driver.with(|st| {
             st.check()?;
             st.mark(self.id)?;
             st.queue(self.id)
-        })?
+        })
     }
 
     /// Whether the latest put seen has been marked done (or none was seen yet).
@@ -667,9 +692,11 @@ impl SendHandle {
             let seq = word(e.epoch, e.puts + 1).to_le_bytes();
             let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
             let seq_dst = e.desc.seq.slice(0, 8)?;
-            // Two posts rather than a batch: no allocation per put.
+            // Two posts rather than a batch: no allocation per put. Nobody waits for their
+            // completions (the receiver's ready word says the data was placed), so they are
+            // signalled only now and then, to retire them from the send queue.
             st.ctl.post_unsignaled(data)?;
-            st.ctl.post(SendWr::write_inline(&seq, seq_dst))?;
+            st.ctl.post_lazy(SendWr::write_inline(&seq, seq_dst))?;
             if let Some(e) = st.send[self.id as usize].as_mut() {
                 e.puts += 1;
             }

@@ -137,6 +137,47 @@ fn many_iterations_many_sizes_with_checksums() {
     }
 }
 
+/// Puts and ready marks are signalled only now and then (nobody waits for their
+/// completions): on a send queue of 16, thousands of round trips never fill it, because a
+/// signalled one retires those before it.
+#[test]
+fn a_shallow_send_queue_never_fills_with_unsignalled_puts() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
+    let caps = QpCaps::default().with_max_send_wr(16).with_max_recv_wr(64).with_max_inline_data(64);
+    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let (ea, eb) = (
+        PutEndpoint::new(qa, ca, PollMode::Busy).unwrap(),
+        PutEndpoint::new(qb, cb, PollMode::Busy).unwrap(),
+    );
+    let (ra, rb) = (
+        pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap(),
+        pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap(),
+    );
+    let (sa, sb) = (
+        pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap(),
+        pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap(),
+    );
+    let (ha, hb) = (ea.create_handle(&ra, |_| {}, 0).unwrap(), eb.create_handle(&rb, |_| {}, 0).unwrap());
+    let to_b = ea.assoc_local_buffer(&hb.desc().unwrap(), sa.local().unwrap()).unwrap();
+    let to_a = eb.assoc_local_buffer(&ha.desc().unwrap(), sb.local().unwrap()).unwrap();
+    ha.ready_poll_q().unwrap();
+    hb.ready_poll_q().unwrap();
+    for it in 0..2000u64 {
+        sa.write_u64(0, it).unwrap();
+        to_b.put().unwrap(); // never Busy: b marked the previous one before putting back
+        spin_poll(&eb, 1);
+        assert_eq!(rb.read_u64(0).unwrap(), it);
+        hb.ready().unwrap();
+        to_a.put().unwrap();
+        spin_poll(&ea, 1);
+        ha.ready().unwrap();
+    }
+}
+
 #[test]
 fn polling_cost_follows_marked_handles_only() {
     let pd = Context::open_soft().alloc_pd().unwrap();

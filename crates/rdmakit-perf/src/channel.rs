@@ -1,19 +1,17 @@
-//! `pipe-lat`, `pipe-bw` and `put-lat`: rdmakit-channel measured the perftest way.
+//! `pipe-lat` and `pipe-bw`: rdmakit-channel's pipes measured the perftest way (`put-lat`
+//! is in `put_lat`).
 //!
 //! - pipe-lat: a ping-pong of `rwrite`s (each side receives, then writes back); half the
 //!   round trip, as `ib_write_lat` reports;
-//! - pipe-bw: `window` `rwrite`s in flight at a time, the reader receiving and releasing;
-//! - put-lat: a ping-pong of persistent put handles (put, `ready_poll`, put back); half the
-//!   round trip. Loopback only: the handles' descriptors are exchanged in process.
+//! - pipe-bw: `window` `rwrite`s in flight at a time, the reader receiving and releasing.
 //!
 //! All wait by busy polling (as perftest does).
 
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use rdmakit_channel::put::PutEndpoint;
 use rdmakit_channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
-use rdmakit_verbs::{AccessFlags, Error, Result};
+use rdmakit_verbs::{Error, Result};
 
 use crate::measure::{Bw, Measured, PEAK_MAX_ITERS};
 use crate::rig::{Params, Side, Test};
@@ -126,53 +124,6 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
         }
         Ok(())
     })
-}
-
-/// put-lat in one process: a ping-pong of put handles between the two sides.
-pub fn put_lat(a: &Side, b: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
-    let ea = PutEndpoint::new(a.qp.clone(), a.cq.clone(), PollMode::Busy).map_err(chan)?;
-    let eb = PutEndpoint::new(b.qp.clone(), b.cq.clone(), PollMode::Busy).map_err(chan)?;
-    let pd = a.qp.pd();
-    let len = p.size as usize;
-    let (ra, rb) = (pd.alloc_mr(len, AccessFlags::ALL_REMOTE)?, pd.alloc_mr(len, AccessFlags::ALL_REMOTE)?);
-    let ha = ea.create_handle(&ra, |_| {}, 0).map_err(chan)?;
-    let hb = eb.create_handle(&rb, |_| {}, 0).map_err(chan)?;
-    let to_b = ea.assoc_local_buffer(&hb.desc().map_err(chan)?, a.buf.slice(0, p.size)?).map_err(chan)?;
-    let to_a = eb.assoc_local_buffer(&ha.desc().map_err(chan)?, b.buf.slice(0, p.size)?).map_err(chan)?;
-    let put = |h: &rdmakit_channel::put::SendHandle, ep: &PutEndpoint| -> Result<()> {
-        let start = Instant::now();
-        loop {
-            match h.put() {
-                Ok(()) => return Ok(()),
-                Err(ChannelError::Busy) if start.elapsed().as_secs() < 30 => ep.progress().map_err(chan)?,
-                Err(e) => return Err(chan(e)),
-            }
-        }
-    };
-    let wait = |ep: &PutEndpoint| -> Result<()> {
-        let start = Instant::now();
-        while ep.ready_poll().map_err(chan)? == 0 {
-            if start.elapsed().as_secs() >= 30 {
-                return Err(Error::Timeout(start.elapsed()));
-            }
-        }
-        Ok(())
-    };
-    let mut lat = Vec::with_capacity(p.iters as usize);
-    for i in 0..p.iters {
-        hb.ready_poll_q().map_err(chan)?;
-        ha.ready_poll_q().map_err(chan)?;
-        let t = Instant::now();
-        put(&to_b, &ea)?;
-        wait(&eb)?;
-        put(&to_a, &eb)?;
-        wait(&ea)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-        hb.ready().map_err(chan)?;
-        ha.ready().map_err(chan)?;
-        tick(bar, i);
-    }
-    Ok(Measured::Latency(lat))
 }
 
 fn tick(bar: &ProgressBar, i: u32) {

@@ -3,11 +3,11 @@
 //! With no arguments it runs a short suite on the soft NIC in loopback and prints one
 //! table (`--provider`, `--device`, `--gid-index` pick another device). The perftest-style
 //! subcommands (`write-bw`, `write-lat`, `read-bw`, `read-lat`, `send-bw`, `send-lat`,
-//! `atomic-bw`, `atomic-lat`, and the channel crate's `pipe-lat`, `pipe-bw`) run one test
-//! in loopback (both sides in this process), as a server (`--server ADDR`) or as a client
+//! `atomic-bw`, `atomic-lat`, and the channel crate's `pipe-lat`, `pipe-bw`, `put-lat`) run
+//! one test in loopback (both sides in this process), as a server (`--server ADDR`) or as a client
 //! (`--connect ADDR`), on the soft NIC or on a verbs device, and take perftest's flags
 //! (`-s -a -n -D -f -t -r -I -q -b -e -F --report_gbits --output`; README "perftest flags").
-//! `put-lat`, `fadd-contended` and `limits` run on one machine only. Output uses perftest's
+//! `fadd-contended` and `limits` run on one machine only. Output uses perftest's
 //! column layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or
 //! JSON lines with `--json`.
 
@@ -16,6 +16,7 @@ mod contended;
 mod limits;
 mod measure;
 mod plot;
+mod put_lat;
 mod report;
 mod rig;
 mod seeds;
@@ -82,8 +83,8 @@ enum Cmd {
     PipeLat(Opts),
     /// Pipe rwrite bandwidth (window of writes in flight, the reader releasing).
     PipeBw(Opts),
-    /// Persistent put-handle ping-pong; half the round trip (loopback only: no
-    /// `--server`/`--connect`).
+    /// Persistent put-handle ping-pong; half the round trip (`send-lat` at the same `-s`
+    /// is its baseline).
     PutLat(Opts),
     /// N processes hammer one shared counter with fetch-and-add (total and per-process
     /// rates, and a check of the final count).
@@ -465,9 +466,6 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
         p.qps,
         if p.bidir { ", bidirectional" } else { "" }
     );
-    if p.test == Test::PutLat {
-        return Err(bad("put-lat runs in loopback only"));
-    }
     let mut sides = vec![first];
     while sides.len() < p.qps as usize {
         let (q, side) = rig::server(ctx, &listener, copts, o.placement)?;
@@ -480,15 +478,20 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
         sides.push(side);
     }
     std::thread::scope(|s| {
-        let hs: Vec<_> =
-            sides
-                .iter()
-                .map(|side| {
-                    s.spawn(move || {
-                        if p.test.is_channel() { channel::serve(side, &p) } else { measure::serve(side, &p) }
-                    })
+        let hs: Vec<_> = sides
+            .iter()
+            .map(|side| {
+                s.spawn(move || {
+                    if p.test == Test::PutLat {
+                        put_lat::serve(side, &p)
+                    } else if p.test.is_channel() {
+                        channel::serve(side, &p)
+                    } else {
+                        measure::serve(side, &p)
+                    }
                 })
-                .collect();
+            })
+            .collect();
         hs.into_iter().try_for_each(join)
     })?;
     // One-sided tests need nothing from us: wait for the client to finish.
@@ -503,9 +506,6 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
 fn one(test: Test, o: &Opts) -> Result<()> {
     let ctx = o.dev.open()?;
     let copts = o.dev.connect_options();
-    if test == Test::PutLat && (o.peer.connect.is_some() || o.peer.server.is_some()) {
-        return Err(bad("put-lat runs in loopback only (no --server/--connect)"));
-    }
     let out = report::Out::with(o.json, o.report_gbits, o.output);
     if let Some(addr) = o.peer.server {
         return serve_one(&ctx, o, addr, &copts);
@@ -554,7 +554,7 @@ fn one(test: Test, o: &Opts) -> Result<()> {
                 let p = p.at(size);
                 let bar = progress(u64::from(p.iters) * u64::from(p.qps), p.duration > 0);
                 let m = if p.test == Test::PutLat {
-                    channel::put_lat(&clients[0], &peers[0], &p, &bar)?
+                    put_lat::run(&clients[0], peers.first(), &p, &bar)?
                 } else if p.test.is_channel() {
                     channel::run(&clients[0], &p, &bar)?
                 } else if p.qps == 1 {
@@ -664,7 +664,7 @@ fn suite(a: &SuiteArgs) -> Result<()> {
         let (a, b) = rig::loopback(&ctx, &p, &copts)?;
         let bar = ProgressBar::hidden();
         let m = if test == Test::PutLat {
-            channel::put_lat(&a, &b, &p, &bar)?
+            put_lat::run(&a, Some(&b), &p, &bar)?
         } else {
             std::thread::scope(|s| {
                 let server =

@@ -68,6 +68,36 @@ fn client_and_server_in_two_processes() {
     assert!(status.success());
 }
 
+/// put-lat across two processes: each end writes its handle's descriptor into the other's
+/// buffer; the client reports the ping-pong (and send-lat at the same size is its baseline).
+#[test]
+fn put_lat_client_and_server_in_two_processes() {
+    for size in ["8", "4096"] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut server = Command::new(BIN)
+            .args(["put-lat", "--server", &addr])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("server");
+        std::thread::sleep(Duration::from_millis(300));
+        let out = Command::new(BIN)
+            .args(["put-lat", "--connect", &addr, "-n", "300", "-s", size, "--json"])
+            .output()
+            .expect("client");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(
+            (v["test"].as_str(), v["bytes"].as_u64(), v["iterations"].as_u64()),
+            (Some("put-lat"), size.parse().ok(), Some(300))
+        );
+        assert!(v["t_typical"].as_f64().unwrap() > 0.0, "{v}");
+        // The server ends once the client disconnects, without an error.
+        let status = server.wait().unwrap();
+        assert!(status.success());
+    }
+}
+
 #[test]
 fn bad_arguments_are_errors_not_panics() {
     let out = Command::new(BIN).args(["write-bw", "-s", "0"]).output().unwrap();
