@@ -7,7 +7,8 @@
 #   RDMAKIT_PEERS_RUNS=5 ...              runs per tool and test; the median is reported (default 3)
 #   RDMAKIT_PEERS="ibverbs sideway"       which peer crates to build and measure
 #                                         (default: ibverbs sideway async-rdma)
-#   RDMAKIT_PEERS_LIBCLANG=DIR            libclang for async-rdma's bindgen 0.59 (default
+#   RDMAKIT_PEERS_NO_BUILD=1              measure the peer programs already built (no cargo run)
+#   RDMAKIT_PEERS_LIBCLANG=DIR            libclang the peers' bindgen runs use (default
 #                                         /usr/lib/llvm-14/lib where it exists; empty: as found)
 #
 # rdmakit is measured by rdmakit-perf (its safe API, every check on: no unsafe escape hatch is
@@ -16,8 +17,9 @@
 # does not build, or cannot do an operation (jonhoo's ibverbs has no RDMA write), shows "-" and
 # the reason is printed under the table. The build of each peer is timed.
 #
-# Rows: write latency 8 B (t_typical = median, us), write bandwidth 64 KiB (MiB/s), write
-# message rate 8 B (Mpps), and the same three with send/recv, which every crate can do.
+# Rows: write latency 8 B (t_typical = median, us; and its t_min), write bandwidth 64 KiB
+# (MiB/s), write message rate 8 B (Mpps), and the same three with send/recv, which every crate
+# but async-rdma (here) can do. Each cell is the median over the runs.
 # ratio = rdmakit / the best peer on that row (latency: <= 1 means rdmakit is at or ahead;
 # bandwidth and rate: >= 1). rxe under TCG emulation is slow in absolute terms and the host is
 # shared: only figures taken in the same run mean something, and runs are interleaved (rdmakit,
@@ -33,22 +35,25 @@ if [ "${RDMAKIT_IN_RXE_VM:-}" != 1 ]; then
     mkdir -p "$out"
     cargo build --release --quiet -p rdmakit-perf
     for p in $peers; do
-        # async-rdma's rdma-sys runs bindgen 0.59, which panics on libclang 16+: point it at
-        # libclang 14 where there is one (RDMAKIT_PEERS_LIBCLANG overrides; empty = as found).
-        lc=
-        if [ "$p" = async-rdma ]; then
-            lc=${RDMAKIT_PEERS_LIBCLANG-/usr/lib/llvm-14/lib}
-            [ -d "$lc" ] || lc=
-        fi
+        # async-rdma's rdma-sys runs bindgen 0.59, which panics on libclang 16+, and ibverbs-sys
+        # 0.3.2's bindgen 0.71 makes empty structs with libclang 22 (its build then fails on
+        # layout checks): all peers are built against libclang 14 where there is one, the same
+        # for each so that clang-sys is not rebuilt between them (RDMAKIT_PEERS_LIBCLANG=DIR
+        # overrides; empty: whatever clang-sys finds).
+        lc=${RDMAKIT_PEERS_LIBCLANG-/usr/lib/llvm-14/lib}
+        [ -d "$lc" ] || lc=
         start=$(date +%s)
-        if env ${lc:+LIBCLANG_PATH=$lc} \
+        if [ -n "${RDMAKIT_PEERS_NO_BUILD:-}" ]; then
+            if [ -x "peers/target/release/peer-$p" ]; then echo "ok prebuilt"; else echo "failed (not built)"; fi \
+                >"$out/build-$p.status"
+        elif env ${lc:+LIBCLANG_PATH=$lc} \
             cargo build --release --manifest-path peers/Cargo.toml --features "$p" --bin "peer-$p" \
             >"$out/build-$p.log" 2>&1; then
-            echo "ok $(($(date +%s) - start))" >"$out/build-$p.status"
+            echo "ok $(($(date +%s) - start))s" >"$out/build-$p.status"
         else
-            echo "failed $(($(date +%s) - start))" >"$out/build-$p.status"
+            echo "failed $(($(date +%s) - start))s" >"$out/build-$p.status"
         fi
-        echo "peers-compare: build of peer-$p: $(cat "$out/build-$p.status") s" >&2
+        echo "peers-compare: build of peer-$p: $(cat "$out/build-$p.status")" >&2
     done
     export RDMAKIT_RXE_RW_DIRS="${RDMAKIT_RXE_RW_DIRS:+$RDMAKIT_RXE_RW_DIRS:}$out"
     exec scripts/rxe-vm.sh "$0" "$@"
@@ -56,6 +61,8 @@ fi
 
 # ---- inside the VM ----
 cd "$here"
+mkdir -p "$out"
+: >"$out/runs.jsonl"
 perf="$here/target/release/rdmakit-perf"
 bin="$here/peers/target/release"
 dev=${RDMAKIT_RXE_DEV:-rxe0}
@@ -64,13 +71,19 @@ ip=${RDMAKIT_RXE_IP:?not inside the rxe VM}
 iters=${RDMAKIT_PEERS_ITERS:-2000}
 runs=${RDMAKIT_PEERS_RUNS:-3}
 port=7600
-declare -A why
+declare -A why=()
 
-# one TOOL TEST ARGS...: one client/server run; prints the client's JSON line (empty on failure).
+# one TOOL TEST ARGS...: one client/server run; the client's JSON line goes to $out/line (empty
+# on failure, and the reason to why[]). Also kept in $out/runs.jsonl.
 one() {
+    : >"$out/line"
     local tool=$1 test=$2; shift 2
     if [ "$tool" = ibverbs ] && [[ $test == write-* ]]; then
         why[$tool/$test]="ibverbs 0.9.2 posts sends and receives only: it has no RDMA write"
+        return
+    fi
+    if [ "$tool" = async-rdma ] && [[ $test == send-* ]]; then
+        why[$tool/$test]="not measured: the async-rdma program runs the write rows only (peers/README.md)"
         return
     fi
     port=$((port + 1))
@@ -83,7 +96,7 @@ one() {
     timeout 300 "${cmd[@]}" --server "$ip:$port" "$@" >/dev/null 2>"$out/server.err" &
     local srv=$!
     sleep 1
-    if ! timeout 300 "${cmd[@]}" --connect "$ip:$port" --json "$@" 2>"$out/client.err"; then
+    if ! timeout 300 "${cmd[@]}" --connect "$ip:$port" --json "$@" >"$out/line" 2>"$out/client.err"; then
         why[$tool/$test]="$(tail -n 1 "$out/client.err")"
     fi
     # A server whose client failed would wait for it: give it a few seconds, then stop it.
@@ -91,6 +104,7 @@ one() {
     for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$srv" 2>/dev/null || break; sleep 0.5; done
     kill "$srv" 2>/dev/null || true
     wait "$srv" 2>/dev/null || true
+    tail -n 1 "$out/line" | sed "s/^/{\"tool\":\"$tool\",\"row\":\"$test $*\"} /" >>"$out/runs.jsonl"
 }
 
 json() { # json KEY LINE
@@ -117,16 +131,24 @@ rows=()
 measure() {
     local name=$1 unit=$2 kind=$3 test=$4 key=$5; shift 5
     rows+=("$name|$unit|$kind")
+    # Latency rows also get a t_min row from the same runs: on a starved VM the median is
+    # mostly scheduling, the minimum is what each stack costs when it gets the CPU.
+    [ "$kind" = lat ] && rows+=("$name, t_min|$unit|$kind")
     local r t line
-    declare -A vals
+    declare -A vals mins
     for r in $(seq "$runs"); do
         for t in "${tools[@]}"; do
-            line=$(one "$t" "$test" "$@" | tail -n 1)
-            [ -n "$line" ] && vals[$t]+="$(json "$key" "$line")"$'\n'
+            one "$t" "$test" "$@"
+            line=$(tail -n 1 "$out/line")
+            if [ -n "$line" ]; then
+                vals[$t]+="$(json "$key" "$line")"$'\n'
+                mins[$t]+="$(json t_min "$line")"$'\n'
+            fi
         done
     done
     for t in "${tools[@]}"; do
-        cell[$name/$t]=$(printf '%s' "${vals[$t]:-}" | grep . | median)
+        cell[$name/$t]=$(printf "%s" "${vals[$t]:-}" | { grep . || true; } | median)
+        cell[$name, t_min/$t]=$(printf "%s" "${mins[$t]:-}" | { grep . || true; } | median)
     done
 }
 
@@ -156,7 +178,8 @@ for row in "${rows[@]}"; do
     best=-
     for t in rdmakit $peers; do
         v=${cell[$name/$t]:--}
-        printf ' %17s' "$v"
+        if [ "$v" = - ]; then printf ' %17s' -; else awk -v v="$v" -v u="$unit" 'BEGIN {
+            printf " %17s", sprintf(u == "Mpps" ? "%.5f" : (u == "usec" ? "%.1f" : "%.2f"), v) }'; fi
         if [ "$t" != rdmakit ] && [ "$v" != - ]; then
             best=$(awk -v b="$best" -v v="$v" -v k="$kind" 'BEGIN {
                 if (b == "-") print v; else if (k == "lat") print (v < b ? v : b); else print (v > b ? v : b) }')
@@ -169,7 +192,7 @@ for row in "${rows[@]}"; do
         printf " %8.3f  %s\n", ratio, ahead ? "rdmakit at or ahead" : "rdmakit behind"
     }'
 done
-if [ ${#why[@]} -gt 0 ]; then
+if [ -n "${why[*]+x}" ]; then
     echo "not measured (\"-\"):"
     for k in "${!why[@]}"; do echo "  $k: ${why[$k]}"; done | sort
 fi
