@@ -174,7 +174,14 @@ pub trait Nic: Sized {
     /// Writes byte `off` of the buffer.
     fn store(&mut self, off: usize, v: u8);
     /// Posts a signalled RDMA write of `len` bytes at `off` to the peer's buffer at `remote_off`.
-    fn post_write(&mut self, wr_id: u64, off: usize, len: u32, remote_off: u64, inline: bool) -> io::Result<()>;
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        off: usize,
+        len: u32,
+        remote_off: u64,
+        inline: bool,
+    ) -> io::Result<()>;
     /// Posts a signalled send of `len` bytes at `off`.
     fn post_send(&mut self, wr_id: u64, off: usize, len: u32, inline: bool) -> io::Result<()>;
     /// Posts a receive into `len` bytes at `off`.
@@ -470,7 +477,11 @@ fn reap<N: Nic>(nic: &mut N) -> io::Result<Wc> {
 }
 
 fn ok(wc: Wc) -> io::Result<Wc> {
-    if wc.ok { Ok(wc) } else { Err(io::Error::other(format!("work request {} failed: status {}", wc.wr_id, wc.status))) }
+    if wc.ok {
+        Ok(wc)
+    } else {
+        Err(io::Error::other(format!("work request {} failed: status {}", wc.wr_id, wc.status)))
+    }
 }
 
 /// Spins until byte `at` of the buffer is `v`.

@@ -39,7 +39,10 @@ fn layout(size: u32) -> io::Result<Layout> {
 
 async fn run(o: &Opts) -> io::Result<()> {
     if !matches!(o.test, Test::WriteLat | Test::WriteBw) {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "only write-lat and write-bw are measured through async-rdma"));
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "only write-lat and write-bw are measured through async-rdma",
+        ));
     }
     let builder = RdmaBuilder::new()
         .set_dev(o.device)
@@ -83,7 +86,9 @@ async fn run(o: &Opts) -> io::Result<()> {
                 free.push((rdma.alloc_local_mr(layout(o.size)?)?, r));
             }
             let rdma = &rdma;
-            let write = |(l, mut r): (LocalMr, RemoteMr)| async move { rdma.write(&l, &mut r).await.map(|()| (l, r)) };
+            let write = |(l, mut r): (LocalMr, RemoteMr)| async move {
+                rdma.write(&l, &mut r).await.map(|()| (l, r))
+            };
             let mut inflight = FuturesUnordered::new();
             let start = Instant::now();
             let mut posted = 0u32;
@@ -115,9 +120,5 @@ async fn run(o: &Opts) -> io::Result<()> {
 /// The end of a run: the client sends one message, the server waits for it, so neither side
 /// drops its connection while the other still uses it.
 async fn finish(rdma: &Rdma, mr: &LocalMr, server: bool) -> io::Result<()> {
-    if server {
-        rdma.receive().await.map(drop)
-    } else {
-        rdma.send(mr).await
-    }
+    if server { rdma.receive().await.map(drop) } else { rdma.send(mr).await }
 }

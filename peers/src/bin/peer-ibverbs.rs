@@ -3,7 +3,10 @@
 
 use std::io;
 
-use ibverbs::{CompletionQueue, Context, MemoryRegion, PreparedQueuePair, ProtectionDomain, QueuePair, ibv_qp_type, ibv_wc};
+use ibverbs::{
+    CompletionQueue, Context, MemoryRegion, PreparedQueuePair, ProtectionDomain, QueuePair, ibv_qp_type,
+    ibv_wc,
+};
 use rdmakit_peers_bench::{Endpoint, Nic, Shape, Wc};
 
 struct Ibverbs {

@@ -5,6 +5,7 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use rdmakit_peers_bench::{Endpoint, INLINE, Nic, Shape, Wc};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{ExtendedCompletionQueue, PollCompletionQueueError};
@@ -15,7 +16,6 @@ use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetInlineData,
     SetScatterGatherEntry, WorkRequestFlags,
 };
-use rdmakit_peers_bench::{Endpoint, INLINE, Nic, Shape, Wc};
 
 struct Sideway {
     ctx: Arc<DeviceContext>,
@@ -47,7 +47,11 @@ impl Nic for Sideway {
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no device {}", shape.device)))?;
         let ctx = dev.open().map_err(err)?;
         let pd = ctx.alloc_pd().map_err(err)?;
-        let cq = ctx.create_cq_builder().setup_cqe(shape.max_send_wr + shape.max_recv_wr).build_ex().map_err(err)?;
+        let cq = ctx
+            .create_cq_builder()
+            .setup_cqe(shape.max_send_wr + shape.max_recv_wr)
+            .build_ex()
+            .map_err(err)?;
         let qp = pd
             .create_qp_builder()
             .setup_max_send_wr(shape.max_send_wr)
@@ -63,7 +67,17 @@ impl Nic for Sideway {
         // dropped (field order), and is only accessed through atomics while registered.
         let mr = unsafe { pd.reg_mr(buf.as_ptr() as usize, buf.len(), access) }.map_err(err)?;
         let gid = ctx.query_gid(1, shape.gid_index).map_err(err)?.raw;
-        Ok(Sideway { ctx, cq, qp, mr, buf, gid, remote: (0, 0), max_inline: INLINE, inline: vec![0; INLINE as usize] })
+        Ok(Sideway {
+            ctx,
+            cq,
+            qp,
+            mr,
+            buf,
+            gid,
+            remote: (0, 0),
+            max_inline: INLINE,
+            inline: vec![0; INLINE as usize],
+        })
     }
 
     fn endpoint(&self) -> Endpoint {
@@ -127,7 +141,14 @@ impl Nic for Sideway {
         self.buf[off].store(v, Ordering::Release);
     }
 
-    fn post_write(&mut self, wr_id: u64, off: usize, len: u32, remote_off: u64, inline: bool) -> io::Result<()> {
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        off: usize,
+        len: u32,
+        remote_off: u64,
+        inline: bool,
+    ) -> io::Result<()> {
         let (addr, rkey) = self.remote;
         let mut guard = self.qp.start_post_send();
         if inline {
@@ -139,7 +160,8 @@ impl Nic for Sideway {
                 .setup_write(rkey, addr + remote_off)
                 .setup_inline_data(&self.inline[..len as usize]);
         } else {
-            let h = guard.construct_wr(wr_id, WorkRequestFlags::Signaled).setup_write(rkey, addr + remote_off);
+            let h =
+                guard.construct_wr(wr_id, WorkRequestFlags::Signaled).setup_write(rkey, addr + remote_off);
             let local = &self.buf[off..off + len as usize];
             // SAFETY: `local` is inside the registered buffer, which outlives the request.
             unsafe { h.setup_sge(self.mr.lkey(), local.as_ptr() as u64, len) };
