@@ -79,11 +79,11 @@ one() {
     : >"$out/line"
     local tool=$1 test=$2; shift 2
     if [ "$tool" = ibverbs ] && [[ $test == write-* ]]; then
-        why[$tool/$test]="ibverbs 0.9.2 posts sends and receives only: it has no RDMA write"
+        why[$tool/$test $*]="ibverbs 0.9.2 posts sends and receives only: it has no RDMA write"
         return
     fi
     if [ "$tool" = async-rdma ] && [[ $test == send-* ]]; then
-        why[$tool/$test]="not measured: the async-rdma program runs the write rows only (peers/README.md)"
+        why[$tool/$test $*]="not measured: the async-rdma program runs the write rows only (peers/README.md)"
         return
     fi
     port=$((port + 1))
@@ -96,8 +96,14 @@ one() {
     timeout 300 "${cmd[@]}" --server "$ip:$port" "$@" >/dev/null 2>"$out/server.err" &
     local srv=$!
     sleep 1
+    # rdmakit-perf's client does not retry a connection (the peer programs retry for 60 s): on a
+    # starved VM its server may need more than a second to listen, so wait for it to say so.
+    local w
+    if [ "$tool" = rdmakit ]; then
+        for w in $(seq 100); do grep -q "serving on" "$out/server.err" && break; sleep 0.2; done
+    fi
     if ! timeout 300 "${cmd[@]}" --connect "$ip:$port" --json "$@" >"$out/line" 2>"$out/client.err"; then
-        why[$tool/$test]="$(tail -n 1 "$out/client.err")"
+        why[$tool/$test $*]="$(tail -n 1 "$out/client.err")"
     fi
     # A server whose client failed would wait for it: give it a few seconds, then stop it.
     local i
@@ -135,18 +141,22 @@ measure() {
     # mostly scheduling, the minimum is what each stack costs when it gets the CPU.
     [ "$kind" = lat ] && rows+=("$name, t_min|$unit|$kind")
     local r t line
-    declare -A vals mins
+    declare -A vals mins got
     for r in $(seq "$runs"); do
         for t in "${tools[@]}"; do
             one "$t" "$test" "$@"
             line=$(tail -n 1 "$out/line")
             if [ -n "$line" ]; then
                 vals[$t]+="$(json "$key" "$line")"$'\n'
+                got[$t]=$((${got[$t]:-0} + 1))
                 mins[$t]+="$(json t_min "$line")"$'\n'
             fi
         done
     done
     for t in "${tools[@]}"; do
+        if [ -n "${why[$t/$test $*]:-}" ] && [ "${got[$t]:-0}" -gt 0 ]; then
+            why[$t/$test $*]="${got[$t]} of $runs runs gave a figure (the median is of those); a failed one: ${why[$t/$test $*]}"
+        fi
         cell[$name/$t]=$(printf "%s" "${vals[$t]:-}" | { grep . || true; } | median)
         cell[$name, t_min/$t]=$(printf "%s" "${mins[$t]:-}" | { grep . || true; } | median)
     done
