@@ -22,8 +22,9 @@
 # but async-rdma (here) can do. Each cell is the median over the runs.
 # ratio = rdmakit / the best peer on that row (latency: <= 1 means rdmakit is at or ahead;
 # bandwidth and rate: >= 1). rxe under TCG emulation is slow in absolute terms and the host is
-# shared: only figures taken in the same run mean something, and runs are interleaved (rdmakit,
-# then each peer, per run) so that drifting load hits them alike.
+# shared: only figures taken in the same run mean something, and runs are interleaved (every
+# tool once per run, each run starting with the next tool) so that drifting load and the
+# position in a round hit them alike.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -142,8 +143,12 @@ measure() {
     [ "$kind" = lat ] && rows+=("$name, t_min|$unit|$kind")
     local r t line
     declare -A vals mins got
+    local k n=${#tools[@]}
     for r in $(seq "$runs"); do
-        for t in "${tools[@]}"; do
+        # Each run starts with the next tool: whichever goes first after a pause measured
+        # lower on this VM (rdmakit-perf: 0.005 then 0.013 Mpps in two rounds of one run).
+        for k in $(seq 0 $((n - 1))); do
+            t=${tools[$(((k + r - 1) % n))]}
             one "$t" "$test" "$@"
             line=$(tail -n 1 "$out/line")
             if [ -n "$line" ]; then
