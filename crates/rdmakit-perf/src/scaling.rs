@@ -27,6 +27,10 @@ pub struct ScalingArgs {
     /// Seconds of sending per pair count.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
+    /// Connect the QPs (each end's link and served stream up) but send nothing: the memory
+    /// of idle connections.
+    #[arg(long)]
+    idle: bool,
 }
 
 /// Options of the hidden peer.
@@ -35,6 +39,9 @@ pub struct PeerArgs {
     /// Seconds after which the peer samples its threads and memory.
     #[arg(long)]
     sample_after: f64,
+    /// QPs only, no pipes, nothing sent.
+    #[arg(long)]
+    idle: bool,
 }
 
 const MSG: u32 = 8;
@@ -130,11 +137,18 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io("tokio runtime"))
 }
 
-/// One row: (aggregate msgs/s, (threads, RSS KiB) here, (threads, RSS KiB) in the peer).
-fn measure(n: u32, seconds: f64) -> Result<(f64, (u64, u64), (u64, u64))> {
+/// Threads and resident KiB of a process.
+type Usage = (u64, u64);
+
+/// One row: (aggregate msgs/s, usage here, usage in the peer).
+fn measure(n: u32, seconds: f64, idle: bool) -> Result<(f64, Usage, Usage)> {
     let exe = std::env::current_exe().map_err(io("current_exe"))?;
+    let mut args = vec!["scaling-peer".to_owned(), "--sample-after".into(), format!("{}", seconds / 2.0)];
+    if idle {
+        args.push("--idle".into());
+    }
     let mut child = Command::new(exe)
-        .args(["scaling-peer", "--sample-after", &format!("{}", seconds / 2.0)])
+        .args(&args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -159,7 +173,8 @@ fn measure(n: u32, seconds: f64) -> Result<(f64, (u64, u64), (u64, u64))> {
         }
         let src = pd.alloc_mr(n as usize * MSG as usize, AccessFlags::LOCAL_WRITE)?;
         let rt = runtime()?;
-        let pipes = rt.block_on(connect_pipes(ends))?;
+        let (pipes, _held) =
+            if idle { (Vec::new(), Some(ends)) } else { (rt.block_on(connect_pipes(ends))?, None) };
         if read_line(&mut from)? != "READY" {
             return Err(bad("the peer did not get ready"));
         }
@@ -220,12 +235,34 @@ pub fn main(a: &ScalingArgs) -> Result<()> {
     if !(a.seconds > 0.0 && a.seconds <= 3600.0) {
         return Err(bad("--seconds: more than 0, at most 3600"));
     }
-    println!("soft NIC across two processes: N pipe pairs, 8-byte rwrite on every pipe (one in flight each), {} s per row", a.seconds);
-    println!("{:>6} {:>12} {:>10} {:>12} {:>10} {:>12}", "pairs", "msgs/s", "threads", "RSS MiB", "peer thr", "peer RSS MiB");
-    for &n in &a.pairs {
-        let (rate, (t, r), (pt, pr)) = measure(n, a.seconds)?;
+    if a.idle {
         println!(
-            "{n:>6} {rate:>12.0} {t:>10} {:>12.1} {pt:>10} {:>12.1}",
+            "soft NIC across two processes: N connected QP pairs, idle (nothing sent); per pair: RSS growth from the first row"
+        );
+    } else {
+        println!(
+            "soft NIC across two processes: N pipe pairs, 8-byte rwrite on every pipe (one in flight each), {} s per row",
+            a.seconds
+        );
+    }
+    println!(
+        "{:>6} {:>12} {:>10} {:>12} {:>10} {:>12} {:>14}",
+        "pairs", "msgs/s", "threads", "RSS MiB", "peer thr", "peer RSS MiB", "KiB/pair"
+    );
+    let mut first: Option<(u32, u64)> = None;
+    for &n in &a.pairs {
+        let (rate, (t, r), (pt, pr)) = measure(n, a.seconds, a.idle)?;
+        // Both processes' growth over the first row's, per extra pair (a pair is one
+        // connected QP in each process: a link and a served stream each).
+        let per_pair = match first {
+            Some((n0, r0)) if n > n0 => {
+                format!("{:.1}", (r + pr).saturating_sub(r0) as f64 / 2.0 / f64::from(n - n0))
+            }
+            _ => "-".into(),
+        };
+        first.get_or_insert((n, r + pr));
+        println!(
+            "{n:>6} {rate:>12.0} {t:>10} {:>12.1} {pt:>10} {:>12.1} {per_pair:>14}",
             r as f64 / 1024.0,
             pr as f64 / 1024.0
         );
@@ -256,7 +293,8 @@ pub fn peer(a: &PeerArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     stdout.write_all(out.as_bytes()).and_then(|_| stdout.flush()).map_err(io("write to the parent"))?;
     let rt = runtime()?;
-    let pipes = rt.block_on(connect_pipes(ends))?;
+    let (pipes, _held) =
+        if a.idle { (Vec::new(), Some(ends)) } else { (rt.block_on(connect_pipes(ends))?, None) };
     stdout.write_all(b"READY\n").and_then(|_| stdout.flush()).map_err(io("write to the parent"))?;
     if read_line(&mut r)? != "GO" {
         return Err(bad("expected GO"));

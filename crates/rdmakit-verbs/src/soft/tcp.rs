@@ -3,28 +3,42 @@
 //! Each soft device opens a TCP "port" the first time one of its QPs hands out an
 //! endpoint (address from `RDMAKIT_SOFT_ADDR`, default `127.0.0.1:0`). A requester QP
 //! connecting to a QP of another process opens one stream to that device and introduces
-//! itself with a `Hello`; once the Hello is authenticated, a thread of the device serves
-//! that stream as the target-side progress engine: it applies each request to the target
-//! QP's memory through the same responder code as in-process, and answers in order,
-//! without the target application.
+//! itself with a `Hello`; once the Hello is authenticated, the device serves that stream as
+//! the target-side progress engine: it applies each request to the target QP's memory
+//! through the same responder code as in-process, and answers in order, without the target
+//! application.
+//!
+//! All of it runs on one thread per process, the wire's event loop (`rdmakit-soft-wire`,
+//! `mio` over non-blocking sockets), whatever the number of devices and connections: every
+//! device's listener, the Hellos being read, the authenticated streams being served and
+//! every requester link (writing its frames, reading its responses). Each connection keeps
+//! its own input state and a bounded output queue; an idle one holds no buffer.
 //!
 //! Every peer is treated as hostile until its `Hello` proves it is the QP the target was
 //! connected to (both initial PSNs and the connection token, see [`wire::Frame::Hello`]):
-//! - before that, a connection costs the device one descriptor and a few bytes, no thread:
-//!   one acceptor thread per device reads Hellos from all of them with `poll(2)`, takes only
-//!   a header whose length is exactly a Hello's, and drops a connection whose Hello is not
-//!   complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`] connections with an incomplete Hello
-//!   per peer address and [`MAX_PENDING`] per device are kept, the rest are closed at once;
+//! - before that, a connection costs the device one descriptor and a few bytes: the loop
+//!   takes only a header whose length is exactly a Hello's, and drops a connection whose
+//!   Hello is not complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`]
+//!   connections with an incomplete Hello per peer address and [`MAX_PENDING`] per device are
+//!   kept, the rest are closed at once; at most [`MAX_AWAITING_PER_QP`] complete Hellos wait
+//!   for the same not-yet-connected QP (for [`AUTH_WAIT`]);
 //! - after it, a frame's length is checked against its kind before anything is allocated,
 //!   each frame must be complete within [`FRAME_TIMEOUT`] of its first byte, request PSNs
-//!   must follow on from the requester's initial PSN (replays and gaps are dropped), and a
-//!   peer that stops reading is cut off after [`SEND_TIMEOUT`];
-//! - accept errors (`EMFILE`) back off instead of spinning, and warnings a peer can
-//!   trigger are rate-limited.
+//!   must follow on from the requester's initial PSN (replays and gaps are dropped), a
+//!   device serves at most [`MAX_SERVED`] connections, and a peer that stops reading is cut
+//!   off after [`SEND_TIMEOUT`]: a connection's queued output is bounded (`OUT_HIGH` plus one
+//!   frame; beyond it the loop stops reading that peer's requests, or taking that link's
+//!   frames, until the peer takes some), never buffered without limit;
+//! - accept errors (`EMFILE`) pause that listener with a growing backoff instead of
+//!   spinning (the loop goes on serving everything else), and warnings a peer can trigger
+//!   are rate-limited.
 //!
-//! Requesters never hold a lock across blocking I/O: frames go to a writer thread through a
-//! bounded channel, and a reader thread hands responses back to the QP. Dropping the link
-//! shuts its socket down, which ends both threads even if the peer is alive but silent.
+//! Requesters never hold a lock across I/O, nor wait on it: a QP queues a frame on its
+//! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
+//! loop hands responses back to the QP. Served streams and links whose QP is gone end
+//! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
+//! ends it even if the peer is alive but silent. Anything else with a file descriptor (a
+//! later same-host transport's eventfd, say) could be registered with the same loop.
 
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
@@ -469,7 +483,8 @@ impl EventLoop {
                     until = until.min(p);
                 }
             }
-            let timeout = if self.again.is_empty() { until.saturating_duration_since(now) } else { Duration::ZERO };
+            let timeout =
+                if self.again.is_empty() { until.saturating_duration_since(now) } else { Duration::ZERO };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     warn_limited!(error = %e, "soft NIC: the wire's poll failed");
@@ -696,7 +711,8 @@ impl EventLoop {
                         Next::Keep => {
                             let i = self.insert(Entry::Pending(p));
                             let Some(Some(Entry::Pending(p))) = self.slab.get_mut(i) else { unreachable!() };
-                            if self.poll.registry().register(&mut p.s, Token(i), Interest::READABLE).is_err() {
+                            if self.poll.registry().register(&mut p.s, Token(i), Interest::READABLE).is_err()
+                            {
                                 self.slab[i] = None;
                                 self.free.push(i);
                                 continue;
@@ -830,7 +846,13 @@ impl EventLoop {
     }
 
     /// Serves `p`, authenticated for `qp`; `token`: its slot on the loop, if it has one.
-    fn start_serving(&mut self, p: Pending, qp: Arc<SoftQp>, served: &Arc<AtomicUsize>, token: Option<usize>) {
+    fn start_serving(
+        &mut self,
+        p: Pending,
+        qp: Arc<SoftQp>,
+        served: &Arc<AtomicUsize>,
+        token: Option<usize>,
+    ) {
         let Some(Frame::Hello { src_gid, src_qpn, src_psn, .. }) = p.hello else {
             if let Some(i) = token {
                 self.free.push(i);
@@ -939,10 +961,11 @@ impl EventLoop {
             // A write's data may not exceed what its target region can take from its
             // address (nothing if the key is not valid for it): more would be refused
             // anyway, so it is not stored.
-            let limit = |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade()) {
-                (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
-                _ => wire::MAX_MESSAGE as usize,
-            };
+            let limit =
+                |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade()) {
+                    (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
+                    _ => wire::MAX_MESSAGE as usize,
+                };
             let got = match s.io.rd.feed(&mut rest, limit, true) {
                 Ok(None) => continue,
                 Ok(Some(g)) => g,
@@ -1081,7 +1104,8 @@ impl EventLoop {
                     late
                 }
                 Some(Entry::Served(s)) => {
-                    let slow = s.io.rd.started.is_some_and(|t| now.saturating_duration_since(t) > FRAME_TIMEOUT);
+                    let slow =
+                        s.io.rd.started.is_some_and(|t| now.saturating_duration_since(t) > FRAME_TIMEOUT);
                     if slow {
                         warn_limited!(peer = ?s.peer, "soft NIC: frame not completed in time; connection dropped");
                     }
@@ -1096,7 +1120,9 @@ impl EventLoop {
                     if stalled {
                         warn_limited!("soft NIC: responder does not take our requests; link dropped");
                     }
-                    stalled || c.shared.closed.load(Ordering::Acquire) || (idle_check && c.qp.strong_count() == 0)
+                    stalled
+                        || c.shared.closed.load(Ordering::Acquire)
+                        || (idle_check && c.qp.strong_count() == 0)
                 }
             };
             if end && let Some(e) = self.slab[i].take() {
@@ -1216,7 +1242,12 @@ impl TcpLink {
         });
         match connected {
             Ok(s) => {
-                let nl = NewLink { s: MioStream::from_std(s), shared: shared.clone(), hello, qp: Arc::downgrade(qp) };
+                let nl = NewLink {
+                    s: MioStream::from_std(s),
+                    shared: shared.clone(),
+                    hello,
+                    qp: Arc::downgrade(qp),
+                };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
             Err(e) => {
@@ -1298,9 +1329,10 @@ impl FrameReader {
         FrameReader { accept, h: [0; wire::HEADER], got: 0, body: None, started: None }
     }
 
-    /// Inside a frame (some of its bytes read, not all).
+    /// Inside a frame past its header (an end of stream inside a header counts as a clean
+    /// end, as for [`read_frame_with`]).
     pub(crate) fn in_frame(&self) -> bool {
-        self.got > 0
+        self.body.is_some()
     }
 
     /// Takes bytes from the front of `input` up to the end of the next frame. `Ok(None)`:
@@ -1432,6 +1464,7 @@ impl Accept {
     }
 }
 
+#[cfg(test)]
 /// Reads one frame: the header, its length checked against its kind, against what
 /// `accept` allows and against `data_limit(kind)` (the most data bytes the reader can use
 /// for that kind now) *before* anything is allocated for the payload, then the payload (a
@@ -1547,45 +1580,82 @@ fn request_psn(f: &Frame) -> Option<u32> {
     }
 }
 
-/// Fuzzing entry: runs the production frame reader over `bytes` as a stream, in each of
-/// its modes, until the end or an error; returns the frames read per mode.
+/// Fuzzing entry: runs the wire's frame reader ([`FrameReader`], fed 7 bytes at a time
+/// so that frames straddle reads as they do on a socket) over `bytes` as a stream, in each
+/// of its modes, until the end or an error, and checks that it reads exactly what the
+/// blocking reference reader ([`read_frame_with`]) reads (panics otherwise); returns the
+/// frames read per mode.
 #[doc(hidden)]
 pub fn fuzz_read_frames(bytes: &[u8]) -> Vec<Result<Frame, String>> {
     let mut out = Vec::new();
     for accept in [Accept::Requests, Accept::HelloAck, Accept::Responses] {
-        // A small buffer so frames straddle refills, as they do on a socket.
-        let mut r = BufReader::with_capacity(7, bytes);
-        let mut buf = Vec::new();
-        loop {
-            match read_frame(&mut r, &mut buf, accept, |_| wire::MAX_MESSAGE as usize) {
-                Ok(Some(f)) => out.push(Ok(f)),
-                Ok(None) => break,
-                Err(e) => {
-                    out.push(Err(e));
-                    break;
-                }
-            }
-        }
+        let all = |_: u8, _: &[u8]| wire::MAX_MESSAGE as usize;
+        out.extend(both_readers(bytes, accept, all, false));
     }
     // The responder's discarding reader, with a limit derived from the fixed fields.
+    let limit = |_: u8, fixed: &[u8]| usize::from(fixed.first().copied().unwrap_or(0));
+    out.extend(both_readers(bytes, Accept::Requests, limit, true));
+    out
+}
+
+/// The frames `bytes` hold for both readers, which must agree (frame for frame, and on
+/// whether the stream ends in an error).
+fn both_readers(
+    bytes: &[u8],
+    accept: Accept,
+    limit: impl Fn(u8, &[u8]) -> usize,
+    discard: bool,
+) -> Vec<Result<Frame, String>> {
+    // The reference: a blocking reader through a small buffer.
     let mut r = BufReader::with_capacity(7, bytes);
     let mut buf = Vec::new();
-    let limit = |_: u8, fixed: &[u8]| usize::from(fixed.first().copied().unwrap_or(0));
+    let mut reference = Vec::new();
     loop {
-        match read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true) {
-            Ok(Some(Got::Frame(f))) => out.push(Ok(f)),
+        match read_frame_with(&mut r, &mut buf, accept, &limit, discard) {
+            Ok(Some(Got::Frame(f))) => reference.push(Ok(f)),
             Ok(Some(Got::Refused { frame, data_len })) => {
                 assert!(data_len > 0, "refused without data");
-                out.push(Ok(frame));
+                reference.push(Ok(frame));
             }
             Ok(None) => break,
             Err(e) => {
-                out.push(Err(e));
+                reference.push(Err(e));
                 break;
             }
         }
     }
-    out
+    // The wire's incremental reader.
+    let mut rd = FrameReader::new(accept);
+    let mut got = Vec::new();
+    'feed: for piece in bytes.chunks(7) {
+        let mut rest = piece;
+        while !rest.is_empty() {
+            match rd.feed(&mut rest, &limit, discard) {
+                Ok(None) => {}
+                Ok(Some(Got::Frame(f))) => got.push(Ok(f)),
+                Ok(Some(Got::Refused { frame, data_len })) => {
+                    assert!(data_len > 0, "refused without data");
+                    got.push(Ok(frame));
+                }
+                Err(e) => {
+                    got.push(Err(e));
+                    break 'feed;
+                }
+            }
+        }
+    }
+    if rd.in_frame() && !matches!(got.last(), Some(Err(_))) {
+        got.push(Err("connection closed inside a frame".into()));
+    }
+    let frames =
+        |v: &[Result<Frame, String>]| v.iter().filter_map(|r| r.as_ref().ok().cloned()).collect::<Vec<_>>();
+    assert_eq!(frames(&got), frames(&reference), "the readers disagree on the frames ({accept:?})");
+    assert_eq!(
+        matches!(got.last(), Some(Err(_))),
+        matches!(reference.last(), Some(Err(_))),
+        "the readers disagree on the stream's end ({accept:?}): {got:?} vs {reference:?}"
+    );
+    got
 }
 
 #[cfg(test)]
@@ -1664,6 +1734,31 @@ mod tests {
         assert_eq!(got, Some(Got::Frame(next)));
     }
 
+    proptest::proptest! {
+        #[test]
+        fn the_wire_reader_agrees_with_the_reference(
+            n in 0usize..6,
+            data_len in 0usize..300,
+            cut in 0usize..2000,
+            junk in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+        ) {
+            let mut frames = Vec::new();
+            for i in 0..n {
+                frames.push(match i % 4 {
+                    0 => Frame::Write { psn: i as u32, addr: 8, rkey: 3, imm: None, data: vec![i as u8; data_len] },
+                    1 => Frame::Read { psn: i as u32, addr: 8, rkey: 3, len: 16 },
+                    2 => Frame::Ack { psn: i as u32, status: 0, data: vec![1; data_len % 17] },
+                    _ => Frame::Send { psn: i as u32, imm: Some(5), data: vec![2; data_len / 3] },
+                });
+            }
+            let mut b = bytes(&frames);
+            b.truncate(cut.max(b.len() / 2));
+            b.extend_from_slice(&junk);
+            // Panics if the two readers disagree.
+            fuzz_read_frames(&b);
+        }
+    }
+
     #[test]
     fn rate_limit_lets_one_through_per_second() {
         let l = RateLimit::new();
@@ -1672,4 +1767,3 @@ mod tests {
         assert_eq!(l.allow(), None);
     }
 }
-
