@@ -61,6 +61,13 @@ fn bad(what: impl Into<String>) -> Error {
     Error::InvalidArgument(what.into())
 }
 
+/// A transport budget (4.096 us x 2^20, about 4.3 s, per try, 8 tries: about 34 s) that a loaded machine
+/// setting up a thousand pipes at once does not exhaust: the table measures rates, not
+/// timeouts.
+fn connect_options() -> ConnectOptions {
+    ConnectOptions::default().with_timeout(20).with_retry_cnt(7)
+}
+
 fn config() -> PipeConfig {
     PipeConfig::default().with_ring_len(64 << 10).with_notify(NotifyMode::WriteImm).with_poll(PollMode::Event)
 }
@@ -167,7 +174,7 @@ fn measure(n: u32, seconds: f64, idle: bool) -> Result<(f64, Usage, Usage)> {
         to.write_all(msg.as_bytes()).map_err(io("write to the peer"))?;
         to.flush().map_err(io("write to the peer"))?;
         let theirs = read_addresses(&mut from, n)?;
-        let opts = ConnectOptions::default();
+        let opts = connect_options();
         for ((qp, _), a) in ends.iter().zip(&theirs) {
             qp.connect(a, &opts)?;
         }
@@ -283,7 +290,7 @@ pub fn peer(a: &PeerArgs) -> Result<()> {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd()?;
     let ends = qps(&ctx, &pd, n)?;
-    let opts = ConnectOptions::default();
+    let opts = connect_options();
     let mut out = String::new();
     for ((qp, _), a) in ends.iter().zip(&theirs) {
         qp.connect(a, &opts)?;

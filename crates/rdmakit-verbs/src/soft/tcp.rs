@@ -172,6 +172,9 @@ const WAKER: Token = Token(usize::MAX);
 struct Wire {
     waker: Waker,
     inbox: Mutex<Inbox>,
+    /// The loop is (about to be) waiting in `poll`: only then does new work need a wake-up
+    /// (a system call); a busy loop takes the inbox on its next turn anyway.
+    asleep: AtomicBool,
 }
 
 #[derive(Default)]
@@ -193,7 +196,11 @@ impl Wire {
     /// Runs `f` on the inbox and wakes the loop.
     fn submit(&self, f: impl FnOnce(&mut Inbox)) {
         f(&mut self.inbox.lock().expect("wire inbox"));
-        if let Err(e) = self.waker.wake() {
+        // After the inbox lock: either the loop saw this work when it looked before
+        // sleeping, or it had said it was asleep before looking, and this wakes it.
+        if self.asleep.swap(false, Ordering::SeqCst)
+            && let Err(e) = self.waker.wake()
+        {
             warn_limited!(error = %e, "soft NIC: cannot wake the wire's event loop");
         }
     }
@@ -212,7 +219,11 @@ fn start_wire() -> std::io::Result<&'static Wire> {
     let poll = Poll::new()?;
     let waker = Waker::new(poll.registry(), WAKER)?;
     // Lives as long as the process: links and listeners of any device may reach it.
-    let wire: &'static Wire = Box::leak(Box::new(Wire { waker, inbox: Mutex::new(Inbox::default()) }));
+    let wire: &'static Wire = Box::leak(Box::new(Wire {
+        waker,
+        inbox: Mutex::new(Inbox::default()),
+        asleep: AtomicBool::new(false),
+    }));
     let lp = EventLoop {
         poll,
         wire,
@@ -483,9 +494,15 @@ impl EventLoop {
                     until = until.min(p);
                 }
             }
-            let timeout =
-                if self.again.is_empty() { until.saturating_duration_since(now) } else { Duration::ZERO };
-            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+            self.wire.asleep.store(true, Ordering::SeqCst);
+            let work = !self.again.is_empty() || {
+                let inbox = self.wire.inbox.lock().expect("wire inbox");
+                !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
+            };
+            let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
+            let polled = self.poll.poll(&mut events, Some(timeout));
+            self.wire.asleep.store(false, Ordering::SeqCst);
+            if let Err(e) = polled {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     warn_limited!(error = %e, "soft NIC: the wire's poll failed");
                     std::thread::sleep(BACKOFF_MIN);
@@ -940,6 +957,10 @@ impl EventLoop {
                     return false;
                 }
                 Ok(n) => {
+                    // A short read drained the socket: what arrives later is a new edge.
+                    if n < rbuf.len() {
+                        s.io.readable = false;
+                    }
                     let Some(used) = self.feed_served(s, &rbuf[..n]) else { return false };
                     if used < n {
                         s.io.left.extend_from_slice(&rbuf[used..n]);
@@ -1050,6 +1071,10 @@ impl EventLoop {
             match c.io.s.read(rbuf) {
                 Ok(0) => return false,
                 Ok(n) => {
+                    // A short read drained the socket: what arrives later is a new edge.
+                    if n < rbuf.len() {
+                        c.io.readable = false;
+                    }
                     let mut rest = &rbuf[..n];
                     while !rest.is_empty() {
                         let qp = &c.qp;
