@@ -45,6 +45,8 @@ pub struct PeerArgs {
 }
 
 const MSG: u32 = 8;
+/// QPs connected per step (see `measure`).
+const CHUNK: usize = 128;
 
 fn chan(e: ChannelError) -> Error {
     match e {
@@ -61,11 +63,9 @@ fn bad(what: impl Into<String>) -> Error {
     Error::InvalidArgument(what.into())
 }
 
-/// A transport budget (4.096 us x 2^20, about 4.3 s, per try, 8 tries: about 34 s) that a loaded machine
-/// setting up a thousand pipes at once does not exhaust: the table measures rates, not
-/// timeouts.
+/// The default transport budget.
 fn connect_options() -> ConnectOptions {
-    ConnectOptions::default().with_timeout(20).with_retry_cnt(7)
+    ConnectOptions::default()
 }
 
 fn config() -> PipeConfig {
@@ -175,8 +175,16 @@ fn measure(n: u32, seconds: f64, idle: bool) -> Result<(f64, Usage, Usage)> {
         to.flush().map_err(io("write to the peer"))?;
         let theirs = read_addresses(&mut from, n)?;
         let opts = connect_options();
-        for ((qp, _), a) in ends.iter().zip(&theirs) {
-            qp.connect(a, &opts)?;
+        // In steps, each side a chunk at a time: a device keeps at most 256 connections
+        // whose Hello waits for its QP, and a QP's Hello waits until the other side connects.
+        for (chunk, addrs) in ends.chunks(CHUNK).zip(theirs.chunks(CHUNK)) {
+            for ((qp, _), a) in chunk.iter().zip(addrs) {
+                qp.connect(a, &opts)?;
+            }
+            to.write_all(b"C\n").and_then(|_| to.flush()).map_err(io("write to the peer"))?;
+            if read_line(&mut from)? != "K" {
+                return Err(bad("the peer did not connect its QPs"));
+            }
         }
         let src = pd.alloc_mr(n as usize * MSG as usize, AccessFlags::LOCAL_WRITE)?;
         let rt = runtime()?;
@@ -229,6 +237,13 @@ fn measure(n: u32, seconds: f64, idle: bool) -> Result<(f64, Usage, Usage)> {
         drop(pipes);
         Ok((sent as f64 / el.as_secs_f64(), mine, theirs))
     })();
+    if result.is_err() {
+        // Say how the peer ended, if it did (its own error, if any, is on stderr above).
+        std::thread::sleep(Duration::from_millis(200));
+        if let Ok(Some(status)) = child.try_wait() {
+            eprintln!("rdmakit-perf scaling: the peer process ended: {status}");
+        }
+    }
     let _ = child.kill();
     let _ = child.wait();
     result
@@ -292,13 +307,21 @@ pub fn peer(a: &PeerArgs) -> Result<()> {
     let ends = qps(&ctx, &pd, n)?;
     let opts = connect_options();
     let mut out = String::new();
-    for ((qp, _), a) in ends.iter().zip(&theirs) {
-        qp.connect(a, &opts)?;
+    for (qp, _) in &ends {
         out += &hex(&qp.address()?.to_bytes());
         out.push('\n');
     }
     let mut stdout = std::io::stdout();
     stdout.write_all(out.as_bytes()).and_then(|_| stdout.flush()).map_err(io("write to the parent"))?;
+    for (chunk, addrs) in ends.chunks(CHUNK).zip(theirs.chunks(CHUNK)) {
+        if read_line(&mut r)? != "C" {
+            return Err(bad("expected C"));
+        }
+        for ((qp, _), a) in chunk.iter().zip(addrs) {
+            qp.connect(a, &opts)?;
+        }
+        stdout.write_all(b"K\n").and_then(|_| stdout.flush()).map_err(io("write to the parent"))?;
+    }
     let rt = runtime()?;
     let (pipes, _held) =
         if a.idle { (Vec::new(), Some(ends)) } else { (rt.block_on(connect_pipes(ends))?, None) };

@@ -186,9 +186,9 @@ struct Inbox {
 }
 
 struct NewLink {
+    /// Connected, its Hello sent.
     s: MioStream,
     shared: Arc<LinkShared>,
-    hello: Frame,
     qp: Weak<SoftQp>,
 }
 
@@ -606,8 +606,7 @@ impl EventLoop {
             self.again.push(i);
         }
         for nl in inbox.links {
-            let mut io = Io::new(nl.s, Accept::HelloAck);
-            io.push_frame(nl.hello, &mut self.scratch);
+            let io = Io::new(nl.s, Accept::HelloAck);
             let shared = nl.shared.clone();
             let i = self.insert(Entry::Link(LinkConn { io, shared: nl.shared, qp: nl.qp }));
             shared.token.store(i, Ordering::Release);
@@ -1260,19 +1259,21 @@ impl TcpLink {
                 return TcpLink { shared, wire: None };
             }
         };
-        let connected = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(|s| {
-            s.set_nonblocking(true)?;
+        // The Hello goes out with the connection, from this thread: a fresh socket's send
+        // buffer takes its few bytes at once, and a listener counts a connection whose Hello
+        // is late against its peer address's bound of unauthenticated connections (a burst
+        // of QPs connecting must not look like a slow-loris).
+        let connected = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(|mut s| {
             let _ = s.set_nodelay(true);
+            s.set_write_timeout(Some(Duration::from_secs(5)))?;
+            write_frame(&mut s, &hello, &mut Vec::new())?;
+            s.set_nonblocking(true)?;
             Ok(s)
         });
         match connected {
             Ok(s) => {
-                let nl = NewLink {
-                    s: MioStream::from_std(s),
-                    shared: shared.clone(),
-                    hello,
-                    qp: Arc::downgrade(qp),
-                };
+                let nl =
+                    NewLink { s: MioStream::from_std(s), shared: shared.clone(), qp: Arc::downgrade(qp) };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
             Err(e) => {
