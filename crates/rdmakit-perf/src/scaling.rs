@@ -63,9 +63,14 @@ fn bad(what: impl Into<String>) -> Error {
     Error::InvalidArgument(what.into())
 }
 
-/// The default transport budget.
+/// The QPs' transport timer: the default unless `RDMAKIT_SCALING_QP_TIMEOUT` (the verbs
+/// `timeout` exponent, 4.096 us x 2^t per try) says otherwise.
 fn connect_options() -> ConnectOptions {
-    ConnectOptions::default()
+    let o = ConnectOptions::default();
+    match std::env::var("RDMAKIT_SCALING_QP_TIMEOUT").ok().and_then(|v| v.parse::<u8>().ok()) {
+        Some(t) if (1..=31).contains(&t) => o.with_timeout(t),
+        _ => o,
+    }
 }
 
 fn config() -> PipeConfig {
