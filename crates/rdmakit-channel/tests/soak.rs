@@ -407,7 +407,8 @@ impl Tally {
 }
 
 /// Starts what the soft NIC keeps for the whole process, by design, so that the leak
-/// baseline includes it: the timer thread (one per process, started by the first transfer).
+/// baseline includes it: the timer thread (one per process, started by the first transfer)
+/// and the wire's event-loop thread (one per process, started by the first port).
 /// A pipe pair on a throwaway device exchanges one message, and everything is dropped.
 fn warm_up() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -419,12 +420,12 @@ fn warm_up() {
         b.recv().await.unwrap().release();
     });
     drop(rt);
-    // The throwaway device's threads (its port, the pair's connection) end shortly after it
-    // is gone; then only this thread and the timer thread remain, and no socket.
+    // The throwaway device's port closes shortly after it is gone; then only this thread,
+    // the timer thread and the wire's thread remain, and no socket.
     let start = Instant::now();
     loop {
         let (t, f) = inventory();
-        if t.len() <= 2 && !f.iter().any(|f| f.starts_with("socket:")) {
+        if t.len() <= 3 && !f.iter().any(|f| f.starts_with("socket:")) {
             break;
         }
         assert!(start.elapsed() < SETTLE, "the warm-up's device did not go: threads {t:?}, fds {f:?}");

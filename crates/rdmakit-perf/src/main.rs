@@ -19,6 +19,7 @@ mod plot;
 mod put_lat;
 mod report;
 mod rig;
+mod scaling;
 mod seeds;
 mod seeds_ckdirect;
 mod seeds_rpipe;
@@ -138,6 +139,12 @@ enum Cmd {
     /// The default suite in loopback (what no arguments runs): the soft NIC unless
     /// `--provider`/`--device` say otherwise.
     Suite(SuiteArgs),
+    /// The soft NIC across two processes against the number of connections: message rate,
+    /// threads and memory per process for N pipe pairs.
+    Scaling(scaling::ScalingArgs),
+    /// The peer process of `scaling` (spawned by it).
+    #[command(hide = true)]
+    ScalingPeer(scaling::PeerArgs),
 }
 
 /// The mode: loopback (neither), or one side of a two-process run.
@@ -698,6 +705,8 @@ fn main() -> ExitCode {
         Some(Cmd::PipeBw(o)) => one(Test::PipeBw, o),
         Some(Cmd::PutLat(o)) => one(Test::PutLat, o),
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
+        Some(Cmd::Scaling(a)) => scaling::main(a),
+        Some(Cmd::ScalingPeer(a)) => scaling::peer(a),
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
         Some(Cmd::Transfer(t)) => return transfer::main(t),
         Some(Cmd::Datagen(d)) => return transfer::datagen_main(d),

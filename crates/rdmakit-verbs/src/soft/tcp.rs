@@ -3,40 +3,56 @@
 //! Each soft device opens a TCP "port" the first time one of its QPs hands out an
 //! endpoint (address from `RDMAKIT_SOFT_ADDR`, default `127.0.0.1:0`). A requester QP
 //! connecting to a QP of another process opens one stream to that device and introduces
-//! itself with a `Hello`; once the Hello is authenticated, a thread of the device serves
-//! that stream as the target-side progress engine: it applies each request to the target
-//! QP's memory through the same responder code as in-process, and answers in order,
-//! without the target application.
+//! itself with a `Hello`; once the Hello is authenticated, the device serves that stream as
+//! the target-side progress engine: it applies each request to the target QP's memory
+//! through the same responder code as in-process, and answers in order, without the target
+//! application.
+//!
+//! All of it runs on one thread per process, the wire's event loop (`rdmakit-soft-wire`,
+//! `mio` over non-blocking sockets), whatever the number of devices and connections: every
+//! device's listener, the Hellos being read, the authenticated streams being served and
+//! every requester link (writing its frames, reading its responses). Each connection keeps
+//! its own input state and a bounded output queue; an idle one holds no buffer.
 //!
 //! Every peer is treated as hostile until its `Hello` proves it is the QP the target was
 //! connected to (both initial PSNs and the connection token, see [`wire::Frame::Hello`]):
-//! - before that, a connection costs the device one descriptor and a few bytes, no thread:
-//!   one acceptor thread per device reads Hellos from all of them with `poll(2)`, takes only
-//!   a header whose length is exactly a Hello's, and drops a connection whose Hello is not
-//!   complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`] connections with an incomplete Hello
-//!   per peer address and [`MAX_PENDING`] per device are kept, the rest are closed at once;
+//! - before that, a connection costs the device one descriptor and a few bytes: the loop
+//!   takes only a header whose length is exactly a Hello's, and drops a connection whose
+//!   Hello is not complete within [`HELLO_TIMEOUT`]; at most [`MAX_PENDING_PER_ADDR`]
+//!   connections with an incomplete Hello per peer address and [`MAX_PENDING`] per device are
+//!   kept, the rest are closed at once; at most [`MAX_AWAITING_PER_QP`] complete Hellos wait
+//!   for the same not-yet-connected QP (for [`AUTH_WAIT`]);
 //! - after it, a frame's length is checked against its kind before anything is allocated,
 //!   each frame must be complete within [`FRAME_TIMEOUT`] of its first byte, request PSNs
-//!   must follow on from the requester's initial PSN (replays and gaps are dropped), and a
-//!   peer that stops reading is cut off after [`SEND_TIMEOUT`];
-//! - accept errors (`EMFILE`) back off instead of spinning, and warnings a peer can
-//!   trigger are rate-limited.
+//!   must follow on from the requester's initial PSN (replays and gaps are dropped), a
+//!   device serves at most [`MAX_SERVED`] connections, and a peer that stops reading is cut
+//!   off after [`SEND_TIMEOUT`]: a connection's queued output is bounded (`OUT_HIGH` plus one
+//!   frame; beyond it the loop stops reading that peer's requests, or taking that link's
+//!   frames, until the peer takes some), never buffered without limit;
+//! - accept errors (`EMFILE`) pause that listener with a growing backoff instead of
+//!   spinning (the loop goes on serving everything else), and warnings a peer can trigger
+//!   are rate-limited.
 //!
-//! Requesters never hold a lock across blocking I/O: frames go to a writer thread through a
-//! bounded channel, and a reader thread hands responses back to the QP. Dropping the link
-//! shuts its socket down, which ends both threads even if the peer is alive but silent.
+//! Requesters never hold a lock across I/O, nor wait on it: a QP queues a frame on its
+//! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
+//! loop hands responses back to the QP. Served streams and links whose QP is gone end
+//! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
+//! ends it even if the peer is alive but silent. Anything else with a file descriptor (a
+//! later same-host transport's eventfd, say) could be registered with the same loop.
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::collections::VecDeque;
+use std::io::{BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
 use super::qp::{Auth, Requester, SharedTail, SoftQp};
 use super::wire::{self, Frame, WireError};
+use mio::net::{TcpListener as MioListener, TcpStream as MioStream};
+use mio::{Events, Interest, Poll, Token, Waker};
 
 /// Environment variable: the address soft devices listen on (`IP` or `IP:port`).
 pub const SOFT_ADDR_ENV: &str = "RDMAKIT_SOFT_ADDR";
@@ -60,7 +76,8 @@ pub(crate) const MAX_AWAITING_PER_QP: usize = 4;
 pub(crate) const MAX_PENDING: usize = 256;
 /// Authenticated connections served per device (each is bound to one target QP).
 pub(crate) const MAX_SERVED: usize = 1024;
-/// How often an idle served connection checks that its target QP still exists.
+/// How often the wire checks that the target QP of each served connection (and the QP of
+/// each link) still exists.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 const HELLO_FRAME: usize = wire::HEADER + wire::HELLO_LEN;
@@ -117,31 +134,130 @@ pub(crate) fn configured_addr() -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)
 }
 
-/// Starts the device's listener; returns its port.
+/// Starts the device's listener on the wire's event loop; returns its port.
 pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::Result<u16> {
     let listener = TcpListener::bind(addr)?;
     listener.set_nonblocking(true)?;
     let port = listener.local_addr()?.port();
-    let acceptor = Acceptor {
-        listener,
-        device: Arc::downgrade(device),
-        pending: Vec::new(),
-        served: Arc::new(AtomicUsize::new(0)),
-        backoff: BACKOFF_MIN,
-    };
-    std::thread::Builder::new()
-        .name(format!("rdmakit-{}-port", device.name()))
-        .spawn(move || acceptor.run())?;
+    let wire = wire()?;
+    wire.submit(|inbox| inbox.listeners.push((MioListener::from_std(listener), Arc::downgrade(device))));
     Ok(port)
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// Bytes queued for one socket beyond which the loop stops producing more for it (a
+/// responder stops reading requests, a requester stops taking frames from its queue) until
+/// the peer has taken some: with one frame on top, the bound on a connection's queued output.
+const OUT_HIGH: usize = 256 * 1024;
+/// Small frames are appended to the last queued buffer while it is below this size.
+const COALESCE: usize = 64 * 1024;
+/// Data of at least this size is queued as its own buffer (moved, not copied).
+const OWN_CHUNK: usize = 16 * 1024;
+/// The loop's one read buffer, shared by all connections.
+const READ_BUF: usize = 256 * 1024;
+/// Reads per connection per turn of the loop before the others get theirs.
+const READS_PER_TURN: usize = 8;
+/// How often the loop checks deadlines (Hello, frame and send timeouts, gone QPs/devices).
+const SWEEP: Duration = Duration::from_millis(100);
+/// How often a complete Hello waiting for its QP asks again.
+const AUTH_RETRY: Duration = Duration::from_millis(20);
+
+const WAKER: Token = Token(usize::MAX);
+
+/// The process's wire: one event-loop thread serving every soft device's listener, the
+/// connections they accepted and every requester link, over non-blocking sockets.
+/// Other threads hand it work through the inbox and wake it; they never do socket I/O.
+struct Wire {
+    waker: Waker,
+    inbox: Mutex<Inbox>,
+    /// The loop is (about to be) waiting in `poll`: only then does new work need a wake-up
+    /// (a system call); a busy loop takes the inbox on its next turn anyway.
+    asleep: AtomicBool,
+}
+
+#[derive(Default)]
+struct Inbox {
+    listeners: Vec<(MioListener, Weak<SoftDevice>)>,
+    links: Vec<NewLink>,
+    /// Links with new frames queued, or dropped.
+    ready: Vec<Arc<LinkShared>>,
+}
+
+struct NewLink {
+    /// Connected, its Hello sent.
+    s: MioStream,
+    shared: Arc<LinkShared>,
+    qp: Weak<SoftQp>,
+}
+
+impl Wire {
+    /// Runs `f` on the inbox and wakes the loop.
+    fn submit(&self, f: impl FnOnce(&mut Inbox)) {
+        f(&mut self.inbox.lock().expect("wire inbox"));
+        // After the inbox lock: either the loop saw this work when it looked before
+        // sleeping, or it had said it was asleep before looking, and this wakes it.
+        if self.asleep.swap(false, Ordering::SeqCst)
+            && let Err(e) = self.waker.wake()
+        {
+            warn_limited!(error = %e, "soft NIC: cannot wake the wire's event loop");
+        }
+    }
+}
+
+/// The process's wire, started on first use.
+fn wire() -> std::io::Result<&'static Wire> {
+    static WIRE: OnceLock<std::result::Result<&'static Wire, String>> = OnceLock::new();
+    WIRE.get_or_init(|| start_wire().map_err(|e| e.to_string()))
+        .as_ref()
+        .map(|w| *w)
+        .map_err(|e| std::io::Error::other(format!("soft NIC wire: {e}")))
+}
+
+fn start_wire() -> std::io::Result<&'static Wire> {
+    let poll = Poll::new()?;
+    let waker = Waker::new(poll.registry(), WAKER)?;
+    // Lives as long as the process: links and listeners of any device may reach it.
+    let wire: &'static Wire = Box::leak(Box::new(Wire {
+        waker,
+        inbox: Mutex::new(Inbox::default()),
+        asleep: AtomicBool::new(false),
+    }));
+    let lp = EventLoop {
+        poll,
+        wire,
+        slab: Vec::new(),
+        free: Vec::new(),
+        listeners: Vec::new(),
+        again: Vec::new(),
+        rbuf: vec![0; READ_BUF],
+        scratch: Vec::new(),
+    };
+    std::thread::Builder::new().name("rdmakit-soft-wire".into()).spawn(move || lp.run())?;
+    Ok(wire)
+}
+
+/// A device's listener on the loop.
+struct Lst {
+    l: MioListener,
+    device: Weak<SoftDevice>,
+    /// Tokens of its connections that are not authenticated yet.
+    pending: Vec<usize>,
+    /// Its authenticated connections being served.
+    served: Arc<AtomicUsize>,
+    backoff: Duration,
+    /// After an accept error (EMFILE...): no accepting before this.
+    paused_until: Option<Instant>,
+    /// Connections may be waiting in the backlog (the last accept did not say WouldBlock).
+    ready: bool,
+}
+
 /// A connection that has not proven who it is yet.
 struct Pending {
-    s: TcpStream,
+    s: MioStream,
     ip: IpAddr,
+    listener: usize,
     buf: [u8; HELLO_FRAME],
     got: usize,
     deadline: Instant,
@@ -154,130 +270,527 @@ enum Next {
     Serve(Arc<SoftQp>),
 }
 
-struct Acceptor {
-    listener: TcpListener,
-    device: Weak<SoftDevice>,
-    pending: Vec<Pending>,
-    served: Arc<AtomicUsize>,
-    backoff: Duration,
+/// A piece of a connection's queued output.
+enum Chunk {
+    Bytes(Vec<u8>, usize),
+    /// A request's payload sent straight from its registered region (`send(2)` reads it).
+    Tail(SharedTail, usize),
 }
 
-impl Acceptor {
-    fn run(mut self) {
-        loop {
-            if self.device.strong_count() == 0 {
-                return;
+/// A connection's socket with its input state and bounded output queue.
+struct Io {
+    s: MioStream,
+    rd: FrameReader,
+    /// Input read but not consumed yet (the connection was held back by its output).
+    left: Vec<u8>,
+    out: VecDeque<Chunk>,
+    out_bytes: usize,
+    /// Readiness as last reported by the edge-triggered poll (until WouldBlock).
+    readable: bool,
+    writable: bool,
+    /// When output last moved (or became pending): the send timeout counts from here.
+    last_progress: Instant,
+}
+
+impl Io {
+    fn new(s: MioStream, accept: Accept) -> Io {
+        Io {
+            s,
+            rd: FrameReader::new(accept),
+            left: Vec::new(),
+            out: VecDeque::new(),
+            out_bytes: 0,
+            readable: true,
+            writable: true,
+            last_progress: Instant::now(),
+        }
+    }
+
+    fn start_output(&mut self) {
+        if self.out.is_empty() {
+            self.last_progress = Instant::now();
+        }
+    }
+
+    /// Queues `f` (its data, when large, moved into the queue as is).
+    fn push_frame(&mut self, mut f: Frame, scratch: &mut Vec<u8>) {
+        self.start_output();
+        let data = match &mut f {
+            Frame::Write { data, .. } | Frame::Send { data, .. } | Frame::Ack { data, .. }
+                if data.len() >= OWN_CHUNK =>
+            {
+                std::mem::take(data)
             }
-            let now = Instant::now();
-            self.pending.retain(|p| {
-                let alive = p.deadline > now;
-                if !alive {
-                    warn_limited!(peer = %p.ip, "soft NIC: no authenticated Hello in time; connection dropped");
+            _ => Vec::new(),
+        };
+        scratch.clear();
+        let inline = wire::encode_split(&f, scratch);
+        debug_assert!(data.is_empty() || inline.is_empty());
+        let inline = inline.to_vec();
+        if !data.is_empty() {
+            patch_len(scratch, data.len());
+        }
+        self.push_bytes(scratch);
+        self.push_bytes(&inline);
+        if !data.is_empty() {
+            self.out_bytes += data.len();
+            self.out.push_back(Chunk::Bytes(data, 0));
+        }
+    }
+
+    /// Queues a request whose payload, as `tail`, is still in the requester's region.
+    fn push_request(&mut self, f: Frame, tail: Option<SharedTail>, scratch: &mut Vec<u8>) {
+        let Some(tail) = tail else { return self.push_frame(f, scratch) };
+        self.start_output();
+        scratch.clear();
+        let inline = wire::encode_split(&f, scratch);
+        debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
+        // The header's length counts the payload that follows from the region.
+        patch_len(scratch, tail.len);
+        self.push_bytes(scratch);
+        self.out_bytes += tail.len;
+        self.out.push_back(Chunk::Tail(tail, 0));
+    }
+
+    fn push_bytes(&mut self, b: &[u8]) {
+        if b.is_empty() {
+            return;
+        }
+        self.out_bytes += b.len();
+        if let Some(Chunk::Bytes(last, _)) = self.out.back_mut()
+            && last.len() < COALESCE
+        {
+            last.extend_from_slice(b);
+            return;
+        }
+        self.out.push_back(Chunk::Bytes(b.to_vec(), 0));
+    }
+
+    /// Writes queued output until done or the socket is full. Err: the connection failed.
+    fn flush(&mut self) -> std::io::Result<()> {
+        while let Some(c) = self.out.front_mut() {
+            let r = match c {
+                Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
+                Chunk::Tail(t, off) => {
+                    // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the
+                    // region's entry) lives, and `*off < t.len`; the kernel only reads it.
+                    // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a
+                    // full socket is WouldBlock (the loop never blocks).
+                    let n = unsafe {
+                        libc::send(
+                            self.s.as_raw_fd(),
+                            t.ptr.add(*off).cast(),
+                            t.len - *off,
+                            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                        )
+                    };
+                    if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
                 }
-                alive
-            });
-            let mut fds = Vec::with_capacity(self.pending.len() + 1);
-            fds.push(libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            for p in &self.pending {
-                // A complete Hello waits for its QP: watch only for errors and hang-ups (the
-                // requests pipelined behind it are the served thread's to read).
-                let events = if p.hello.is_some() { 0 } else { libc::POLLIN };
-                fds.push(libc::pollfd { fd: p.s.as_raw_fd(), events, revents: 0 });
+            };
+            match r {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.last_progress = Instant::now();
+                    self.out_bytes -= n;
+                    let done = match c {
+                        Chunk::Bytes(b, off) => {
+                            *off += n;
+                            *off == b.len()
+                        }
+                        Chunk::Tail(t, off) => {
+                            *off += n;
+                            *off == t.len
+                        }
+                    };
+                    if done {
+                        self.out.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.writable = false;
+                    return Ok(());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
-            let waiting = self.pending.iter().any(|p| p.hello.is_some());
-            let next_deadline = self.pending.iter().map(|p| p.deadline).min();
-            let mut wait = if waiting { Duration::from_millis(20) } else { IDLE_CHECK };
-            if let Some(d) = next_deadline {
-                wait = wait.min(d.saturating_duration_since(now) + Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// The peer has not taken our bytes for [`SEND_TIMEOUT`].
+    fn send_stalled(&self, now: Instant) -> bool {
+        !self.out.is_empty() && now.saturating_duration_since(self.last_progress) > SEND_TIMEOUT
+    }
+
+    /// Gives memory back when idle (an idle connection keeps no buffers).
+    fn trim(&mut self) {
+        if self.out.is_empty() && self.out.capacity() > 8 {
+            self.out = VecDeque::new();
+        }
+        if self.left.is_empty() && self.left.capacity() > 0 {
+            self.left = Vec::new();
+        }
+    }
+}
+
+/// Sets the length in an encoded header to its fixed part plus `extra` data bytes.
+fn patch_len(encoded: &mut [u8], extra: usize) {
+    let len = u32::from_le_bytes([encoded[4], encoded[5], encoded[6], encoded[7]]) as usize + extra;
+    encoded[4..8].copy_from_slice(&(len as u32).to_le_bytes());
+}
+
+/// An authenticated connection: the target side of one requester QP.
+struct ServedConn {
+    io: Io,
+    qp: Weak<SoftQp>,
+    requester: Requester<'static>,
+    /// The PSN the next request must carry. Go-back-N: after an RNR NAK, requests are
+    /// dropped until the NAKed one comes again; replays and gaps are dropped the same way.
+    expected: u32,
+    peer: Option<SocketAddr>,
+    _count: Served,
+}
+
+/// A requester QP's connection to a remote device.
+struct LinkConn {
+    io: Io,
+    shared: Arc<LinkShared>,
+    qp: Weak<SoftQp>,
+}
+
+enum Entry {
+    Listener(Lst),
+    Pending(Pending),
+    Served(ServedConn),
+    Link(LinkConn),
+}
+
+struct EventLoop {
+    poll: Poll,
+    wire: &'static Wire,
+    /// Everything on the loop, by token.
+    slab: Vec<Option<Entry>>,
+    free: Vec<usize>,
+    listeners: Vec<usize>,
+    /// Connections with input or output left over from their last turn.
+    again: Vec<usize>,
+    rbuf: Vec<u8>,
+    scratch: Vec<u8>,
+}
+
+impl EventLoop {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(1024);
+        let mut next_sweep = Instant::now() + SWEEP;
+        let mut next_auth = Instant::now() + AUTH_RETRY;
+        let mut next_idle = Instant::now() + IDLE_CHECK;
+        loop {
+            let now = Instant::now();
+            let mut until = next_sweep.min(next_auth);
+            for &li in &self.listeners {
+                if let Some(Some(Entry::Listener(l))) = self.slab.get(li)
+                    && let Some(p) = l.paused_until
+                {
+                    until = until.min(p);
+                }
             }
-            let ms = wait.as_millis().min(i32::MAX as u128) as i32;
-            // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for the call.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
+            self.wire.asleep.store(true, Ordering::SeqCst);
+            let work = !self.again.is_empty() || {
+                let inbox = self.wire.inbox.lock().expect("wire inbox");
+                !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
+            };
+            let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
+            let polled = self.poll.poll(&mut events, Some(timeout));
+            self.wire.asleep.store(false, Ordering::SeqCst);
+            if let Err(e) = polled {
                 if e.kind() != std::io::ErrorKind::Interrupted {
-                    warn_limited!(error = %e, "soft NIC: poll failed on the listener");
+                    warn_limited!(error = %e, "soft NIC: the wire's poll failed");
                     std::thread::sleep(BACKOFF_MIN);
                 }
                 continue;
             }
-            for i in (0..self.pending.len()).rev() {
-                let re = fds[i + 1].revents;
-                let next = if self.pending[i].hello.is_none() {
-                    if re != 0 { self.read_hello(i) } else { Next::Keep }
-                } else if re & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
-                    Next::Drop
-                } else {
-                    self.try_auth(i)
-                };
-                match next {
-                    Next::Keep => {}
-                    Next::Drop => drop(self.pending.swap_remove(i)),
-                    Next::Serve(qp) => {
-                        let p = self.pending.swap_remove(i);
-                        self.start_serving(p, qp);
-                    }
+            for ev in events.iter() {
+                if ev.token() == WAKER {
+                    continue;
                 }
+                let hup = ev.is_read_closed() || ev.is_error();
+                self.on_event(ev.token().0, ev.is_readable() || hup, ev.is_writable(), hup);
             }
-            if fds[0].revents & libc::POLLIN != 0 {
-                self.accept_all();
+            self.take_inbox();
+            for i in std::mem::take(&mut self.again) {
+                self.on_event(i, false, false, false);
+            }
+            let now = Instant::now();
+            self.resume_listeners(now);
+            if now >= next_auth {
+                self.retry_auth();
+                next_auth = now + AUTH_RETRY;
+            }
+            if now >= next_sweep {
+                let idle_check = now >= next_idle;
+                if idle_check {
+                    next_idle = now + IDLE_CHECK;
+                }
+                self.sweep(now, idle_check);
+                next_sweep = now + SWEEP;
             }
         }
     }
 
-    fn accept_all(&mut self) {
-        loop {
-            match self.listener.accept() {
+    fn insert(&mut self, e: Entry) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.slab[i] = Some(e);
+                i
+            }
+            None => {
+                self.slab.push(Some(e));
+                self.slab.len() - 1
+            }
+        }
+    }
+
+    /// Ends entry `i` (taken out of the slab): its socket closes as it drops.
+    fn remove(&mut self, i: usize, e: Entry) {
+        match e {
+            Entry::Listener(mut l) => {
+                let _ = self.poll.registry().deregister(&mut l.l);
+                self.listeners.retain(|&x| x != i);
+                for p in std::mem::take(&mut l.pending) {
+                    if !matches!(self.slab[p], Some(Entry::Pending(_))) {
+                        continue;
+                    }
+                    if let Some(Entry::Pending(mut pc)) = self.slab[p].take() {
+                        let _ = self.poll.registry().deregister(&mut pc.s);
+                        self.free.push(p);
+                    }
+                }
+            }
+            Entry::Pending(mut p) => {
+                let _ = self.poll.registry().deregister(&mut p.s);
+                if let Some(Some(Entry::Listener(l))) = self.slab.get_mut(p.listener) {
+                    l.pending.retain(|&x| x != i);
+                }
+            }
+            Entry::Served(mut s) => {
+                let _ = self.poll.registry().deregister(&mut s.io.s);
+            }
+            Entry::Link(mut c) => {
+                let _ = self.poll.registry().deregister(&mut c.io.s);
+                c.shared.fail();
+            }
+        }
+        self.free.push(i);
+    }
+
+    fn take_inbox(&mut self) {
+        let inbox = std::mem::take(&mut *self.wire.inbox.lock().expect("wire inbox"));
+        for (l, device) in inbox.listeners {
+            let i = self.insert(Entry::Listener(Lst {
+                l,
+                device,
+                pending: Vec::new(),
+                served: Arc::new(AtomicUsize::new(0)),
+                backoff: BACKOFF_MIN,
+                paused_until: None,
+                ready: true,
+            }));
+            let Some(Some(Entry::Listener(l))) = self.slab.get_mut(i) else { unreachable!() };
+            if let Err(e) = self.poll.registry().register(&mut l.l, Token(i), Interest::READABLE) {
+                tracing::error!(error = %e, "soft NIC: cannot watch a listener");
+                let e = self.slab[i].take().expect("just inserted");
+                self.remove(i, e);
+                continue;
+            }
+            self.listeners.push(i);
+            self.again.push(i);
+        }
+        for nl in inbox.links {
+            let io = Io::new(nl.s, Accept::HelloAck);
+            let shared = nl.shared.clone();
+            let i = self.insert(Entry::Link(LinkConn { io, shared: nl.shared, qp: nl.qp }));
+            shared.token.store(i, Ordering::Release);
+            let Some(Some(Entry::Link(c))) = self.slab.get_mut(i) else { unreachable!() };
+            if let Err(e) =
+                self.poll.registry().register(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+            {
+                tracing::error!(error = %e, "soft NIC: cannot watch a link");
+                let e = self.slab[i].take().expect("just inserted");
+                self.remove(i, e);
+                continue;
+            }
+            self.again.push(i);
+        }
+        for link in inbox.ready {
+            link.flagged.store(false, Ordering::Release);
+            let i = link.token.load(Ordering::Acquire);
+            // A link the loop has already ended has nothing to send.
+            if let Some(Some(Entry::Link(c))) = self.slab.get(i)
+                && Arc::ptr_eq(&c.shared, &link)
+            {
+                self.again.push(i);
+            }
+        }
+        self.again.sort_unstable();
+        self.again.dedup();
+    }
+
+    fn on_event(&mut self, i: usize, readable: bool, writable: bool, hup: bool) {
+        let Some(mut e) = self.slab.get_mut(i).and_then(Option::take) else { return };
+        let keep = match &mut e {
+            Entry::Listener(l) => {
+                l.ready |= readable;
+                self.accept_all(i, l);
+                true
+            }
+            Entry::Pending(p) => {
+                let next = if p.hello.is_none() {
+                    if readable { self.read_hello(p) } else { Next::Keep }
+                } else if hup {
+                    Next::Drop
+                } else {
+                    // A complete Hello waits for its QP: the requests pipelined behind it
+                    // stay in the socket for the served connection to read.
+                    Next::Keep
+                };
+                self.settle(i, e, next);
+                return;
+            }
+            Entry::Served(s) => {
+                s.io.readable |= readable;
+                s.io.writable |= writable;
+                self.drive_served(i, s)
+            }
+            Entry::Link(c) => {
+                c.io.readable |= readable;
+                c.io.writable |= writable;
+                self.drive_link(i, c)
+            }
+        };
+        if keep {
+            self.slab[i] = Some(e);
+        } else {
+            self.remove(i, e);
+        }
+    }
+
+    // ---- the listener and unauthenticated connections ----
+
+    fn resume_listeners(&mut self, now: Instant) {
+        for li in self.listeners.clone() {
+            let due = matches!(self.slab.get(li), Some(Some(Entry::Listener(l)))
+                if l.ready && l.paused_until.is_some_and(|p| p <= now));
+            if due {
+                self.on_event(li, false, false, false);
+            }
+        }
+    }
+
+    fn accept_all(&mut self, li: usize, l: &mut Lst) {
+        if let Some(p) = l.paused_until {
+            if Instant::now() < p {
+                return;
+            }
+            l.paused_until = None;
+        }
+        while l.ready {
+            match l.l.accept() {
                 Ok((s, addr)) => {
-                    self.backoff = BACKOFF_MIN;
+                    l.backoff = BACKOFF_MIN;
                     let ip = addr.ip();
-                    let from_ip = self.pending.iter().filter(|p| p.ip == ip && p.hello.is_none()).count();
-                    if self.pending.len() >= MAX_PENDING || from_ip >= MAX_PENDING_PER_ADDR {
+                    let from_ip = l
+                        .pending
+                        .iter()
+                        .filter(|&&p| {
+                            matches!(&self.slab[p], Some(Entry::Pending(o)) if o.ip == ip && o.hello.is_none())
+                        })
+                        .count();
+                    if l.pending.len() >= MAX_PENDING || from_ip >= MAX_PENDING_PER_ADDR {
                         warn_limited!(peer = %addr, "soft NIC: too many unauthenticated connections; refused");
                         continue; // dropping `s` closes it
                     }
-                    if s.set_nonblocking(true).is_err() {
-                        continue;
-                    }
                     let _ = s.set_nodelay(true);
-                    self.pending.push(Pending {
+                    let mut p = Pending {
                         s,
                         ip,
+                        listener: li,
                         buf: [0; HELLO_FRAME],
                         got: 0,
                         deadline: Instant::now() + HELLO_TIMEOUT,
                         hello: None,
-                    });
+                    };
                     // A peer's Hello usually follows its connect at once: take it now, so a
                     // burst of legitimate connections from one host is not counted as slow.
-                    let i = self.pending.len() - 1;
-                    match self.read_hello(i) {
-                        Next::Keep => {}
-                        Next::Drop => drop(self.pending.swap_remove(i)),
-                        Next::Serve(qp) => {
-                            let p = self.pending.swap_remove(i);
-                            self.start_serving(p, qp);
+                    let next = self.read_hello_of(&mut p, &l.pending, &l.device, &l.served);
+                    match next {
+                        Next::Drop => {}
+                        Next::Keep => {
+                            let i = self.insert(Entry::Pending(p));
+                            let Some(Some(Entry::Pending(p))) = self.slab.get_mut(i) else { unreachable!() };
+                            if self.poll.registry().register(&mut p.s, Token(i), Interest::READABLE).is_err()
+                            {
+                                self.slab[i] = None;
+                                self.free.push(i);
+                                continue;
+                            }
+                            l.pending.push(i);
                         }
+                        Next::Serve(qp) => self.start_serving(p, qp, &l.served, None),
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => l.ready = false,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {}
                 Err(e) => {
-                    // EMFILE, ENFILE, ENOBUFS...: the listener stays readable, so back off
-                    // rather than spin; pending connections still time out meanwhile.
-                    warn_limited!(error = %e, backoff_ms = self.backoff.as_millis() as u64, "soft NIC: accept failed; backing off");
-                    std::thread::sleep(self.backoff);
-                    self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+                    // EMFILE, ENFILE, ENOBUFS...: the connection stays in the backlog, so
+                    // pause this listener (the loop goes on with everything else) rather than
+                    // spin; pending connections still time out meanwhile.
+                    warn_limited!(error = %e, backoff_ms = l.backoff.as_millis() as u64, "soft NIC: accept failed; backing off");
+                    l.paused_until = Some(Instant::now() + l.backoff);
+                    l.backoff = (l.backoff * 2).min(BACKOFF_MAX);
                     return;
                 }
             }
         }
     }
 
-    /// Reads what arrived of pending connection `i`'s Hello (never past it).
-    fn read_hello(&mut self, i: usize) -> Next {
-        let p = &mut self.pending[i];
+    /// Pending connection `p` (taken out of the slab at `i`) is kept, dropped or served.
+    fn settle(&mut self, i: usize, e: Entry, next: Next) {
+        let Entry::Pending(p) = e else { unreachable!() };
+        match next {
+            Next::Keep => self.slab[i] = Some(Entry::Pending(p)),
+            Next::Drop => self.remove(i, Entry::Pending(p)),
+            Next::Serve(qp) => {
+                let li = p.listener;
+                let served = match self.slab.get_mut(li) {
+                    Some(Some(Entry::Listener(l))) => {
+                        l.pending.retain(|&x| x != i);
+                        l.served.clone()
+                    }
+                    _ => return self.remove(i, Entry::Pending(p)),
+                };
+                self.start_serving(p, qp, &served, Some(i));
+            }
+        }
+    }
+
+    fn read_hello(&mut self, p: &mut Pending) -> Next {
+        let (pending, device, served) = match self.slab.get(p.listener) {
+            Some(Some(Entry::Listener(l))) => (l.pending.clone(), l.device.clone(), l.served.clone()),
+            _ => return Next::Drop,
+        };
+        self.read_hello_of(p, &pending, &device, &served)
+    }
+
+    /// Reads what arrived of `p`'s Hello (never past it); `pending` are the other
+    /// unauthenticated connections of its listener.
+    fn read_hello_of(
+        &self,
+        p: &mut Pending,
+        pending: &[usize],
+        device: &Weak<SoftDevice>,
+        served: &AtomicUsize,
+    ) -> Next {
         loop {
             if p.got == HELLO_FRAME {
                 break;
@@ -306,19 +819,20 @@ impl Acceptor {
         }
         match wire::decode_payload(wire::KIND_HELLO, &p.buf[wire::HEADER..]) {
             Ok(h @ Frame::Hello { dst_qpn, .. }) => {
-                let awaiting = self
-                    .pending
+                let awaiting = pending
                     .iter()
-                    .filter(|o| matches!(o.hello, Some(Frame::Hello { dst_qpn: q, .. }) if q == dst_qpn))
+                    .filter(|&&o| {
+                        matches!(&self.slab[o], Some(Entry::Pending(o))
+                            if matches!(o.hello, Some(Frame::Hello { dst_qpn: q, .. }) if q == dst_qpn))
+                    })
                     .count();
-                let p = &mut self.pending[i];
                 if awaiting >= MAX_AWAITING_PER_QP {
                     warn_limited!(peer = %p.ip, qpn = dst_qpn, "soft NIC: too many Hellos waiting for one QP; dropped");
                     return Next::Drop;
                 }
                 p.hello = Some(h);
                 p.deadline = Instant::now() + AUTH_WAIT;
-                self.try_auth(i)
+                try_auth(p, device, served)
             }
             _ => {
                 warn_limited!(peer = %p.ip, "soft NIC: malformed Hello; connection dropped");
@@ -327,53 +841,350 @@ impl Acceptor {
         }
     }
 
-    /// Checks pending connection `i`'s complete Hello against the QP it names.
-    fn try_auth(&mut self, i: usize) -> Next {
-        let p = &mut self.pending[i];
-        let Some(Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token }) = &p.hello else {
-            return Next::Drop;
-        };
-        let Some(device) = self.device.upgrade() else { return Next::Drop };
-        let auth = match device.find_qp(*dst_qpn) {
-            Some(qp) => match qp.authenticate(src_gid, *src_qpn, *src_psn, *dst_psn, token) {
-                Auth::Accepted if self.served.load(Ordering::Acquire) >= MAX_SERVED => {
-                    warn_limited!(peer = %p.ip, "soft NIC: too many served connections; refused");
-                    None
+    /// Complete Hellos waiting for their QP ask again.
+    fn retry_auth(&mut self) {
+        for li in self.listeners.clone() {
+            let (pending, device, served) = match self.slab.get(li) {
+                Some(Some(Entry::Listener(l))) => (l.pending.clone(), l.device.clone(), l.served.clone()),
+                _ => continue,
+            };
+            for i in pending {
+                let waiting = matches!(&self.slab[i], Some(Entry::Pending(p)) if p.hello.is_some());
+                if !waiting {
+                    continue;
                 }
-                Auth::Accepted => Some(qp),
-                Auth::NotYet => return Next::Keep,
-                Auth::Refused => {
-                    warn_limited!(peer = %p.ip, qpn = *dst_qpn, "soft NIC: Hello failed authentication; refused");
-                    None
-                }
-            },
-            None => None,
-        };
-        let mut scratch = Vec::new();
-        let status = u8::from(auth.is_none());
-        // A fresh socket's send buffer takes these few bytes without blocking; if it does
-        // not, the peer is not worth waiting for.
-        let sent = write_frame(&mut p.s, &Frame::HelloAck { status }, &mut scratch).is_ok();
-        match auth {
-            Some(qp) if sent => Next::Serve(qp),
-            _ => Next::Drop,
+                let Some(mut e) = self.slab[i].take() else { continue };
+                let Entry::Pending(p) = &mut e else { unreachable!() };
+                let next = try_auth(p, &device, &served);
+                self.settle(i, e, next);
+            }
         }
     }
 
-    fn start_serving(&mut self, p: Pending, qp: Arc<SoftQp>) {
-        let Some(Frame::Hello { src_gid, src_qpn, src_psn, .. }) = p.hello else { return };
-        if p.s.set_nonblocking(false).is_err() {
+    /// Serves `p`, authenticated for `qp`; `token`: its slot on the loop, if it has one.
+    fn start_serving(
+        &mut self,
+        p: Pending,
+        qp: Arc<SoftQp>,
+        served: &Arc<AtomicUsize>,
+        token: Option<usize>,
+    ) {
+        let Some(Frame::Hello { src_gid, src_qpn, src_psn, .. }) = p.hello else {
+            if let Some(i) = token {
+                self.free.push(i);
+            }
             return;
-        }
-        let guard = Served::new(&self.served);
-        let weak = Arc::downgrade(&qp);
+        };
+        let peer = p.s.peer_addr().ok();
+        let conn = ServedConn {
+            io: Io::new(p.s, Accept::Requests),
+            qp: Arc::downgrade(&qp),
+            requester: Requester::remote(src_gid, src_qpn),
+            expected: src_psn & 0x00ff_ffff,
+            peer,
+            _count: Served::new(served),
+        };
         drop(qp);
-        let spawned = std::thread::Builder::new()
-            .name("rdmakit-soft-responder".into())
-            .spawn(move || serve(p.s, weak, Requester::remote(src_gid, src_qpn), src_psn, guard));
-        if let Err(e) = spawned {
-            warn_limited!(error = %e, "soft NIC: cannot start a responder thread");
+        let i = match token {
+            Some(i) => {
+                self.slab[i] = Some(Entry::Served(conn));
+                i
+            }
+            None => self.insert(Entry::Served(conn)),
+        };
+        let Some(Some(Entry::Served(c))) = self.slab.get_mut(i) else { unreachable!() };
+        let reg = self.poll.registry();
+        let r = if token.is_some() {
+            reg.reregister(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+        } else {
+            reg.register(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+        };
+        if let Err(e) = r {
+            warn_limited!(error = %e, "soft NIC: cannot watch a served connection");
+            let e = self.slab[i].take().expect("just set");
+            return self.remove(i, e);
         }
+        // Requests pipelined behind the Hello may already be in the socket.
+        self.again.push(i);
+    }
+
+    // ---- authenticated connections: the responder ----
+
+    /// Writes what is queued, then reads and applies requests while the output is below its
+    /// bound. False: the connection ends.
+    fn drive_served(&mut self, i: usize, s: &mut ServedConn) -> bool {
+        let mut rbuf = std::mem::take(&mut self.rbuf);
+        let keep = self.drive_served_with(i, s, &mut rbuf);
+        self.rbuf = rbuf;
+        if keep {
+            s.io.trim();
+        }
+        keep
+    }
+
+    fn drive_served_with(&mut self, i: usize, s: &mut ServedConn, rbuf: &mut [u8]) -> bool {
+        let mut reads = 0;
+        loop {
+            if !s.io.out.is_empty() && s.io.writable && s.io.flush().is_err() {
+                return false;
+            }
+            if s.io.out_bytes > OUT_HIGH {
+                return true; // held back until the peer takes its answers
+            }
+            if !s.io.left.is_empty() {
+                let left = std::mem::take(&mut s.io.left);
+                let Some(used) = self.feed_served(s, &left) else { return false };
+                s.io.left = left;
+                s.io.left.drain(..used);
+                continue;
+            }
+            if !s.io.readable {
+                return true;
+            }
+            if reads == READS_PER_TURN {
+                self.again.push(i);
+                return true;
+            }
+            reads += 1;
+            match s.io.s.read(rbuf) {
+                Ok(0) => {
+                    if s.io.rd.in_frame() {
+                        warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
+                    }
+                    // Answers already queued still go out if the socket takes them now.
+                    let _ = s.io.flush();
+                    return false;
+                }
+                Ok(n) => {
+                    // A short read drained the socket: what arrives later is a new edge.
+                    if n < rbuf.len() {
+                        s.io.readable = false;
+                    }
+                    let Some(used) = self.feed_served(s, &rbuf[..n]) else { return false };
+                    if used < n {
+                        s.io.left.extend_from_slice(&rbuf[used..n]);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => s.io.readable = false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// Applies the requests in `input` until it is used up or the output is over its
+    /// bound; returns the bytes used. None: the connection ends.
+    fn feed_served(&mut self, s: &mut ServedConn, input: &[u8]) -> Option<usize> {
+        let mut rest = input;
+        while !rest.is_empty() && s.io.out_bytes <= OUT_HIGH {
+            let qp = &s.qp;
+            // A write's data may not exceed what its target region can take from its
+            // address (nothing if the key is not valid for it): more would be refused
+            // anyway, so it is not stored.
+            let limit =
+                |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade()) {
+                    (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
+                    _ => wire::MAX_MESSAGE as usize,
+                };
+            let got = match s.io.rd.feed(&mut rest, limit, true) {
+                Ok(None) => continue,
+                Ok(Some(g)) => g,
+                Err(e) => {
+                    warn_limited!(peer = ?s.peer, error = %e, "soft NIC: bad frame from a requester; connection dropped");
+                    return None;
+                }
+            };
+            let reply = match got {
+                Got::Refused { frame, data_len } => {
+                    let psn = request_psn(&frame)?;
+                    if psn != s.expected {
+                        continue;
+                    }
+                    let target = s.qp.upgrade()?;
+                    let Some(reply) = target.refuse_write(&s.requester, frame, data_len) else { continue };
+                    s.expected = next_psn(psn);
+                    reply
+                }
+                Got::Frame(frame) => {
+                    let psn = request_psn(&frame)?;
+                    if psn != s.expected {
+                        warn_limited!(peer = ?s.peer, psn, expected = s.expected, "soft NIC: request out of sequence (replay or gap); dropped");
+                        continue;
+                    }
+                    // A destroyed target QP answers nothing: the requester times out, as on
+                    // a real NIC.
+                    let target = s.qp.upgrade()?;
+                    // `None`: the target QP is not connected to this requester (any more):
+                    // drop, as a NIC drops such packets; the requester times out.
+                    let Some(reply) = target.serve_remote(&s.requester, frame) else { continue };
+                    if !matches!(reply, Frame::RnrNak { .. }) {
+                        s.expected = next_psn(psn);
+                    }
+                    reply
+                }
+            };
+            s.io.push_frame(reply, &mut self.scratch);
+        }
+        Some(input.len() - rest.len())
+    }
+
+    // ---- requester links ----
+
+    /// Moves queued frames to the socket (within the output bound) and hands responses to
+    /// the QP. False: the link ends.
+    fn drive_link(&mut self, i: usize, c: &mut LinkConn) -> bool {
+        if c.shared.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut rbuf = std::mem::take(&mut self.rbuf);
+        let keep = self.drive_link_with(i, c, &mut rbuf);
+        self.rbuf = rbuf;
+        if keep {
+            c.io.trim();
+        }
+        keep
+    }
+
+    fn drive_link_with(&mut self, i: usize, c: &mut LinkConn, rbuf: &mut [u8]) -> bool {
+        // Output: what the QP queued, within the bound.
+        loop {
+            while c.io.out_bytes <= OUT_HIGH {
+                let Some((f, tail)) = c.shared.queue.lock().expect("link queue").pop_front() else { break };
+                c.io.push_request(f, tail, &mut self.scratch);
+            }
+            if c.io.out.is_empty() || !c.io.writable {
+                break;
+            }
+            if c.io.flush().is_err() {
+                return false;
+            }
+            if !c.io.writable {
+                break;
+            }
+        }
+        // Input: responses, handed to the QP (which takes no lock of the loop's).
+        for _ in 0..READS_PER_TURN {
+            if !c.io.readable {
+                return true;
+            }
+            match c.io.s.read(rbuf) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    // A short read drained the socket: what arrives later is a new edge.
+                    if n < rbuf.len() {
+                        c.io.readable = false;
+                    }
+                    let mut rest = &rbuf[..n];
+                    while !rest.is_empty() {
+                        let qp = &c.qp;
+                        // An answer carries at most what the oldest outstanding request
+                        // asked for.
+                        let limit = |_: u8, _: &[u8]| qp.upgrade().map_or(0, |q| q.response_data_limit());
+                        match c.io.rd.feed(&mut rest, limit, false) {
+                            Ok(None) => {}
+                            Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
+                                c.io.rd.accept = Accept::Responses;
+                            }
+                            Ok(Some(Got::Frame(Frame::HelloAck { .. }))) => {
+                                warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
+                                return false;
+                            }
+                            Ok(Some(Got::Frame(f))) => match c.qp.upgrade() {
+                                Some(qp) => qp.on_remote_response(f),
+                                None => return false,
+                            },
+                            Ok(Some(Got::Refused { .. })) => return false,
+                            Err(e) => {
+                                warn_limited!(error = %e, "soft NIC: bad response; link dropped");
+                                return false;
+                            }
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => c.io.readable = false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        if c.io.readable {
+            self.again.push(i);
+        }
+        true
+    }
+
+    // ---- timers ----
+
+    /// Ends what is late; with `idle_check`, also connections whose QP (or link) is gone.
+    fn sweep(&mut self, now: Instant, idle_check: bool) {
+        for i in 0..self.slab.len() {
+            let end = match &self.slab[i] {
+                None => false,
+                Some(Entry::Listener(l)) => l.device.strong_count() == 0,
+                Some(Entry::Pending(p)) => {
+                    let late = p.deadline <= now;
+                    if late {
+                        warn_limited!(peer = %p.ip, "soft NIC: no authenticated Hello in time; connection dropped");
+                    }
+                    late
+                }
+                Some(Entry::Served(s)) => {
+                    let slow =
+                        s.io.rd.started.is_some_and(|t| now.saturating_duration_since(t) > FRAME_TIMEOUT);
+                    if slow {
+                        warn_limited!(peer = ?s.peer, "soft NIC: frame not completed in time; connection dropped");
+                    }
+                    let stalled = s.io.send_stalled(now);
+                    if stalled {
+                        warn_limited!(peer = ?s.peer, "soft NIC: requester does not take its answers; connection dropped");
+                    }
+                    slow || stalled || (idle_check && s.qp.strong_count() == 0)
+                }
+                Some(Entry::Link(c)) => {
+                    let stalled = c.io.send_stalled(now);
+                    if stalled {
+                        warn_limited!("soft NIC: responder does not take our requests; link dropped");
+                    }
+                    stalled
+                        || c.shared.closed.load(Ordering::Acquire)
+                        || (idle_check && c.qp.strong_count() == 0)
+                }
+            };
+            if end && let Some(e) = self.slab[i].take() {
+                self.remove(i, e);
+            }
+        }
+    }
+}
+
+/// Checks `p`'s complete Hello against the QP it names.
+fn try_auth(p: &mut Pending, device: &Weak<SoftDevice>, served: &AtomicUsize) -> Next {
+    let Some(Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token }) = &p.hello else {
+        return Next::Drop;
+    };
+    let Some(device) = device.upgrade() else { return Next::Drop };
+    let auth = match device.find_qp(*dst_qpn) {
+        Some(qp) => match qp.authenticate(src_gid, *src_qpn, *src_psn, *dst_psn, token) {
+            Auth::Accepted if served.load(Ordering::Acquire) >= MAX_SERVED => {
+                warn_limited!(peer = %p.ip, "soft NIC: too many served connections; refused");
+                None
+            }
+            Auth::Accepted => Some(qp),
+            Auth::NotYet => return Next::Keep,
+            Auth::Refused => {
+                warn_limited!(peer = %p.ip, qpn = *dst_qpn, "soft NIC: Hello failed authentication; refused");
+                None
+            }
+        },
+        None => None,
+    };
+    let mut scratch = Vec::new();
+    let status = u8::from(auth.is_none());
+    // A fresh socket's send buffer takes these few bytes at once; if it does not, the peer
+    // is not worth waiting for.
+    let sent = write_frame(&mut p.s, &Frame::HelloAck { status }, &mut scratch).is_ok();
+    match auth {
+        Some(qp) if sent => Next::Serve(qp),
+        _ => Next::Drop,
     }
 }
 
@@ -390,6 +1201,271 @@ impl Served {
 impl Drop for Served {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+type Queued = (Frame, Option<SharedTail>);
+
+/// What a link shares between its QP and the loop.
+struct LinkShared {
+    /// Frames waiting for the loop, at most `cap`.
+    queue: Mutex<VecDeque<Queued>>,
+    cap: usize,
+    dead: AtomicBool,
+    /// The link was dropped: the loop closes it.
+    closed: AtomicBool,
+    /// On the loop's ready list already.
+    flagged: AtomicBool,
+    /// Its slot on the loop.
+    token: AtomicUsize,
+}
+
+impl LinkShared {
+    fn fail(&self) {
+        self.dead.store(true, Ordering::Release);
+        // Outstanding requests now time out (RETRY_EXC_ERR) on the QP's transport budget.
+        self.queue.lock().expect("link queue").clear();
+    }
+}
+
+/// A requester's connection to a remote QP.
+pub(crate) struct TcpLink {
+    shared: Arc<LinkShared>,
+    wire: Option<&'static Wire>,
+}
+
+impl TcpLink {
+    /// Connects QP `qp` to the device listening at `addr`, introducing itself with `hello`.
+    /// At most `queue` frames wait for the wire's loop.
+    ///
+    /// Errors are not returned: as on a real RC QP, an unreachable peer shows up as
+    /// requests that complete with `RETRY_EXC_ERR`. The link is then dead from the start.
+    /// The Hello is answered asynchronously (the peer may be connecting its QP to ours
+    /// meanwhile); requests queued before the answer follow the Hello on the stream.
+    pub fn connect(qp: &Arc<SoftQp>, addr: SocketAddr, hello: Frame, queue: usize) -> TcpLink {
+        let shared = Arc::new(LinkShared {
+            queue: Mutex::new(VecDeque::new()),
+            cap: queue,
+            dead: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            flagged: AtomicBool::new(false),
+            token: AtomicUsize::new(usize::MAX),
+        });
+        let wire = match wire() {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(%e, "soft NIC: no wire; requests will time out");
+                shared.dead.store(true, Ordering::Release);
+                return TcpLink { shared, wire: None };
+            }
+        };
+        // The Hello goes out with the connection, from this thread: a fresh socket's send
+        // buffer takes its few bytes at once, and a listener counts a connection whose Hello
+        // is late against its peer address's bound of unauthenticated connections (a burst
+        // of QPs connecting must not look like a slow-loris).
+        let connected = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(|mut s| {
+            let _ = s.set_nodelay(true);
+            s.set_write_timeout(Some(Duration::from_secs(5)))?;
+            write_frame(&mut s, &hello, &mut Vec::new())?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        });
+        match connected {
+            Ok(s) => {
+                let nl =
+                    NewLink { s: MioStream::from_std(s), shared: shared.clone(), qp: Arc::downgrade(qp) };
+                wire.submit(|inbox| inbox.links.push(nl));
+            }
+            Err(e) => {
+                warn_limited!(%addr, error = %e, "soft NIC: peer unreachable; requests will time out");
+                shared.dead.store(true, Ordering::Release);
+            }
+        }
+        TcpLink { shared, wire: Some(wire) }
+    }
+
+    /// Queues a request frame, with its payload still in the region when `tail` is given.
+    /// False if the link is down or its queue is full (the request is retried later).
+    /// Never waits on I/O: the wire's loop does the writing.
+    pub fn send(&self, f: Frame, tail: Option<SharedTail>) -> bool {
+        let Some(wire) = self.wire else { return false };
+        if self.is_dead() {
+            return false;
+        }
+        {
+            let mut q = self.shared.queue.lock().expect("link queue");
+            if q.len() >= self.shared.cap {
+                return false;
+            }
+            q.push_back((f, tail));
+        }
+        if !self.shared.flagged.swap(true, Ordering::AcqRel) {
+            wire.submit(|inbox| inbox.ready.push(self.shared.clone()));
+        }
+        true
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.shared.dead.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        // The loop closes the socket at once, even if the peer is alive but silent.
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.fail();
+        if let Some(wire) = self.wire {
+            self.shared.flagged.store(true, Ordering::Release);
+            wire.submit(|inbox| inbox.ready.push(self.shared.clone()));
+        }
+    }
+}
+
+/// The incremental form of [`read_frame_with`], for non-blocking sockets: bytes are fed
+/// as they arrive and a frame comes out when complete. The same checks, in the same
+/// order: the header's length against its kind and against what the stream accepts, then
+/// (data-carrying frames) the data length against `data_limit(kind, fixed)` *before* any
+/// data is stored; the data vector grows only as bytes arrive, never past that length.
+pub(crate) struct FrameReader {
+    accept: Accept,
+    h: [u8; wire::HEADER],
+    got: usize,
+    body: Option<Body>,
+    /// When the frame being read had its first byte.
+    started: Option<Instant>,
+}
+
+struct Body {
+    kind: u8,
+    /// Bytes of fixed fields (the whole payload for frames without data).
+    fixed_len: usize,
+    fixed: Vec<u8>,
+    /// Data bytes of a data-carrying frame.
+    data_len: usize,
+    /// Whether the data limit was applied (once the fixed fields are in).
+    checked: bool,
+    /// Data bytes still to throw away (a refused frame).
+    discard: Option<usize>,
+    data: Vec<u8>,
+}
+
+impl FrameReader {
+    pub(crate) fn new(accept: Accept) -> FrameReader {
+        FrameReader { accept, h: [0; wire::HEADER], got: 0, body: None, started: None }
+    }
+
+    /// Inside a frame past its header (an end of stream inside a header counts as a clean
+    /// end, as for [`read_frame_with`]).
+    pub(crate) fn in_frame(&self) -> bool {
+        self.body.is_some()
+    }
+
+    /// Takes bytes from the front of `input` up to the end of the next frame. `Ok(None)`:
+    /// `input` is used up, the frame is not complete yet.
+    pub(crate) fn feed(
+        &mut self,
+        input: &mut &[u8],
+        mut data_limit: impl FnMut(u8, &[u8]) -> usize,
+        discard: bool,
+    ) -> Result<Option<Got>, String> {
+        if input.is_empty() {
+            return Ok(None);
+        }
+        if self.got < wire::HEADER {
+            if self.got == 0 {
+                self.started = Some(Instant::now());
+            }
+            let take = (wire::HEADER - self.got).min(input.len());
+            self.h[self.got..self.got + take].copy_from_slice(&input[..take]);
+            self.got += take;
+            *input = &input[take..];
+            if self.got < wire::HEADER {
+                return Ok(None);
+            }
+            let (kind, len) = wire::decode_header(&self.h).map_err(|e: WireError| e.to_string())?;
+            wire::check_length(kind, len).map_err(|e| e.to_string())?;
+            if !self.accept.allows(kind) {
+                return Err(format!("frame kind {kind} is not expected here ({:?})", self.accept));
+            }
+            let len = len as usize;
+            // `check_length` bounded a frame without data to its kind's size, and a
+            // data-carrying one's fixed part is at most its kind's.
+            let (fixed_len, data_len) = match wire::data_offset(kind) {
+                Some(fixed) if len >= fixed => (fixed, len - fixed),
+                _ => (len, 0),
+            };
+            self.body = Some(Body {
+                kind,
+                fixed_len,
+                fixed: Vec::with_capacity(fixed_len),
+                data_len,
+                checked: false,
+                discard: None,
+                data: Vec::new(),
+            });
+        }
+        let b = self.body.as_mut().expect("a header was read");
+        if b.fixed.len() < b.fixed_len {
+            let take = (b.fixed_len - b.fixed.len()).min(input.len());
+            b.fixed.extend_from_slice(&input[..take]);
+            *input = &input[take..];
+            if b.fixed.len() < b.fixed_len {
+                return Ok(None);
+            }
+        }
+        let is_data = matches!(wire::data_offset(b.kind), Some(f) if b.fixed_len == f);
+        if is_data && !b.checked {
+            b.checked = true;
+            let limit = data_limit(b.kind, &b.fixed);
+            if b.data_len > limit {
+                if !discard {
+                    return Err(format!(
+                        "frame kind {} with {} data bytes where at most {limit} fit",
+                        b.kind, b.data_len
+                    ));
+                }
+                b.discard = Some(b.data_len);
+            }
+        }
+        if let Some(left) = b.discard.as_mut() {
+            let take = (*left).min(input.len());
+            *left -= take;
+            *input = &input[take..];
+            if *left > 0 {
+                return Ok(None);
+            }
+            let b = self.finish();
+            let frame = wire::decode_payload(b.kind, &b.fixed).map_err(|e| e.to_string())?;
+            return Ok(Some(Got::Refused { frame, data_len: b.data_len }));
+        }
+        if b.data.len() < b.data_len {
+            let take = (b.data_len - b.data.len()).min(input.len());
+            let need = b.data.len() + take;
+            if b.data.capacity() < need {
+                // Doubling, but never past the frame's data length.
+                let want = (b.data.capacity() * 2).max(need).min(b.data_len);
+                b.data.reserve_exact(want - b.data.len());
+            }
+            b.data.extend_from_slice(&input[..take]);
+            *input = &input[take..];
+            if b.data.len() < b.data_len {
+                return Ok(None);
+            }
+        }
+        let b = self.finish();
+        let frame = if is_data {
+            wire::decode_payload_split(b.kind, &b.fixed, b.data)
+        } else {
+            wire::decode_payload(b.kind, &b.fixed)
+        };
+        frame.map(|f| Some(Got::Frame(f))).map_err(|e| e.to_string())
+    }
+
+    fn finish(&mut self) -> Body {
+        self.got = 0;
+        self.started = None;
+        self.body.take().expect("a frame was being read")
     }
 }
 
@@ -414,6 +1490,7 @@ impl Accept {
     }
 }
 
+#[cfg(test)]
 /// Reads one frame: the header, its length checked against its kind, against what
 /// `accept` allows and against `data_limit(kind)` (the most data bytes the reader can use
 /// for that kind now) *before* anything is allocated for the payload, then the payload (a
@@ -505,64 +1582,6 @@ pub fn read_frame_with(
     }
 }
 
-/// A socket whose reads fail once a deadline passes (the partial-frame timeout): each read
-/// waits at most until the deadline, so a peer trickling bytes cannot hold a frame open.
-struct DeadlineStream {
-    s: TcpStream,
-    deadline: Option<Instant>,
-}
-
-impl Read for DeadlineStream {
-    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
-        if let Some(d) = self.deadline {
-            let left = d.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "frame not completed in time"));
-            }
-            self.s.set_read_timeout(Some(left))?;
-        }
-        self.s.read(b)
-    }
-}
-
-/// Writes a request frame whose payload is either in the frame or, as `tail`, still in the
-/// requester's registered region: then the header goes through the buffer and the payload
-/// straight from the region to the socket (`send(2)` reads it; no Rust reference is formed
-/// over memory the NIC's peers may write).
-fn write_request(
-    w: &mut BufWriter<TcpStream>,
-    f: &Frame,
-    tail: Option<SharedTail>,
-    scratch: &mut Vec<u8>,
-) -> std::io::Result<()> {
-    let Some(tail) = tail else { return write_frame(w, f, scratch) };
-    scratch.clear();
-    let inline = wire::encode_split(f, scratch);
-    debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
-    // The header's length counts the payload that follows from the region.
-    let len = u32::from_le_bytes([scratch[4], scratch[5], scratch[6], scratch[7]]) as usize + tail.len;
-    scratch[4..8].copy_from_slice(&(len as u32).to_le_bytes());
-    w.write_all(scratch)?;
-    w.flush()?;
-    let fd = w.get_ref().as_raw_fd();
-    let mut sent = 0;
-    while sent < tail.len {
-        // SAFETY: `tail.ptr` is valid for `tail.len` bytes while `tail` (holding the region's
-        // entry) lives; the kernel only reads it. MSG_NOSIGNAL: a closed peer is an error,
-        // not SIGPIPE. The socket's send timeout bounds the wait on a peer that stops reading.
-        let n = unsafe { libc::send(fd, tail.ptr.add(sent).cast(), tail.len - sent, libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        sent += n as usize;
-    }
-    Ok(())
-}
-
 /// Writes `f`; a large payload goes to the writer without passing through `scratch`.
 fn write_frame(w: &mut impl Write, f: &Frame, scratch: &mut Vec<u8>) -> std::io::Result<()> {
     scratch.clear();
@@ -571,114 +1590,9 @@ fn write_frame(w: &mut impl Write, f: &Frame, scratch: &mut Vec<u8>) -> std::io:
     w.write_all(data)
 }
 
-/// Waits until `fd` is readable; false after `wait`.
-fn readable(fd: i32, wait: Duration) -> std::io::Result<bool> {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    let ms = wait.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: one valid pollfd on the stack, count 1.
-    let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-    match r {
-        0 => Ok(false),
-        r if r > 0 => Ok(true),
-        _ => {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted { Ok(false) } else { Err(e) }
-        }
-    }
-}
-
 /// 24-bit PSN arithmetic, as on the wire of a real RC QP.
 pub(crate) fn next_psn(psn: u32) -> u32 {
     psn.wrapping_add(1) & 0x00ff_ffff
-}
-
-/// Serves one authenticated stream: the target side of one requester QP. `first_psn` is
-/// the requester's initial PSN, checked in its Hello.
-fn serve(
-    stream: TcpStream,
-    qp: Weak<SoftQp>,
-    requester: Requester<'static>,
-    first_psn: u32,
-    _served: Served,
-) {
-    let peer = stream.peer_addr().ok();
-    let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
-    let Ok(read_half) = stream.try_clone() else { return };
-    let fd = read_half.as_raw_fd();
-    let mut r = BufReader::with_capacity(256 * 1024, DeadlineStream { s: read_half, deadline: None });
-    let mut w = BufWriter::with_capacity(64 * 1024, stream);
-    let (mut buf, mut scratch) = (Vec::new(), Vec::new());
-    // The PSN the next request must carry. Go-back-N: after an RNR NAK, requests are
-    // dropped until the NAKed one comes again; replays and gaps are dropped the same way.
-    let mut expected = first_psn & 0x00ff_ffff;
-    loop {
-        if r.buffer().is_empty() {
-            // Flush replies before a read that may block (nothing more buffered): batches
-            // replies under load, and no reply waits behind a request that gets dropped.
-            if w.flush().is_err() {
-                return;
-            }
-            // Idle: wait for the next frame, leaving when the target QP is gone.
-            loop {
-                match readable(fd, IDLE_CHECK) {
-                    Ok(true) => break,
-                    Ok(false) if qp.strong_count() == 0 => return,
-                    Ok(false) => {}
-                    Err(_) => return,
-                }
-            }
-        }
-        r.get_mut().deadline = Some(Instant::now() + FRAME_TIMEOUT);
-        // A write's data may not exceed what its target region can take from its address
-        // (nothing if the key is not valid for it): more would be refused anyway, so it is
-        // not stored.
-        let limit = |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade())
-        {
-            (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
-            _ => wire::MAX_MESSAGE as usize,
-        };
-        let frame = read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true);
-        r.get_mut().deadline = None;
-        let frame = match frame {
-            Ok(Some(Got::Frame(f))) => f,
-            Ok(Some(Got::Refused { frame, data_len })) => {
-                let Some(psn) = request_psn(&frame) else { return };
-                if psn != expected {
-                    continue;
-                }
-                let Some(target) = qp.upgrade() else { return };
-                let Some(reply) = target.refuse_write(&requester, frame, data_len) else { continue };
-                drop(target);
-                expected = next_psn(psn);
-                if write_frame(&mut w, &reply, &mut scratch).is_err() {
-                    return;
-                }
-                continue;
-            }
-            Ok(None) => return,
-            Err(e) => {
-                warn_limited!(?peer, error = %e, "soft NIC: bad frame from a requester; connection dropped");
-                return;
-            }
-        };
-        let Some(psn) = request_psn(&frame) else { return };
-        if psn != expected {
-            warn_limited!(?peer, psn, expected, "soft NIC: request out of sequence (replay or gap); dropped");
-            continue;
-        }
-        // A destroyed target QP answers nothing: the requester times out, as on a real NIC.
-        let Some(target) = qp.upgrade() else { return };
-        // `None`: the target QP is not connected to this requester (any more): drop, as a
-        // NIC drops such packets; the requester times out.
-        let Some(reply) = target.serve_remote(&requester, frame) else { continue };
-        drop(target);
-        if !matches!(reply, Frame::RnrNak { .. }) {
-            expected = next_psn(psn);
-        }
-        if write_frame(&mut w, &reply, &mut scratch).is_err() {
-            return;
-        }
-    }
 }
 
 fn request_psn(f: &Frame) -> Option<u32> {
@@ -692,181 +1606,82 @@ fn request_psn(f: &Frame) -> Option<u32> {
     }
 }
 
-type Queued = (Frame, Option<SharedTail>);
-
-/// A requester's connection to a remote QP.
-pub(crate) struct TcpLink {
-    tx: mpsc::SyncSender<Queued>,
-    dead: Arc<AtomicBool>,
-    /// A handle on the socket, to shut it down when the link is dropped.
-    stream: Option<TcpStream>,
-}
-
-impl TcpLink {
-    /// Connects QP `qp` to the device listening at `addr`, introducing itself with `hello`.
-    /// At most `queue` frames wait for the writer thread.
-    ///
-    /// Errors are not returned: as on a real RC QP, an unreachable peer shows up as
-    /// requests that complete with `RETRY_EXC_ERR`. The link is then dead from the start.
-    /// The Hello is answered asynchronously (the peer may be connecting its QP to ours
-    /// meanwhile); requests queued before the answer follow the Hello on the stream.
-    pub fn connect(qp: &Arc<SoftQp>, addr: SocketAddr, hello: Frame, queue: usize) -> TcpLink {
-        let dead = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::sync_channel::<Queued>(queue);
-        let mut handle = None;
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-            Ok(stream) => {
-                let _ = stream.set_nodelay(true);
-                let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
-                handle = stream.try_clone().ok();
-                let weak = Arc::downgrade(qp);
-                if let Err(e) = spawn_io(stream, hello, rx, weak, dead.clone()) {
-                    tracing::error!(%e, "soft NIC: cannot start link threads");
-                    dead.store(true, Ordering::Release);
-                }
-            }
-            Err(e) => {
-                warn_limited!(%addr, error = %e, "soft NIC: peer unreachable; requests will time out");
-                dead.store(true, Ordering::Release);
-            }
-        }
-        TcpLink { tx, dead, stream: handle }
-    }
-
-    /// Queues a request frame, with its payload still in the region when `tail` is given.
-    /// False if the link is down or its queue is full (the request is retried later).
-    pub fn send(&self, f: Frame, tail: Option<SharedTail>) -> bool {
-        !self.is_dead() && self.tx.try_send((f, tail)).is_ok()
-    }
-
-    pub fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for TcpLink {
-    fn drop(&mut self) {
-        // Ends both threads even if the peer is alive but silent (a writer blocked on a
-        // full socket, a reader waiting for an answer): their calls fail at once.
-        if let Some(s) = &self.stream {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-    }
-}
-
-fn spawn_io(
-    stream: TcpStream,
-    hello: Frame,
-    rx: mpsc::Receiver<Queued>,
-    qp: Weak<SoftQp>,
-    dead: Arc<AtomicBool>,
-) -> std::io::Result<()> {
-    let read_half = stream.try_clone()?;
-    let dead_w = dead.clone();
-    std::thread::Builder::new().name("rdmakit-soft-tx".into()).spawn(move || {
-        let mut w = BufWriter::with_capacity(256 * 1024, stream);
-        let mut scratch = Vec::new();
-        let fail = |w: &BufWriter<TcpStream>| {
-            dead_w.store(true, Ordering::Release);
-            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-        };
-        if write_frame(&mut w, &hello, &mut scratch).and_then(|_| w.flush()).is_err() {
-            return fail(&w);
-        }
-        // Write each frame; flush when the queue is momentarily empty.
-        while let Ok((f, tail)) = rx.recv() {
-            let mut ok = write_request(&mut w, &f, tail, &mut scratch).is_ok();
-            while ok {
-                match rx.try_recv() {
-                    Ok((f, tail)) => ok = write_request(&mut w, &f, tail, &mut scratch).is_ok(),
-                    Err(_) => break,
-                }
-            }
-            if !ok || w.flush().is_err() {
-                return fail(&w);
-            }
-        }
-        // The QP is gone (sender dropped): close the stream.
-        let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-    })?;
-    std::thread::Builder::new().name("rdmakit-soft-rx".into()).spawn(move || {
-        let mut r = BufReader::with_capacity(256 * 1024, read_half);
-        let mut buf = Vec::new();
-        let acked = match read_frame(&mut r, &mut buf, Accept::HelloAck, |_| 0) {
-            Ok(Some(Frame::HelloAck { status: 0 })) => true,
-            Ok(Some(_)) => {
-                warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
-                false
-            }
-            Ok(None) => false,
-            Err(e) => {
-                warn_limited!(error = %e, "soft NIC: bad handshake reply; link dropped");
-                false
-            }
-        };
-        if acked {
-            loop {
-                // An answer carries at most what the oldest outstanding request asked for.
-                let limit = |_| qp.upgrade().map_or(0, |q| q.response_data_limit());
-                match read_frame(&mut r, &mut buf, Accept::Responses, limit) {
-                    Ok(Some(f)) => match qp.upgrade() {
-                        Some(qp) => qp.on_remote_response(f),
-                        None => break,
-                    },
-                    Ok(None) => break,
-                    Err(e) => {
-                        warn_limited!(error = %e, "soft NIC: bad response; link dropped");
-                        break;
-                    }
-                }
-            }
-        }
-        // Outstanding requests now time out (RETRY_EXC_ERR) on the QP's transport budget.
-        dead.store(true, Ordering::Release);
-        let _ = r.get_ref().shutdown(std::net::Shutdown::Both);
-    })?;
-    Ok(())
-}
-
-/// Fuzzing entry: runs the production frame reader over `bytes` as a stream, in each of
-/// its modes, until the end or an error; returns the frames read per mode.
+/// Fuzzing entry: runs the wire's frame reader ([`FrameReader`], fed 7 bytes at a time
+/// so that frames straddle reads as they do on a socket) over `bytes` as a stream, in each
+/// of its modes, until the end or an error, and checks that it reads exactly what the
+/// blocking reference reader ([`read_frame_with`]) reads (panics otherwise); returns the
+/// frames read per mode.
 #[doc(hidden)]
 pub fn fuzz_read_frames(bytes: &[u8]) -> Vec<Result<Frame, String>> {
     let mut out = Vec::new();
     for accept in [Accept::Requests, Accept::HelloAck, Accept::Responses] {
-        // A small buffer so frames straddle refills, as they do on a socket.
-        let mut r = BufReader::with_capacity(7, bytes);
-        let mut buf = Vec::new();
-        loop {
-            match read_frame(&mut r, &mut buf, accept, |_| wire::MAX_MESSAGE as usize) {
-                Ok(Some(f)) => out.push(Ok(f)),
-                Ok(None) => break,
-                Err(e) => {
-                    out.push(Err(e));
-                    break;
-                }
-            }
-        }
+        let all = |_: u8, _: &[u8]| wire::MAX_MESSAGE as usize;
+        out.extend(both_readers(bytes, accept, all, false));
     }
     // The responder's discarding reader, with a limit derived from the fixed fields.
+    let limit = |_: u8, fixed: &[u8]| usize::from(fixed.first().copied().unwrap_or(0));
+    out.extend(both_readers(bytes, Accept::Requests, limit, true));
+    out
+}
+
+/// The frames `bytes` hold for both readers, which must agree (frame for frame, and on
+/// whether the stream ends in an error).
+fn both_readers(
+    bytes: &[u8],
+    accept: Accept,
+    limit: impl Fn(u8, &[u8]) -> usize,
+    discard: bool,
+) -> Vec<Result<Frame, String>> {
+    // The reference: a blocking reader through a small buffer.
     let mut r = BufReader::with_capacity(7, bytes);
     let mut buf = Vec::new();
-    let limit = |_: u8, fixed: &[u8]| usize::from(fixed.first().copied().unwrap_or(0));
+    let mut reference = Vec::new();
     loop {
-        match read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true) {
-            Ok(Some(Got::Frame(f))) => out.push(Ok(f)),
+        match read_frame_with(&mut r, &mut buf, accept, &limit, discard) {
+            Ok(Some(Got::Frame(f))) => reference.push(Ok(f)),
             Ok(Some(Got::Refused { frame, data_len })) => {
                 assert!(data_len > 0, "refused without data");
-                out.push(Ok(frame));
+                reference.push(Ok(frame));
             }
             Ok(None) => break,
             Err(e) => {
-                out.push(Err(e));
+                reference.push(Err(e));
                 break;
             }
         }
     }
-    out
+    // The wire's incremental reader.
+    let mut rd = FrameReader::new(accept);
+    let mut got = Vec::new();
+    'feed: for piece in bytes.chunks(7) {
+        let mut rest = piece;
+        while !rest.is_empty() {
+            match rd.feed(&mut rest, &limit, discard) {
+                Ok(None) => {}
+                Ok(Some(Got::Frame(f))) => got.push(Ok(f)),
+                Ok(Some(Got::Refused { frame, data_len })) => {
+                    assert!(data_len > 0, "refused without data");
+                    got.push(Ok(frame));
+                }
+                Err(e) => {
+                    got.push(Err(e));
+                    break 'feed;
+                }
+            }
+        }
+    }
+    if rd.in_frame() && !matches!(got.last(), Some(Err(_))) {
+        got.push(Err("connection closed inside a frame".into()));
+    }
+    let frames =
+        |v: &[Result<Frame, String>]| v.iter().filter_map(|r| r.as_ref().ok().cloned()).collect::<Vec<_>>();
+    assert_eq!(frames(&got), frames(&reference), "the readers disagree on the frames ({accept:?})");
+    assert_eq!(
+        matches!(got.last(), Some(Err(_))),
+        matches!(reference.last(), Some(Err(_))),
+        "the readers disagree on the stream's end ({accept:?}): {got:?} vs {reference:?}"
+    );
+    got
 }
 
 #[cfg(test)]
@@ -943,6 +1758,31 @@ mod tests {
         assert_eq!(got, Some(Got::Refused { frame: fixed, data_len: 100 }));
         let got = read_frame_with(&mut r, &mut buf, Accept::Requests, limit, true).unwrap();
         assert_eq!(got, Some(Got::Frame(next)));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_wire_reader_agrees_with_the_reference(
+            n in 0usize..6,
+            data_len in 0usize..300,
+            cut in 0usize..2000,
+            junk in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+        ) {
+            let mut frames = Vec::new();
+            for i in 0..n {
+                frames.push(match i % 4 {
+                    0 => Frame::Write { psn: i as u32, addr: 8, rkey: 3, imm: None, data: vec![i as u8; data_len] },
+                    1 => Frame::Read { psn: i as u32, addr: 8, rkey: 3, len: 16 },
+                    2 => Frame::Ack { psn: i as u32, status: 0, data: vec![1; data_len % 17] },
+                    _ => Frame::Send { psn: i as u32, imm: Some(5), data: vec![2; data_len / 3] },
+                });
+            }
+            let mut b = bytes(&frames);
+            b.truncate(cut.max(b.len() / 2));
+            b.extend_from_slice(&junk);
+            // Panics if the two readers disagree.
+            fuzz_read_frames(&b);
+        }
     }
 
     #[test]
