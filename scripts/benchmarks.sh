@@ -7,6 +7,8 @@
 #                                    the VM, about 15 minutes more)
 #   RDMAKIT_BENCH_RXE=0 ...          skip the rxe part (its section then says so)
 #   RDMAKIT_BENCH_CRITERION=0 ...    skip the criterion groups
+#   RDMAKIT_BENCH_RXE_FROM=FILE ...  put the output of an earlier scripts/perftest-compare.sh
+#                                    run (saved in FILE) in the rxe section instead of a new run
 #
 # Labels: "soft" figures are the software NIC (CPU copies, no hardware); "rxe" figures are
 # rdma-core on Soft-RoCE inside a TCG-emulated VM (real verbs, slow in absolute terms: only
@@ -62,6 +64,8 @@ section "The default suite" soft "$perf"
 section "rdmakit against this machine's limits (memcpy, TCP loopback)" soft "$perf" limits
 section "MEMIC atomics, the UCX talk's table" soft "$perf" memic-atomics
 section "Cross-GVMI export costs, the UMR mkey pool talk's table" soft "$perf" xgvmi-export
+section "Connections between two processes: threads, memory and rate against the pair count" soft \
+    "$perf" scaling --pairs 1,4,16,64,256
 section "rpipe: rwrite PUT_W_SYNC vs 2PUT, rread, allocation policies through pipes, the rmalloc/rpipe paper's tables" soft \
     "$perf" rpipe-seed
 cat >>"$tmp" <<'NOTE'
@@ -92,7 +96,23 @@ if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
 else
     printf '## Criterion groups (soft)\n\nNot run this time (RDMAKIT_BENCH_CRITERION=0): `cargo bench --bench channel` and `--bench heap_alloc`.\n\n' >>"$tmp"
 fi
-if [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
+if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
+    {
+        echo "## perftest against rdmakit-perf on rdma-core (rxe)"
+        echo
+        echo "\`scripts/perftest-compare.sh\` — an earlier run's output (file dated $(date -u -r "$RDMAKIT_BENCH_RXE_FROM" '+%Y-%m-%d %H:%M UTC'))"
+        echo
+        echo '```'
+        cat "$RDMAKIT_BENCH_RXE_FROM"
+        echo '```'
+        echo
+    } >>"$tmp"
+    if [ -f target/perftest-compare.svg ]; then
+        mkdir -p docs
+        cp target/perftest-compare.svg docs/perftest-compare.svg
+        printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
+    fi
+elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     section "perftest against rdmakit-perf on rdma-core" rxe scripts/perftest-compare.sh
     if [ -f target/perftest-compare.svg ]; then
         mkdir -p docs

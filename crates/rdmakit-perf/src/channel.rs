@@ -16,14 +16,16 @@ use rdmakit_verbs::{Error, Result};
 use crate::measure::{Bw, Measured, PEAK_MAX_ITERS};
 use crate::rig::{Params, Side, Test};
 
-fn chan(e: ChannelError) -> Error {
+/// A channel error as the tool's error: verbs errors as they are, the rest by message.
+pub(crate) fn chan(e: ChannelError) -> Error {
     match e {
         ChannelError::Verbs(v) => v,
         other => Error::InvalidArgument(other.to_string()),
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+/// The single-threaded tokio runtime the channel benchmarks run their pipes on.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -18,6 +18,7 @@ use rdmakit_channel::PollMode;
 use rdmakit_channel::put::{HandleDesc, PutEndpoint, RecvHandle, SendHandle};
 use rdmakit_verbs::{AccessFlags, Error, MemoryRegion, Result, SendWr};
 
+use crate::channel::chan;
 use crate::measure::Measured;
 use crate::rig::{Params, REPORT_LEN, Side};
 
@@ -26,13 +27,6 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 /// Where the descriptor's tag word sits in the exchange area (written last).
 const TAG_AT: usize = REPORT_LEN - 8;
-
-fn chan(e: ChannelError) -> Error {
-    match e {
-        ChannelError::Verbs(v) => v,
-        other => Error::InvalidArgument(other.to_string()),
-    }
-}
 
 fn malformed(reason: String) -> Error {
     Error::Malformed { what: "put handle descriptor", reason }

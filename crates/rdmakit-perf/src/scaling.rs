@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::channel::{chan, runtime};
 use clap::Args;
-use rdmakit_channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode};
+use rdmakit_channel::{NotifyMode, Pipe, PipeConfig, PollMode};
 use rdmakit_verbs::*;
 
 /// Options of `scaling`.
@@ -47,13 +48,6 @@ pub struct PeerArgs {
 const MSG: u32 = 8;
 /// QPs connected per step (see `measure`).
 const CHUNK: usize = 128;
-
-fn chan(e: ChannelError) -> Error {
-    match e {
-        ChannelError::Verbs(v) => v,
-        other => Error::InvalidArgument(other.to_string()),
-    }
-}
 
 fn io(call: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Os { call, source }
@@ -143,10 +137,6 @@ async fn connect_pipes(ends: Vec<(QueuePair, CompletionQueue)>) -> Result<Vec<Pi
         pipes[i] = Some(p.map_err(chan)?);
     }
     Ok(pipes.into_iter().flatten().collect())
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io("tokio runtime"))
 }
 
 /// Threads and resident KiB of a process.

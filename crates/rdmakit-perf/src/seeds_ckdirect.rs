@@ -22,23 +22,17 @@
 
 use std::time::{Duration, Instant};
 
+use rdmakit_channel::PollMode;
 use rdmakit_channel::put::{PutEndpoint, RecvHandle, SendHandle};
-use rdmakit_channel::{ChannelError, PollMode};
 use rdmakit_verbs::*;
 
+use crate::channel::chan;
 use crate::rig::{self, Params, Placement, Side, Test};
 use crate::seeds_rpipe::median;
 
 const STUCK: Duration = Duration::from_secs(30);
 const RECV_WR: u64 = 1;
 const SEND_WR: u64 = 2;
-
-fn chan(e: ChannelError) -> Error {
-    match e {
-        ChannelError::Verbs(v) => v,
-        other => Error::InvalidArgument(other.to_string()),
-    }
-}
 
 /// The ping-pong's sizes up to `max`: 8 B, then 1 KiB to 1 MiB by factors of 4.
 pub fn sizes(max: u32) -> Vec<u32> {

@@ -23,29 +23,16 @@ use std::pin::pin;
 use std::task::Poll;
 use std::time::Instant;
 
-use rdmakit_channel::{ChannelError, NotifyMode, Pipe, PipeConfig, PollMode, RecvGuard};
+use rdmakit_channel::{NotifyMode, Pipe, PipeConfig, PollMode, RecvGuard};
 use rdmakit_memory::heap::AllocPolicy;
 use rdmakit_verbs::*;
 
+use crate::channel::{chan, runtime};
 use crate::rig::{self, Params, Placement, Side, Test};
 
 /// The paper's figures (Cray XC30, Aries, uGNI), as its text gives them.
 const SEED_RWRITE_US: f64 = 0.65;
 const SEED_RREAD_US: f64 = 2.14;
-
-fn chan(e: ChannelError) -> Error {
-    match e {
-        ChannelError::Verbs(v) => v,
-        other => Error::InvalidArgument(other.to_string()),
-    }
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|source| Error::Os { call: "tokio runtime", source })
-}
 
 /// Polls two futures together until both are done (a two-way `join`).
 pub(crate) async fn join2<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
