@@ -111,6 +111,9 @@ pub const FREE_BATCH_BLOCKS: usize = 64;
 
 /// Most messages queued that the peer sends unasked: answers nobody waits for yet.
 const MAX_ANSWERS: usize = 1024;
+/// Growth requests one `rmalloc` may send while the owner keeps answering with frees
+/// (rounds after which the heap is still full) before it reports a protocol error.
+const GROW_ROUNDS: usize = 16;
 
 /// How an owner grows its heaps, and what one peer may make it hold.
 ///
@@ -387,8 +390,12 @@ impl HeapEndpoint {
     }
 
     fn grow_and_alloc(&mut self, heap: HeapId, size: u64, requested: u64) -> Result<RemoteBlock> {
-        // At most: one round returning the owner's pending frees, one growing.
-        for _ in 0..3 {
+        // The owner answers a growth request with its pending frees first, and grows only
+        // when it has none. A consumer that keeps freeing while we ask can answer with
+        // frees several times in a row, each round making room that may still be too small
+        // or too scattered: a run of rounds, not one. The bound keeps an owner that answers
+        // `Freed` forever from holding us: each round is one request and one answer.
+        for _ in 0..GROW_ROUNDS {
             self.ctl.send(&Message::HeapGrow { heap, len: requested })?;
             match self.wait_answer(heap)? {
                 Answer::Grant(_, seg) => {

@@ -1762,6 +1762,9 @@ mod tests {
 
     proptest::proptest! {
         #[test]
+        // Under Miri, proptest's failure file needs getcwd, which isolation refuses; the
+        // unit tests above run the same reader under Miri.
+        #[cfg_attr(miri, ignore = "proptest's failure persistence needs getcwd")]
         fn the_wire_reader_agrees_with_the_reference(
             n in 0usize..6,
             data_len in 0usize..300,
