@@ -372,10 +372,10 @@ impl Io {
             let r = match c {
                 Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
                 Chunk::Tail(t, off) => {
-                    // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the
-                    // region's entry) lives, and `*off < t.len`; the kernel only reads it.
                     // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a
                     // full socket is WouldBlock (the loop never blocks).
+                    // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the
+                    // region's entry) lives, and `*off < t.len`; the kernel only reads it.
                     let n = unsafe {
                         libc::send(
                             self.s.as_raw_fd(),
