@@ -1,7 +1,8 @@
 //! The soft NIC across processes: this test binary re-runs itself as a passive peer
 //! process (`peer_process`, selected by `RDMAKIT_TEST_PEER=1`) that publishes an endpoint
 //! and two regions, then only sleeps. Everything the client does to it is served by the
-//! peer's soft NIC progress engine, over TCP.
+//! peer's soft NIC progress engine: through the same-host shared-memory rings, and again
+//! over TCP (the `_over_tcp` variants, with that path turned off on both sides).
 //!
 //! The binary has its own `main` (`harness = false`, libtest-mimic): the peer is a mode of
 //! the binary, not a test, so it is never counted as one (it used to be a test function
@@ -23,25 +24,59 @@ fn main() {
         return;
     }
     let args = Arguments::from_args();
-    let tests: [(&str, fn()); 4] = [
+    type Case = (&'static str, fn(Path));
+    let tests: [Case; 3] = [
         ("one_sided_and_two_sided_ops_across_processes", one_sided_and_two_sided_ops_across_processes),
         ("send_waits_for_a_late_receive_across_processes", send_waits_for_a_late_receive_across_processes),
         (
             "killed_peer_gives_retry_exceeded_within_the_budget",
             killed_peer_gives_retry_exceeded_within_the_budget,
         ),
-        ("hostile_bytes_on_the_port_are_dropped", hostile_bytes_on_the_port_are_dropped),
     ];
-    let trials = tests
+    let mut trials: Vec<Trial> = tests
         .into_iter()
-        .map(|(name, f)| {
-            Trial::test(name, move || {
-                f();
-                Ok(())
-            })
+        .flat_map(|(name, f)| {
+            [
+                Trial::test(name, move || {
+                    f(Path::SameHost);
+                    Ok(())
+                }),
+                Trial::test(format!("{name}_over_tcp"), move || {
+                    f(Path::Tcp);
+                    Ok(())
+                }),
+            ]
         })
         .collect();
+    trials.push(Trial::test("hostile_bytes_on_the_port_are_dropped", || {
+        hostile_bytes_on_the_port_are_dropped();
+        Ok(())
+    }));
     libtest_mimic::run(&args, trials).exit();
+}
+
+/// How the client reaches the peer process.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    /// Shared-memory rings (the default between processes of one host).
+    SameHost,
+    /// TCP: the same-host path off in both processes.
+    Tcp,
+}
+
+impl Path {
+    fn config(self) -> SoftConfig {
+        SoftConfig::default().with_same_host_shm(self == Path::SameHost)
+    }
+}
+
+/// Mappings of same-host rings in this process (`/proc/self/maps` names their memfd).
+fn ring_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:rdmakit-soft-rings"))
+        .count()
 }
 
 fn hex(b: &[u8]) -> String {
@@ -93,8 +128,18 @@ fn peer_process() {
     qp.post_recv(RecvWr::new(rx.local().unwrap())).unwrap();
     writeln!(out, "READY").unwrap();
     out.flush().unwrap();
-    // Idle: the NIC does the work. Exit when the client closes our stdin.
-    let _ = stdin.read_line(&mut line);
+    // Idle: the NIC does the work. Answers `RINGS` (how many same-host rings this process
+    // maps); exits when the client closes our stdin.
+    loop {
+        line.clear();
+        if stdin.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        if line.trim() == "RINGS" {
+            writeln!(out, "RINGS {}", ring_mappings()).unwrap();
+            out.flush().unwrap();
+        }
+    }
     drop((mr, rx));
 }
 
@@ -128,8 +173,12 @@ fn peer_command() -> Command {
     cmd
 }
 
-fn spawn_peer(recv_delay_ms: u64) -> Peer {
-    let mut child = peer_command()
+fn spawn_peer(recv_delay_ms: u64, path: Path) -> Peer {
+    let mut cmd = peer_command();
+    if path == Path::Tcp {
+        cmd.env(rdmakit_verbs::soft::SHM_ENV, "0");
+    }
+    let mut child = cmd
         .env("RDMAKIT_TEST_PEER", "1")
         .env("RDMAKIT_TEST_RECV_DELAY_MS", recv_delay_ms.to_string())
         .stdin(Stdio::piped())
@@ -165,6 +214,21 @@ impl Peer {
         stdin.flush().unwrap();
     }
 
+    /// How many same-host rings the peer process maps.
+    fn rings(&mut self) -> usize {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "RINGS").unwrap();
+        stdin.flush().unwrap();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "peer exited");
+            if let Some(n) = line.trim().strip_prefix("RINGS ") {
+                return n.parse().unwrap();
+            }
+        }
+    }
+
     fn wait_ready(&mut self) {
         self.wait_for("READY");
     }
@@ -195,19 +259,23 @@ struct Local {
     qp: QueuePair,
 }
 
-fn local() -> Local {
-    let ctx = Context::open_soft();
+fn local(path: Path) -> Local {
+    let ctx = Context::open_soft_with(path.config()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(256).unwrap();
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     Local { pd, cq, qp }
 }
 
-fn one_sided_and_two_sided_ops_across_processes() {
-    let mut peer = spawn_peer(0);
-    let l = local();
+fn one_sided_and_two_sided_ops_across_processes(path: Path) {
+    let mut peer = spawn_peer(0, path);
+    let l = local(path);
     peer.connect(&l.qp);
     peer.wait_ready();
+    // Our requests reach the peer through the path under test: rings in shared memory
+    // (the peer maps ours, and we map the ones of its QP connected back to us) or TCP.
+    let expected = if path == Path::SameHost { 2 } else { 0 };
+    assert_eq!(peer.rings(), expected, "same-host rings mapped by the peer");
     let buf = l.pd.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
 
     // Read the peer's pattern, 1 MiB in one request.
@@ -261,11 +329,11 @@ fn one_sided_and_two_sided_ops_across_processes() {
     assert_eq!(l.qp.state(), QpState::Error);
 }
 
-fn send_waits_for_a_late_receive_across_processes() {
+fn send_waits_for_a_late_receive_across_processes(path: Path) {
     // The peer posts its receive 300 ms after connecting: the send gets RNR NAKs and is
     // retried (infinite RNR retries) until it lands.
-    let mut peer = spawn_peer(300);
-    let l = local();
+    let mut peer = spawn_peer(300, path);
+    let l = local(path);
     peer.connect(&l.qp);
     peer.wait_for("CONNECTED");
     let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
@@ -277,9 +345,9 @@ fn send_waits_for_a_late_receive_across_processes() {
     peer.wait_ready();
 }
 
-fn killed_peer_gives_retry_exceeded_within_the_budget() {
-    let mut peer = spawn_peer(0);
-    let l = local();
+fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {
+    let mut peer = spawn_peer(0, path);
+    let l = local(path);
     peer.connect(&l.qp);
     peer.wait_ready();
     let buf = l.pd.alloc_mr(1 << 16, AccessFlags::LOCAL_WRITE).unwrap();

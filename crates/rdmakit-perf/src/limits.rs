@@ -2,9 +2,14 @@
 //!
 //! - In-process: RDMA write bandwidth on the soft NIC versus `memcpy` of the same size
 //!   (the soft NIC moves bytes with one copy, so memcpy is its ceiling).
-//! - Across processes: RDMA write bandwidth between this process and a server process
-//!   over the soft NIC's TCP wire, versus a raw TCP stream over loopback moving the same
-//!   bytes in the same message size (the wire's ceiling). Goal: ≥ 0.8×.
+//! - Across processes of this host: RDMA write bandwidth between this process and a server
+//!   process through the same-host rings, versus in-process `memcpy` of the same working
+//!   set. Goal: ≥ 0.5×.
+//! - Across processes over the TCP wire (the same-host path turned off): versus a raw TCP
+//!   stream over loopback moving the same bytes in the same message size (the wire's
+//!   ceiling). Goal: ≥ 0.8×.
+//! - 8-byte write latency across processes (both paths) versus in one process. Goal for
+//!   the same-host path: at most 2×.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -26,6 +31,15 @@ pub struct Limit {
     pub limit_mb_per_sec: f64,
     pub ratio: f64,
     pub goal: f64,
+    /// `MB/s` (ratio at least `goal`) or `us` (a latency: ratio at most `goal`).
+    pub unit: &'static str,
+}
+
+impl Limit {
+    /// Whether the row meets its goal.
+    pub fn met(&self) -> bool {
+        if self.unit == "us" { self.ratio <= self.goal } else { self.ratio >= self.goal }
+    }
 }
 
 const MB: f64 = (1u64 << 20) as f64;
@@ -108,6 +122,7 @@ fn compare(what: &'static str, bytes: u32, ours: f64, limit: f64, goal: f64) -> 
         limit_mb_per_sec: limit,
         ratio: ours / limit.max(1e-9),
         goal,
+        unit: "MB/s",
     }
 }
 
@@ -117,9 +132,19 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Runs both comparisons; each figure is the median of `runs` runs, the two sides of a
+/// How a cross-process run reaches its server process.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The soft NIC's same-host rings in shared memory (the default on one host).
+    SameHost,
+    /// The soft NIC's TCP wire (the same-host path off in both processes).
+    Tcp,
+}
+
+/// Runs every comparison; each figure is the median of `runs` runs, the two sides of a
 /// comparison alternating so that a noisy moment hits both.
 pub fn run(runs: u32) -> Result<Vec<Limit>> {
+    let runs = runs.max(1);
     let mut out = Vec::new();
     // In-process: soft NIC write-bw (window 16) vs memcpy.
     let ctx = Context::open_soft();
@@ -128,51 +153,112 @@ pub fn run(runs: u32) -> Result<Vec<Limit>> {
         let (a, _b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
         let slots = rig::buffer_len(&p) / (size as usize).max(64);
         let (mut ours, mut limit) = (Vec::new(), Vec::new());
-        for _ in 0..runs.max(1) {
+        for _ in 0..runs {
             ours.push(mb_per_sec(&measure::run(&a, &p, &ProgressBar::hidden())?));
             limit.push(memcpy_mb_per_sec(size as usize, iters, slots));
         }
-        let (ours, limit) = (median(ours), median(limit));
-        out.push(compare("in-process write vs memcpy", size, ours, limit, 0.5));
+        out.push(compare("in-process write vs memcpy", size, median(ours), median(limit), 0.5));
     }
-    // Across processes: soft NIC over TCP (a server process of this binary) vs raw TCP.
+    // Across processes of this host, through shared memory, vs memcpy of the same working
+    // set in one process (the bar: at least half of it).
+    let same_host = [
+        ("same-host write vs in-process memcpy", 65536u32, 8000u32, CqWait::Poll),
+        ("same-host write vs in-process memcpy", 1 << 20, 800, CqWait::Poll),
+        ("same-host write (--use-event) vs memcpy", 65536, 8000, CqWait::Event),
+        ("same-host write (--use-event) vs memcpy", 1 << 20, 800, CqWait::Event),
+    ];
+    for (what, size, iters, wait) in same_host {
+        let p = Params::simple(Test::WriteBw, size, iters, 16, Placement::Host);
+        let slots = rig::buffer_len(&p) / (size as usize).max(64);
+        let (mut ours, mut limit) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            ours.push(mb_per_sec(&cross_process(&ctx, &p, wait, Path::SameHost)?));
+            limit.push(memcpy_mb_per_sec(size as usize, iters * 4, slots));
+        }
+        out.push(compare(what, size, median(ours), median(limit), 0.5));
+    }
+    // Across processes over the soft NIC's TCP wire vs a raw TCP stream.
+    let tcp_ctx = Context::open_soft_with(SoftConfig::default().with_same_host_shm(false))?;
     let cases = [
-        ("cross-process write vs raw TCP", 65536u32, 4000u32, CqWait::Poll),
-        ("cross-process write vs raw TCP", 1 << 20, 400, CqWait::Poll),
-        ("cross-process write (--use-event) vs raw TCP", 65536, 4000, CqWait::Event),
-        ("cross-process write (--use-event) vs raw TCP", 1 << 20, 400, CqWait::Event),
+        ("TCP-wire write vs raw TCP", 65536u32, 4000u32, CqWait::Poll),
+        ("TCP-wire write vs raw TCP", 1 << 20, 400, CqWait::Poll),
+        ("TCP-wire write (--use-event) vs raw TCP", 65536, 4000, CqWait::Event),
+        ("TCP-wire write (--use-event) vs raw TCP", 1 << 20, 400, CqWait::Event),
     ];
     for (what, size, iters, wait) in cases {
+        let p = Params::simple(Test::WriteBw, size, iters, 16, Placement::Host);
         let (mut ours, mut limit) = (Vec::new(), Vec::new());
-        for _ in 0..runs.max(1) {
-            ours.push(cross_process_mb_per_sec(&ctx, size, iters, wait)?);
+        for _ in 0..runs {
+            ours.push(mb_per_sec(&cross_process(&tcp_ctx, &p, wait, Path::Tcp)?));
             limit.push(tcp_mb_per_sec(size as usize, iters)?);
         }
-        let (ours, limit) = (median(ours), median(limit));
-        out.push(compare(what, size, ours, limit, 0.8));
+        out.push(compare(what, size, median(ours), median(limit), 0.8));
     }
+    // 8-byte write latency (t_typical, busy poll): across processes vs in one process.
+    let p = Params { inline: 64, ..Params::simple(Test::WriteLat, 8, 20_000, 1, Placement::Host) };
+    let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
+    let (mut same, mut tcp, mut local) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        local.push(typical_us(&std::thread::scope(|s| {
+            let server = s.spawn(|| measure::serve(&b, &p));
+            let m = measure::run(&a, &p, &ProgressBar::hidden());
+            server.join().map_err(|_| Error::InvalidArgument("server side panicked".into()))?.and(m)
+        })?));
+        same.push(typical_us(&cross_process(&ctx, &p, CqWait::Poll, Path::SameHost)?));
+        tcp.push(typical_us(&cross_process(&tcp_ctx, &p, CqWait::Poll, Path::Tcp)?));
+    }
+    let local = median(local);
+    out.push(latency("same-host 8 B write latency vs in-process", median(same), local, 2.0));
+    out.push(latency("TCP-wire 8 B write latency vs in-process", median(tcp), local, f64::INFINITY));
     Ok(out)
 }
 
-/// One write-bw run against a server process of this binary over the soft NIC's TCP wire.
-fn cross_process_mb_per_sec(ctx: &Context, size: u32, iters: u32, wait: CqWait) -> Result<f64> {
+/// A latency row: rdmakit's and the limit's t_typical in µs; the ratio must stay at most
+/// `goal`.
+fn latency(what: &'static str, ours: f64, limit: f64, goal: f64) -> Limit {
+    Limit {
+        what,
+        bytes: 8,
+        rdmakit_mb_per_sec: ours,
+        limit_mb_per_sec: limit,
+        ratio: ours / limit.max(1e-9),
+        goal,
+        unit: "us",
+    }
+}
+
+/// The median latency of a run, in µs.
+fn typical_us(m: &Measured) -> f64 {
+    match m {
+        Measured::Latency(v) => median(v.clone()),
+        Measured::LatencyTimed { avg_us, .. } => *avg_us,
+        Measured::Bandwidth(_) => 0.0,
+    }
+}
+
+/// One run of `p` against a server process of this binary, reached by `path`.
+fn cross_process(ctx: &Context, p: &Params, wait: CqWait, path: Path) -> Result<Measured> {
     let exe = std::env::current_exe().map_err(|source| Error::Os { call: "current_exe", source })?;
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|source| Error::Os { call: "pick a port", source })?
         .port();
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let mut server = Command::new(&exe)
-        .args(["write-bw", "--server", &addr.to_string()])
+    let mut cmd = Command::new(&exe);
+    if path == Path::Tcp {
+        cmd.env(rdmakit_verbs::soft::SHM_ENV, "0");
+    }
+    let mut server = cmd
+        .args([p.test.name(), "--server", &addr.to_string()])
         .stderr(Stdio::null())
+        .stdout(Stdio::null())
         .spawn()
         .map_err(|source| Error::Os { call: "spawn server", source })?;
-    let p = Params::simple(Test::WriteBw, size, iters, 16, Placement::Host);
     let measured = (|| {
         // The server needs a moment to listen.
         let mut tries = 0;
         let side = loop {
-            match rig::client(ctx, addr, &p, &ConnectOptions::default()) {
+            match rig::client(ctx, addr, p, &ConnectOptions::default()) {
                 Ok(s) => break s,
                 Err(_) if tries < 50 => {
                     tries += 1;
@@ -181,11 +267,11 @@ fn cross_process_mb_per_sec(ctx: &Context, size: u32, iters: u32, wait: CqWait) 
                 Err(e) => return Err(e),
             }
         };
-        measure::run_with(&side, &p, &ProgressBar::hidden(), wait)
+        measure::run_with(&side, p, &ProgressBar::hidden(), wait)
     })();
     if measured.is_err() {
         let _ = server.kill();
     }
     let _ = server.wait();
-    Ok(mb_per_sec(&measured?))
+    measured
 }

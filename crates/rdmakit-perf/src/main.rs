@@ -596,7 +596,9 @@ fn one(test: Test, o: &Opts) -> Result<()> {
 fn limits(json: bool, runs: u32) -> Result<()> {
     let rows = limits::run(runs)?;
     if !json {
-        println!("the soft NIC against this machine's limits (MB/s = 2^20 bytes/s, median of {runs} runs)");
+        println!(
+            "the soft NIC against this machine's limits (MB/s = 2^20 bytes/s; latency rows in us; median of {runs} runs)"
+        );
         println!(
             " {:<44} {:>9} {:>12} {:>12} {:>7}  goal",
             "comparison", "#bytes", "rdmakit", "limit", "ratio"
@@ -606,10 +608,15 @@ fn limits(json: bool, runs: u32) -> Result<()> {
         if json {
             println!("{}", serde_json::to_string(r).expect("serialisable"));
         } else {
-            let met = if r.ratio >= r.goal { "met" } else { "missed" };
+            let met = if r.met() { "met" } else { "missed" };
+            let goal = match r.unit {
+                "us" if r.goal.is_infinite() => "no goal".to_owned(),
+                "us" => format!("{met} (<= {})", r.goal),
+                _ => format!("{met} (>= {})", r.goal),
+            };
             println!(
-                " {:<44} {:>9} {:>12.1} {:>12.1} {:>7.3}  {met} (>= {})",
-                r.what, r.bytes, r.rdmakit_mb_per_sec, r.limit_mb_per_sec, r.ratio, r.goal
+                " {:<44} {:>9} {:>12.2} {:>12.2} {:>7.3}  {goal}",
+                r.what, r.bytes, r.rdmakit_mb_per_sec, r.limit_mb_per_sec, r.ratio
             );
         }
     }

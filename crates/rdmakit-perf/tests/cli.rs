@@ -128,18 +128,21 @@ fn contended_fetch_add_counts_exactly() {
 }
 
 #[test]
-fn limits_reports_both_comparisons() {
+fn limits_reports_every_comparison() {
     let out = Command::new(BIN).args(["limits", "--json", "--runs", "1"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(rows.len(), 6);
+    assert_eq!(rows.len(), 12);
     for r in &rows {
         assert!(
             r["rdmakit_mb_per_sec"].as_f64().unwrap() > 0.0 && r["limit_mb_per_sec"].as_f64().unwrap() > 0.0,
             "{r}"
         );
     }
-    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("raw TCP")).count(), 4);
-    assert_eq!(rows.iter().filter(|r| r["what"].as_str().unwrap().contains("--use-event")).count(), 2);
+    let count = |pat: &str| rows.iter().filter(|r| r["what"].as_str().unwrap().contains(pat)).count();
+    assert_eq!(count("raw TCP"), 4);
+    assert_eq!(count("same-host"), 5);
+    assert_eq!(count("--use-event"), 4);
+    assert_eq!(rows.iter().filter(|r| r["unit"] == "us").count(), 2, "two latency rows");
 }

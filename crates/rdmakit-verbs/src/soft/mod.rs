@@ -56,6 +56,9 @@ pub(crate) mod cq;
 pub(crate) mod dm;
 pub(crate) mod mr;
 pub(crate) mod qp;
+/// The soft NIC's same-host rings. Public for the hostile-peer tests; not a stable API.
+#[doc(hidden)]
+pub mod shm;
 mod tcp;
 mod timer;
 /// The soft NIC's TCP wire format. Public for fuzzing (`fuzz/`); not a stable API.
@@ -63,6 +66,7 @@ mod timer;
 #[allow(missing_docs)]
 pub mod wire;
 
+pub use shm::SHM_ENV;
 pub use tcp::SOFT_ADDR_ENV;
 /// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
 /// stable API.
@@ -106,6 +110,10 @@ pub struct SoftConfig {
     pub max_cqe: u32,
     /// Largest inline payload.
     pub max_inline_data: u32,
+    /// Whether peers in other processes of this host are reached through shared memory
+    /// (and this device offers it to them) rather than over TCP; the process-wide
+    /// `RDMAKIT_SOFT_SHM=0` turns it off for every device.
+    pub same_host_shm: bool,
 }
 
 impl Default for SoftConfig {
@@ -115,6 +123,7 @@ impl Default for SoftConfig {
             max_qp_wr: 16 * 1024,
             max_cqe: 4 * 1024 * 1024,
             max_inline_data: qp::MAX_INLINE as u32,
+            same_host_shm: true,
         }
     }
 }
@@ -129,6 +138,12 @@ impl SoftConfig {
     /// Sets [`max_qp_wr`](Self::max_qp_wr).
     pub const fn with_max_qp_wr(mut self, max_qp_wr: u32) -> Self {
         self.max_qp_wr = max_qp_wr;
+        self
+    }
+
+    /// Sets [`same_host_shm`](Self::same_host_shm).
+    pub const fn with_same_host_shm(mut self, on: bool) -> Self {
+        self.same_host_shm = on;
         self
     }
 

@@ -37,8 +37,12 @@
 //! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
 //! loop hands responses back to the QP. Served streams and links whose QP is gone end
 //! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
-//! ends it even if the peer is alive but silent. Anything else with a file descriptor (a
-//! later same-host transport's eventfd, say) could be registered with the same loop.
+//! ends it even if the peer is alive but silent.
+//!
+//! Between processes of one host the same frames go through rings in shared memory
+//! instead (see [`super::shm`]): the device also listens on a Unix socket, a connection
+//! there carries a memfd and then only doorbells, and the loop serves it like a TCP one,
+//! with the same authentication, checks, bounds and timeouts (a [`Conn`] is either).
 
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
@@ -50,8 +54,9 @@ use std::time::{Duration, Instant};
 
 use super::SoftDevice;
 use super::qp::{Auth, Requester, SharedTail, SoftQp};
+use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
-use mio::net::{TcpListener as MioListener, TcpStream as MioStream};
+use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
 /// Environment variable: the address soft devices listen on (`IP` or `IP:port`).
@@ -134,14 +139,195 @@ pub(crate) fn configured_addr() -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)
 }
 
-/// Starts the device's listener on the wire's event loop; returns its port.
+/// Starts the device's listeners on the wire's event loop (TCP, and the same-host socket
+/// unless that path is off or cannot bind); returns its TCP port.
 pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::Result<u16> {
     let listener = TcpListener::bind(addr)?;
     listener.set_nonblocking(true)?;
     let port = listener.local_addr()?.port();
+    let local = if shm::enabled() && device.config().same_host_shm {
+        shm::bind(&device.gid())
+            .inspect_err(
+                |e| tracing::warn!(error = %e, "soft NIC: no same-host listener; peers of this host use TCP"),
+            )
+            .ok()
+    } else {
+        None
+    };
     let wire = wire()?;
-    wire.submit(|inbox| inbox.listeners.push((MioListener::from_std(listener), Arc::downgrade(device))));
+    wire.submit(|inbox| {
+        inbox.listeners.push((Listening::Tcp(MioListener::from_std(listener)), Arc::downgrade(device)));
+        if let Some(l) = local {
+            inbox.listeners.push((Listening::Local(l), Arc::downgrade(device)));
+        }
+    });
     Ok(port)
+}
+
+/// A device's listening socket: TCP, or the same-host Unix socket.
+enum Listening {
+    Tcp(MioListener),
+    Local(UnixListener),
+}
+
+impl Listening {
+    fn accept(&self) -> std::io::Result<(Conn, PeerKey)> {
+        match self {
+            Listening::Tcp(l) => {
+                let (s, addr) = l.accept()?;
+                let _ = s.set_nodelay(true);
+                Ok((Conn::Tcp(s), PeerKey::Ip(addr.ip())))
+            }
+            Listening::Local(l) => {
+                let (s, _) = l.accept()?;
+                let pid = shm::peer_pid(s.as_raw_fd()).unwrap_or(0);
+                Ok((Conn::Unattached(s), PeerKey::Pid(pid)))
+            }
+        }
+    }
+
+    fn source(&mut self) -> &mut dyn mio::event::Source {
+        match self {
+            Listening::Tcp(l) => l,
+            Listening::Local(l) => l,
+        }
+    }
+}
+
+/// Who a connection comes from, for the per-peer bounds and the logs: an IP address, or a
+/// process of this host.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PeerKey {
+    Ip(IpAddr),
+    Pid(u32),
+}
+
+impl std::fmt::Display for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerKey::Ip(ip) => write!(f, "{ip}"),
+            PeerKey::Pid(pid) => write!(f, "local pid {pid}"),
+        }
+    }
+}
+
+/// A connection's byte stream: a TCP socket, or rings shared with a process of this host.
+enum Conn {
+    Tcp(MioStream),
+    /// A same-host connection whose memfd has not arrived yet.
+    Unattached(UnixStream),
+    Shm(Box<ShmConn>),
+    /// Left behind for an instant while a connection changes form.
+    Moving,
+}
+
+impl Conn {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.read(buf),
+            Conn::Shm(c) => c.read(buf),
+            Conn::Unattached(s) => {
+                let map = shm::accept_rings(s)?;
+                let Conn::Unattached(s) = std::mem::replace(self, Conn::Moving) else { unreachable!() };
+                *self = Conn::Shm(Box::new(ShmConn::served(s, map)));
+                self.read(buf)
+            }
+            Conn::Moving => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    /// Writes from `len` bytes at `src`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes (they are read as opaque bytes).
+    unsafe fn write_raw(&mut self, src: *const u8, len: usize) -> std::io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => {
+                // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a full
+                // socket is WouldBlock (the loop never blocks).
+                // SAFETY: the caller vouches for `src`; the kernel only reads it.
+                let n = unsafe {
+                    libc::send(s.as_raw_fd(), src.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+                };
+                if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
+            }
+            // SAFETY: the caller vouches for `src`.
+            Conn::Shm(c) => unsafe { c.write_raw(src, len) },
+            Conn::Unattached(_) | Conn::Moving => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    /// A readiness event came: for shared rings, take the doorbells (and note the end).
+    fn on_readable(&mut self) {
+        if let Conn::Shm(c) = self {
+            c.take_doorbells();
+        }
+    }
+
+    /// Rings are not sockets: a short read does not mean a new edge will come (only a
+    /// doorbell does, asked for when a read finds the ring empty).
+    fn short_read_drains(&self) -> bool {
+        matches!(self, Conn::Tcp(_))
+    }
+
+    fn is_shm(&self) -> bool {
+        matches!(self, Conn::Shm(_))
+    }
+
+    fn peer_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Conn::Tcp(s) => s.peer_addr().ok(),
+            _ => None,
+        }
+    }
+
+    /// What to watch: a TCP socket for both directions; the Unix socket of shared rings
+    /// for doorbells and its end only.
+    fn source(&mut self, interest: Interest) -> Option<(&mut dyn mio::event::Source, Interest)> {
+        match self {
+            Conn::Tcp(s) => Some((s, interest)),
+            Conn::Unattached(s) => Some((s, Interest::READABLE)),
+            Conn::Shm(c) => Some((c.sock(), Interest::READABLE)),
+            Conn::Moving => None,
+        }
+    }
+
+    fn register(&mut self, reg: &mio::Registry, token: Token, interest: Interest) -> std::io::Result<()> {
+        match self.source(interest) {
+            Some((s, i)) => reg.register(s, token, i),
+            None => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    fn reregister(&mut self, reg: &mio::Registry, token: Token, interest: Interest) -> std::io::Result<()> {
+        match self.source(interest) {
+            Some((s, i)) => reg.reregister(s, token, i),
+            None => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    fn deregister(&mut self, reg: &mio::Registry) {
+        if let Some((s, _)) = self.source(Interest::READABLE) {
+            let _ = reg.deregister(s);
+        }
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        Conn::read(self, buf)
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // SAFETY: `buf` is valid for reads of its length.
+        unsafe { self.write_raw(buf.as_ptr(), buf.len()) }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
@@ -179,7 +365,7 @@ struct Wire {
 
 #[derive(Default)]
 struct Inbox {
-    listeners: Vec<(MioListener, Weak<SoftDevice>)>,
+    listeners: Vec<(Listening, Weak<SoftDevice>)>,
     links: Vec<NewLink>,
     /// Links with new frames queued, or dropped.
     ready: Vec<Arc<LinkShared>>,
@@ -187,7 +373,7 @@ struct Inbox {
 
 struct NewLink {
     /// Connected, its Hello sent.
-    s: MioStream,
+    s: Conn,
     shared: Arc<LinkShared>,
     qp: Weak<SoftQp>,
 }
@@ -240,7 +426,7 @@ fn start_wire() -> std::io::Result<&'static Wire> {
 
 /// A device's listener on the loop.
 struct Lst {
-    l: MioListener,
+    l: Listening,
     device: Weak<SoftDevice>,
     /// Tokens of its connections that are not authenticated yet.
     pending: Vec<usize>,
@@ -255,8 +441,8 @@ struct Lst {
 
 /// A connection that has not proven who it is yet.
 struct Pending {
-    s: MioStream,
-    ip: IpAddr,
+    s: Conn,
+    ip: PeerKey,
     listener: usize,
     buf: [u8; HELLO_FRAME],
     got: usize,
@@ -279,7 +465,7 @@ enum Chunk {
 
 /// A connection's socket with its input state and bounded output queue.
 struct Io {
-    s: MioStream,
+    s: Conn,
     rd: FrameReader,
     /// Input read but not consumed yet (the connection was held back by its output).
     left: Vec<u8>,
@@ -293,7 +479,7 @@ struct Io {
 }
 
 impl Io {
-    fn new(s: MioStream, accept: Accept) -> Io {
+    fn new(s: Conn, accept: Accept) -> Io {
         Io {
             s,
             rd: FrameReader::new(accept),
@@ -366,26 +552,29 @@ impl Io {
         self.out.push_back(Chunk::Bytes(b.to_vec(), 0));
     }
 
+    /// A readiness event: shared rings take their doorbells, and any doorbell may mean
+    /// either direction moved.
+    fn on_event(&mut self, readable: bool, writable: bool) {
+        if self.s.is_shm() {
+            if readable {
+                self.s.on_readable();
+                self.readable = true;
+                self.writable = true;
+            }
+        } else {
+            self.readable |= readable;
+            self.writable |= writable;
+        }
+    }
+
     /// Writes queued output until done or the socket is full. Err: the connection failed.
     fn flush(&mut self) -> std::io::Result<()> {
         while let Some(c) = self.out.front_mut() {
             let r = match c {
                 Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
-                Chunk::Tail(t, off) => {
-                    // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a
-                    // full socket is WouldBlock (the loop never blocks).
-                    // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the
-                    // region's entry) lives, and `*off < t.len`; the kernel only reads it.
-                    let n = unsafe {
-                        libc::send(
-                            self.s.as_raw_fd(),
-                            t.ptr.add(*off).cast(),
-                            t.len - *off,
-                            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                        )
-                    };
-                    if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
-                }
+                // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the region's
+                // entry) lives, and `*off < t.len`; it is only read, as opaque bytes.
+                Chunk::Tail(t, off) => unsafe { self.s.write_raw(t.ptr.add(*off), t.len - *off) },
             };
             match r {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
@@ -554,29 +743,29 @@ impl EventLoop {
     fn remove(&mut self, i: usize, e: Entry) {
         match e {
             Entry::Listener(mut l) => {
-                let _ = self.poll.registry().deregister(&mut l.l);
+                let _ = self.poll.registry().deregister(l.l.source());
                 self.listeners.retain(|&x| x != i);
                 for p in std::mem::take(&mut l.pending) {
                     if !matches!(self.slab[p], Some(Entry::Pending(_))) {
                         continue;
                     }
                     if let Some(Entry::Pending(mut pc)) = self.slab[p].take() {
-                        let _ = self.poll.registry().deregister(&mut pc.s);
+                        pc.s.deregister(self.poll.registry());
                         self.free.push(p);
                     }
                 }
             }
             Entry::Pending(mut p) => {
-                let _ = self.poll.registry().deregister(&mut p.s);
+                p.s.deregister(self.poll.registry());
                 if let Some(Some(Entry::Listener(l))) = self.slab.get_mut(p.listener) {
                     l.pending.retain(|&x| x != i);
                 }
             }
             Entry::Served(mut s) => {
-                let _ = self.poll.registry().deregister(&mut s.io.s);
+                s.io.s.deregister(self.poll.registry());
             }
             Entry::Link(mut c) => {
-                let _ = self.poll.registry().deregister(&mut c.io.s);
+                c.io.s.deregister(self.poll.registry());
                 c.shared.fail();
             }
         }
@@ -596,7 +785,7 @@ impl EventLoop {
                 ready: true,
             }));
             let Some(Some(Entry::Listener(l))) = self.slab.get_mut(i) else { unreachable!() };
-            if let Err(e) = self.poll.registry().register(&mut l.l, Token(i), Interest::READABLE) {
+            if let Err(e) = self.poll.registry().register(l.l.source(), Token(i), Interest::READABLE) {
                 tracing::error!(error = %e, "soft NIC: cannot watch a listener");
                 let e = self.slab[i].take().expect("just inserted");
                 self.remove(i, e);
@@ -612,7 +801,7 @@ impl EventLoop {
             shared.token.store(i, Ordering::Release);
             let Some(Some(Entry::Link(c))) = self.slab.get_mut(i) else { unreachable!() };
             if let Err(e) =
-                self.poll.registry().register(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+                c.io.s.register(self.poll.registry(), Token(i), Interest::READABLE | Interest::WRITABLE)
             {
                 tracing::error!(error = %e, "soft NIC: cannot watch a link");
                 let e = self.slab[i].take().expect("just inserted");
@@ -645,7 +834,12 @@ impl EventLoop {
             }
             Entry::Pending(p) => {
                 let next = if p.hello.is_none() {
-                    if readable { self.read_hello(p) } else { Next::Keep }
+                    if readable {
+                        p.s.on_readable();
+                        self.read_hello(p)
+                    } else {
+                        Next::Keep
+                    }
                 } else if hup {
                     Next::Drop
                 } else {
@@ -657,13 +851,11 @@ impl EventLoop {
                 return;
             }
             Entry::Served(s) => {
-                s.io.readable |= readable;
-                s.io.writable |= writable;
+                s.io.on_event(readable, writable);
                 self.drive_served(i, s)
             }
             Entry::Link(c) => {
-                c.io.readable |= readable;
-                c.io.writable |= writable;
+                c.io.on_event(readable, writable);
                 self.drive_link(i, c)
             }
         };
@@ -695,9 +887,8 @@ impl EventLoop {
         }
         while l.ready {
             match l.l.accept() {
-                Ok((s, addr)) => {
+                Ok((s, ip)) => {
                     l.backoff = BACKOFF_MIN;
-                    let ip = addr.ip();
                     let from_ip = l
                         .pending
                         .iter()
@@ -706,10 +897,9 @@ impl EventLoop {
                         })
                         .count();
                     if l.pending.len() >= MAX_PENDING || from_ip >= MAX_PENDING_PER_ADDR {
-                        warn_limited!(peer = %addr, "soft NIC: too many unauthenticated connections; refused");
+                        warn_limited!(peer = %ip, "soft NIC: too many unauthenticated connections; refused");
                         continue; // dropping `s` closes it
                     }
-                    let _ = s.set_nodelay(true);
                     let mut p = Pending {
                         s,
                         ip,
@@ -727,8 +917,7 @@ impl EventLoop {
                         Next::Keep => {
                             let i = self.insert(Entry::Pending(p));
                             let Some(Some(Entry::Pending(p))) = self.slab.get_mut(i) else { unreachable!() };
-                            if self.poll.registry().register(&mut p.s, Token(i), Interest::READABLE).is_err()
-                            {
+                            if p.s.register(self.poll.registry(), Token(i), Interest::READABLE).is_err() {
                                 self.slab[i] = None;
                                 self.free.push(i);
                                 continue;
@@ -875,7 +1064,7 @@ impl EventLoop {
             }
             return;
         };
-        let peer = p.s.peer_addr().ok();
+        let peer = p.s.peer_addr();
         let conn = ServedConn {
             io: Io::new(p.s, Accept::Requests),
             qp: Arc::downgrade(&qp),
@@ -895,9 +1084,9 @@ impl EventLoop {
         let Some(Some(Entry::Served(c))) = self.slab.get_mut(i) else { unreachable!() };
         let reg = self.poll.registry();
         let r = if token.is_some() {
-            reg.reregister(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+            c.io.s.reregister(reg, Token(i), Interest::READABLE | Interest::WRITABLE)
         } else {
-            reg.register(&mut c.io.s, Token(i), Interest::READABLE | Interest::WRITABLE)
+            c.io.s.register(reg, Token(i), Interest::READABLE | Interest::WRITABLE)
         };
         if let Err(e) = r {
             warn_limited!(error = %e, "soft NIC: cannot watch a served connection");
@@ -957,7 +1146,7 @@ impl EventLoop {
                 }
                 Ok(n) => {
                     // A short read drained the socket: what arrives later is a new edge.
-                    if n < rbuf.len() {
+                    if n < rbuf.len() && s.io.s.short_read_drains() {
                         s.io.readable = false;
                     }
                     let Some(used) = self.feed_served(s, &rbuf[..n]) else { return false };
@@ -1071,7 +1260,7 @@ impl EventLoop {
                 Ok(0) => return false,
                 Ok(n) => {
                     // A short read drained the socket: what arrives later is a new edge.
-                    if n < rbuf.len() {
+                    if n < rbuf.len() && c.io.s.short_read_drains() {
                         c.io.readable = false;
                     }
                     let mut rest = &rbuf[..n];
@@ -1242,7 +1431,16 @@ impl TcpLink {
     /// requests that complete with `RETRY_EXC_ERR`. The link is then dead from the start.
     /// The Hello is answered asynchronously (the peer may be connecting its QP to ours
     /// meanwhile); requests queued before the answer follow the Hello on the stream.
-    pub fn connect(qp: &Arc<SoftQp>, addr: SocketAddr, hello: Frame, queue: usize) -> TcpLink {
+    /// A device of this host (`gid` names the process) is reached through shared memory
+    /// when it can be (see [`super::shm`]), over TCP otherwise.
+    pub fn connect(
+        qp: &Arc<SoftQp>,
+        gid: &[u8; 16],
+        addr: SocketAddr,
+        hello: Frame,
+        queue: usize,
+    ) -> TcpLink {
+        let same_host = qp.device.config().same_host_shm;
         let shared = Arc::new(LinkShared {
             queue: Mutex::new(VecDeque::new()),
             cap: queue,
@@ -1259,6 +1457,13 @@ impl TcpLink {
                 return TcpLink { shared, wire: None };
             }
         };
+        let mut encoded = Vec::new();
+        wire::encode(&hello, &mut encoded);
+        if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded)).flatten() {
+            let nl = NewLink { s: Conn::Shm(Box::new(conn)), shared: shared.clone(), qp: Arc::downgrade(qp) };
+            wire.submit(|inbox| inbox.links.push(nl));
+            return TcpLink { shared, wire: Some(wire) };
+        }
         // The Hello goes out with the connection, from this thread: a fresh socket's send
         // buffer takes its few bytes at once, and a listener counts a connection whose Hello
         // is late against its peer address's bound of unauthenticated connections (a burst
@@ -1272,8 +1477,11 @@ impl TcpLink {
         });
         match connected {
             Ok(s) => {
-                let nl =
-                    NewLink { s: MioStream::from_std(s), shared: shared.clone(), qp: Arc::downgrade(qp) };
+                let nl = NewLink {
+                    s: Conn::Tcp(MioStream::from_std(s)),
+                    shared: shared.clone(),
+                    qp: Arc::downgrade(qp),
+                };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
             Err(e) => {

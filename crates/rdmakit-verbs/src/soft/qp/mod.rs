@@ -212,7 +212,7 @@ struct Deferred {
 
 pub(crate) struct SoftQp {
     qpn: u32,
-    device: Arc<SoftDevice>,
+    pub(super) device: Arc<SoftDevice>,
     pd: u64,
     send_cq: Arc<SoftCq>,
     recv_cq: Arc<SoftCq>,
@@ -406,7 +406,13 @@ impl SoftQp {
                 // Frames in the queue: at most the outstanding requests, twice over when an
                 // RNR NAK makes them go back (the queue may still hold the first copies).
                 let queue = 2 * self.max_send_wr as usize + 2;
-                Link::Tcp(TcpLink::connect(&me, std::net::SocketAddr::from((ip, remote.lid)), hello, queue))
+                Link::Tcp(TcpLink::connect(
+                    &me,
+                    &remote.gid,
+                    std::net::SocketAddr::from((ip, remote.lid)),
+                    hello,
+                    queue,
+                ))
             }
         };
         let mut sq = self.sq.lock().expect("sq lock");

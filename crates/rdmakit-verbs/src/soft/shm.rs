@@ -1,0 +1,653 @@
+//! The soft NIC between processes of one host: the same frames as over TCP, through two
+//! rings in shared memory instead of a socket.
+//!
+//! Each device that listens on TCP also listens on an abstract Unix socket named after its
+//! GID ([`socket_name`]). A requester QP whose peer is on its host connects there first:
+//! - it checks, with `SO_PEERCRED`, that the listener is the process whose pid the GID
+//!   names (the GID came with the endpoint it was handed), so a process squatting the name
+//!   gets nothing, and falls back to TCP otherwise;
+//! - it creates a `memfd` holding two byte rings (requests, responses), sealed against
+//!   shrinking and growing, writes its `Hello` into the request ring and passes the memfd
+//!   over the socket (`SCM_RIGHTS`);
+//! - the device checks the memfd (shared memory, sealed, large enough) before mapping it,
+//!   then reads the Hello from the ring and authenticates it exactly as a TCP Hello (both
+//!   initial PSNs and the connection token): the socket proves nothing by itself.
+//!
+//! After that the wire's event loop treats the pair of rings like a socket: frames are
+//! copied into a ring from the requester's region (one copy, where TCP makes the kernel
+//! copy twice) and parsed on the other side with the same checks, bounds and timeouts as the
+//! TCP stream. The Unix socket stays open: one byte on it is a doorbell (sent only when the
+//! other side said it was about to sleep), and its end is the peer's end, so a dead peer is
+//! noticed at once. Everything read from the shared pages is copied into private memory
+//! before it is looked at, and the peer's ring counters are checked against the ring size
+//! on every use: a hostile peer can garble only its own frames, which are then refused.
+//! `RDMAKIT_SOFT_SHM=0` turns the path off (TCP only).
+
+use std::io;
+use std::mem::size_of;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::SocketAddr as UnixAddr;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use mio::net::UnixStream;
+
+/// Environment variable: `0` keeps processes of one host on TCP.
+pub const SHM_ENV: &str = "RDMAKIT_SOFT_SHM";
+
+/// Bytes of each ring (one per direction).
+pub const RING: usize = 256 * 1024;
+/// The control page: each ring's counters and flags, each on its own cache line. The
+/// request ring's bytes follow it, then the response ring's; the request ring's head (a
+/// little-endian `u64`, bytes written ever) is the control page's first word.
+pub const CTRL: usize = 4096;
+/// Bytes of the shared mapping (the memfd's size).
+pub const MAP_LEN: usize = CTRL + 2 * RING;
+
+/// Rings: requests flow requester → device in ring 0, responses device → requester in 1.
+const REQUESTS: usize = 0;
+const RESPONSES: usize = 1;
+// Offsets of a ring's words within the control page.
+/// Bytes the producer has written, ever (a wrapping count).
+const HEAD: usize = 0;
+/// Bytes the consumer has taken, ever.
+const TAIL: usize = 64;
+/// The consumer found the ring empty and waits for a doorbell.
+const CONSUMER_WAITS: usize = 128;
+/// The producer found the ring full and waits for a doorbell.
+const PRODUCER_WAITS: usize = 192;
+const RING_CTRL: usize = 256;
+
+/// Whether same-host peers use shared memory (unless `RDMAKIT_SOFT_SHM=0`).
+pub(crate) fn enabled() -> bool {
+    !cfg!(miri) && std::env::var(SHM_ENV).map_or(true, |v| v != "0")
+}
+
+/// The abstract socket name of the device with `gid`.
+pub fn socket_name(gid: &[u8; 16]) -> String {
+    let mut s = String::from("rdmakit-soft-");
+    for b in gid {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+fn abstract_addr(gid: &[u8; 16]) -> io::Result<UnixAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    UnixAddr::from_abstract_name(socket_name(gid).as_bytes())
+}
+
+/// Binds the device's same-host listener.
+pub(crate) fn bind(gid: &[u8; 16]) -> io::Result<mio::net::UnixListener> {
+    let l = std::os::unix::net::UnixListener::bind_addr(&abstract_addr(gid)?)?;
+    l.set_nonblocking(true)?;
+    Ok(mio::net::UnixListener::from_std(l))
+}
+
+/// The shared pages of one connection, unmapped on drop.
+pub(crate) struct Map(NonNull<u8>);
+
+// SAFETY: the mapping is plain memory owned by this value; it is only reached through raw
+// pointers and atomics, never through references to its bytes.
+unsafe impl Send for Map {}
+
+impl Map {
+    /// Maps `fd`'s first [`MAP_LEN`] bytes, shared, read-write.
+    fn new(fd: &OwnedFd) -> io::Result<Map> {
+        // SAFETY: a fresh mapping chosen by the kernel; nothing else is at that address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                MAP_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Map(NonNull::new(p.cast()).expect("mmap does not return null on success")))
+    }
+
+    /// A counter or flag word of the control page.
+    fn word(&self, ring: usize, at: usize) -> &AtomicU64 {
+        debug_assert!(ring < 2 && at < RING_CTRL && at.is_multiple_of(64));
+        // SAFETY: within the control page, 8-aligned (the mapping is page-aligned); an
+        // `AtomicU64` may be changed by others at any time, which is what the peer does.
+        unsafe { &*self.0.as_ptr().add(ring * RING_CTRL + at).cast::<AtomicU64>() }
+    }
+
+    fn data(&self, ring: usize) -> *mut u8 {
+        // SAFETY: ring data lies within the mapping, after the control page.
+        unsafe { self.0.as_ptr().add(CTRL + ring * RING) }
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        // SAFETY: mapped by `Map::new` with this length; no reference into it outlives `self`.
+        unsafe { libc::munmap(self.0.as_ptr().cast(), MAP_LEN) };
+    }
+}
+
+/// One side of a same-host connection: the rings and the doorbell socket.
+pub(crate) struct ShmConn {
+    sock: UnixStream,
+    map: Map,
+    /// The ring this side writes and the one it reads.
+    tx: usize,
+    rx: usize,
+    /// This side's own counters; the shared copies are for the peer, never read back.
+    tx_head: u64,
+    rx_tail: u64,
+    /// The socket ended: the peer closed it or died.
+    peer_gone: bool,
+}
+
+impl ShmConn {
+    /// The device's side of an accepted connection whose rings are `map`.
+    pub(crate) fn served(sock: UnixStream, map: Map) -> ShmConn {
+        ShmConn::new(sock, map, false)
+    }
+
+    fn new(sock: UnixStream, map: Map, requester: bool) -> ShmConn {
+        let (tx, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
+        ShmConn { sock, map, tx, rx, tx_head: 0, rx_tail: 0, peer_gone: false }
+    }
+
+    pub(crate) fn sock(&mut self) -> &mut UnixStream {
+        &mut self.sock
+    }
+
+    /// Copies what the peer produced into `buf`. `WouldBlock` when the ring is empty (the
+    /// peer is then asked to ring); `Ok(0)` once it is empty and the peer gone.
+    pub(crate) fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let mut avail = self.available()?;
+        if avail == 0 {
+            self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            avail = self.available()?;
+            if avail == 0 {
+                return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
+            }
+        }
+        let n = avail.min(buf.len());
+        let at = (self.rx_tail % RING as u64) as usize;
+        let first = n.min(RING - at);
+        let data = self.map.data(self.rx);
+        // SAFETY: `at + first <= RING` and `n - first <= RING` stay in the ring; `buf` is
+        // private memory of `n` bytes at least. The ring bytes are the peer's, copied as
+        // opaque bytes (any value is a valid `u8`) into private memory before anything
+        // looks at them, so a peer that changes them meanwhile garbles only its own frames.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(data, buf.as_mut_ptr().add(first), n - first);
+        }
+        self.rx_tail = self.rx_tail.wrapping_add(n as u64);
+        self.map.word(self.rx, TAIL).store(self.rx_tail, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if self.map.word(self.rx, PRODUCER_WAITS).swap(0, Ordering::SeqCst) != 0 {
+            self.ring();
+        }
+        Ok(n)
+    }
+
+    /// Bytes the peer produced that this side has not taken, checked against the ring.
+    fn available(&self) -> io::Result<usize> {
+        let head = self.map.word(self.rx, HEAD).load(Ordering::Acquire);
+        let avail = head.wrapping_sub(self.rx_tail);
+        if avail > RING as u64 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring head is out of bounds"));
+        }
+        Ok(avail as usize)
+    }
+
+    /// Copies `buf` (or what fits) into the ring.
+    pub(crate) fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for reads of its length.
+        unsafe { self.write_raw(buf.as_ptr(), buf.len()) }
+    }
+
+    /// Copies `len` bytes at `src` (or what fits) into the ring. `WouldBlock` when it is
+    /// full (the peer is then asked to ring once it takes some).
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes; they are read as opaque bytes.
+    pub(crate) unsafe fn write_raw(&mut self, src: *const u8, len: usize) -> io::Result<usize> {
+        if self.peer_gone {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        if len == 0 {
+            return Ok(0);
+        }
+        let mut free = self.free()?;
+        if free == 0 {
+            self.map.word(self.tx, PRODUCER_WAITS).store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            free = self.free()?;
+            if free == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+        }
+        let n = free.min(len);
+        let at = (self.tx_head % RING as u64) as usize;
+        let first = n.min(RING - at);
+        let data = self.map.data(self.tx);
+        // SAFETY: the caller vouches for `src`; both ranges stay within the ring, which the
+        // peer does not read until the head below says so.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, data.add(at), first);
+            std::ptr::copy_nonoverlapping(src.add(first), data, n - first);
+        }
+        self.tx_head = self.tx_head.wrapping_add(n as u64);
+        self.map.word(self.tx, HEAD).store(self.tx_head, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if self.map.word(self.tx, CONSUMER_WAITS).swap(0, Ordering::SeqCst) != 0 {
+            self.ring();
+        }
+        Ok(n)
+    }
+
+    /// Free bytes in the ring this side writes, checked against the ring.
+    fn free(&self) -> io::Result<usize> {
+        let tail = self.map.word(self.tx, TAIL).load(Ordering::Acquire);
+        let used = self.tx_head.wrapping_sub(tail);
+        if used > RING as u64 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring tail is out of bounds"));
+        }
+        Ok(RING - used as usize)
+    }
+
+    /// Rings the peer's doorbell. A full socket already holds doorbells the peer has not
+    /// taken, so it will look anyway; a closed one is noticed by the loop as its end.
+    fn ring(&self) {
+        let b = 1u8;
+        // SAFETY: one byte from a local; MSG_DONTWAIT: never blocks; MSG_NOSIGNAL: a closed
+        // peer is an error, not SIGPIPE.
+        unsafe {
+            libc::send(
+                self.sock.as_raw_fd(),
+                (&raw const b).cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            );
+        }
+    }
+
+    /// Takes the doorbells that woke the loop; notes the peer's end.
+    pub(crate) fn take_doorbells(&mut self) {
+        let mut b = [0u8; 256];
+        loop {
+            // SAFETY: reads into a local buffer of its length; MSG_DONTWAIT: never blocks.
+            let n = unsafe {
+                libc::recv(self.sock.as_raw_fd(), b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT)
+            };
+            match n {
+                0 => {
+                    self.peer_gone = true;
+                    return;
+                }
+                n if n > 0 => continue,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    match e.kind() {
+                        io::ErrorKind::WouldBlock => return,
+                        io::ErrorKind::Interrupted => continue,
+                        _ => {
+                            self.peer_gone = true;
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Takes the memfd a same-host requester passes with its first byte on `sock` (accepted by
+/// a device), checks it and maps it. `WouldBlock`: not here yet. Any other error: the
+/// connection is to be dropped.
+pub(crate) fn accept_rings(sock: &UnixStream) -> io::Result<Map> {
+    let fd = recv_fd(sock)?;
+    check_memfd(&fd)?;
+    // The descriptor itself is not needed once mapped.
+    Map::new(&fd)
+}
+
+/// Receives one byte carrying exactly one descriptor.
+fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
+    let mut byte = 0u8;
+    let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
+    // Room for a few descriptors, so that a peer sending more is seen (and they are closed).
+    const MAX_FDS: usize = 4;
+    let mut cbuf = [0u64; 8 + MAX_FDS];
+    // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = size_of::<[u64; 8 + MAX_FDS]>() as _;
+    // SAFETY: `msg` points at live locals of the lengths it states; MSG_CMSG_CLOEXEC: no
+    // descriptor leaks into children; MSG_DONTWAIT: never blocks.
+    let n =
+        unsafe { libc::recvmsg(sock.as_raw_fd(), &raw mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    // SAFETY: walks the control messages the kernel wrote into `cbuf`, within
+    // `msg_controllen`; each SCM_RIGHTS payload is an array of descriptors now ours.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&raw const msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
+                for k in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(data.add(k).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&raw const msg, c);
+        }
+    }
+    if n == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "same-host peer closed before its memfd"));
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() != 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("same-host peer passed {} descriptors, not one memfd", fds.len()),
+        ));
+    }
+    Ok(fds.pop().expect("one descriptor"))
+}
+
+/// Accepts only shared memory sealed against shrinking (so the mapping can never fault
+/// with SIGBUS), at least [`MAP_LEN`] bytes.
+fn check_memfd(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but shared memory.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "same-host peer's descriptor is not a memfd"));
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "same-host peer's memfd may shrink"));
+    }
+    // SAFETY: fstat into a zeroed local.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live local of the right type.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < MAP_LEN as u64 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "same-host peer's memfd is too small"));
+    }
+    Ok(())
+}
+
+/// Creates a sealed memfd for one connection's rings.
+pub fn ring_memfd() -> io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name; the flags are valid.
+    let fd = unsafe {
+        libc::memfd_create(c"rdmakit-soft-rings".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor, now owned.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain calls on a descriptor we own.
+    unsafe {
+        if libc::ftruncate(fd.as_raw_fd(), MAP_LEN as libc::off_t) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        ) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(fd)
+}
+
+/// Sends one byte carrying `fd`.
+pub fn send_fd(sock: RawFd, fd: &OwnedFd) -> io::Result<()> {
+    let byte = 0u8;
+    let mut iov = libc::iovec { iov_base: (&raw const byte).cast_mut().cast(), iov_len: 1 };
+    let mut cbuf = [0u64; 4];
+    // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as _;
+    // SAFETY: `cbuf` (32 bytes) holds one header and one descriptor; `msg` points at live
+    // locals; the descriptor is only copied into the message.
+    let n = unsafe {
+        let c = libc::CMSG_FIRSTHDR(&raw const msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as _;
+        libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd.as_raw_fd());
+        libc::sendmsg(sock, &raw const msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    };
+    if n != 1 {
+        return Err(if n < 0 { io::Error::last_os_error() } else { io::ErrorKind::WriteZero.into() });
+    }
+    Ok(())
+}
+
+/// The pid of the process at the other end of `sock` (the one that listened, for a
+/// connecting socket).
+pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
+    // SAFETY: zeroed `ucred` is valid; getsockopt writes at most `len` bytes into it.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::getsockopt(sock, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &raw mut len)
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.pid as u32)
+}
+
+/// Connects a requester to the device with `gid` on this host, introducing itself with
+/// the encoded `hello`. `None` (TCP is used) when the path is off, the device has no
+/// same-host listener here, or the listener is not the process the GID names.
+pub(crate) fn connect(gid: &[u8; 16], hello: &[u8]) -> Option<ShmConn> {
+    if !enabled() {
+        return None;
+    }
+    // The rings are ready before connecting, so the memfd follows the connection at once
+    // (a device counts connections whose Hello is late).
+    let rings = ring_memfd().and_then(|fd| Map::new(&fd).map(|m| (fd, m)));
+    let (fd, map) = match rings {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "soft NIC: no memfd for same-host rings; using TCP");
+            return None;
+        }
+    };
+    let addr = abstract_addr(gid).ok()?;
+    // Non-blocking: a full backlog is an error here (then TCP), not a wait.
+    let sock = UnixStream::connect_addr(&addr).ok()?;
+    let owner = u32::from_be_bytes([gid[8], gid[9], gid[10], gid[11]]);
+    match peer_pid(sock.as_raw_fd()) {
+        Ok(pid) if pid == owner => {}
+        Ok(pid) => {
+            tracing::warn!(
+                pid,
+                expected = owner,
+                "soft NIC: a same-host listener is not the device's process; using TCP"
+            );
+            return None;
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "soft NIC: no peer credentials; using TCP");
+            return None;
+        }
+    }
+    let mut conn = ShmConn::new(sock, map, true);
+    let attach = |conn: &mut ShmConn| -> io::Result<()> {
+        // The ring is empty: the Hello fits whole.
+        if conn.write(hello)? != hello.len() {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        send_fd(conn.sock.as_raw_fd(), &fd)
+    };
+    match attach(&mut conn) {
+        Ok(()) => Some(conn),
+        Err(e) => {
+            tracing::debug!(error = %e, "soft NIC: same-host attach failed; using TCP");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (ShmConn, ShmConn) {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let fd = ring_memfd().unwrap();
+        let req = ShmConn::new(UnixStream::from_std(a), Map::new(&fd).unwrap(), true);
+        let b = UnixStream::from_std(b);
+        send_fd(req.sock.as_raw_fd(), &fd).unwrap();
+        let map = accept_rings(&b).unwrap();
+        let resp = ShmConn::served(b, map);
+        (req, resp)
+    }
+
+    #[test]
+    fn bytes_cross_the_rings_in_order_through_wraps() {
+        let (mut req, mut resp) = pair();
+        let mut sent = 0u64;
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 70_000];
+        for round in 0..40u64 {
+            let chunk: Vec<u8> = (0..50_000u64).map(|i| ((sent + i) % 251) as u8).collect();
+            let mut off = 0;
+            while off < chunk.len() {
+                match req.write(&chunk[off..]) {
+                    Ok(n) => off += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        let n = resp.read(&mut buf).unwrap();
+                        for (k, b) in buf[..n].iter().enumerate() {
+                            assert_eq!(*b, ((got + k as u64) % 251) as u8, "round {round}");
+                        }
+                        got += n as u64;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            sent += chunk.len() as u64;
+        }
+        while got < sent {
+            let n = resp.read(&mut buf).unwrap();
+            for (k, b) in buf[..n].iter().enumerate() {
+                assert_eq!(*b, ((got + k as u64) % 251) as u8);
+            }
+            got += n as u64;
+        }
+        assert_eq!(resp.read(&mut buf).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        // Responses go the other way.
+        assert_eq!(resp.write(b"ack").unwrap(), 3);
+        let mut b3 = [0u8; 8];
+        assert_eq!(req.read(&mut b3).unwrap(), 3);
+        assert_eq!(&b3[..3], b"ack");
+    }
+
+    #[test]
+    fn a_forged_head_is_an_error_not_a_read_past_the_ring() {
+        let (req, mut resp) = pair();
+        // The requester (hostile) claims more bytes than the ring holds.
+        req.map.word(REQUESTS, HEAD).store(RING as u64 + 1, Ordering::SeqCst);
+        let mut buf = [0u8; 16];
+        assert_eq!(resp.read(&mut buf).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        // And a tail running ahead of what the device wrote.
+        req.map.word(RESPONSES, TAIL).store(5, Ordering::SeqCst);
+        assert_eq!(resp.write(b"x").unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn a_doorbell_is_rung_only_for_a_waiting_peer_and_the_end_is_seen() {
+        let (mut req, mut resp) = pair();
+        let mut buf = [0u8; 8];
+        // Nobody waits: no doorbell.
+        req.write(b"a").unwrap();
+        resp.take_doorbells();
+        assert_eq!(resp.read(&mut buf).unwrap(), 1);
+        // The device found the ring empty: the next write rings.
+        assert!(resp.read(&mut buf).is_err());
+        req.write(b"b").unwrap();
+        let mut peek = [0u8; 4];
+        // SAFETY: reads into a local buffer.
+        let n = unsafe {
+            libc::recv(
+                resp.sock.as_raw_fd(),
+                peek.as_mut_ptr().cast(),
+                4,
+                libc::MSG_DONTWAIT | libc::MSG_PEEK,
+            )
+        };
+        assert_eq!(n, 1, "one doorbell");
+        resp.take_doorbells();
+        assert!(!resp.peer_gone);
+        drop(req);
+        resp.take_doorbells();
+        assert!(resp.peer_gone);
+        assert_eq!(resp.read(&mut buf).unwrap(), 1, "what was sent before the end is still read");
+        assert_eq!(resp.read(&mut buf).unwrap(), 0, "then the end");
+        assert_eq!(resp.write(b"z").unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    #[test]
+    fn unsealed_or_small_or_foreign_descriptors_are_refused() {
+        let try_attach = |fd: OwnedFd| {
+            let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            b.set_nonblocking(true).unwrap();
+            send_fd(a.as_raw_fd(), &fd).unwrap();
+            accept_rings(&UnixStream::from_std(b)).map(|_| ()).unwrap_err()
+        };
+        // A memfd that may shrink (the peer could truncate it under our mapping: SIGBUS).
+        // SAFETY: plain calls; the descriptor is owned right after.
+        let unsealed = unsafe {
+            let fd = libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, MAP_LEN as libc::off_t), 0);
+            OwnedFd::from_raw_fd(fd)
+        };
+        assert!(try_attach(unsealed).to_string().contains("shrink"));
+        // Sealed but too small.
+        // SAFETY: as above.
+        let small = unsafe {
+            let fd = libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            assert_eq!(libc::ftruncate(fd, 4096), 0);
+            assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+            OwnedFd::from_raw_fd(fd)
+        };
+        assert!(try_attach(small).to_string().contains("too small"));
+        // Not shared memory at all.
+        let (x, _y) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(try_attach(OwnedFd::from(x)).to_string().contains("not a memfd"));
+        // No descriptor.
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        std::io::Write::write_all(&mut &a, b"\0").unwrap();
+        assert!(accept_rings(&UnixStream::from_std(b)).is_err());
+    }
+}
