@@ -935,3 +935,156 @@ fn threads_do_not_grow_with_connections() {
     // would add 64 to 192; the wire's event loop adds none.
     assert!(thr1.saturating_sub(thr0) <= 8, "threads grew {thr0} -> {thr1} with 64 connections");
 }
+
+// ---- attack: the same-host (shared-memory) path ----
+
+/// A connection to the victim device's same-host socket (named after its GID).
+fn local_attacker(ep: &QpAddress) -> std::os::unix::net::UnixStream {
+    use std::os::linux::net::SocketAddrExt;
+    let name = rdmakit_verbs::soft::shm::socket_name(&ep.gid);
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    std::os::unix::net::UnixStream::connect_addr(&addr).expect("the victim offers the same-host path")
+}
+
+/// Rings an attacker made: a sealed memfd of the right size, mapped here, with `bytes`
+/// already in the request ring (its head says so).
+fn attacker_rings(bytes: &[u8]) -> (std::os::fd::OwnedFd, *mut u8) {
+    use rdmakit_verbs::soft::shm::{CTRL, MAP_LEN, ring_memfd};
+    use std::os::fd::AsRawFd;
+    let fd = ring_memfd().unwrap();
+    // SAFETY: a fresh shared mapping of the memfd's MAP_LEN bytes; only raw-pointer writes.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            MAP_LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let p = p.cast::<u8>();
+    // SAFETY: within the mapping: the request ring starts at CTRL, its head is word 0.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(CTRL), bytes.len());
+        p.cast::<u64>().write_volatile(bytes.len() as u64);
+    }
+    (fd, p)
+}
+
+/// True if the victim closed the Unix stream `s` within `wait`.
+fn local_closed_within(s: &mut std::os::unix::net::UnixStream, wait: Duration) -> bool {
+    let end = Instant::now() + wait;
+    let mut buf = [0u8; 64];
+    while Instant::now() < end {
+        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+#[test]
+fn same_host_attackers_are_refused_and_cannot_write() {
+    use rdmakit_verbs::soft::shm::{RING, send_fd};
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let target = v.mr.remote();
+    let fds_before = fds();
+
+    // 1. A byte without a memfd.
+    let mut s = local_attacker(&l.vep);
+    s.write_all(b"\0").unwrap();
+    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "no memfd: not dropped");
+    drop(s);
+
+    // 2. A memfd the attacker could shrink under the victim's mapping (SIGBUS).
+    // SAFETY: plain calls; the descriptor is owned right after.
+    let unsealed = unsafe {
+        let fd = libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC);
+        assert_eq!(libc::ftruncate(fd, rdmakit_verbs::soft::shm::MAP_LEN as libc::off_t), 0);
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    };
+    let mut s = local_attacker(&l.vep);
+    send_fd(s.as_raw_fd(), &unsealed).unwrap();
+    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "unsealed memfd: not dropped");
+    drop((s, unsealed));
+
+    // 3. Good rings, a Hello without the secrets, and a write behind it.
+    let w =
+        Frame::Write { psn: 0, addr: target.addr + 4096, rkey: target.rkey, imm: None, data: vec![0xee; 16] };
+    let mut bytes = guessed_hello(&l.rep, &l.vep);
+    bytes.extend_from_slice(&frame(&w));
+    let (fd, _map) = attacker_rings(&bytes);
+    let mut s = local_attacker(&l.vep);
+    send_fd(s.as_raw_fd(), &fd).unwrap();
+    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "forged Hello: not dropped");
+    drop((s, fd));
+    let mut landed = [0u8; 16];
+    v.mr.read_at(4096, &mut landed).unwrap();
+    assert_eq!(landed, [0u8; 16], "a forged same-host requester wrote the region");
+
+    // 4. A head claiming more than the ring holds.
+    let (fd, map) = attacker_rings(&[]);
+    // SAFETY: word 0 of the mapping is the request ring's head.
+    unsafe { map.cast::<u64>().write_volatile(RING as u64 + 1) };
+    let mut s = local_attacker(&l.vep);
+    send_fd(s.as_raw_fd(), &fd).unwrap();
+    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "forged ring head: not dropped");
+    drop((s, fd));
+
+    // 5. Silence after connecting: cut off by the Hello timeout.
+    let mut s = local_attacker(&l.vep);
+    assert!(local_closed_within(&mut s, Duration::from_secs(6)), "a silent connection was kept");
+    drop(s);
+
+    // The victim still serves its legitimate peer, and holds no more descriptors.
+    l.write(&v, 64, 2);
+    assert!(eventually(Duration::from_secs(5), || fds() <= fds_before + 2), "descriptors leaked");
+}
+
+#[test]
+fn a_squatter_on_a_devices_socket_name_gets_nothing() {
+    use std::os::linux::net::SocketAddrExt;
+    let _g = serial();
+    let v = Victim::new();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let src = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    let (vep, rep) = (vqp.address().unwrap(), qp.address().unwrap());
+    vqp.connect(&rep, &opts()).unwrap();
+    // The GID our requester is given names a process that is not us (`far`), and we bind its
+    // same-host socket name first: a squatter waiting for that device's peers.
+    let far_ep = far(&vep);
+    let name = rdmakit_verbs::soft::shm::socket_name(&far_ep.gid);
+    let squat = std::os::unix::net::UnixListener::bind_addr(
+        &std::os::unix::net::SocketAddr::from_abstract_name(name).unwrap(),
+    )
+    .unwrap();
+    squat.set_nonblocking(true).unwrap();
+    qp.connect(&far_ep, &opts()).unwrap();
+    // The requester saw the listener's pid was not the GID's, and went over TCP.
+    src.fill(7).unwrap();
+    qp.post_send(SendWr::write(src.slice(0, 64).unwrap(), v.mr.remote().slice(0, 64).unwrap())).unwrap();
+    assert!(cq.wait(Some(Duration::from_secs(10))).unwrap().status.is_success());
+    let mut back = [0u8; 64];
+    v.mr.read_at(0, &mut back).unwrap();
+    assert_eq!(back, [7u8; 64]);
+    // The squatter got a connection, and then nothing: no memfd, no Hello, no bytes.
+    let (mut s, _) = squat.accept().expect("the requester tried the name");
+    s.set_nonblocking(false).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut b = [0u8; 64];
+    assert_eq!(s.read(&mut b).unwrap_or(0), 0, "the squatter received bytes");
+}
