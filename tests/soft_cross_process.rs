@@ -272,10 +272,6 @@ fn one_sided_and_two_sided_ops_across_processes(path: Path) {
     let l = local(path);
     peer.connect(&l.qp);
     peer.wait_ready();
-    // Our requests reach the peer through the path under test: rings in shared memory
-    // (the peer maps ours, and we map the ones of its QP connected back to us) or TCP.
-    let expected = if path == Path::SameHost { 2 } else { 0 };
-    assert_eq!(peer.rings(), expected, "same-host rings mapped by the peer");
     let buf = l.pd.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
 
     // Read the peer's pattern, 1 MiB in one request.
@@ -283,6 +279,11 @@ fn one_sided_and_two_sided_ops_across_processes(path: Path) {
     let wc = wait(&l.cq).ok().unwrap();
     assert_eq!((wc.wr_id, wc.byte_len), (1, 1 << 20));
     assert_eq!(buf.read_u64(8 * 1000).unwrap(), 1000);
+    // That request reached the peer through the path under test: rings in shared memory
+    // (the peer maps the ones of our QP, which it has now served, and of its own QP
+    // connected back to us) or TCP.
+    let expected = if path == Path::SameHost { 2 } else { 0 };
+    assert_eq!(peer.rings(), expected, "same-host rings mapped by the peer");
 
     // Write, then read back.
     buf.write_at(0, b"across processes").unwrap();

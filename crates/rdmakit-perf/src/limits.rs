@@ -196,9 +196,10 @@ pub fn run(runs: u32) -> Result<Vec<Limit>> {
     }
     // 8-byte write latency (t_typical, busy poll): across processes vs in one process.
     let p = Params { inline: 64, ..Params::simple(Test::WriteLat, 8, 20_000, 1, Placement::Host) };
-    let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
     let (mut same, mut tcp, mut local) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..runs {
+        // A fresh pair per run: a ping-pong's buffers hold the last run's counters.
+        let (a, b) = rig::loopback(&ctx, &p, &ConnectOptions::default())?;
         local.push(typical_us(&std::thread::scope(|s| {
             let server = s.spawn(|| measure::serve(&b, &p));
             let m = measure::run(&a, &p, &ProgressBar::hidden());

@@ -273,6 +273,15 @@ fn absurd_device_memory_capacity_is_a_typed_error() {
 }
 
 #[test]
+fn same_host_ring_sizes_out_of_range_are_a_typed_error() {
+    for bad in [0usize, 1000, 32 * 1024, 3 << 20, 16 << 20] {
+        let r = Context::open_soft_with(SoftConfig::default().with_same_host_ring(bad));
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "ring {bad}: {:?}", r.err());
+    }
+    assert!(Context::open_soft_with(SoftConfig::default().with_same_host_ring(64 * 1024)).is_ok());
+}
+
+#[test]
 fn remote_region_slice_with_wrapping_address_is_a_typed_error() {
     let r = RemoteRegion { addr: u64::MAX - 4, len: 64, rkey: 1 };
     assert!(matches!(r.slice(8, 8), Err(Error::OutOfBounds { .. })));
@@ -949,14 +958,14 @@ fn local_attacker(ep: &QpAddress) -> std::os::unix::net::UnixStream {
 /// Rings an attacker made: a sealed memfd of the right size, mapped here, with `bytes`
 /// already in the request ring (its head says so).
 fn attacker_rings(bytes: &[u8]) -> (std::os::fd::OwnedFd, *mut u8) {
-    use rdmakit_verbs::soft::shm::{CTRL, MAP_LEN, ring_memfd};
+    use rdmakit_verbs::soft::shm::{CTRL, MIN_RING, map_len, ring_memfd};
     use std::os::fd::AsRawFd;
-    let fd = ring_memfd().unwrap();
-    // SAFETY: a fresh shared mapping of the memfd's MAP_LEN bytes; only raw-pointer writes.
+    let fd = ring_memfd(MIN_RING).unwrap();
+    // SAFETY: a fresh shared mapping of the memfd's rings; only raw-pointer writes.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            MAP_LEN,
+            map_len(MIN_RING),
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
             fd.as_raw_fd(),
@@ -991,7 +1000,7 @@ fn local_closed_within(s: &mut std::os::unix::net::UnixStream, wait: Duration) -
 
 #[test]
 fn same_host_attackers_are_refused_and_cannot_write() {
-    use rdmakit_verbs::soft::shm::{RING, send_fd};
+    use rdmakit_verbs::soft::shm::{MIN_RING, map_len, send_fd};
     use std::os::fd::AsRawFd;
     let _g = serial();
     let v = Victim::new();
@@ -1010,7 +1019,7 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     // SAFETY: plain calls; the descriptor is owned right after.
     let unsealed = unsafe {
         let fd = libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC);
-        assert_eq!(libc::ftruncate(fd, rdmakit_verbs::soft::shm::MAP_LEN as libc::off_t), 0);
+        assert_eq!(libc::ftruncate(fd, map_len(MIN_RING) as libc::off_t), 0);
         std::os::fd::OwnedFd::from_raw_fd(fd)
     };
     let mut s = local_attacker(&l.vep);
@@ -1035,7 +1044,7 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     // 4. A head claiming more than the ring holds.
     let (fd, map) = attacker_rings(&[]);
     // SAFETY: word 0 of the mapping is the request ring's head.
-    unsafe { map.cast::<u64>().write_volatile(RING as u64 + 1) };
+    unsafe { map.cast::<u64>().write_volatile(MIN_RING as u64 + 1) };
     let mut s = local_attacker(&l.vep);
     send_fd(s.as_raw_fd(), &fd).unwrap();
     assert!(local_closed_within(&mut s, Duration::from_secs(2)), "forged ring head: not dropped");

@@ -114,6 +114,11 @@ pub struct SoftConfig {
     /// (and this device offers it to them) rather than over TCP; the process-wide
     /// `RDMAKIT_SOFT_SHM=0` turns it off for every device.
     pub same_host_shm: bool,
+    /// Bytes of each of the two rings (requests, responses) of a same-host connection this
+    /// device's QPs open: a power of two from 64 KiB to 8 MiB, default 2 MiB. A connection
+    /// maps both, shared by the two processes (`2 × ring + 4 KiB`, resident as used); a
+    /// larger ring lets larger writes stream without waiting for the peer.
+    pub same_host_ring: usize,
 }
 
 impl Default for SoftConfig {
@@ -124,6 +129,7 @@ impl Default for SoftConfig {
             max_cqe: 4 * 1024 * 1024,
             max_inline_data: qp::MAX_INLINE as u32,
             same_host_shm: true,
+            same_host_ring: shm::DEFAULT_RING,
         }
     }
 }
@@ -144,6 +150,12 @@ impl SoftConfig {
     /// Sets [`same_host_shm`](Self::same_host_shm).
     pub const fn with_same_host_shm(mut self, on: bool) -> Self {
         self.same_host_shm = on;
+        self
+    }
+
+    /// Sets [`same_host_ring`](Self::same_host_ring).
+    pub const fn with_same_host_ring(mut self, bytes: usize) -> Self {
+        self.same_host_ring = bytes;
         self
     }
 
@@ -233,6 +245,14 @@ impl SoftDevice {
                 "max_inline_data {} exceeds the soft NIC's {}",
                 config.max_inline_data,
                 qp::MAX_INLINE
+            )));
+        }
+        let ring = config.same_host_ring;
+        if !ring.is_power_of_two() || !(shm::MIN_RING..=shm::MAX_RING).contains(&ring) {
+            return Err(Error::InvalidArgument(format!(
+                "same_host_ring {ring} is not a power of two from {} to {} bytes",
+                shm::MIN_RING,
+                shm::MAX_RING
             )));
         }
         SoftDevice::create(DEVICE_SEQ.fetch_add(1, Ordering::Relaxed), config, None)

@@ -32,17 +32,36 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use mio::net::UnixStream;
 
+use super::qp::Placement;
+use crate::shared_mem::{self, Dst, Src};
+
 /// Environment variable: `0` keeps processes of one host on TCP.
 pub const SHM_ENV: &str = "RDMAKIT_SOFT_SHM";
 
-/// Bytes of each ring (one per direction).
-pub const RING: usize = 256 * 1024;
+/// Bytes of each ring (one per direction) unless configured otherwise
+/// ([`SoftConfig::same_host_ring`](crate::SoftConfig::same_host_ring)).
+pub const DEFAULT_RING: usize = 2 * 1024 * 1024;
+/// The smallest ring a device accepts.
+pub const MIN_RING: usize = 64 * 1024;
+/// The largest ring a device accepts (it maps two of them per connection).
+pub const MAX_RING: usize = 8 * 1024 * 1024;
 /// The control page: each ring's counters and flags, each on its own cache line. The
 /// request ring's bytes follow it, then the response ring's; the request ring's head (a
 /// little-endian `u64`, bytes written ever) is the control page's first word.
 pub const CTRL: usize = 4096;
-/// Bytes of the shared mapping (the memfd's size).
-pub const MAP_LEN: usize = CTRL + 2 * RING;
+
+/// Bytes of the shared mapping (the memfd's size) for rings of `ring` bytes.
+pub const fn map_len(ring: usize) -> usize {
+    CTRL + 2 * ring
+}
+
+/// The ring size a memfd of `len` bytes holds, if it is one a device accepts: a power of
+/// two from [`MIN_RING`] to [`MAX_RING`].
+fn ring_of(len: u64) -> Option<usize> {
+    let ring = usize::try_from(len.checked_sub(CTRL as u64)? / 2).ok()?;
+    (map_len(ring) as u64 == len && ring.is_power_of_two() && (MIN_RING..=MAX_RING).contains(&ring))
+        .then_some(ring)
+}
 
 /// Rings: requests flow requester → device in ring 0, responses device → requester in 1.
 const REQUESTS: usize = 0;
@@ -85,20 +104,24 @@ pub(crate) fn bind(gid: &[u8; 16]) -> io::Result<mio::net::UnixListener> {
 }
 
 /// The shared pages of one connection, unmapped on drop.
-pub(crate) struct Map(NonNull<u8>);
+pub(crate) struct Map {
+    base: NonNull<u8>,
+    /// Bytes of each ring.
+    ring: usize,
+}
 
 // SAFETY: the mapping is plain memory owned by this value; it is only reached through raw
 // pointers and atomics, never through references to its bytes.
 unsafe impl Send for Map {}
 
 impl Map {
-    /// Maps `fd`'s first [`MAP_LEN`] bytes, shared, read-write.
-    fn new(fd: &OwnedFd) -> io::Result<Map> {
+    /// Maps `fd`'s first [`map_len`]`(ring)` bytes, shared, read-write.
+    fn new(fd: &OwnedFd, ring: usize) -> io::Result<Map> {
         // SAFETY: a fresh mapping chosen by the kernel; nothing else is at that address.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                MAP_LEN,
+                map_len(ring),
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
@@ -108,7 +131,7 @@ impl Map {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Map(NonNull::new(p.cast()).expect("mmap does not return null on success")))
+        Ok(Map { base: NonNull::new(p.cast()).expect("mmap does not return null on success"), ring })
     }
 
     /// A counter or flag word of the control page.
@@ -116,19 +139,19 @@ impl Map {
         debug_assert!(ring < 2 && at < RING_CTRL && at.is_multiple_of(64));
         // SAFETY: within the control page, 8-aligned (the mapping is page-aligned); an
         // `AtomicU64` may be changed by others at any time, which is what the peer does.
-        unsafe { &*self.0.as_ptr().add(ring * RING_CTRL + at).cast::<AtomicU64>() }
+        unsafe { &*self.base.as_ptr().add(ring * RING_CTRL + at).cast::<AtomicU64>() }
     }
 
     fn data(&self, ring: usize) -> *mut u8 {
         // SAFETY: ring data lies within the mapping, after the control page.
-        unsafe { self.0.as_ptr().add(CTRL + ring * RING) }
+        unsafe { self.base.as_ptr().add(CTRL + ring * self.ring) }
     }
 }
 
 impl Drop for Map {
     fn drop(&mut self) {
         // SAFETY: mapped by `Map::new` with this length; no reference into it outlives `self`.
-        unsafe { libc::munmap(self.0.as_ptr().cast(), MAP_LEN) };
+        unsafe { libc::munmap(self.base.as_ptr().cast(), map_len(self.ring)) };
     }
 }
 
@@ -177,31 +200,73 @@ impl ShmConn {
             }
         }
         let n = avail.min(buf.len());
-        let at = (self.rx_tail % RING as u64) as usize;
-        let first = n.min(RING - at);
+        let ring = self.map.ring;
+        let at = (self.rx_tail % ring as u64) as usize;
+        let first = n.min(ring - at);
         let data = self.map.data(self.rx);
         // SAFETY: `at + first <= RING` and `n - first <= RING` stay in the ring; `buf` is
-        // private memory of `n` bytes at least. The ring bytes are the peer's, copied as
-        // opaque bytes (any value is a valid `u8`) into private memory before anything
-        // looks at them, so a peer that changes them meanwhile garbles only its own frames.
+        // private memory of `n` bytes at least. The ring bytes are the peer's, copied byte-
+        // wise atomically (`shared_mem`: a peer writing them meanwhile gives torn bytes,
+        // not undefined behaviour) into private memory before anything looks at them, so
+        // such a peer garbles only its own frames.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.add(at), buf.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(data, buf.as_mut_ptr().add(first), n - first);
+            let out = buf.as_mut_ptr();
+            shared_mem::copy_across_cores(Src::Shared(data.add(at)), Dst::Private(out), first);
+            shared_mem::copy_across_cores(Src::Shared(data), Dst::Private(out.add(first)), n - first);
         }
+        self.consumed(n);
+        Ok(n)
+    }
+
+    /// Moves up to `max` bytes the peer produced straight into `p` at offset `at` (a
+    /// write's data landing in its target region): the same as [`read`](Self::read), with
+    /// no private buffer between the ring and the region.
+    ///
+    /// # Safety
+    /// `at + max` must not exceed `p.len()`.
+    pub(crate) unsafe fn read_placed(&mut self, p: &Placement, at: usize, max: usize) -> io::Result<usize> {
+        if max == 0 {
+            return Ok(0);
+        }
+        let mut avail = self.available()?;
+        if avail == 0 {
+            self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            avail = self.available()?;
+            if avail == 0 {
+                return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
+            }
+        }
+        let n = avail.min(max);
+        let ring = self.map.ring;
+        let from = (self.rx_tail % ring as u64) as usize;
+        let first = n.min(ring - from);
+        let data = self.map.data(self.rx);
+        // SAFETY: both ring ranges stay in the ring (as in `read`); the caller keeps
+        // `at + n <= p.len()`. The peer's bytes land as opaque bytes, torn at worst.
+        unsafe {
+            p.land_from(at, Src::Shared(data.add(from)), first);
+            p.land_from(at + first, Src::Shared(data), n - first);
+        }
+        self.consumed(n);
+        Ok(n)
+    }
+
+    /// Hands `n` taken bytes back to the producer (and wakes it if it waits for room).
+    fn consumed(&mut self, n: usize) {
         self.rx_tail = self.rx_tail.wrapping_add(n as u64);
         self.map.word(self.rx, TAIL).store(self.rx_tail, Ordering::Release);
         fence(Ordering::SeqCst);
         if self.map.word(self.rx, PRODUCER_WAITS).swap(0, Ordering::SeqCst) != 0 {
             self.ring();
         }
-        Ok(n)
     }
 
     /// Bytes the peer produced that this side has not taken, checked against the ring.
     fn available(&self) -> io::Result<usize> {
         let head = self.map.word(self.rx, HEAD).load(Ordering::Acquire);
         let avail = head.wrapping_sub(self.rx_tail);
-        if avail > RING as u64 {
+        if avail > self.map.ring as u64 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring head is out of bounds"));
         }
         Ok(avail as usize)
@@ -235,14 +300,16 @@ impl ShmConn {
             }
         }
         let n = free.min(len);
-        let at = (self.tx_head % RING as u64) as usize;
-        let first = n.min(RING - at);
+        let ring = self.map.ring;
+        let at = (self.tx_head % ring as u64) as usize;
+        let first = n.min(ring - at);
         let data = self.map.data(self.tx);
-        // SAFETY: the caller vouches for `src`; both ranges stay within the ring, which the
-        // peer does not read until the head below says so.
+        // SAFETY: the caller vouches for `src` (registered memory or private bytes, read
+        // byte-wise atomically); both ranges stay within the ring, which an honest peer does
+        // not touch until the head below says so (a hostile one gets torn bytes).
         unsafe {
-            std::ptr::copy_nonoverlapping(src, data.add(at), first);
-            std::ptr::copy_nonoverlapping(src.add(first), data, n - first);
+            shared_mem::copy_across_cores(Src::Shared(src), Dst::Shared(data.add(at)), first);
+            shared_mem::copy_across_cores(Src::Shared(src.add(first)), Dst::Shared(data), n - first);
         }
         self.tx_head = self.tx_head.wrapping_add(n as u64);
         self.map.word(self.tx, HEAD).store(self.tx_head, Ordering::Release);
@@ -257,10 +324,10 @@ impl ShmConn {
     fn free(&self) -> io::Result<usize> {
         let tail = self.map.word(self.tx, TAIL).load(Ordering::Acquire);
         let used = self.tx_head.wrapping_sub(tail);
-        if used > RING as u64 {
+        if used > self.map.ring as u64 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring tail is out of bounds"));
         }
-        Ok(RING - used as usize)
+        Ok(self.map.ring - used as usize)
     }
 
     /// Rings the peer's doorbell. A full socket already holds doorbells the peer has not
@@ -314,9 +381,9 @@ impl ShmConn {
 /// connection is to be dropped.
 pub(crate) fn accept_rings(sock: &UnixStream) -> io::Result<Map> {
     let fd = recv_fd(sock)?;
-    check_memfd(&fd)?;
+    let ring = check_memfd(&fd)?;
     // The descriptor itself is not needed once mapped.
-    Map::new(&fd)
+    Map::new(&fd, ring)
 }
 
 /// Receives one byte carrying exactly one descriptor.
@@ -368,8 +435,8 @@ fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
 }
 
 /// Accepts only shared memory sealed against shrinking (so the mapping can never fault
-/// with SIGBUS), at least [`MAP_LEN`] bytes.
-fn check_memfd(fd: &OwnedFd) -> io::Result<()> {
+/// with SIGBUS) whose size holds two rings of a size a device accepts; returns that size.
+fn check_memfd(fd: &OwnedFd) -> io::Result<usize> {
     // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but shared memory.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
@@ -384,14 +451,17 @@ fn check_memfd(fd: &OwnedFd) -> io::Result<()> {
     if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < MAP_LEN as u64 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "same-host peer's memfd is too small"));
-    }
-    Ok(())
+    let ring = ((st.st_mode & libc::S_IFMT) == libc::S_IFREG).then(|| ring_of(st.st_size as u64)).flatten();
+    ring.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("same-host peer's memfd has a bad size ({} bytes) for two rings", st.st_size),
+        )
+    })
 }
 
-/// Creates a sealed memfd for one connection's rings.
-pub fn ring_memfd() -> io::Result<OwnedFd> {
+/// Creates a sealed memfd for one connection's rings of `ring` bytes each.
+pub fn ring_memfd(ring: usize) -> io::Result<OwnedFd> {
     // SAFETY: a NUL-terminated name; the flags are valid.
     let fd = unsafe {
         libc::memfd_create(c"rdmakit-soft-rings".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
@@ -403,7 +473,7 @@ pub fn ring_memfd() -> io::Result<OwnedFd> {
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: plain calls on a descriptor we own.
     unsafe {
-        if libc::ftruncate(fd.as_raw_fd(), MAP_LEN as libc::off_t) != 0 {
+        if libc::ftruncate(fd.as_raw_fd(), map_len(ring) as libc::off_t) != 0 {
             return Err(io::Error::last_os_error());
         }
         if libc::fcntl(
@@ -465,13 +535,13 @@ pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
 /// Connects a requester to the device with `gid` on this host, introducing itself with
 /// the encoded `hello`. `None` (TCP is used) when the path is off, the device has no
 /// same-host listener here, or the listener is not the process the GID names.
-pub(crate) fn connect(gid: &[u8; 16], hello: &[u8]) -> Option<ShmConn> {
+pub(crate) fn connect(gid: &[u8; 16], hello: &[u8], ring: usize) -> Option<ShmConn> {
     if !enabled() {
         return None;
     }
     // The rings are ready before connecting, so the memfd follows the connection at once
     // (a device counts connections whose Hello is late).
-    let rings = ring_memfd().and_then(|fd| Map::new(&fd).map(|m| (fd, m)));
+    let rings = ring_memfd(ring).and_then(|fd| Map::new(&fd, ring).map(|m| (fd, m)));
     let (fd, map) = match rings {
         Ok(r) => r,
         Err(e) => {
@@ -523,8 +593,8 @@ mod tests {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         a.set_nonblocking(true).unwrap();
         b.set_nonblocking(true).unwrap();
-        let fd = ring_memfd().unwrap();
-        let req = ShmConn::new(UnixStream::from_std(a), Map::new(&fd).unwrap(), true);
+        let fd = ring_memfd(MIN_RING).unwrap();
+        let req = ShmConn::new(UnixStream::from_std(a), Map::new(&fd, MIN_RING).unwrap(), true);
         let b = UnixStream::from_std(b);
         send_fd(req.sock.as_raw_fd(), &fd).unwrap();
         let map = accept_rings(&b).unwrap();
@@ -575,7 +645,7 @@ mod tests {
     fn a_forged_head_is_an_error_not_a_read_past_the_ring() {
         let (req, mut resp) = pair();
         // The requester (hostile) claims more bytes than the ring holds.
-        req.map.word(REQUESTS, HEAD).store(RING as u64 + 1, Ordering::SeqCst);
+        req.map.word(REQUESTS, HEAD).store(MIN_RING as u64 + 1, Ordering::SeqCst);
         let mut buf = [0u8; 16];
         assert_eq!(resp.read(&mut buf).unwrap_err().kind(), io::ErrorKind::InvalidData);
         // And a tail running ahead of what the device wrote.
@@ -628,7 +698,7 @@ mod tests {
         let unsealed = unsafe {
             let fd = libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC);
             assert!(fd >= 0);
-            assert_eq!(libc::ftruncate(fd, MAP_LEN as libc::off_t), 0);
+            assert_eq!(libc::ftruncate(fd, map_len(MIN_RING) as libc::off_t), 0);
             OwnedFd::from_raw_fd(fd)
         };
         assert!(try_attach(unsealed).to_string().contains("shrink"));
@@ -640,7 +710,16 @@ mod tests {
             assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
             OwnedFd::from_raw_fd(fd)
         };
-        assert!(try_attach(small).to_string().contains("too small"));
+        assert!(try_attach(small).to_string().contains("bad size"));
+        // Sealed, large, but not two rings of an accepted size.
+        // SAFETY: as above.
+        let odd = unsafe {
+            let fd = libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            assert_eq!(libc::ftruncate(fd, (map_len(MIN_RING) + 4096) as libc::off_t), 0);
+            assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+            OwnedFd::from_raw_fd(fd)
+        };
+        assert!(try_attach(odd).to_string().contains("bad size"));
         // Not shared memory at all.
         let (x, _y) = std::os::unix::net::UnixStream::pair().unwrap();
         assert!(try_attach(OwnedFd::from(x)).to_string().contains("not a memfd"));

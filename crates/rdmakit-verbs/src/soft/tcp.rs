@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
-use super::qp::{Auth, Requester, SharedTail, SoftQp};
+use super::qp::{Auth, Placement, Requester, SharedTail, SoftQp};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
 use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener, UnixStream};
@@ -343,6 +343,8 @@ const COALESCE: usize = 64 * 1024;
 const OWN_CHUNK: usize = 16 * 1024;
 /// The loop's one read buffer, shared by all connections.
 const READ_BUF: usize = 256 * 1024;
+/// The most a served connection reads from same-host rings into the loop's buffer at once.
+const SHM_READ: usize = 4096;
 /// Reads per connection per turn of the loop before the others get theirs.
 const READS_PER_TURN: usize = 8;
 /// How often the loop checks deadlines (Hello, frame and send timeouts, gone QPs/devices).
@@ -1135,7 +1137,33 @@ impl EventLoop {
                 return true;
             }
             reads += 1;
-            match s.io.s.read(rbuf) {
+            // Same-host rings: a write's data being placed goes from the ring straight to
+            // its target region.
+            if let (Conn::Shm(c), Some((p, done))) = (&mut s.io.s, s.io.rd.placing()) {
+                // SAFETY: at most what is left of the placement, from where it stands.
+                match unsafe { c.read_placed(p, done, p.len() - done) } {
+                    Ok(0) => {
+                        warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
+                        return false;
+                    }
+                    Ok(n) => {
+                        if let Some(got) = s.io.rd.placed(n) {
+                            match answer(s, got) {
+                                None => return false,
+                                Some(Some(reply)) => s.io.push_frame(reply, &mut self.scratch),
+                                Some(None) => {}
+                            }
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => s.io.readable = false,
+                    Err(_) => return false,
+                }
+                continue;
+            }
+            // Through rings, small reads: a large write's data is then mostly placed from
+            // the ring (above) rather than through this buffer.
+            let cap = if s.io.s.is_shm() { SHM_READ } else { rbuf.len() };
+            match s.io.s.read(&mut rbuf[..cap]) {
                 Ok(0) => {
                     if s.io.rd.in_frame() {
                         warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
@@ -1146,7 +1174,7 @@ impl EventLoop {
                 }
                 Ok(n) => {
                     // A short read drained the socket: what arrives later is a new edge.
-                    if n < rbuf.len() && s.io.s.short_read_drains() {
+                    if n < cap && s.io.s.short_read_drains() {
                         s.io.readable = false;
                     }
                     let Some(used) = self.feed_served(s, &rbuf[..n]) else { return false };
@@ -1175,7 +1203,16 @@ impl EventLoop {
                     (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
                     _ => wire::MAX_MESSAGE as usize,
                 };
-            let got = match s.io.rd.feed(&mut rest, limit, true) {
+            // A write in sequence, from the connected requester, to a target its key allows:
+            // its data lands in the region as it arrives (no copy kept here).
+            let (requester, expected) = (&s.requester, s.expected);
+            let place = |kind: u8, fixed: &[u8], data_len: usize| match wire::decode_payload(kind, fixed) {
+                Ok(Frame::Write { psn, addr, rkey, imm: None, .. }) if psn == expected => {
+                    qp.upgrade()?.place_write(requester, addr, rkey, data_len)
+                }
+                _ => None,
+            };
+            let got = match s.io.rd.feed_placing(&mut rest, limit, true, place) {
                 Ok(None) => continue,
                 Ok(Some(g)) => g,
                 Err(e) => {
@@ -1183,36 +1220,10 @@ impl EventLoop {
                     return None;
                 }
             };
-            let reply = match got {
-                Got::Refused { frame, data_len } => {
-                    let psn = request_psn(&frame)?;
-                    if psn != s.expected {
-                        continue;
-                    }
-                    let target = s.qp.upgrade()?;
-                    let Some(reply) = target.refuse_write(&s.requester, frame, data_len) else { continue };
-                    s.expected = next_psn(psn);
-                    reply
-                }
-                Got::Frame(frame) => {
-                    let psn = request_psn(&frame)?;
-                    if psn != s.expected {
-                        warn_limited!(peer = ?s.peer, psn, expected = s.expected, "soft NIC: request out of sequence (replay or gap); dropped");
-                        continue;
-                    }
-                    // A destroyed target QP answers nothing: the requester times out, as on
-                    // a real NIC.
-                    let target = s.qp.upgrade()?;
-                    // `None`: the target QP is not connected to this requester (any more):
-                    // drop, as a NIC drops such packets; the requester times out.
-                    let Some(reply) = target.serve_remote(&s.requester, frame) else { continue };
-                    if !matches!(reply, Frame::RnrNak { .. }) {
-                        s.expected = next_psn(psn);
-                    }
-                    reply
-                }
-            };
-            s.io.push_frame(reply, &mut self.scratch);
+            match answer(s, got)? {
+                Some(reply) => s.io.push_frame(reply, &mut self.scratch),
+                None => continue,
+            }
         }
         Some(input.len() - rest.len())
     }
@@ -1282,7 +1293,7 @@ impl EventLoop {
                                 Some(qp) => qp.on_remote_response(f),
                                 None => return false,
                             },
-                            Ok(Some(Got::Refused { .. })) => return false,
+                            Ok(Some(Got::Refused { .. } | Got::Placed { .. })) => return false,
                             Err(e) => {
                                 warn_limited!(error = %e, "soft NIC: bad response; link dropped");
                                 return false;
@@ -1343,6 +1354,47 @@ impl EventLoop {
             }
         }
     }
+}
+
+/// The answer to a request that came in whole. `None`: the connection ends; `Some(None)`:
+/// nothing is answered (the request is dropped, as a NIC drops such packets).
+fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
+    Some(match got {
+        Got::Placed { frame, .. } => {
+            let psn = request_psn(&frame)?;
+            let target = s.qp.upgrade()?;
+            let Some(reply) = target.placed_write_done(&s.requester, psn) else { return Some(None) };
+            s.expected = next_psn(psn);
+            Some(reply)
+        }
+        Got::Refused { frame, data_len } => {
+            let psn = request_psn(&frame)?;
+            if psn != s.expected {
+                return Some(None);
+            }
+            let target = s.qp.upgrade()?;
+            let Some(reply) = target.refuse_write(&s.requester, frame, data_len) else { return Some(None) };
+            s.expected = next_psn(psn);
+            Some(reply)
+        }
+        Got::Frame(frame) => {
+            let psn = request_psn(&frame)?;
+            if psn != s.expected {
+                warn_limited!(peer = ?s.peer, psn, expected = s.expected, "soft NIC: request out of sequence (replay or gap); dropped");
+                return Some(None);
+            }
+            // A destroyed target QP answers nothing: the requester times out, as on a real
+            // NIC.
+            let target = s.qp.upgrade()?;
+            // `None`: the target QP is not connected to this requester (any more): drop, as
+            // a NIC drops such packets; the requester times out.
+            let Some(reply) = target.serve_remote(&s.requester, frame) else { return Some(None) };
+            if !matches!(reply, Frame::RnrNak { .. }) {
+                s.expected = next_psn(psn);
+            }
+            Some(reply)
+        }
+    })
 }
 
 /// Checks `p`'s complete Hello against the QP it names.
@@ -1421,6 +1473,7 @@ impl LinkShared {
 pub(crate) struct TcpLink {
     shared: Arc<LinkShared>,
     wire: Option<&'static Wire>,
+    same_host: bool,
 }
 
 impl TcpLink {
@@ -1440,7 +1493,7 @@ impl TcpLink {
         hello: Frame,
         queue: usize,
     ) -> TcpLink {
-        let same_host = qp.device.config().same_host_shm;
+        let (same_host, ring) = (qp.device.config().same_host_shm, qp.device.config().same_host_ring);
         let shared = Arc::new(LinkShared {
             queue: Mutex::new(VecDeque::new()),
             cap: queue,
@@ -1454,15 +1507,15 @@ impl TcpLink {
             Err(e) => {
                 tracing::error!(%e, "soft NIC: no wire; requests will time out");
                 shared.dead.store(true, Ordering::Release);
-                return TcpLink { shared, wire: None };
+                return TcpLink { shared, wire: None, same_host: false };
             }
         };
         let mut encoded = Vec::new();
         wire::encode(&hello, &mut encoded);
-        if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded)).flatten() {
+        if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
             let nl = NewLink { s: Conn::Shm(Box::new(conn)), shared: shared.clone(), qp: Arc::downgrade(qp) };
             wire.submit(|inbox| inbox.links.push(nl));
-            return TcpLink { shared, wire: Some(wire) };
+            return TcpLink { shared, wire: Some(wire), same_host: true };
         }
         // The Hello goes out with the connection, from this thread: a fresh socket's send
         // buffer takes its few bytes at once, and a listener counts a connection whose Hello
@@ -1489,7 +1542,7 @@ impl TcpLink {
                 shared.dead.store(true, Ordering::Release);
             }
         }
-        TcpLink { shared, wire: Some(wire) }
+        TcpLink { shared, wire: Some(wire), same_host: false }
     }
 
     /// Queues a request frame, with its payload still in the region when `tail` is given.
@@ -1515,6 +1568,11 @@ impl TcpLink {
 
     pub fn is_dead(&self) -> bool {
         self.shared.dead.load(Ordering::Acquire)
+    }
+
+    /// Goes through same-host rings (not TCP).
+    pub fn is_same_host(&self) -> bool {
+        self.same_host
     }
 }
 
@@ -1556,6 +1614,8 @@ struct Body {
     /// Data bytes still to throw away (a refused frame).
     discard: Option<usize>,
     data: Vec<u8>,
+    /// Where the data lands as it arrives, and how much has.
+    place: Option<(Placement, usize)>,
 }
 
 impl FrameReader {
@@ -1569,13 +1629,49 @@ impl FrameReader {
         self.body.is_some()
     }
 
+    /// The data frame being placed, if the reader is inside its data: where it lands and
+    /// how much has.
+    pub(crate) fn placing(&self) -> Option<(&Placement, usize)> {
+        let (p, done) = self.body.as_ref()?.place.as_ref()?;
+        Some((p, *done))
+    }
+
+    /// `n` more bytes of the frame being placed landed (put there by the caller); the
+    /// frame once all have.
+    pub(crate) fn placed(&mut self, n: usize) -> Option<Got> {
+        let (p, done) = self.body.as_mut()?.place.as_mut()?;
+        *done += n;
+        debug_assert!(*done <= p.len());
+        if *done < p.len() {
+            return None;
+        }
+        let b = self.finish();
+        // The fixed fields decoded when the placement was chosen.
+        let frame = wire::decode_payload(b.kind, &b.fixed).ok()?;
+        Some(Got::Placed { frame, data_len: b.data_len })
+    }
+
     /// Takes bytes from the front of `input` up to the end of the next frame. `Ok(None)`:
     /// `input` is used up, the frame is not complete yet.
     pub(crate) fn feed(
         &mut self,
         input: &mut &[u8],
+        data_limit: impl FnMut(u8, &[u8]) -> usize,
+        discard: bool,
+    ) -> Result<Option<Got>, String> {
+        self.feed_placing(input, data_limit, discard, |_, _, _| None)
+    }
+
+    /// [`feed`](Self::feed), where `place(kind, fixed, data_len)`, asked once a data
+    /// frame's fixed fields are in, may return where its data lands: then the data is
+    /// copied there as it arrives (never stored here) and the frame comes out as
+    /// [`Got::Placed`]. `None`: the frame is read as by `feed`.
+    pub(crate) fn feed_placing(
+        &mut self,
+        input: &mut &[u8],
         mut data_limit: impl FnMut(u8, &[u8]) -> usize,
         discard: bool,
+        mut place: impl FnMut(u8, &[u8], usize) -> Option<Placement>,
     ) -> Result<Option<Got>, String> {
         if input.is_empty() {
             return Ok(None);
@@ -1611,6 +1707,7 @@ impl FrameReader {
                 checked: false,
                 discard: None,
                 data: Vec::new(),
+                place: None,
             });
         }
         let b = self.body.as_mut().expect("a header was read");
@@ -1625,16 +1722,34 @@ impl FrameReader {
         let is_data = matches!(wire::data_offset(b.kind), Some(f) if b.fixed_len == f);
         if is_data && !b.checked {
             b.checked = true;
-            let limit = data_limit(b.kind, &b.fixed);
-            if b.data_len > limit {
-                if !discard {
-                    return Err(format!(
-                        "frame kind {} with {} data bytes where at most {limit} fit",
-                        b.kind, b.data_len
-                    ));
+            match if b.data_len > 0 { place(b.kind, &b.fixed, b.data_len) } else { None } {
+                Some(p) if p.len() == b.data_len => b.place = Some((p, 0)),
+                _ => {
+                    let limit = data_limit(b.kind, &b.fixed);
+                    if b.data_len > limit {
+                        if !discard {
+                            return Err(format!(
+                                "frame kind {} with {} data bytes where at most {limit} fit",
+                                b.kind, b.data_len
+                            ));
+                        }
+                        b.discard = Some(b.data_len);
+                    }
                 }
-                b.discard = Some(b.data_len);
             }
+        }
+        if let Some((p, done)) = b.place.as_mut() {
+            let take = (p.len() - *done).min(input.len());
+            // SAFETY: `*done + take <= p.len()`, the placement's checked length.
+            unsafe { p.land(*done, &input[..take]) };
+            *done += take;
+            *input = &input[take..];
+            if *done < p.len() {
+                return Ok(None);
+            }
+            let b = self.finish();
+            let frame = wire::decode_payload(b.kind, &b.fixed).map_err(|e| e.to_string())?;
+            return Ok(Some(Got::Placed { frame, data_len: b.data_len }));
         }
         if let Some(left) = b.discard.as_mut() {
             let take = (*left).min(input.len());
@@ -1713,6 +1828,7 @@ pub fn read_frame(
     match read_frame_with(r, buf, accept, |k, _| data_limit(k), false)? {
         Some(Got::Frame(f)) => Ok(Some(f)),
         Some(Got::Refused { .. }) => Err("a refused frame from a reader that does not discard".into()),
+        Some(Got::Placed { .. }) => Err("a placed frame from a reader that does not place".into()),
         None => Ok(None),
     }
 }
@@ -1725,6 +1841,9 @@ pub enum Got {
     /// A data-carrying frame whose data exceeded the limit: its fixed fields (with empty
     /// data) and its data length. The data was read and thrown away, never stored.
     Refused { frame: Frame, data_len: usize },
+    /// A data-carrying frame whose data went where [`FrameReader::feed_placing`] was told:
+    /// its fixed fields (with empty data) and its data length.
+    Placed { frame: Frame, data_len: usize },
 }
 
 /// [`read_frame`] with the data limit computed from the frame's kind and fixed fields
@@ -1851,6 +1970,7 @@ fn both_readers(
                 assert!(data_len > 0, "refused without data");
                 reference.push(Ok(frame));
             }
+            Ok(Some(Got::Placed { .. })) => unreachable!("nothing is placed here"),
             Ok(None) => break,
             Err(e) => {
                 reference.push(Err(e));
@@ -1871,6 +1991,7 @@ fn both_readers(
                     assert!(data_len > 0, "refused without data");
                     got.push(Ok(frame));
                 }
+                Ok(Some(Got::Placed { .. })) => unreachable!("nothing is placed here"),
                 Err(e) => {
                     got.push(Err(e));
                     break 'feed;

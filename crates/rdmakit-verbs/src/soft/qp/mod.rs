@@ -589,17 +589,19 @@ impl SoftQp {
     /// Executes the request at the head of the send queue and handles its outcome.
     fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
         let outcome = match sq.link.as_mut() {
-            Some(Link::Tcp(link)) if !link.is_dead() => match self.remote_request(wr, sq.next_psn) {
-                Ok((frame, target, tail)) => {
-                    if link.send(frame, tail) {
-                        let psn = sq.next_psn;
-                        sq.next_psn = super::tcp::next_psn(psn);
-                        return Step::Sent(psn, target);
+            Some(Link::Tcp(link)) if !link.is_dead() => {
+                match self.remote_request(wr, sq.next_psn, link.is_same_host()) {
+                    Ok((frame, target, tail)) => {
+                        if link.send(frame, tail) {
+                            let psn = sq.next_psn;
+                            sq.next_psn = super::tcp::next_psn(psn);
+                            return Step::Sent(psn, target);
+                        }
+                        Outcome::NoResponse
                     }
-                    Outcome::NoResponse
+                    Err(status) => Outcome::Done(status, 0),
                 }
-                Err(status) => Outcome::Done(status, 0),
-            },
+            }
             Some(Link::Tcp(_)) | None => Outcome::NoResponse,
             Some(Link::Local { gid, qpn, peer }) => match Link::local_peer(gid, *qpn, peer) {
                 Some(peer) => self.execute(wr, &peer, d),
@@ -759,6 +761,9 @@ struct LocalBuf {
 
 /// Payloads from this size on go to the socket straight from the region.
 const SHARED_TAIL_MIN: u32 = 128 * 1024;
+/// The same through same-host rings: the loop copies a tail from the region into the ring
+/// itself, so only payloads small enough to batch are worth a copy of their own.
+const SHARED_TAIL_MIN_SAME_HOST: u32 = 2 * 1024;
 
 /// A request's payload left in its registered region, for the link to send from there.
 pub(crate) struct SharedTail {
@@ -771,6 +776,51 @@ pub(crate) struct SharedTail {
 // SAFETY: `ptr` points into memory `_entry` keeps alive; it is only read by the kernel
 // (`send(2)`), never through a Rust reference, so moving it to the writer thread is sound.
 unsafe impl Send for SharedTail {}
+
+/// Where a remote write's data lands as it arrives off the wire: a target checked against
+/// the responder's registration (QP access, key, PD, region access, bounds) for the whole
+/// length, kept alive while the data lands.
+pub(crate) struct Placement {
+    ptr: *mut u8,
+    len: usize,
+    _entry: Option<Arc<MrEntry>>,
+}
+
+// SAFETY: `ptr` points into memory `_entry` keeps alive; it is only written through
+// `shared_mem` (as a NIC writes registered memory), never through a Rust reference, so the
+// wire's thread may hold it.
+unsafe impl Send for Placement {}
+
+impl Placement {
+    /// The data length the target was checked for.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Lands `data` at offset `at` of the target.
+    ///
+    /// # Safety
+    /// `at + data.len()` must not exceed [`len`](Self::len).
+    pub(crate) unsafe fn land(&self, at: usize, data: &[u8]) {
+        debug_assert!(at + data.len() <= self.len);
+        // SAFETY: the target is valid for `len` bytes (checked registration kept alive by
+        // `_entry`) and the caller keeps `at + data.len()` within it; registered memory is
+        // only written through `shared_mem`; `data` is private memory.
+        unsafe { shared_mem::copy(Src::Private(data.as_ptr()), Dst::Shared(self.ptr.add(at)), data.len()) };
+    }
+
+    /// Lands `n` bytes from `src` at offset `at` of the target, copied as memory another
+    /// core wrote last (a same-host ring).
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `n` bytes (shared memory read byte-wise atomically),
+    /// and `at + n` must not exceed [`len`](Self::len).
+    pub(crate) unsafe fn land_from(&self, at: usize, src: Src, n: usize) {
+        debug_assert!(at + n <= self.len);
+        // SAFETY: as in `land`, with the caller vouching for `src`.
+        unsafe { shared_mem::copy_across_cores(src, Dst::Shared(self.ptr.add(at)), n) };
+    }
+}
 
 enum Step {
     Completed,

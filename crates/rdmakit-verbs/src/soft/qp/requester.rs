@@ -53,12 +53,15 @@ impl SoftQp {
 
     /// Builds the frame for a request to a responder in another process. A write or send
     /// from a registered region leaves its payload in the region (`SharedTail`): the link's
-    /// writer thread hands it to the socket from there, without a copy.
+    /// writer thread hands it to the socket (or copies it into the same-host ring) from
+    /// there, without a copy of its own.
     pub(super) fn remote_request(
         &self,
         wr: &RawSendWr<'_>,
         psn: u32,
+        same_host: bool,
     ) -> std::result::Result<(Frame, Option<LocalTarget>, Option<SharedTail>), WcStatus> {
+        let tail_min = if same_host { SHARED_TAIL_MIN_SAME_HOST } else { SHARED_TAIL_MIN };
         let len = wr.len();
         if len > wire::MAX_MESSAGE {
             return Err(WcStatus::LOC_LEN_ERR);
@@ -67,7 +70,7 @@ impl SoftQp {
         let (data, tail) = match (&local.entry, wr.op) {
             // Large payloads only: smaller ones are cheaper copied into the link's buffer,
             // which batches many requests into one system call.
-            (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= SHARED_TAIL_MIN => {
+            (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= tail_min => {
                 (Vec::new(), Some(SharedTail { ptr: local.ptr, len: len as usize, _entry: e.clone() }))
             }
             (_, RawOp::Write { .. } | RawOp::Send { .. }) => {

@@ -66,6 +66,25 @@ impl SoftQp {
         })
     }
 
+    /// Where a plain write (no immediate) of `len` data bytes from `from` lands, if it
+    /// would succeed: the checks of [`respond_write`](Self::respond_write), made before the
+    /// data arrives so that it can land as it does. `None`: the write is served the usual
+    /// way (stored, then refused or applied with the status the checks give).
+    pub fn place_write(&self, from: &Requester<'_>, addr: u64, rkey: u32, len: usize) -> Option<Placement> {
+        if !self.accepts_from(from) {
+            return None;
+        }
+        let n = u32::try_from(len).ok().filter(|&n| n > 0 && n <= wire::MAX_MESSAGE)?;
+        let (ptr, entry) = self.target(addr, rkey, n, AccessFlags::REMOTE_WRITE).ok()?;
+        Some(Placement { ptr, len, _entry: entry })
+    }
+
+    /// The answer to a write whose data landed through [`place_write`](Self::place_write).
+    /// `None` if the QP no longer serves `from` (dropped, as a NIC drops such packets).
+    pub fn placed_write_done(&self, from: &Requester<'_>, psn: u32) -> Option<Frame> {
+        self.accepts_from(from).then_some(Frame::Ack { psn, status: WcStatus::SUCCESS.0, data: Vec::new() })
+    }
+
     /// The most data bytes a write to `addr` with `rkey` can land: the bytes of the key's
     /// range from `addr` if the QP and the key allow remote writes there, else 0.
     pub fn write_data_limit(&self, addr: u64, rkey: u32) -> usize {
