@@ -323,6 +323,24 @@ fn one_sided_and_two_sided_ops_across_processes(path: Path) {
     assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 99);
     assert_eq!(l.qp.outstanding(), (0, 0));
 
+    // Writes larger than the ring can take at once, small ones behind them, then a read of
+    // the word all of them wrote: the small ones must not overtake (on the same-host path
+    // they are posted straight into the ring only when nothing waits before them).
+    buf.write_u64(16, 7).unwrap();
+    for _ in 0..3 {
+        let wr = SendWr::write(buf.local().unwrap(), peer.mr.slice(0, 1 << 20).unwrap());
+        l.qp.post_send(wr.unsignaled()).unwrap();
+    }
+    for i in 0..50u64 {
+        buf.write_u64(4096 + 8 * i, 1000 + i).unwrap();
+        let wr = SendWr::write(buf.slice(4096 + 8 * i, 8).unwrap(), peer.mr.slice(16, 8).unwrap());
+        l.qp.post_send(wr.unsignaled()).unwrap();
+    }
+    l.qp.post_send(SendWr::read(buf.slice(8192, 8).unwrap(), peer.mr.slice(16, 8).unwrap()).wr_id(77))
+        .unwrap();
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 77);
+    assert_eq!(buf.read_u64(8192).unwrap(), 1049, "a small write overtook a large one, or was lost");
+
     // A bad rkey is refused by the peer's NIC.
     let bad = RemoteSlice::new(peer.mr.addr, 8, peer.mr.rkey ^ 0x100);
     l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), bad)).unwrap();

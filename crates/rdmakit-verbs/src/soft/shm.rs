@@ -29,6 +29,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::SocketAddr as UnixAddr;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use mio::net::UnixStream;
 
@@ -111,8 +112,11 @@ pub(crate) struct Map {
 }
 
 // SAFETY: the mapping is plain memory owned by this value; it is only reached through raw
-// pointers and atomics, never through references to its bytes.
+// pointers and atomics, never through references to its bytes. Its ring bytes are written
+// only under the producer's lock ([`Tx`]) and read only by the one consumer.
 unsafe impl Send for Map {}
+// SAFETY: as above; shared references reach the words only as atomics.
+unsafe impl Sync for Map {}
 
 impl Map {
     /// Maps `fd`'s first [`map_len`]`(ring)` bytes, shared, read-write.
@@ -155,18 +159,115 @@ impl Drop for Map {
     }
 }
 
+/// The producing side of a ring: its count of bytes written, and whether the wire's loop
+/// holds output that must go before anything posted directly ([`Direct`]).
+pub(crate) struct Tx {
+    head: u64,
+    loop_pending: bool,
+}
+
 /// One side of a same-host connection: the rings and the doorbell socket.
 pub(crate) struct ShmConn {
     sock: UnixStream,
-    map: Map,
+    map: Arc<Map>,
     /// The ring this side writes and the one it reads.
-    tx: usize,
+    tx_ring: usize,
     rx: usize,
     /// This side's own counters; the shared copies are for the peer, never read back.
-    tx_head: u64,
+    tx: Arc<Mutex<Tx>>,
     rx_tail: u64,
     /// The socket ended: the peer closed it or died.
     peer_gone: bool,
+}
+
+impl Tx {
+    /// Marks (or clears) output the loop holds that must go before any direct post.
+    pub(crate) fn set_loop_pending(&mut self, pending: bool) {
+        self.loop_pending = pending;
+    }
+}
+
+/// A requester QP's way to put a request into its ring itself, without waking the wire's
+/// loop, when nothing of the loop's is waiting to go first.
+pub(crate) struct Direct {
+    map: Arc<Map>,
+    tx: Arc<Mutex<Tx>>,
+    ring: usize,
+    bell: std::os::fd::OwnedFd,
+}
+
+impl Direct {
+    /// Writes the concatenation of `parts` into the ring as one, if the loop has nothing
+    /// waiting and all of it fits now; false otherwise (the caller queues it for the loop).
+    ///
+    /// # Safety
+    /// Each part must be valid for reads of its length (read as opaque bytes).
+    pub(crate) unsafe fn post(&self, parts: &[(*const u8, usize)]) -> bool {
+        let mut tx = self.tx.lock().expect("ring producer");
+        if tx.loop_pending {
+            return false;
+        }
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let Ok(free) = free_in(&self.map, self.ring, tx.head) else { return false };
+        if total > free {
+            return false;
+        }
+        for &(src, len) in parts {
+            // SAFETY: the caller vouches for each part; `len <= free` of what is left.
+            unsafe { copy_in(&self.map, self.ring, tx.head, src, len) };
+            tx.head = tx.head.wrapping_add(len as u64);
+        }
+        publish(&self.map, self.ring, tx.head, self.bell.as_raw_fd());
+        true
+    }
+}
+
+/// Free bytes in `ring` for a producer at `head`, the peer's tail checked against the ring.
+fn free_in(map: &Map, ring: usize, head: u64) -> io::Result<usize> {
+    let tail = map.word(ring, TAIL).load(Ordering::Acquire);
+    let used = head.wrapping_sub(tail);
+    if used > map.ring as u64 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring tail is out of bounds"));
+    }
+    Ok(map.ring - used as usize)
+}
+
+/// Copies `n` bytes from `src` into `ring` at the producer position `head`.
+///
+/// # Safety
+/// `src` must be valid for reads of `n` bytes, and `n` at most the ring's free bytes.
+unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: *const u8, n: usize) {
+    let size = map.ring;
+    let at = (head % size as u64) as usize;
+    let first = n.min(size - at);
+    let data = map.data(ring);
+    // SAFETY: the caller vouches for `src` (registered memory or private bytes, read
+    // byte-wise atomically); both ranges stay within the ring, which an honest peer does
+    // not touch until the head says so (a hostile one gets torn bytes).
+    unsafe {
+        shared_mem::copy_across_cores(Src::Shared(src), Dst::Shared(data.add(at)), first);
+        shared_mem::copy_across_cores(Src::Shared(src.add(first)), Dst::Shared(data), n - first);
+    }
+}
+
+/// Publishes `head` to the consumer, ringing `bell` if it said it waits.
+fn publish(map: &Map, ring: usize, head: u64, bell: RawFd) {
+    map.word(ring, HEAD).store(head, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if map.word(ring, CONSUMER_WAITS).swap(0, Ordering::SeqCst) != 0 {
+        ring_bell(bell);
+    }
+}
+
+/// Rings a doorbell. A full socket already holds doorbells the peer has not taken, so it
+/// will look anyway; a closed one is noticed by the loop as its end.
+fn ring_bell(sock: RawFd) {
+    let b = 1u8;
+    // SAFETY: one byte from a local; MSG_DONTWAIT: never blocks; MSG_NOSIGNAL: a closed
+    // peer is an error, not SIGPIPE.
+    unsafe {
+        libc::send(sock, (&raw const b).cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+    }
 }
 
 impl ShmConn {
@@ -176,8 +277,35 @@ impl ShmConn {
     }
 
     fn new(sock: UnixStream, map: Map, requester: bool) -> ShmConn {
-        let (tx, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
-        ShmConn { sock, map, tx, rx, tx_head: 0, rx_tail: 0, peer_gone: false }
+        let (tx_ring, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
+        let tx = Arc::new(Mutex::new(Tx { head: 0, loop_pending: false }));
+        ShmConn { sock, map: Arc::new(map), tx_ring, rx, tx, rx_tail: 0, peer_gone: false }
+    }
+
+    /// Shuts the doorbell socket down both ways: the peer sees the end now, whoever else
+    /// holds a descriptor of it.
+    pub(crate) fn shutdown(&mut self) {
+        // SAFETY: shutdown(2) on a descriptor we own.
+        unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        self.peer_gone = true;
+    }
+
+    /// A handle for posting into this side's ring from another thread.
+    pub(crate) fn direct(&self) -> io::Result<Direct> {
+        // SAFETY: dup of a descriptor we own; the copy is owned right after.
+        let fd = unsafe { libc::fcntl(self.sock.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor, now owned.
+        let bell = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Direct { map: self.map.clone(), tx: self.tx.clone(), ring: self.tx_ring, bell })
+    }
+
+    /// The producer's lock, for the loop to mark (or clear) output of its own that must go
+    /// before anything posted directly.
+    pub(crate) fn producer(&self) -> MutexGuard<'_, Tx> {
+        self.tx.lock().expect("ring producer")
     }
 
     pub(crate) fn sock(&mut self) -> &mut UnixStream {
@@ -258,7 +386,7 @@ impl ShmConn {
         self.map.word(self.rx, TAIL).store(self.rx_tail, Ordering::Release);
         fence(Ordering::SeqCst);
         if self.map.word(self.rx, PRODUCER_WAITS).swap(0, Ordering::SeqCst) != 0 {
-            self.ring();
+            ring_bell(self.sock.as_raw_fd());
         }
     }
 
@@ -290,60 +418,22 @@ impl ShmConn {
         if len == 0 {
             return Ok(0);
         }
-        let mut free = self.free()?;
+        let mut tx = self.tx.lock().expect("ring producer");
+        let mut free = free_in(&self.map, self.tx_ring, tx.head)?;
         if free == 0 {
-            self.map.word(self.tx, PRODUCER_WAITS).store(1, Ordering::SeqCst);
+            self.map.word(self.tx_ring, PRODUCER_WAITS).store(1, Ordering::SeqCst);
             fence(Ordering::SeqCst);
-            free = self.free()?;
+            free = free_in(&self.map, self.tx_ring, tx.head)?;
             if free == 0 {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
         }
         let n = free.min(len);
-        let ring = self.map.ring;
-        let at = (self.tx_head % ring as u64) as usize;
-        let first = n.min(ring - at);
-        let data = self.map.data(self.tx);
-        // SAFETY: the caller vouches for `src` (registered memory or private bytes, read
-        // byte-wise atomically); both ranges stay within the ring, which an honest peer does
-        // not touch until the head below says so (a hostile one gets torn bytes).
-        unsafe {
-            shared_mem::copy_across_cores(Src::Shared(src), Dst::Shared(data.add(at)), first);
-            shared_mem::copy_across_cores(Src::Shared(src.add(first)), Dst::Shared(data), n - first);
-        }
-        self.tx_head = self.tx_head.wrapping_add(n as u64);
-        self.map.word(self.tx, HEAD).store(self.tx_head, Ordering::Release);
-        fence(Ordering::SeqCst);
-        if self.map.word(self.tx, CONSUMER_WAITS).swap(0, Ordering::SeqCst) != 0 {
-            self.ring();
-        }
+        // SAFETY: the caller vouches for `src`; `n` is at most the free bytes.
+        unsafe { copy_in(&self.map, self.tx_ring, tx.head, src, n) };
+        tx.head = tx.head.wrapping_add(n as u64);
+        publish(&self.map, self.tx_ring, tx.head, self.sock.as_raw_fd());
         Ok(n)
-    }
-
-    /// Free bytes in the ring this side writes, checked against the ring.
-    fn free(&self) -> io::Result<usize> {
-        let tail = self.map.word(self.tx, TAIL).load(Ordering::Acquire);
-        let used = self.tx_head.wrapping_sub(tail);
-        if used > self.map.ring as u64 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring tail is out of bounds"));
-        }
-        Ok(self.map.ring - used as usize)
-    }
-
-    /// Rings the peer's doorbell. A full socket already holds doorbells the peer has not
-    /// taken, so it will look anyway; a closed one is noticed by the loop as its end.
-    fn ring(&self) {
-        let b = 1u8;
-        // SAFETY: one byte from a local; MSG_DONTWAIT: never blocks; MSG_NOSIGNAL: a closed
-        // peer is an error, not SIGPIPE.
-        unsafe {
-            libc::send(
-                self.sock.as_raw_fd(),
-                (&raw const b).cast(),
-                1,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            );
-        }
     }
 
     /// Takes the doorbells that woke the loop; notes the peer's end.

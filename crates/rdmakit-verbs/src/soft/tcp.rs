@@ -306,6 +306,14 @@ impl Conn {
         }
     }
 
+    /// Ends a same-host connection for the peer at once, even while a requester's direct
+    /// poster still holds a copy of the socket (dropping the loop's copy alone would not).
+    fn end(&mut self) {
+        if let Conn::Shm(c) = self {
+            c.shutdown();
+        }
+    }
+
     fn deregister(&mut self, reg: &mio::Registry) {
         if let Some((s, _)) = self.source(Interest::READABLE) {
             let _ = reg.deregister(s);
@@ -765,9 +773,11 @@ impl EventLoop {
             }
             Entry::Served(mut s) => {
                 s.io.s.deregister(self.poll.registry());
+                s.io.s.end();
             }
             Entry::Link(mut c) => {
                 c.io.s.deregister(self.poll.registry());
+                c.io.s.end();
                 c.shared.fail();
             }
         }
@@ -1248,9 +1258,19 @@ impl EventLoop {
     fn drive_link_with(&mut self, i: usize, c: &mut LinkConn, rbuf: &mut [u8]) -> bool {
         // Output: what the QP queued, within the bound.
         loop {
-            while c.io.out_bytes <= OUT_HIGH {
-                let Some((f, tail)) = c.shared.queue.lock().expect("link queue").pop_front() else { break };
-                c.io.push_request(f, tail, &mut self.scratch);
+            {
+                let mut q = c.shared.queue.lock().expect("link queue");
+                while c.io.out_bytes <= OUT_HIGH {
+                    let Some((f, tail)) = q.pop_front() else { break };
+                    c.io.push_request(f, tail, &mut self.scratch);
+                }
+                // Under the queue's lock, where the QP looks before posting directly: what
+                // the loop took goes first.
+                if let Conn::Shm(sc) = &c.io.s
+                    && !c.io.out.is_empty()
+                {
+                    sc.producer().set_loop_pending(true);
+                }
             }
             if c.io.out.is_empty() || !c.io.writable {
                 break;
@@ -1261,6 +1281,11 @@ impl EventLoop {
             if !c.io.writable {
                 break;
             }
+        }
+        if let Conn::Shm(sc) = &c.io.s
+            && c.io.out.is_empty()
+        {
+            sc.producer().set_loop_pending(false);
         }
         // Input: responses, handed to the QP (which takes no lock of the loop's).
         for _ in 0..READS_PER_TURN {
@@ -1474,6 +1499,9 @@ pub(crate) struct TcpLink {
     shared: Arc<LinkShared>,
     wire: Option<&'static Wire>,
     same_host: bool,
+    /// Same-host rings: requests go into the ring from the QP's thread when the loop has
+    /// nothing waiting (no wake-up of the loop on the way out).
+    direct: Option<shm::Direct>,
 }
 
 impl TcpLink {
@@ -1507,15 +1535,16 @@ impl TcpLink {
             Err(e) => {
                 tracing::error!(%e, "soft NIC: no wire; requests will time out");
                 shared.dead.store(true, Ordering::Release);
-                return TcpLink { shared, wire: None, same_host: false };
+                return TcpLink { shared, wire: None, same_host: false, direct: None };
             }
         };
         let mut encoded = Vec::new();
         wire::encode(&hello, &mut encoded);
         if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
+            let direct = conn.direct().ok();
             let nl = NewLink { s: Conn::Shm(Box::new(conn)), shared: shared.clone(), qp: Arc::downgrade(qp) };
             wire.submit(|inbox| inbox.links.push(nl));
-            return TcpLink { shared, wire: Some(wire), same_host: true };
+            return TcpLink { shared, wire: Some(wire), same_host: true, direct };
         }
         // The Hello goes out with the connection, from this thread: a fresh socket's send
         // buffer takes its few bytes at once, and a listener counts a connection whose Hello
@@ -1542,7 +1571,7 @@ impl TcpLink {
                 shared.dead.store(true, Ordering::Release);
             }
         }
-        TcpLink { shared, wire: Some(wire), same_host: false }
+        TcpLink { shared, wire: Some(wire), same_host: false, direct: None }
     }
 
     /// Queues a request frame, with its payload still in the region when `tail` is given.
@@ -1557,6 +1586,12 @@ impl TcpLink {
             let mut q = self.shared.queue.lock().expect("link queue");
             if q.len() >= self.shared.cap {
                 return false;
+            }
+            if q.is_empty()
+                && let Some(d) = &self.direct
+                && post_direct(d, &f, tail.as_ref())
+            {
+                return true;
             }
             q.push_back((f, tail));
         }
@@ -1574,6 +1609,25 @@ impl TcpLink {
     pub fn is_same_host(&self) -> bool {
         self.same_host
     }
+}
+
+/// Writes request `f` (its payload in `tail` when given) into the link's ring from this
+/// thread, whole, if it can now. The caller holds the link's queue lock and saw it empty.
+fn post_direct(d: &shm::Direct, f: &Frame, tail: Option<&SharedTail>) -> bool {
+    let mut head = Vec::with_capacity(64);
+    let inline = wire::encode_split(f, &mut head);
+    let body = match tail {
+        Some(t) => {
+            debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
+            // The header's length counts the payload that follows from the region.
+            patch_len(&mut head, t.len);
+            (t.ptr.cast_const(), t.len)
+        }
+        None => (inline.as_ptr(), inline.len()),
+    };
+    // SAFETY: `head` and `inline` are live local or borrowed bytes; a tail's `ptr` is valid
+    // for `len` bytes while `t` (holding the region's entry) lives, which outlasts the call.
+    unsafe { d.post(&[(head.as_ptr(), head.len()), body]) }
 }
 
 impl Drop for TcpLink {
