@@ -2,7 +2,7 @@
 //! rings in shared memory instead of a socket.
 //!
 //! Each device that listens on TCP also listens on an abstract Unix socket named after its
-//! GID ([`socket_name`]). A requester QP whose peer is on its host connects there first:
+//! GID (`socket_name`). A requester QP whose peer is on its host connects there first:
 //! - it checks, with `SO_PEERCRED`, that the listener is the process whose pid the GID
 //!   names (the GID came with the endpoint it was handed), so a process squatting the name
 //!   gets nothing, and falls back to TCP otherwise;
