@@ -214,12 +214,29 @@ fn read_reply(s: &mut TcpStream, wait: Duration) -> Option<Frame> {
     wire::decode(&all).ok().map(|(f, _)| f)
 }
 
+/// A stream whose reads can time out (TCP, or the same-host path's Unix socket).
+trait TimedRead: Read {
+    fn read_timeout(&mut self, d: Duration);
+}
+
+impl TimedRead for TcpStream {
+    fn read_timeout(&mut self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+
+impl TimedRead for std::os::unix::net::UnixStream {
+    fn read_timeout(&mut self, d: Duration) {
+        self.set_read_timeout(Some(d)).unwrap();
+    }
+}
+
 /// True if the peer closed `s` (or reset it) within `wait`.
-fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
+fn closed_within(s: &mut impl TimedRead, wait: Duration) -> bool {
     let end = Instant::now() + wait;
     let mut buf = [0u8; 4096];
     while Instant::now() < end {
-        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        s.read_timeout(Duration::from_millis(100));
         match s.read(&mut buf) {
             Ok(0) => return true,
             Ok(_) => {}
@@ -982,22 +999,6 @@ fn attacker_rings(bytes: &[u8]) -> (std::os::fd::OwnedFd, *mut u8) {
     (fd, p)
 }
 
-/// True if the victim closed the Unix stream `s` within `wait`.
-fn local_closed_within(s: &mut std::os::unix::net::UnixStream, wait: Duration) -> bool {
-    let end = Instant::now() + wait;
-    let mut buf = [0u8; 64];
-    while Instant::now() < end {
-        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => {}
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
-            Err(_) => return true,
-        }
-    }
-    false
-}
-
 #[test]
 fn same_host_attackers_are_refused_and_cannot_write() {
     use rdmakit_verbs::soft::shm::{MIN_RING, map_len, send_fd};
@@ -1012,7 +1013,7 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     // 1. A byte without a memfd.
     let mut s = local_attacker(&l.vep);
     s.write_all(b"\0").unwrap();
-    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "no memfd: not dropped");
+    assert!(closed_within(&mut s, Duration::from_secs(2)), "no memfd: not dropped");
     drop(s);
 
     // 2. A memfd the attacker could shrink under the victim's mapping (SIGBUS).
@@ -1024,7 +1025,7 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     };
     let mut s = local_attacker(&l.vep);
     send_fd(s.as_raw_fd(), &unsealed).unwrap();
-    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "unsealed memfd: not dropped");
+    assert!(closed_within(&mut s, Duration::from_secs(2)), "unsealed memfd: not dropped");
     drop((s, unsealed));
 
     // 3. Good rings, a Hello without the secrets, and a write behind it.
@@ -1035,7 +1036,7 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     let (fd, _map) = attacker_rings(&bytes);
     let mut s = local_attacker(&l.vep);
     send_fd(s.as_raw_fd(), &fd).unwrap();
-    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "forged Hello: not dropped");
+    assert!(closed_within(&mut s, Duration::from_secs(2)), "forged Hello: not dropped");
     drop((s, fd));
     let mut landed = [0u8; 16];
     v.mr.read_at(4096, &mut landed).unwrap();
@@ -1047,12 +1048,12 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     unsafe { map.cast::<u64>().write_volatile(MIN_RING as u64 + 1) };
     let mut s = local_attacker(&l.vep);
     send_fd(s.as_raw_fd(), &fd).unwrap();
-    assert!(local_closed_within(&mut s, Duration::from_secs(2)), "forged ring head: not dropped");
+    assert!(closed_within(&mut s, Duration::from_secs(2)), "forged ring head: not dropped");
     drop((s, fd));
 
     // 5. Silence after connecting: cut off by the Hello timeout.
     let mut s = local_attacker(&l.vep);
-    assert!(local_closed_within(&mut s, Duration::from_secs(6)), "a silent connection was kept");
+    assert!(closed_within(&mut s, Duration::from_secs(6)), "a silent connection was kept");
     drop(s);
 
     // The victim still serves its legitimate peer, and holds no more descriptors.

@@ -318,21 +318,16 @@ impl ShmConn {
         if buf.is_empty() {
             return Ok(0);
         }
-        let mut avail = self.available()?;
+        let avail = self.ready()?;
         if avail == 0 {
-            self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            avail = self.available()?;
-            if avail == 0 {
-                return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
-            }
+            return Ok(0);
         }
         let n = avail.min(buf.len());
         let ring = self.map.ring;
         let at = (self.rx_tail % ring as u64) as usize;
         let first = n.min(ring - at);
         let data = self.map.data(self.rx);
-        // SAFETY: `at + first <= RING` and `n - first <= RING` stay in the ring; `buf` is
+        // SAFETY: `at + first` and `n - first` are at most the ring's size: in the ring; `buf` is
         // private memory of `n` bytes at least. The ring bytes are the peer's, copied byte-
         // wise atomically (`shared_mem`: a peer writing them meanwhile gives torn bytes,
         // not undefined behaviour) into private memory before anything looks at them, so
@@ -356,14 +351,9 @@ impl ShmConn {
         if max == 0 {
             return Ok(0);
         }
-        let mut avail = self.available()?;
+        let avail = self.ready()?;
         if avail == 0 {
-            self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            avail = self.available()?;
-            if avail == 0 {
-                return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
-            }
+            return Ok(0);
         }
         let n = avail.min(max);
         let ring = self.map.ring;
@@ -387,6 +377,22 @@ impl ShmConn {
         fence(Ordering::SeqCst);
         if self.map.word(self.rx, PRODUCER_WAITS).swap(0, Ordering::SeqCst) != 0 {
             ring_bell(self.sock.as_raw_fd());
+        }
+    }
+
+    /// Bytes ready to take. When there are none, asks the peer to ring and looks once more:
+    /// `WouldBlock` if still none, `Ok(0)` if none will come (the peer is gone).
+    fn ready(&self) -> io::Result<usize> {
+        let avail = self.available()?;
+        if avail > 0 {
+            return Ok(avail);
+        }
+        self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        match self.available()? {
+            0 if self.peer_gone => Ok(0),
+            0 => Err(io::ErrorKind::WouldBlock.into()),
+            n => Ok(n),
         }
     }
 
