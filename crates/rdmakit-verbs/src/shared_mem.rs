@@ -48,14 +48,15 @@ pub(crate) enum Dst {
 }
 
 impl Src {
-    #[cfg_attr(not(all(target_arch = "x86_64", not(miri))), allow(dead_code))]
-    fn ptr(self) -> *const u8 {
+    /// The address, whichever kind.
+    pub(crate) fn ptr(self) -> *const u8 {
         match self {
             Src::Shared(p) | Src::Private(p) => p,
         }
     }
 
-    fn add(self, n: usize) -> Src {
+    /// The same kind of memory `n` bytes further.
+    pub(crate) fn add(self, n: usize) -> Src {
         match self {
             Src::Shared(p) => Src::Shared(p.wrapping_add(n)),
             Src::Private(p) => Src::Private(p.wrapping_add(n)),

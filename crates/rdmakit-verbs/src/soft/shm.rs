@@ -201,8 +201,9 @@ impl Direct {
     /// waiting and all of it fits now; false otherwise (the caller queues it for the loop).
     ///
     /// # Safety
-    /// Each part must be valid for reads of its length (read as opaque bytes).
-    pub(crate) unsafe fn post(&self, parts: &[(*const u8, usize)]) -> bool {
+    /// Each part must be valid for reads of its length, of the kind it says (a region:
+    /// `Shared`; the caller's own bytes: `Private`).
+    pub(crate) unsafe fn post(&self, parts: &[(Src, usize)]) -> bool {
         let mut tx = self.tx.lock().expect("ring producer");
         if tx.loop_pending {
             return false;
@@ -235,18 +236,19 @@ fn free_in(map: &Map, ring: usize, head: u64) -> io::Result<usize> {
 /// Copies `n` bytes from `src` into `ring` at the producer position `head`.
 ///
 /// # Safety
-/// `src` must be valid for reads of `n` bytes, and `n` at most the ring's free bytes.
-unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: *const u8, n: usize) {
+/// `src` must be valid for reads of `n` bytes, of its kind, and `n` at most the ring's free
+/// bytes.
+unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: Src, n: usize) {
     let size = map.ring;
     let at = (head % size as u64) as usize;
     let first = n.min(size - at);
     let data = map.data(ring);
-    // SAFETY: the caller vouches for `src` (registered memory or private bytes, read
-    // byte-wise atomically); both ranges stay within the ring, which an honest peer does
-    // not touch until the head says so (a hostile one gets torn bytes).
+    // SAFETY: the caller vouches for `src`; both ranges stay within the ring. No thread of
+    // this process touches free ring bytes but the producer, under its lock (so `Private`),
+    // and an honest peer does not until the head says so (a hostile one gets torn bytes).
     unsafe {
-        shared_mem::copy_across_cores(Src::Shared(src), Dst::Shared(data.add(at)), first);
-        shared_mem::copy_across_cores(Src::Shared(src.add(first)), Dst::Shared(data), n - first);
+        shared_mem::copy_across_cores(src, Dst::Private(data.add(at)), first);
+        shared_mem::copy_across_cores(src.add(first), Dst::Private(data), n - first);
     }
 }
 
@@ -409,7 +411,7 @@ impl ShmConn {
     /// Copies `buf` (or what fits) into the ring.
     pub(crate) fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         // SAFETY: `buf` is valid for reads of its length.
-        unsafe { self.write_raw(buf.as_ptr(), buf.len()) }
+        unsafe { self.write_raw(Src::Private(buf.as_ptr()), buf.len()) }
     }
 
     /// Copies `len` bytes at `src` (or what fits) into the ring. `WouldBlock` when it is
@@ -417,7 +419,7 @@ impl ShmConn {
     ///
     /// # Safety
     /// `src` must be valid for reads of `len` bytes; they are read as opaque bytes.
-    pub(crate) unsafe fn write_raw(&mut self, src: *const u8, len: usize) -> io::Result<usize> {
+    pub(crate) unsafe fn write_raw(&mut self, src: Src, len: usize) -> io::Result<usize> {
         if self.peer_gone {
             return Err(io::ErrorKind::BrokenPipe.into());
         }

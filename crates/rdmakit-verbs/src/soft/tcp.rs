@@ -56,6 +56,7 @@ use super::SoftDevice;
 use super::qp::{Auth, Placement, Requester, SharedTail, SoftQp};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
+use crate::shared_mem::Src;
 use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
@@ -240,14 +241,14 @@ impl Conn {
     ///
     /// # Safety
     /// `src` must be valid for reads of `len` bytes (they are read as opaque bytes).
-    unsafe fn write_raw(&mut self, src: *const u8, len: usize) -> std::io::Result<usize> {
+    unsafe fn write_raw(&mut self, src: Src, len: usize) -> std::io::Result<usize> {
         match self {
             Conn::Tcp(s) => {
                 // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a full
                 // socket is WouldBlock (the loop never blocks).
                 // SAFETY: the caller vouches for `src`; the kernel only reads it.
                 let n = unsafe {
-                    libc::send(s.as_raw_fd(), src.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+                    libc::send(s.as_raw_fd(), src.ptr().cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
                 };
                 if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
             }
@@ -330,7 +331,7 @@ impl Read for Conn {
 impl Write for Conn {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         // SAFETY: `buf` is valid for reads of its length.
-        unsafe { self.write_raw(buf.as_ptr(), buf.len()) }
+        unsafe { self.write_raw(Src::Private(buf.as_ptr()), buf.len()) }
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -584,7 +585,7 @@ impl Io {
                 Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
                 // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the region's
                 // entry) lives, and `*off < t.len`; it is only read, as opaque bytes.
-                Chunk::Tail(t, off) => unsafe { self.s.write_raw(t.ptr.add(*off), t.len - *off) },
+                Chunk::Tail(t, off) => unsafe { self.s.write_raw(Src::Shared(t.ptr.add(*off)), t.len - *off) },
             };
             match r {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
@@ -1621,13 +1622,13 @@ fn post_direct(d: &shm::Direct, f: &Frame, tail: Option<&SharedTail>) -> bool {
             debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
             // The header's length counts the payload that follows from the region.
             patch_len(&mut head, t.len);
-            (t.ptr.cast_const(), t.len)
+            (Src::Shared(t.ptr.cast_const()), t.len)
         }
-        None => (inline.as_ptr(), inline.len()),
+        None => (Src::Private(inline.as_ptr()), inline.len()),
     };
     // SAFETY: `head` and `inline` are live local or borrowed bytes; a tail's `ptr` is valid
     // for `len` bytes while `t` (holding the region's entry) lives, which outlasts the call.
-    unsafe { d.post(&[(head.as_ptr(), head.len()), body]) }
+    unsafe { d.post(&[(Src::Private(head.as_ptr()), head.len()), body]) }
 }
 
 impl Drop for TcpLink {
