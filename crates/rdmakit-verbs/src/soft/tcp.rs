@@ -585,7 +585,9 @@ impl Io {
                 Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
                 // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the region's
                 // entry) lives, and `*off < t.len`; it is only read, as opaque bytes.
-                Chunk::Tail(t, off) => unsafe { self.s.write_raw(Src::Shared(t.ptr.add(*off)), t.len - *off) },
+                Chunk::Tail(t, off) => unsafe {
+                    self.s.write_raw(Src::Shared(t.ptr.add(*off)), t.len - *off)
+                },
             };
             match r {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
