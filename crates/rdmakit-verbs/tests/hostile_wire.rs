@@ -492,6 +492,48 @@ fn replayed_and_out_of_order_psns_are_refused() {
     assert_eq!(&got[32..40], &[0u8; 8], "a first frame with a wrong PSN wrote the region");
 }
 
+#[test]
+fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
+    // A large write's data lands in the region as it arrives; moving the target QP out of
+    // RTS in the middle of the frame stops the rest from landing, and the write is not
+    // acknowledged.
+    let _g = serial();
+    let v = Victim::new();
+    let (vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let target = v.mr.remote();
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(&pep, &vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let data_len = 64 * 1024;
+    let w = frame(&Frame::Write {
+        psn: pep.psn,
+        addr: target.addr,
+        rkey: target.rkey,
+        imm: None,
+        data: vec![0xaa; data_len],
+    });
+    let first = w.len() - data_len + 16 * 1024;
+    s.write_all(&w[..first]).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let mut b = [0u8; 8];
+            v.mr.read_at(16 * 1024 - 8, &mut b).unwrap();
+            b == [0xaa; 8]
+        }),
+        "the first 16 KiB did not land as they arrived"
+    );
+    vqp.modify_to_error().unwrap();
+    s.write_all(&w[first..]).unwrap();
+    let reply = read_reply(&mut s, Duration::from_secs(1));
+    assert!(
+        !matches!(reply, Some(Frame::Ack { status: 0, .. })),
+        "a revoked write was acknowledged: {reply:?}"
+    );
+    let mut rest = vec![0u8; data_len - 16 * 1024];
+    v.mr.read_at(16 * 1024, &mut rest).unwrap();
+    assert!(rest.iter().all(|&b| b == 0), "data landed after the target QP left RTS");
+}
+
 /// Endpoints exchanged by the application out of band (no CM bootstrap): an attacker who
 /// knows everything the endpoints used to carry (GIDs, QPNs, both initial PSNs) but not the
 /// victim QP's token is refused, and writes nothing.
@@ -1059,6 +1101,46 @@ fn same_host_attackers_are_refused_and_cannot_write() {
     // The victim still serves its legitimate peer, and holds no more descriptors.
     l.write(&v, 64, 2);
     assert!(eventually(Duration::from_secs(5), || fds() <= fds_before + 2), "descriptors leaked");
+}
+
+#[test]
+fn a_doorbell_flood_does_not_hold_the_wire() {
+    // A local peer with good rings but no Hello floods its socket with bytes: the wire's
+    // loop takes a bounded amount per event, so it goes on serving everyone else, and the
+    // flooder is dropped when its Hello is late.
+    use rdmakit_verbs::soft::shm::send_fd;
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let (fd, _map) = attacker_rings(&[]);
+    let s = local_attacker(&l.vep);
+    send_fd(s.as_raw_fd(), &fd).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let flood = std::thread::spawn(move || {
+        let junk = vec![1u8; 64 * 1024];
+        let end = Instant::now() + Duration::from_secs(8);
+        let mut sent = 0usize;
+        while Instant::now() < end {
+            match w.write(&junk) {
+                Ok(n) => sent += n,
+                Err(_) => break,
+            }
+        }
+        sent
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    for i in 0..20u8 {
+        l.write(&v, 64 * u64::from(i), i);
+    }
+    let took = start.elapsed();
+    let sent = flood.join().unwrap();
+    println!("doorbell flood: {sent} bytes sent; 20 legitimate writes took {took:?}");
+    assert!(took < Duration::from_secs(5), "the legitimate peer waited {took:?} behind the flood");
+    let mut s = s;
+    assert!(closed_within(&mut s, Duration::from_secs(2)), "the flooder was kept");
 }
 
 #[test]

@@ -109,6 +109,8 @@ pub(crate) struct Map {
     base: NonNull<u8>,
     /// Bytes of each ring.
     ring: usize,
+    /// The memfd's identity when this process made it for one of its links (see `OURS`).
+    own: Option<(u64, u64)>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; it is only reached through raw
@@ -135,7 +137,11 @@ impl Map {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Map { base: NonNull::new(p.cast()).expect("mmap does not return null on success"), ring })
+        Ok(Map {
+            base: NonNull::new(p.cast()).expect("mmap does not return null on success"),
+            ring,
+            own: None,
+        })
     }
 
     /// A counter or flag word of the control page.
@@ -156,6 +162,9 @@ impl Drop for Map {
     fn drop(&mut self) {
         // SAFETY: mapped by `Map::new` with this length; no reference into it outlives `self`.
         unsafe { libc::munmap(self.base.as_ptr().cast(), map_len(self.ring)) };
+        if let Some(id) = self.own {
+            forget(id);
+        }
     }
 }
 
@@ -243,12 +252,13 @@ unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: Src, n: usize) {
     let at = (head % size as u64) as usize;
     let first = n.min(size - at);
     let data = map.data(ring);
-    // SAFETY: the caller vouches for `src`; both ranges stay within the ring. No thread of
-    // this process touches free ring bytes but the producer, under its lock (so `Private`),
-    // and an honest peer does not until the head says so (a hostile one gets torn bytes).
+    // SAFETY: the caller vouches for `src`; both ranges stay within the ring (8-aligned,
+    // a multiple of 8 long: the padding invariant). Written as `Shared`, byte-wise
+    // atomically: an honest peer does not read free bytes until the head says so, but a
+    // hostile one may, or may hand our own memfd back to us to read it from our loop.
     unsafe {
-        shared_mem::copy_across_cores(src, Dst::Private(data.add(at)), first);
-        shared_mem::copy_across_cores(src.add(first), Dst::Private(data), n - first);
+        shared_mem::copy_across_cores(src, Dst::Shared(data.add(at)), first);
+        shared_mem::copy_across_cores(src.add(first), Dst::Shared(data), n - first);
     }
 }
 
@@ -444,32 +454,22 @@ impl ShmConn {
         Ok(n)
     }
 
-    /// Takes the doorbells that woke the loop; notes the peer's end.
-    pub(crate) fn take_doorbells(&mut self) {
-        let mut b = [0u8; 256];
-        loop {
-            // SAFETY: reads into a local buffer of its length; MSG_DONTWAIT: never blocks.
-            let n = unsafe {
-                libc::recv(self.sock.as_raw_fd(), b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT)
-            };
-            match n {
-                0 => {
-                    self.peer_gone = true;
-                    return;
-                }
-                n if n > 0 => continue,
-                _ => {
-                    let e = io::Error::last_os_error();
-                    match e.kind() {
-                        io::ErrorKind::WouldBlock => return,
-                        io::ErrorKind::Interrupted => continue,
-                        _ => {
-                            self.peer_gone = true;
-                            return;
-                        }
-                    }
-                }
-            }
+    /// Takes doorbells after a readiness event (`hup`: the event said the peer's end).
+    /// One bounded read per event, never a loop until empty: a peer writing to its socket as
+    /// fast as it can must not hold the wire's loop here. Doorbells are only hints (each new
+    /// byte is a new edge), so bytes left behind lose nothing.
+    pub(crate) fn take_doorbells(&mut self, hup: bool) {
+        let mut b = [0u8; 4096];
+        // SAFETY: reads into a local buffer of its length; MSG_DONTWAIT: never blocks.
+        let n =
+            unsafe { libc::recv(self.sock.as_raw_fd(), b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
+        let failed = n < 0
+            && !matches!(
+                io::Error::last_os_error().kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            );
+        if hup || n == 0 || failed {
+            self.peer_gone = true;
         }
     }
 }
@@ -477,9 +477,9 @@ impl ShmConn {
 /// Takes the memfd a same-host requester passes with its first byte on `sock` (accepted by
 /// a device), checks it and maps it. `WouldBlock`: not here yet. Any other error: the
 /// connection is to be dropped.
-pub(crate) fn accept_rings(sock: &UnixStream) -> io::Result<Map> {
+pub(crate) fn accept_rings(sock: &UnixStream, max_ring: usize) -> io::Result<Map> {
     let fd = recv_fd(sock)?;
-    let ring = check_memfd(&fd)?;
+    let ring = check_memfd(&fd, max_ring)?;
     // The descriptor itself is not needed once mapped.
     Map::new(&fd, ring)
 }
@@ -534,7 +534,7 @@ fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
 
 /// Accepts only shared memory sealed against shrinking (so the mapping can never fault
 /// with SIGBUS) whose size holds two rings of a size a device accepts; returns that size.
-fn check_memfd(fd: &OwnedFd) -> io::Result<usize> {
+fn check_memfd(fd: &OwnedFd, max_ring: usize) -> io::Result<usize> {
     // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but shared memory.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
@@ -549,13 +549,42 @@ fn check_memfd(fd: &OwnedFd) -> io::Result<usize> {
     if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let ring = ((st.st_mode & libc::S_IFMT) == libc::S_IFREG).then(|| ring_of(st.st_size as u64)).flatten();
+    if ours(&st) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "same-host peer passed back one of our own memfds",
+        ));
+    }
+    let ring = ((st.st_mode & libc::S_IFMT) == libc::S_IFREG)
+        .then(|| ring_of(st.st_size as u64))
+        .flatten()
+        .filter(|&r| r <= max_ring);
     ring.ok_or_else(|| {
         io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("same-host peer's memfd has a bad size ({} bytes) for two rings", st.st_size),
+            format!(
+                "same-host peer's memfd has a bad size ({} bytes) for two rings of at most {max_ring}",
+                st.st_size
+            ),
         )
     })
+}
+
+/// The memfds this process made for its own links, by (device, inode): a peer handing one
+/// back must not get this process to map its own rings a second time.
+static OURS: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+fn file_id(st: &libc::stat) -> (u64, u64) {
+    (st.st_dev, st.st_ino)
+}
+
+fn ours(st: &libc::stat) -> bool {
+    OURS.lock().expect("memfd registry").contains(&file_id(st))
+}
+
+/// Forgets a memfd of ours once its mapping is gone.
+fn forget(id: (u64, u64)) {
+    OURS.lock().expect("memfd registry").retain(|&o| o != id);
 }
 
 /// Creates a sealed memfd for one connection's rings of `ring` bytes each.
@@ -617,6 +646,11 @@ pub fn send_fd(sock: RawFd, fd: &OwnedFd) -> io::Result<()> {
 /// The pid of the process at the other end of `sock` (the one that listened, for a
 /// connecting socket).
 pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
+    peer_cred(sock).map(|(pid, _)| pid)
+}
+
+/// The pid and user of the process at the other end of `sock`.
+fn peer_cred(sock: RawFd) -> io::Result<(u32, u32)> {
     // SAFETY: zeroed `ucred` is valid; getsockopt writes at most `len` bytes into it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = size_of::<libc::ucred>() as libc::socklen_t;
@@ -627,7 +661,7 @@ pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.pid as u32)
+    Ok((cred.pid as u32, cred.uid))
 }
 
 /// Connects a requester to the device with `gid` on this host, introducing itself with
@@ -639,7 +673,19 @@ pub(crate) fn connect(gid: &[u8; 16], hello: &[u8], ring: usize) -> Option<ShmCo
     }
     // The rings are ready before connecting, so the memfd follows the connection at once
     // (a device counts connections whose Hello is late).
-    let rings = ring_memfd(ring).and_then(|fd| Map::new(&fd, ring).map(|m| (fd, m)));
+    let rings = ring_memfd(ring).and_then(|fd| {
+        let mut map = Map::new(&fd, ring)?;
+        // SAFETY: fstat into a zeroed local.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a live local of the right type; `fd` is ours.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let id = file_id(&st);
+        OURS.lock().expect("memfd registry").push(id);
+        map.own = Some(id);
+        Ok((fd, map))
+    });
     let (fd, map) = match rings {
         Ok(r) => r,
         Err(e) => {
@@ -651,9 +697,18 @@ pub(crate) fn connect(gid: &[u8; 16], hello: &[u8], ring: usize) -> Option<ShmCo
     // Non-blocking: a full backlog is an error here (then TCP), not a wait.
     let sock = UnixStream::connect_addr(&addr).ok()?;
     let owner = u32::from_be_bytes([gid[8], gid[9], gid[10], gid[11]]);
-    match peer_pid(sock.as_raw_fd()) {
-        Ok(pid) if pid == owner => {}
-        Ok(pid) => {
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    match peer_cred(sock.as_raw_fd()) {
+        // Our user only: a listener of another user could be a squatter whose pid matches
+        // a device of another pid namespace (a container); one of ours could already read
+        // our memory.
+        Ok((pid, uid)) if pid == owner && uid == me => {}
+        Ok((pid, uid)) if pid == owner => {
+            tracing::debug!(uid, "soft NIC: the same-host listener is another user's; using TCP");
+            return None;
+        }
+        Ok((pid, _)) => {
             tracing::warn!(
                 pid,
                 expected = owner,
@@ -697,7 +752,7 @@ mod tests {
         let req = ShmConn::new(UnixStream::from_std(a), Map::new(&fd, MIN_RING).unwrap(), true);
         let b = UnixStream::from_std(b);
         send_fd(req.sock.as_raw_fd(), &fd).unwrap();
-        let map = accept_rings(&b).unwrap();
+        let map = accept_rings(&b, MAX_RING).unwrap();
         let resp = ShmConn::served(b, map);
         (req, resp)
     }
@@ -759,7 +814,7 @@ mod tests {
         let mut buf = [0u8; 8];
         // Nobody waits: no doorbell.
         req.write(b"a").unwrap();
-        resp.take_doorbells();
+        resp.take_doorbells(false);
         assert_eq!(resp.read(&mut buf).unwrap(), 1);
         // The device found the ring empty: the next write rings.
         assert!(resp.read(&mut buf).is_err());
@@ -775,10 +830,10 @@ mod tests {
             )
         };
         assert_eq!(n, 1, "one doorbell");
-        resp.take_doorbells();
+        resp.take_doorbells(false);
         assert!(!resp.peer_gone);
         drop(req);
-        resp.take_doorbells();
+        resp.take_doorbells(false);
         assert!(resp.peer_gone);
         assert_eq!(resp.read(&mut buf).unwrap(), 1, "what was sent before the end is still read");
         assert_eq!(resp.read(&mut buf).unwrap(), 0, "then the end");
@@ -791,7 +846,7 @@ mod tests {
             let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
             b.set_nonblocking(true).unwrap();
             send_fd(a.as_raw_fd(), &fd).unwrap();
-            accept_rings(&UnixStream::from_std(b)).map(|_| ()).unwrap_err()
+            accept_rings(&UnixStream::from_std(b), MAX_RING).map(|_| ()).unwrap_err()
         };
         // A memfd that may shrink (the peer could truncate it under our mapping: SIGBUS).
         // SAFETY: plain calls; the descriptor is owned right after.
@@ -820,6 +875,23 @@ mod tests {
             OwnedFd::from_raw_fd(fd)
         };
         assert!(try_attach(odd).to_string().contains("bad size"));
+        // Rings larger than this device maps.
+        let big = ring_memfd(2 * MIN_RING).unwrap();
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        send_fd(a.as_raw_fd(), &big).unwrap();
+        let e = accept_rings(&UnixStream::from_std(b), MIN_RING).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("bad size"), "{e}");
+        // One of this process's own link memfds, handed back.
+        let mine = ring_memfd(MIN_RING).unwrap();
+        // SAFETY: fstat into a zeroed local of the right type.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `mine` is ours.
+        assert_eq!(unsafe { libc::fstat(mine.as_raw_fd(), &raw mut st) }, 0);
+        OURS.lock().unwrap().push(file_id(&st));
+        let dup = mine.try_clone().unwrap();
+        assert!(try_attach(dup).to_string().contains("own"));
+        forget(file_id(&st));
         // Not shared memory at all.
         let (x, _y) = std::os::unix::net::UnixStream::pair().unwrap();
         assert!(try_attach(OwnedFd::from(x)).to_string().contains("not a memfd"));
@@ -827,6 +899,6 @@ mod tests {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         b.set_nonblocking(true).unwrap();
         std::io::Write::write_all(&mut &a, b"\0").unwrap();
-        assert!(accept_rings(&UnixStream::from_std(b)).is_err());
+        assert!(accept_rings(&UnixStream::from_std(b), MAX_RING).is_err());
     }
 }

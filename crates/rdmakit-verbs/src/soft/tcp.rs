@@ -159,7 +159,9 @@ pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::R
     wire.submit(|inbox| {
         inbox.listeners.push((Listening::Tcp(MioListener::from_std(listener)), Arc::downgrade(device)));
         if let Some(l) = local {
-            inbox.listeners.push((Listening::Local(l), Arc::downgrade(device)));
+            inbox
+                .listeners
+                .push((Listening::Local(l, device.config().same_host_ring), Arc::downgrade(device)));
         }
     });
     Ok(port)
@@ -168,7 +170,8 @@ pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::R
 /// A device's listening socket: TCP, or the same-host Unix socket.
 enum Listening {
     Tcp(MioListener),
-    Local(UnixListener),
+    /// With the largest rings it maps for a peer (the device's own `same_host_ring`).
+    Local(UnixListener, usize),
 }
 
 impl Listening {
@@ -179,10 +182,10 @@ impl Listening {
                 let _ = s.set_nodelay(true);
                 Ok((Conn::Tcp(s), PeerKey::Ip(addr.ip())))
             }
-            Listening::Local(l) => {
+            Listening::Local(l, max_ring) => {
                 let (s, _) = l.accept()?;
                 let pid = shm::peer_pid(s.as_raw_fd()).unwrap_or(0);
-                Ok((Conn::Unattached(s), PeerKey::Pid(pid)))
+                Ok((Conn::Unattached(s, *max_ring), PeerKey::Pid(pid)))
             }
         }
     }
@@ -190,7 +193,7 @@ impl Listening {
     fn source(&mut self) -> &mut dyn mio::event::Source {
         match self {
             Listening::Tcp(l) => l,
-            Listening::Local(l) => l,
+            Listening::Local(l, _) => l,
         }
     }
 }
@@ -215,8 +218,9 @@ impl std::fmt::Display for PeerKey {
 /// A connection's byte stream: a TCP socket, or rings shared with a process of this host.
 enum Conn {
     Tcp(MioStream),
-    /// A same-host connection whose memfd has not arrived yet.
-    Unattached(UnixStream),
+    /// A same-host connection whose memfd has not arrived yet, and the largest rings the
+    /// device maps.
+    Unattached(UnixStream, usize),
     Shm(Box<ShmConn>),
     /// Left behind for an instant while a connection changes form.
     Moving,
@@ -227,9 +231,9 @@ impl Conn {
         match self {
             Conn::Tcp(s) => s.read(buf),
             Conn::Shm(c) => c.read(buf),
-            Conn::Unattached(s) => {
-                let map = shm::accept_rings(s)?;
-                let Conn::Unattached(s) = std::mem::replace(self, Conn::Moving) else { unreachable!() };
+            Conn::Unattached(s, max_ring) => {
+                let map = shm::accept_rings(s, *max_ring)?;
+                let Conn::Unattached(s, _) = std::mem::replace(self, Conn::Moving) else { unreachable!() };
                 *self = Conn::Shm(Box::new(ShmConn::served(s, map)));
                 self.read(buf)
             }
@@ -254,14 +258,14 @@ impl Conn {
             }
             // SAFETY: the caller vouches for `src`.
             Conn::Shm(c) => unsafe { c.write_raw(src, len) },
-            Conn::Unattached(_) | Conn::Moving => Err(std::io::ErrorKind::NotConnected.into()),
+            Conn::Unattached(..) | Conn::Moving => Err(std::io::ErrorKind::NotConnected.into()),
         }
     }
 
     /// A readiness event came: for shared rings, take the doorbells (and note the end).
-    fn on_readable(&mut self) {
+    fn on_readable(&mut self, hup: bool) {
         if let Conn::Shm(c) = self {
-            c.take_doorbells();
+            c.take_doorbells(hup);
         }
     }
 
@@ -287,7 +291,7 @@ impl Conn {
     fn source(&mut self, interest: Interest) -> Option<(&mut dyn mio::event::Source, Interest)> {
         match self {
             Conn::Tcp(s) => Some((s, interest)),
-            Conn::Unattached(s) => Some((s, Interest::READABLE)),
+            Conn::Unattached(s, _) => Some((s, Interest::READABLE)),
             Conn::Shm(c) => Some((c.sock(), Interest::READABLE)),
             Conn::Moving => None,
         }
@@ -352,6 +356,9 @@ const COALESCE: usize = 64 * 1024;
 const OWN_CHUNK: usize = 16 * 1024;
 /// The loop's one read buffer, shared by all connections.
 const READ_BUF: usize = 256 * 1024;
+/// Writes with at least this much data are placed as they arrive; smaller ones are kept
+/// whole and applied at once (checks and copy together), as cheap as placing them.
+const PLACE_MIN: usize = 4096;
 /// The most a served connection reads from same-host rings into the loop's buffer at once.
 const SHM_READ: usize = 4096;
 /// Reads per connection per turn of the loop before the others get theirs.
@@ -565,10 +572,10 @@ impl Io {
 
     /// A readiness event: shared rings take their doorbells, and any doorbell may mean
     /// either direction moved.
-    fn on_event(&mut self, readable: bool, writable: bool) {
+    fn on_event(&mut self, readable: bool, writable: bool, hup: bool) {
         if self.s.is_shm() {
             if readable {
-                self.s.on_readable();
+                self.s.on_readable(hup);
                 self.readable = true;
                 self.writable = true;
             }
@@ -850,7 +857,7 @@ impl EventLoop {
             Entry::Pending(p) => {
                 let next = if p.hello.is_none() {
                     if readable {
-                        p.s.on_readable();
+                        p.s.on_readable(hup);
                         self.read_hello(p)
                     } else {
                         Next::Keep
@@ -866,11 +873,11 @@ impl EventLoop {
                 return;
             }
             Entry::Served(s) => {
-                s.io.on_event(readable, writable);
+                s.io.on_event(readable, writable, hup);
                 self.drive_served(i, s)
             }
             Entry::Link(c) => {
-                c.io.on_event(readable, writable);
+                c.io.on_event(readable, writable, hup);
                 self.drive_link(i, c)
             }
         };
@@ -1153,10 +1160,18 @@ impl EventLoop {
             // Same-host rings: a write's data being placed goes from the ring straight to
             // its target region.
             if let (Conn::Shm(c), Some((p, done))) = (&mut s.io.s, s.io.rd.placing()) {
+                if !p.still_valid() {
+                    // Revoked mid-frame: the reader discards the rest (read through the
+                    // buffer below) and the write is answered as refused.
+                    s.io.rd.revoke();
+                    continue;
+                }
                 // SAFETY: at most what is left of the placement, from where it stands.
                 match unsafe { c.read_placed(p, done, p.len() - done) } {
                     Ok(0) => {
                         warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
+                        // Answers already queued still go out if the ring takes them now.
+                        let _ = s.io.flush();
                         return false;
                     }
                     Ok(n) => {
@@ -1220,7 +1235,9 @@ impl EventLoop {
             // its data lands in the region as it arrives (no copy kept here).
             let (requester, expected) = (&s.requester, s.expected);
             let place = |kind: u8, fixed: &[u8], data_len: usize| match wire::decode_payload(kind, fixed) {
-                Ok(Frame::Write { psn, addr, rkey, imm: None, .. }) if psn == expected => {
+                Ok(Frame::Write { psn, addr, rkey, imm: None, .. })
+                    if psn == expected && data_len >= PLACE_MIN =>
+                {
                     qp.upgrade()?.place_write(requester, addr, rkey, data_len)
                 }
                 _ => None,
@@ -1693,6 +1710,16 @@ impl FrameReader {
         Some((p, *done))
     }
 
+    /// Stops placing the frame being placed: the rest of its data is discarded, and it
+    /// comes out as [`Got::Refused`].
+    pub(crate) fn revoke(&mut self) {
+        if let Some(b) = self.body.as_mut()
+            && let Some((p, done)) = b.place.take()
+        {
+            b.discard = Some(p.len() - done);
+        }
+    }
+
     /// `n` more bytes of the frame being placed landed (put there by the caller); the
     /// frame once all have.
     pub(crate) fn placed(&mut self, n: usize) -> Option<Got> {
@@ -1794,6 +1821,14 @@ impl FrameReader {
                     }
                 }
             }
+        }
+        if let Some((p, done)) = b.place.as_ref()
+            && !p.still_valid()
+        {
+            // Revoked mid-frame: the rest is discarded and the write answered as refused
+            // (with the status the target check now gives).
+            b.discard = Some(p.len() - done);
+            b.place = None;
         }
         if let Some((p, done)) = b.place.as_mut() {
             let take = (p.len() - *done).min(input.len());

@@ -784,6 +784,12 @@ pub(crate) struct Placement {
     ptr: *mut u8,
     len: usize,
     _entry: Option<Arc<MrEntry>>,
+    /// What was checked, to check again before each piece lands: a region deregistered,
+    /// a key invalidated or a QP moved out of RTR/RTS meanwhile stops the data.
+    qp: Weak<SoftQp>,
+    from: ([u8; 16], u32),
+    addr: u64,
+    rkey: u32,
 }
 
 // SAFETY: `ptr` points into memory `_entry` keeps alive; it is only written through
@@ -795,6 +801,15 @@ impl Placement {
     /// The data length the target was checked for.
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether the target still takes this write: the QP serves the requester and the key
+    /// allows the whole range, as when the placement was chosen.
+    pub(crate) fn still_valid(&self) -> bool {
+        let Some(qp) = self.qp.upgrade() else { return false };
+        let from = Requester::remote(self.from.0, self.from.1);
+        let len = u32::try_from(self.len).unwrap_or(u32::MAX);
+        qp.accepts_from(&from) && qp.target(self.addr, self.rkey, len, AccessFlags::REMOTE_WRITE).is_ok()
     }
 
     /// Lands `data` at offset `at` of the target.

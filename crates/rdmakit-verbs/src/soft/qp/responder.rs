@@ -76,7 +76,8 @@ impl SoftQp {
         }
         let n = u32::try_from(len).ok().filter(|&n| n > 0 && n <= wire::MAX_MESSAGE)?;
         let (ptr, entry) = self.target(addr, rkey, n, AccessFlags::REMOTE_WRITE).ok()?;
-        Some(Placement { ptr, len, _entry: entry })
+        let me = self.me.clone();
+        Some(Placement { ptr, len, _entry: entry, qp: me, from: (from.gid, from.qpn), addr, rkey })
     }
 
     /// The answer to a write whose data landed through [`place_write`](Self::place_write).
