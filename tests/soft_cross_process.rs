@@ -65,8 +65,9 @@ enum Path {
 }
 
 impl Path {
+    /// Small rings (64 KiB) on the same-host path: frames wrap and wait for room often.
     fn config(self) -> SoftConfig {
-        SoftConfig::default().with_same_host_shm(self == Path::SameHost)
+        SoftConfig::default().with_same_host_shm(self == Path::SameHost).with_same_host_ring(64 * 1024)
     }
 }
 
@@ -329,20 +330,26 @@ fn one_sided_and_two_sided_ops_across_processes(path: Path) {
     // Writes larger than the ring can take at once, small ones behind them, then a read of
     // the word all of them wrote: the small ones must not overtake (on the same-host path
     // they are posted straight into the ring only when nothing waits before them).
+    // (Our rings are 64 KiB, `Path::config`; no posted source is touched until completion.)
+    const BIG: u64 = 256 * 1024;
+    const SMALL: u64 = 512 * 1024;
+    const BACK: u64 = 768 * 1024;
     buf.write_u64(16, 7).unwrap();
+    for i in 0..50u64 {
+        buf.write_u64(SMALL + 8 * i, 1000 + i).unwrap();
+    }
     for _ in 0..3 {
-        let wr = SendWr::write(buf.local().unwrap(), peer.mr.slice(0, 1 << 20).unwrap());
+        let wr = SendWr::write(buf.slice(0, BIG as u32).unwrap(), peer.mr.slice(0, BIG as u32).unwrap());
         l.qp.post_send(wr.unsignaled()).unwrap();
     }
     for i in 0..50u64 {
-        buf.write_u64(4096 + 8 * i, 1000 + i).unwrap();
-        let wr = SendWr::write(buf.slice(4096 + 8 * i, 8).unwrap(), peer.mr.slice(16, 8).unwrap());
+        let wr = SendWr::write(buf.slice(SMALL + 8 * i, 8).unwrap(), peer.mr.slice(16, 8).unwrap());
         l.qp.post_send(wr.unsignaled()).unwrap();
     }
-    l.qp.post_send(SendWr::read(buf.slice(8192, 8).unwrap(), peer.mr.slice(16, 8).unwrap()).wr_id(77))
+    l.qp.post_send(SendWr::read(buf.slice(BACK, 8).unwrap(), peer.mr.slice(16, 8).unwrap()).wr_id(77))
         .unwrap();
     assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 77);
-    assert_eq!(buf.read_u64(8192).unwrap(), 1049, "a small write overtook a large one, or was lost");
+    assert_eq!(buf.read_u64(BACK).unwrap(), 1049, "a small write overtook a large one, or was lost");
 
     // A bad rkey is refused by the peer's NIC.
     let bad = RemoteSlice::new(peer.mr.addr, 8, peer.mr.rkey ^ 0x100);

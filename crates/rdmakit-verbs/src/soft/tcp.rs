@@ -159,9 +159,9 @@ pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::R
     wire.submit(|inbox| {
         inbox.listeners.push((Listening::Tcp(MioListener::from_std(listener)), Arc::downgrade(device)));
         if let Some(l) = local {
-            inbox
-                .listeners
-                .push((Listening::Local(l, device.config().same_host_ring), Arc::downgrade(device)));
+            // Any ring size a requester may configure (its choice, not ours: two devices with
+            // different `same_host_ring` must still connect), up to the global bound.
+            inbox.listeners.push((Listening::Local(l, shm::MAX_RING), Arc::downgrade(device)));
         }
     });
     Ok(port)
@@ -170,7 +170,7 @@ pub(crate) fn listen(device: &Arc<SoftDevice>, addr: SocketAddrV4) -> std::io::R
 /// A device's listening socket: TCP, or the same-host Unix socket.
 enum Listening {
     Tcp(MioListener),
-    /// With the largest rings it maps for a peer (the device's own `same_host_ring`).
+    /// With the largest rings it maps for a peer.
     Local(UnixListener, usize),
 }
 
