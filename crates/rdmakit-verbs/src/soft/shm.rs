@@ -252,10 +252,10 @@ unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: Src, n: usize) {
     let at = (head % size as u64) as usize;
     let first = n.min(size - at);
     let data = map.data(ring);
+    // Written as `Shared`, byte-wise atomically: an honest peer does not read free bytes
+    // until the head says so, but a hostile one may, or may hand our memfd back to us.
     // SAFETY: the caller vouches for `src`; both ranges stay within the ring (8-aligned,
-    // a multiple of 8 long: the padding invariant). Written as `Shared`, byte-wise
-    // atomically: an honest peer does not read free bytes until the head says so, but a
-    // hostile one may, or may hand our own memfd back to us to read it from our loop.
+    // a multiple of 8 long: the padding invariant).
     unsafe {
         shared_mem::copy_across_cores(src, Dst::Shared(data.add(at)), first);
         shared_mem::copy_across_cores(src.add(first), Dst::Shared(data), n - first);
@@ -339,11 +339,10 @@ impl ShmConn {
         let at = (self.rx_tail % ring as u64) as usize;
         let first = n.min(ring - at);
         let data = self.map.data(self.rx);
-        // SAFETY: `at + first` and `n - first` are at most the ring's size: in the ring; `buf` is
-        // private memory of `n` bytes at least. The ring bytes are the peer's, copied byte-
-        // wise atomically (`shared_mem`: a peer writing them meanwhile gives torn bytes,
-        // not undefined behaviour) into private memory before anything looks at them, so
-        // such a peer garbles only its own frames.
+        // The ring bytes are the peer's, copied byte-wise atomically into private memory
+        // before anything looks at them: a peer writing them meanwhile garbles its own frames.
+        // SAFETY: `at + first` and `n - first` are at most the ring's size: in the ring;
+        // `buf` is private memory of at least `n` bytes.
         unsafe {
             let out = buf.as_mut_ptr();
             shared_mem::copy_across_cores(Src::Shared(data.add(at)), Dst::Private(out), first);
