@@ -269,12 +269,9 @@ impl Conn {
         }
     }
 
-    /// Rings are not sockets: a short read does not mean a new edge will come (only a
-    /// doorbell does, asked for when a read finds the ring empty).
-    fn short_read_drains(&self) -> bool {
-        matches!(self, Conn::Tcp(_))
-    }
-
+    /// Shared rings (not a socket). Their reads differ in one way: a short read does not
+    /// mean a new edge will come (only a doorbell does, asked for when a read finds the ring
+    /// empty), so they read on until `WouldBlock`.
     fn is_shm(&self) -> bool {
         matches!(self, Conn::Shm(_))
     }
@@ -1202,7 +1199,7 @@ impl EventLoop {
                 }
                 Ok(n) => {
                     // A short read drained the socket: what arrives later is a new edge.
-                    if n < cap && s.io.s.short_read_drains() {
+                    if n < cap && !s.io.s.is_shm() {
                         s.io.readable = false;
                     }
                     let Some(used) = self.feed_served(s, &rbuf[..n]) else { return false };
@@ -1316,7 +1313,7 @@ impl EventLoop {
                 Ok(0) => return false,
                 Ok(n) => {
                     // A short read drained the socket: what arrives later is a new edge.
-                    if n < rbuf.len() && c.io.s.short_read_drains() {
+                    if n < rbuf.len() && !c.io.s.is_shm() {
                         c.io.readable = false;
                     }
                     let mut rest = &rbuf[..n];
@@ -1634,20 +1631,27 @@ impl TcpLink {
 /// Writes request `f` (its payload in `tail` when given) into the link's ring from this
 /// thread, whole, if it can now. The caller holds the link's queue lock and saw it empty.
 fn post_direct(d: &shm::Direct, f: &Frame, tail: Option<&SharedTail>) -> bool {
-    let mut head = Vec::with_capacity(64);
-    let inline = wire::encode_split(f, &mut head);
-    let body = match tail {
-        Some(t) => {
-            debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
-            // The header's length counts the payload that follows from the region.
-            patch_len(&mut head, t.len);
-            (Src::Shared(t.ptr.cast_const()), t.len)
-        }
-        None => (Src::Private(inline.as_ptr()), inline.len()),
-    };
-    // SAFETY: `head` and `inline` are live local or borrowed bytes; a tail's `ptr` is valid
-    // for `len` bytes while `t` (holding the region's entry) lives, which outlasts the call.
-    unsafe { d.post(&[(Src::Private(head.as_ptr()), head.len()), body]) }
+    // The header and fixed fields are encoded into a buffer of this thread, kept between
+    // posts: no allocation per request.
+    thread_local! {
+        static HEAD: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    HEAD.with_borrow_mut(|head| {
+        head.clear();
+        let inline = wire::encode_split(f, head);
+        let body = match tail {
+            Some(t) => {
+                debug_assert!(inline.is_empty(), "a shared payload's frame carries no data");
+                // The header's length counts the payload that follows from the region.
+                patch_len(head, t.len);
+                (Src::Shared(t.ptr.cast_const()), t.len)
+            }
+            None => (Src::Private(inline.as_ptr()), inline.len()),
+        };
+        // SAFETY: `head` and `inline` are live private bytes; a tail's `ptr` is valid for
+        // `len` bytes while `t` (holding the region's entry) lives, which outlasts the call.
+        unsafe { d.post(&[(Src::Private(head.as_ptr()), head.len()), body]) }
+    })
 }
 
 impl Drop for TcpLink {
