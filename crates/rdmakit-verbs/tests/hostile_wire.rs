@@ -453,6 +453,15 @@ fn phantom(v: &Victim) -> (QueuePair, QpAddress, QpAddress, Context, QueuePair) 
     (vqp, vep, pep, ctx, p)
 }
 
+/// A connection to the victim's port that speaks for requester `pep` with all its secrets:
+/// its Hello is accepted (checked).
+fn speaking_for(pep: &QpAddress, vep: &QpAddress) -> TcpStream {
+    let mut s = attacker(vep.lid);
+    s.write_all(&true_hello(pep, vep)).unwrap();
+    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    s
+}
+
 fn write_frame(psn: u32, target: RemoteRegion, at: u64, byte: u8) -> Vec<u8> {
     frame(&Frame::Write { psn, addr: target.addr + at, rkey: target.rkey, imm: None, data: vec![byte; 8] })
 }
@@ -463,9 +472,7 @@ fn replayed_and_out_of_order_psns_are_refused() {
     let v = Victim::new();
     let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
     let target = v.mr.remote();
-    let mut s = attacker(vep.lid);
-    s.write_all(&true_hello(&pep, &vep)).unwrap();
-    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let mut s = speaking_for(&pep, &vep);
     let psn0 = pep.psn;
     // A first request whose PSN is not the requester's initial PSN: refused.
     s.write_all(&write_frame(psn0 ^ 0x5a_5a5a, target, 32, 9)).unwrap();
@@ -501,9 +508,7 @@ fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
     let v = Victim::new();
     let (vqp, vep, pep, _pctx, _p) = phantom(&v);
     let target = v.mr.remote();
-    let mut s = attacker(vep.lid);
-    s.write_all(&true_hello(&pep, &vep)).unwrap();
-    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let mut s = speaking_for(&pep, &vep);
     let data_len = 64 * 1024;
     let w = frame(&Frame::Write {
         psn: pep.psn,
@@ -584,9 +589,7 @@ fn oversized_write_is_refused_without_being_stored() {
     let v = Victim::new();
     let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
     let target = v.mr.remote();
-    let mut s = attacker(vep.lid);
-    s.write_all(&true_hello(&pep, &vep)).unwrap();
-    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let mut s = speaking_for(&pep, &vep);
     let rss0 = rss_mib();
     // A write of 48 MiB into the victim's 1 MiB region: its data is streamed in full.
     let n: u32 = 48 << 20;
@@ -622,9 +625,7 @@ fn garbage_after_a_valid_hello_drops_only_that_connection() {
     l.write(&v, 0, 1);
     let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
     let rss0 = rss_mib();
-    let mut s = attacker(vep.lid);
-    s.write_all(&true_hello(&pep, &vep)).unwrap();
-    assert_eq!(read_reply(&mut s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 0 }));
+    let mut s = speaking_for(&pep, &vep);
     let mut junk = vec![0u8; 4096];
     let mut x = 0x9e37_79b9u32;
     for b in &mut junk {
