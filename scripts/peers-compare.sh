@@ -91,6 +91,9 @@ one() {
     local cmd
     if [ "$tool" = rdmakit ]; then
         cmd=("$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid")
+        # The peer programs ask for every completion; so does rdmakit here (its default is
+        # perftest's, one in 100), so that the rows compare the same method.
+        [[ $test == *-bw ]] && cmd+=(-Q 1)
     else
         cmd=("$bin/peer-$tool" "$test" --device "$dev" --gid-index "$gid")
     fi

@@ -50,9 +50,14 @@ perftest() { # perftest TOOL ARGS...
 rdmakit() { # rdmakit TEST ARGS...
     local test=$1; shift
     port=$((port + 1))
-    "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --server "$ip:$port" "$@" 2>/dev/null &
-    local srv=$!
-    sleep 1
+    local log
+    log=$(mktemp)
+    "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --server "$ip:$port" "$@" 2>"$log" &
+    local srv=$! w
+    # The client does not retry its connection: wait until the server says it listens (a
+    # starved VM may take more than a second), rather than for a fixed time.
+    for w in $(seq 150); do grep -q "serving on" "$log" && break; sleep 0.2; done
+    rm -f "$log"
     "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --connect "$ip:$port" --json "$@"
     wait "$srv" 2>/dev/null || true
 }

@@ -96,6 +96,7 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                     peak_bytes_per_sec: (p.iters <= PEAK_MAX_ITERS).then(|| peak.max(avg)),
                     msgs_per_sec: f64::from(p.iters) / secs.max(1e-9),
                     iters: u64::from(p.iters),
+                    cq_mod: 0,
                 }))
             }
             _ => Err(Error::InvalidArgument(format!("{} is not a pipe test", p.test.name()))),

@@ -231,6 +231,11 @@ struct Opts {
     /// others; reads and atomics never go inline).
     #[arg(short = 'I', long = "inline_size", visible_alias = "inline-size")]
     inline: Option<u32>,
+    /// Bandwidth tests ask for a completion every this many operations (perftest's `-Q`).
+    /// Default as perftest's: 100, or every operation for messages over 8 KiB in a polling
+    /// run of one size; at most `--tx-depth`.
+    #[arg(short = 'Q', long = "cq-mod", value_parser = clap::value_parser!(u32).range(1..=65535))]
+    cq_mod: Option<u32>,
     /// Queue pairs run at once (bandwidth tests); each does `--iters`.
     #[arg(short = 'q', long = "qp", default_value_t = 1)]
     qps: u32,
@@ -447,6 +452,7 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         all: o.all,
         duration,
         margin: if duration > 0 { o.margin } else { 0 },
+        cq_mod: o.cq_mod.unwrap_or(0),
         placement: o.placement,
     })
 }

@@ -45,6 +45,9 @@ pub struct Bw {
     pub msgs_per_sec: f64,
     /// Operations counted (per QP in a counted run; all of them in a timed run).
     pub iters: u64,
+    /// Operations per requested completion on this side (perftest's `-Q`); 0 where the
+    /// test does not post them itself (pipes).
+    pub cq_mod: u32,
 }
 
 impl Bw {
@@ -55,6 +58,7 @@ impl Bw {
             peak_bytes_per_sec: self.peak_bytes_per_sec.zip(o.peak_bytes_per_sec).map(|(a, b)| a + b),
             msgs_per_sec: self.msgs_per_sec + o.msgs_per_sec,
             iters: if sum_iters { self.iters + o.iters } else { self.iters.max(o.iters) },
+            cq_mod: self.cq_mod.max(o.cq_mod),
         }
     }
 
@@ -83,6 +87,7 @@ impl Bw {
             peak_bytes_per_sec: (!peak.is_nan()).then_some(peak),
             msgs_per_sec: f(24),
             iters: u64::from_le_bytes(w(32)),
+            cq_mod: 0, // the peer's own: not reported
         })
     }
 }
@@ -448,17 +453,38 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
     let mut last_progress = Instant::now();
     let mut wcs = [WorkCompletion::default(); 16];
     let mut secs = 0.0;
+    let cq_mod = u64::from(p.cq_mod_at(size, wait == CqWait::Event));
+    // Operations posted since the last one that asked for a completion.
+    let mut unsignaled = 0u64;
     loop {
         if sending && !span.go_on(done) {
             sending = false;
             secs = start.elapsed().as_secs_f64();
         }
         while sending && posted - done < window && (span.is_timed() || posted < u64::from(p.iters)) {
-            side.qp.post_send(make(posted)?)?;
+            // As perftest: every `cq_mod`-th operation asks for a completion, and so does the
+            // last of an untimed run; the completion's `wr_id` says how many it retires (an
+            // RC send queue completes in order).
+            let last = !span.is_timed() && posted + 1 == u64::from(p.iters);
+            unsignaled += 1;
+            let wr = make(posted)?;
+            if unsignaled >= cq_mod || last {
+                side.qp.post_send(wr.wr_id(unsignaled))?;
+                unsignaled = 0;
+            } else {
+                side.qp.post_send(wr.unsignaled())?;
+            }
             if peak_wanted {
                 posted_at.push(Instant::now());
             }
             posted += 1;
+        }
+        if !sending && unsignaled > 0 {
+            // A timed run stopped between two requested completions: one more operation,
+            // signalled, retires the unsignalled ones (it is outside the sample window).
+            side.qp.post_send(make(posted)?.wr_id(unsignaled + 1))?;
+            posted += 1;
+            unsignaled = 0;
         }
         if !sending && posted == done && !stop_sent {
             send_stop(side)?;
@@ -493,9 +519,12 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
             } else if wc.wr_id == STOP_WR {
                 stop_done = true;
             } else {
-                done += 1;
+                // Operations this completion retires (set when posting; at least one).
+                let n = wc.wr_id.clamp(1, posted - done);
+                done += n;
                 if peak_wanted {
-                    completed_at.push(Instant::now());
+                    let at = Instant::now();
+                    completed_at.extend(std::iter::repeat_n(at, n as usize));
                 }
                 tick(bar, done);
             }
@@ -516,6 +545,7 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
         peak_bytes_per_sec: peak_wanted.then(|| peak_rate(&posted_at, &completed_at, size).max(avg)),
         msgs_per_sec: ops as f64 / secs,
         iters: if span.is_timed() { ops } else { u64::from(p.iters) },
+        cq_mod: cq_mod as u32,
     })
 }
 

@@ -63,6 +63,8 @@ struct BwOut {
     bw_peak_gbit_per_sec: Option<f64>,
     bw_average_gbit_per_sec: f64,
     msg_rate_mpps: f64,
+    /// Operations per requested completion (perftest's `-Q`); `null` for pipe tests.
+    cq_mod: Option<u32>,
 }
 
 /// perftest's MiB.
@@ -308,6 +310,7 @@ fn bw_out(b: &Bw) -> BwOut {
         bw_peak_gbit_per_sec: b.peak_bytes_per_sec.map(|v| v / GBIT),
         bw_average_gbit_per_sec: b.bytes_per_sec / GBIT,
         msg_rate_mpps: b.msgs_per_sec / 1e6,
+        cq_mod: (b.cq_mod > 0).then_some(b.cq_mod),
     }
 }
 
@@ -333,16 +336,17 @@ mod tests {
             margin: 2,
             inline: 236,
             rx_depth: 77,
+            cq_mod: 33,
             ..Params::simple(Test::SendBw, 4096, 7, 3, Placement::Memic)
         };
         let q = Params::decode(&p.encode()).unwrap();
         assert_eq!((q.test, q.size, q.iters, q.window, q.placement), (p.test, 4096, 7, 3, Placement::Memic));
         assert_eq!(
-            (q.qps, q.bidir, q.all, q.duration, q.margin, q.inline, q.rx_depth),
-            (3, true, false, 9, 2, 236, 77)
+            (q.qps, q.bidir, q.all, q.duration, q.margin, q.inline, q.rx_depth, q.cq_mod),
+            (3, true, false, 9, 2, 236, 77, 33)
         );
         assert!(Params::decode(&[0; 5]).is_err());
-        assert!(Params::decode(&[99; 23]).is_err());
+        assert!(Params::decode(&[99; Params::ENCODED_LEN]).is_err());
         // A hostile client's sizes and depths are refused, not allocated.
         let mut b = p.encode();
         b[2..6].copy_from_slice(&u32::MAX.to_le_bytes());

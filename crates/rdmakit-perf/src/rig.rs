@@ -116,6 +116,9 @@ pub struct Params {
     pub duration: u16,
     /// Seconds left out of the measurement at each end of a timed run (perftest's `-f`).
     pub margin: u16,
+    /// Bandwidth tests ask for a completion every `cq_mod` operations (perftest's `-Q`);
+    /// 0 = perftest's default rule ([`Params::cq_mod_at`]).
+    pub cq_mod: u32,
     pub placement: Placement,
 }
 
@@ -140,6 +143,7 @@ impl Params {
             all: false,
             duration: 0,
             margin: 0,
+            cq_mod: 0,
             placement,
         }
     }
@@ -154,8 +158,21 @@ impl Params {
         Params { size, all: false, ..*self }
     }
 
-    /// 23 bytes of private data: test, placement, size, iterations, window, rx depth,
-    /// inline size, QPs, flags (bidirectional, all sizes), duration, margin.
+    /// Operations per requested completion in a bandwidth test of `size`-byte messages
+    /// (`events`: the test sleeps on the completion channel). As perftest: what `-Q` asked
+    /// for, else 100, except for messages over 8 KiB in a polling run of one size, which
+    /// ask for every completion; never more than the send queue depth.
+    pub fn cq_mod_at(&self, size: u32, events: bool) -> u32 {
+        let asked = match self.cq_mod {
+            0 if size > CQ_MOD_SIZE_LIMIT && !self.all && !events => 1,
+            0 => DEFAULT_CQ_MOD,
+            n => n,
+        };
+        asked.clamp(1, self.window.max(1))
+    }
+
+    /// 25 bytes of private data: test, placement, size, iterations, window, rx depth,
+    /// inline size, QPs, flags (bidirectional, all sizes), duration, margin, CQ moderation.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![self.test.code(), self.placement as u8];
         b.extend_from_slice(&self.size.to_le_bytes());
@@ -167,12 +184,13 @@ impl Params {
         b.push(u8::from(self.bidir) | (u8::from(self.all) << 1));
         b.extend_from_slice(&self.duration.to_le_bytes());
         b.push(self.margin.min(255) as u8);
+        b.extend_from_slice(&(self.cq_mod.min(u32::from(u16::MAX)) as u16).to_le_bytes());
         debug_assert_eq!(b.len(), Params::ENCODED_LEN);
         b
     }
 
     /// Length of [`Params::encode`]'s output.
-    pub const ENCODED_LEN: usize = 23;
+    pub const ENCODED_LEN: usize = 25;
 
     /// Decodes and checks what a client asked for (a peer may send anything).
     pub fn decode(b: &[u8]) -> Result<Params, String> {
@@ -203,6 +221,7 @@ impl Params {
             all: b[19] & 2 != 0,
             duration: h(20),
             margin: u16::from(b[22]),
+            cq_mod: u32::from(h(23)),
         };
         if p.size == 0 || p.size > MAX_SIZE {
             return Err(format!("message size {} out of 1..={MAX_SIZE}", p.size));
@@ -216,6 +235,12 @@ impl Params {
         Ok(p)
     }
 }
+
+/// perftest's default CQ moderation (`DEF_CQ_MOD`).
+pub const DEFAULT_CQ_MOD: u32 = 100;
+/// Above this message size perftest turns its default moderation off in a polling run of
+/// one size (`MSG_SIZE_CQ_MOD_LIMIT`).
+const CQ_MOD_SIZE_LIMIT: u32 = 8192;
 
 /// The send and receive queue depths a server offers.
 const SERVER_DEPTH: u32 = 2048;

@@ -218,6 +218,36 @@ fn send_lat_and_sweeps_across_processes() {
     assert!(srv.wait().unwrap().success());
 }
 
+/// CQ moderation (`-Q`) as perftest's: a completion every 100 operations by default, every
+/// one for messages over 8 KiB in a polling run of one size, never more than the send queue
+/// depth; and the completions that are asked for retire every operation (the run ends, and
+/// counts what it posted) whatever the count, timed or not, in one process or two.
+#[test]
+fn cq_moderation_follows_perftest_and_counts_every_operation() {
+    let one = |args: &[&str]| json_lines(&ok(args)).remove(0);
+    let cq_mod = |l: &serde_json::Value| l["cq_mod"].as_u64();
+    // 1237 operations: the last ones are not a whole batch of 100.
+    for test in ["write-bw", "read-bw", "send-bw", "atomic-bw"] {
+        let l = one(&[test, "-s", "8", "-n", "1237", "--json"]);
+        assert_eq!((cq_mod(&l), l["iterations"].as_u64()), (Some(100), Some(1237)), "{test}: {l}");
+    }
+    assert_eq!(cq_mod(&one(&["write-bw", "-s", "65536", "-n", "50", "--json"])), Some(1));
+    assert_eq!(cq_mod(&one(&["write-bw", "-s", "65536", "-n", "50", "-e", "--json"])), Some(50));
+    assert_eq!(cq_mod(&one(&["write-bw", "-s", "65536", "-n", "500", "-e", "--json"])), Some(100));
+    assert_eq!(cq_mod(&one(&["write-bw", "-s", "8", "-n", "1000", "-t", "16", "--json"])), Some(16));
+    assert_eq!(cq_mod(&one(&["write-bw", "-s", "65536", "-n", "301", "-Q", "7", "--json"])), Some(7));
+    // A timed run stops between two asked-for completions and still drains.
+    let l = one(&["write-bw", "-s", "8", "-D", "3", "-f", "1", "-Q", "97", "--json"]);
+    assert!(l["iterations"].as_u64().unwrap() > 0, "{l}");
+    // Across processes, both directions, with the peer counting its own.
+    let (mut srv, addr) = server(&["write-bw"]);
+    let l = one(&["write-bw", "--connect", &addr, "-b", "-s", "64", "-n", "1001", "-Q", "10", "--json"]);
+    assert_eq!((cq_mod(&l), l["iterations"].as_u64()), (Some(10), Some(1001)), "{l}");
+    assert!(srv.wait().unwrap().success());
+    let out = run(&["write-bw", "-Q", "0"]);
+    assert!(!out.status.success(), "-Q 0 must be refused");
+}
+
 /// `--provider verbs` never falls back to the soft NIC: on a host without a device it fails
 /// and says why; on a host with one it measures the device.
 #[test]
