@@ -1181,3 +1181,64 @@ fn a_squatter_on_a_devices_socket_name_gets_nothing() {
     let mut b = [0u8; 64];
     assert_eq!(s.read(&mut b).unwrap_or(0), 0, "the squatter received bytes");
 }
+
+// ---- a link slow to set up: set-up is not transport time ----
+
+/// A relay on a port of its own to the device listening on `to`: what the requester sends
+/// goes through at once, what the device answers is held back for `hold` first (a starved
+/// or distant peer), then relayed. Returns the relay's port.
+fn slow_answering_relay(to: u16, hold: Duration) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (mut from_requester, _) = listener.accept().unwrap();
+        let mut to_device = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        let (mut rq, mut dv) = (from_requester.try_clone().unwrap(), to_device.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut rq, &mut dv);
+            let _ = dv.shutdown(std::net::Shutdown::Write);
+        });
+        std::thread::sleep(hold);
+        let _ = std::io::copy(&mut to_device, &mut from_requester);
+    });
+    port
+}
+
+#[test]
+fn a_request_posted_before_the_link_is_up_waits_for_it_not_for_the_transport_timer() {
+    let _g = serial();
+    let v = Victim::new();
+    // Budget: 4.096 us x 2^14 x 4 tries, about 0.27 s.
+    let budget = opts().transport_budget().unwrap();
+    let run = |hold: Duration| {
+        let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        let src = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+        src.fill(0x5a).unwrap();
+        let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+        vqp.connect(&qp.address().unwrap(), &opts()).unwrap();
+        let mut ep = far(&vqp.address().unwrap());
+        ep.lid = slow_answering_relay(v.port(&ep), hold);
+        let t = Instant::now();
+        qp.connect(&ep, &opts()).unwrap();
+        let wr = SendWr::write(src.slice(0, 64).unwrap(), v.mr.remote().slice(4096, 64).unwrap());
+        qp.post_send(wr).unwrap();
+        let wc = cq.wait(Some(Duration::from_secs(30))).expect("the write completes, one way or the other");
+        (wc, t.elapsed())
+    };
+    // The Hello's answer comes after 4 budgets: the write waits for the link, then lands.
+    let hold = budget * 4;
+    let (wc, took) = run(hold);
+    assert!(wc.status.is_success(), "a slow set-up failed the request: {wc:?} after {took:?}");
+    assert!(took >= hold, "{took:?}");
+    let mut back = [0u8; 64];
+    v.mr.read_at(4096, &mut back).unwrap();
+    assert_eq!(back, [0x5a; 64]);
+    // A peer that never answers the Hello: the wait is bounded (the device-side Hello
+    // timeout, 3 s, then the transport budget), and the request fails as on a dead link.
+    let (wc, took) = run(Duration::from_secs(20));
+    assert_eq!(wc.status, WcStatus::RETRY_EXC_ERR, "{wc:?}");
+    assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(10), "failed after {took:?}");
+}

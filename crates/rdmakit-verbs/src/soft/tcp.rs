@@ -1326,6 +1326,7 @@ impl EventLoop {
                             Ok(None) => {}
                             Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
                                 c.io.rd.accept = Accept::Responses;
+                                let _ = c.shared.accepted_at.set(Instant::now());
                             }
                             Ok(Some(Got::Frame(Frame::HelloAck { .. }))) => {
                                 warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
@@ -1495,6 +1496,9 @@ struct LinkShared {
     queue: Mutex<VecDeque<Queued>>,
     cap: usize,
     dead: AtomicBool,
+    /// When the peer accepted our Hello. Until then requests wait on the link's set-up,
+    /// which is not transport time ([`TcpLink::transport_start`]).
+    accepted_at: OnceLock<Instant>,
     /// The link was dropped: the loop closes it.
     closed: AtomicBool,
     /// On the loop's ready list already.
@@ -1543,6 +1547,7 @@ impl TcpLink {
             queue: Mutex::new(VecDeque::new()),
             cap: queue,
             dead: AtomicBool::new(false),
+            accepted_at: OnceLock::new(),
             closed: AtomicBool::new(false),
             flagged: AtomicBool::new(false),
             token: AtomicUsize::new(usize::MAX),
@@ -1620,6 +1625,29 @@ impl TcpLink {
 
     pub fn is_dead(&self) -> bool {
         self.shared.dead.load(Ordering::Acquire)
+    }
+
+    /// When the transport timer of a request sent at `sent` starts, or `None` while the
+    /// link is still being set up.
+    ///
+    /// On a NIC the connection exists before the first request: its timer measures the
+    /// transport alone. Here the link (TCP connect or rings, Hello, the peer's checks) is
+    /// set up when the QP connects, and a request posted right away waits for it; on a
+    /// loaded host that can take longer than a whole transport budget, and the request
+    /// would fail with `RETRY_EXC_ERR` although nothing was lost. So a request's timer
+    /// starts when it was sent or when the peer accepted the Hello, whichever is later.
+    /// A dead link (refused, unreachable, closed) starts it at once; a peer that neither
+    /// accepts nor closes is given [`HELLO_TIMEOUT`] (a device drops a Hello that late),
+    /// after which the timer runs from the end of that grace.
+    pub fn transport_start(&self, sent: Instant) -> Option<Instant> {
+        if let Some(&at) = self.shared.accepted_at.get() {
+            return Some(sent.max(at));
+        }
+        if self.is_dead() {
+            return Some(sent);
+        }
+        let grace = sent + HELLO_TIMEOUT;
+        (Instant::now() >= grace).then_some(grace)
     }
 
     /// Goes through same-host rings (not TCP).

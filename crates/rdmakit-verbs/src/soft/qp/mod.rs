@@ -579,11 +579,25 @@ impl SoftQp {
     fn sent_timed_out(&self, sq: &Sq) -> bool {
         let Some(front) = sq.sent.front() else { return false };
         let Some(budget) = sq.opts.transport_budget() else { return false };
-        if front.at.elapsed() >= budget {
-            return true;
+        // Across processes the timer starts once the link is up (`transport_start`).
+        let start = match &sq.link {
+            Some(Link::Tcp(link)) => link.transport_start(front.at),
+            _ => Some(front.at),
+        };
+        match start {
+            Some(start) if start.elapsed() >= budget => true,
+            Some(start) => {
+                self.arm_transport_timer(sq, start);
+                false
+            }
+            None => {
+                // Still being set up: look again after a budget, or when the set-up's
+                // grace ends if that is sooner.
+                let grace = front.at + super::tcp::HELLO_TIMEOUT;
+                self.schedule((Instant::now() + budget).min(grace));
+                false
+            }
         }
-        self.arm_transport_timer(sq, front.at);
-        false
     }
 
     /// Executes the request at the head of the send queue and handles its outcome.
