@@ -804,12 +804,46 @@ pub(crate) struct Placement {
     from: ([u8; 16], u32),
     addr: u64,
     rkey: u32,
+    /// The write's last aligned word, held back until its last byte has arrived and then
+    /// landed whole, last (see [`LastWord`]).
+    last: std::cell::RefCell<LastWord>,
 }
 
 // SAFETY: `ptr` points into memory `_entry` keeps alive; it is only written through
 // `shared_mem` (as a NIC writes registered memory), never through a Rust reference, so the
 // wire's thread may hold it.
 unsafe impl Send for Placement {}
+
+/// The bytes of a write that fall in the aligned word holding its last byte.
+///
+/// A write lands in pieces as its data arrives (socket reads, ring wraps), so a piece could
+/// end inside that word: a reader polling the word (a put handle's sentinel, `write-lat`'s
+/// last byte) would see it half new while its last bytes are still on the way. `shared_mem`
+/// stores the last aligned word of each copy last, whole, with release ordering; holding the
+/// word's bytes back until the final piece makes that true of the whole write, as it is of
+/// a write applied in one copy.
+pub(crate) struct LastWord {
+    /// Offset of the held bytes in the target: the start of the aligned word holding the
+    /// last byte (or 0 for a write shorter than that word's part).
+    at: usize,
+    held: [u8; 8],
+}
+
+impl LastWord {
+    /// For a write of `len` bytes landing at address `dst`.
+    pub(crate) fn new(dst: usize, len: usize) -> LastWord {
+        let at = if len == 0 { 0 } else { (((dst + len - 1) & !7).saturating_sub(dst)).min(len) };
+        LastWord { at, held: [0; 8] }
+    }
+
+    /// Splits a piece of `n` bytes at offset `at` of a `len`-byte write: how many of its
+    /// first bytes land now, and where in the held word the rest goes. Returns
+    /// `(direct, held_from)`.
+    pub(crate) fn split(&self, at: usize, n: usize) -> (usize, usize) {
+        let direct = self.at.saturating_sub(at).min(n);
+        (direct, (at + direct).saturating_sub(self.at))
+    }
+}
 
 impl Placement {
     /// The data length the target was checked for.
@@ -831,11 +865,54 @@ impl Placement {
     /// # Safety
     /// `at + data.len()` must not exceed [`len`](Self::len).
     pub(crate) unsafe fn land(&self, at: usize, data: &[u8]) {
-        debug_assert!(at + data.len() <= self.len);
-        // SAFETY: the target is valid for `len` bytes (checked registration kept alive by
-        // `_entry`) and the caller keeps `at + data.len()` within it; registered memory is
-        // only written through `shared_mem`; `data` is private memory.
-        unsafe { shared_mem::copy(Src::Private(data.as_ptr()), Dst::Shared(self.ptr.add(at)), data.len()) };
+        // SAFETY: `data` is private memory valid for its length; the caller's contract.
+        unsafe { self.land_piece(at, Src::Private(data.as_ptr()), data.len(), false) }
+    }
+
+    /// Lands a piece: its bytes before the last word now, the last word's into the held
+    /// copy, and the held word whole once the piece ends the write.
+    ///
+    /// # Safety
+    /// `src` valid for reads of `n` bytes; `at + n <= len`.
+    unsafe fn land_piece(&self, at: usize, src: Src, n: usize, across_cores: bool) {
+        debug_assert!(at + n <= self.len);
+        let mut last = self.last.borrow_mut();
+        let (direct, held_from) = last.split(at, n);
+        if direct > 0 {
+            // SAFETY: the target is valid for `len` bytes (checked registration kept alive
+            // by `_entry`) and `at + direct <= len`; registered memory is only written
+            // through `shared_mem`; `src` is valid for `n >= direct` bytes (caller).
+            unsafe {
+                let dst = Dst::Shared(self.ptr.add(at));
+                if across_cores {
+                    shared_mem::copy_across_cores(src, dst, direct);
+                } else {
+                    shared_mem::copy(src, dst, direct);
+                }
+            }
+        }
+        if direct < n {
+            let rest = n - direct;
+            // SAFETY: `held_from + rest` is at most the word's part of the write (at most 8
+            // bytes), because the piece ends within the write; `src + direct` is valid for
+            // `rest` bytes (caller); `held` is private.
+            unsafe {
+                shared_mem::copy(src.add(direct), Dst::Private(last.held.as_mut_ptr().add(held_from)), rest);
+            }
+        }
+        if at + n == self.len && last.at < self.len {
+            // The final piece: the last word, whole and last, with release ordering.
+            let (word_at, held) = (last.at, last.held);
+            // SAFETY: `word_at .. len` is inside the target (at most 8 bytes); `held` is a
+            // private copy of those bytes.
+            unsafe {
+                shared_mem::copy(
+                    Src::Private(held.as_ptr()),
+                    Dst::Shared(self.ptr.add(word_at)),
+                    self.len - word_at,
+                );
+            }
+        }
     }
 
     /// Lands `n` bytes from `src` at offset `at` of the target, copied as memory another
@@ -845,9 +922,8 @@ impl Placement {
     /// `src` must be valid for reads of `n` bytes (shared memory read byte-wise atomically),
     /// and `at + n` must not exceed [`len`](Self::len).
     pub(crate) unsafe fn land_from(&self, at: usize, src: Src, n: usize) {
-        debug_assert!(at + n <= self.len);
-        // SAFETY: as in `land`, with the caller vouching for `src`.
-        unsafe { shared_mem::copy_across_cores(src, Dst::Shared(self.ptr.add(at)), n) };
+        // SAFETY: forwarded contract.
+        unsafe { self.land_piece(at, src, n, true) }
     }
 }
 
@@ -868,5 +944,67 @@ fn run_deferred(mut d: Deferred) {
             qp.progress(&mut sq, &mut more);
         }
         d.kick.append(&mut more.kick);
+    }
+}
+
+#[cfg(test)]
+mod last_word_tests {
+    use super::LastWord;
+
+    /// Lands a `len`-byte write at address `dst` in the pieces `cuts` makes, as
+    /// `Placement::land_piece` does, and returns the stores in order as byte ranges of the
+    /// target (the held word's bytes go through `held`).
+    fn stores(dst: usize, len: usize, cuts: &[usize]) -> Vec<(usize, usize)> {
+        let mut last = LastWord::new(dst, len);
+        let mut out = Vec::new();
+        let mut bounds: Vec<usize> = cuts.iter().copied().filter(|&c| c > 0 && c < len).collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        bounds.push(len);
+        let mut at = 0;
+        for end in bounds {
+            let n = end - at;
+            let (direct, held_from) = last.split(at, n);
+            if direct > 0 {
+                out.push((at, at + direct));
+            }
+            if direct < n {
+                assert!(held_from + (n - direct) <= 8, "held bytes overflow the word");
+                last.held[held_from..held_from + n - direct].fill(1);
+            }
+            if at + n == len && last.at < len {
+                assert!(last.held[..len - last.at].iter().all(|&b| b == 1), "a held byte was never given");
+                out.push((last.at, len));
+            }
+            at = end;
+        }
+        out
+    }
+
+    #[test]
+    fn the_last_word_of_a_write_lands_last_and_whole_however_it_is_cut() {
+        for dst in 0x1000..0x1008 {
+            for len in (1..40).chain([4095, 4096, 4097, 65536]) {
+                let word_start = ((dst + len - 1) & !7).max(dst) - dst;
+                // One cut anywhere, and cuts on both sides of the word's start.
+                let mut cut_sets: Vec<Vec<usize>> = (0..=len.min(64)).map(|c| vec![len - c]).collect();
+                cut_sets.push(vec![word_start.saturating_sub(3), word_start + 1, word_start + 5]);
+                cut_sets.push((1..len.min(40)).collect());
+                for cuts in cut_sets {
+                    let s = stores(dst, len, &cuts);
+                    // Every byte stored exactly once.
+                    let mut covered = vec![0u8; len];
+                    for &(a, b) in &s {
+                        covered[a..b].iter_mut().for_each(|c| *c += 1);
+                    }
+                    assert!(covered.iter().all(|&c| c == 1), "dst {dst:#x} len {len} cuts {cuts:?}: {s:?}");
+                    // The last store is the whole last-word part, and only it touches it.
+                    let &(a, b) = s.last().unwrap();
+                    assert_eq!((a, b), (word_start, len), "dst {dst:#x} len {len} cuts {cuts:?}");
+                    assert!(b - a <= 8 && (dst + a) / 8 == (dst + b - 1) / 8, "one aligned word");
+                    assert!(s[..s.len() - 1].iter().all(|&(_, e)| e <= word_start));
+                }
+            }
+        }
     }
 }

@@ -77,7 +77,8 @@ impl SoftQp {
         let n = u32::try_from(len).ok().filter(|&n| n > 0 && n <= wire::MAX_MESSAGE)?;
         let (ptr, entry) = self.target(addr, rkey, n, AccessFlags::REMOTE_WRITE).ok()?;
         let me = self.me.clone();
-        Some(Placement { ptr, len, _entry: entry, qp: me, from: (from.gid, from.qpn), addr, rkey })
+        let last = std::cell::RefCell::new(super::LastWord::new(ptr as usize, len));
+        Some(Placement { ptr, len, _entry: entry, qp: me, from: (from.gid, from.qpn), addr, rkey, last })
     }
 
     /// The answer to a write whose data landed through [`place_write`](Self::place_write).
