@@ -4,7 +4,8 @@
 //! - pipe bandwidth at 1 MiB, 8 writes in flight, reader releasing, vs 8 raw writes in
 //!   flight (goal ≥ 0.95×);
 //! - a persistent put-handle round trip vs a send/recv ping-pong of the same size (CkDirect's
-//!   claim: put beats messaging).
+//!   claim: put beats messaging), with rdmakit's default detection and with CkDirect's
+//!   sentinel (one write per put).
 //!
 //! `cargo bench --bench channel`; HTML reports land in `target/criterion/report/`.
 
@@ -14,7 +15,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use rdmakit::channel::put::PutEndpoint;
+use rdmakit::channel::put::{Detection, PutEndpoint};
 use rdmakit::channel::{NotifyMode, Pipe, PipeConfig, PollMode};
 use rdmakit::*;
 
@@ -172,35 +173,42 @@ fn put_when_ready(h: &rdmakit::channel::put::SendHandle) {
 fn put_vs_messaging(c: &mut Criterion) {
     let mut g = c.benchmark_group("round_trip");
     for size in [8usize, 4096, 65536] {
-        // Put handles both ways.
-        let raw = raw_pair();
-        let pd = raw.pd.clone();
-        let ea = PutEndpoint::new(raw.a.clone(), raw.ca.clone(), PollMode::Busy).expect("ep");
-        let eb = PutEndpoint::new(raw.b.clone(), raw.cb.clone(), PollMode::Busy).expect("ep");
-        let (ra, rb) = (
-            pd.alloc_mr(size, AccessFlags::ALL_REMOTE).expect("mr"),
-            pd.alloc_mr(size, AccessFlags::ALL_REMOTE).expect("mr"),
-        );
-        let (sa, sb) = (
-            pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
-            pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
-        );
-        let ha = ea.create_handle(&ra, |_| {}, 0).expect("handle");
-        let hb = eb.create_handle(&rb, |_| {}, 0).expect("handle");
-        let to_b = ea.assoc_local_buffer(&hb.desc().expect("d"), sa.local().expect("l")).expect("assoc");
-        let to_a = eb.assoc_local_buffer(&ha.desc().expect("d"), sb.local().expect("l")).expect("assoc");
-        g.bench_with_input(BenchmarkId::new("put_handles", size), &size, |bch, _| {
-            bch.iter(|| {
-                hb.ready_poll_q().expect("mark");
-                ha.ready_poll_q().expect("mark");
-                put_when_ready(&to_b);
-                while eb.ready_poll().expect("poll") == 0 {}
-                hb.ready().expect("ready");
-                put_when_ready(&to_a);
-                while ea.ready_poll().expect("poll") == 0 {}
-                ha.ready().expect("ready");
-            })
-        });
+        // Put handles both ways: rdmakit's default detection (a sequence word, the
+        // receiver's ready signalled back: three writes per put) and CkDirect's own (the
+        // buffer's last word changes from an out-of-band value: one write per put).
+        for (name, detection) in
+            [("put_handles", Detection::SequenceWord), ("put_handles_sentinel", Detection::Sentinel)]
+        {
+            let raw = raw_pair();
+            let pd = raw.pd.clone();
+            let ea = PutEndpoint::new(raw.a.clone(), raw.ca.clone(), PollMode::Busy).expect("ep");
+            let eb = PutEndpoint::new(raw.b.clone(), raw.cb.clone(), PollMode::Busy).expect("ep");
+            let (ra, rb) = (
+                pd.alloc_mr(size, AccessFlags::ALL_REMOTE).expect("mr"),
+                pd.alloc_mr(size, AccessFlags::ALL_REMOTE).expect("mr"),
+            );
+            let (sa, sb) = (
+                pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
+                pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
+            );
+            // The payloads are zeros: the sentinel is a value they never end with.
+            let ha = ea.create_handle_with(&ra, |_| {}, u64::MAX, detection).expect("handle");
+            let hb = eb.create_handle_with(&rb, |_| {}, u64::MAX, detection).expect("handle");
+            let to_b = ea.assoc_local_buffer(&hb.desc().expect("d"), sa.local().expect("l")).expect("assoc");
+            let to_a = eb.assoc_local_buffer(&ha.desc().expect("d"), sb.local().expect("l")).expect("assoc");
+            g.bench_with_input(BenchmarkId::new(name, size), &size, |bch, _| {
+                bch.iter(|| {
+                    hb.ready_poll_q().expect("mark");
+                    ha.ready_poll_q().expect("mark");
+                    put_when_ready(&to_b);
+                    while eb.ready_poll().expect("poll") == 0 {}
+                    hb.ready().expect("ready");
+                    put_when_ready(&to_a);
+                    while ea.ready_poll().expect("poll") == 0 {}
+                    ha.ready().expect("ready");
+                })
+            });
+        }
 
         // Send/recv ping-pong.
         let raw = raw_pair();

@@ -43,7 +43,18 @@
 //! refused ([`ChannelError::Invalid`]): its sender would stay `Busy` and the poll would wait
 //! forever.
 //!
-//! Differences from CkDirect, on purpose:
+//! Two ways to detect a put ([`Detection`], chosen per handle with
+//! [`PutEndpoint::create_handle_with`]; the sender learns it from the [`HandleDesc`]):
+//! - [`Detection::Sentinel`] is CkDirect's: a put is one RDMA write, seen when the buffer's
+//!   last 8 bytes leave the handle's `initial_value` (its "out of band pattern"), and
+//!   `ready_mark` writes that value back locally. As in CkDirect, one transaction per handle
+//!   at a time is the application's to keep, and a payload ending in the value is never
+//!   seen (so `put` refuses one). This is the mode whose round trip beats a send/recv
+//!   ping-pong, as the slides claim.
+//! - [`Detection::SequenceWord`], the default, trades two more writes per put for the two
+//!   guarantees CkDirect leaves to the application; it differs from CkDirect as follows.
+//!
+//! Differences of the default from CkDirect, on purpose:
 //! - **Detection.** CkDirect detects a put by the last double of the buffer changing from
 //!   an `initial_value`, so a payload ending in that value is never seen. Here each put is
 //!   followed, on the same QP, by an 8-byte write of the put's sequence number into a word
@@ -136,34 +147,80 @@ fn count_for(w: u64, epoch: Option<u32>) -> u64 {
     }
 }
 
-/// What the receiver ships to the sender: where a handle's buffer and sequence word are.
+/// How a receiver sees that a put has landed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Detection {
+    /// rdmakit's default: each put is followed by an 8-byte write of its sequence number
+    /// into a word beside the buffer, and the receiver's `ready_mark` writes the consumed
+    /// count back to the sender, whose next `put` is [`Busy`](ChannelError::Busy) until
+    /// then. Any payload is seen; one transaction per handle is enforced. Three RDMA writes
+    /// per put.
+    #[default]
+    SequenceWord,
+    /// CkDirect's own scheme ("out of band pattern"): a put is **one** RDMA write, seen when
+    /// the buffer's last 8 bytes differ from the handle's `initial_value`, and
+    /// `ready_mark` only writes `initial_value` back into them, locally. As in CkDirect:
+    /// - a payload whose last 8 bytes equal `initial_value` would never be seen: such a
+    ///   `put` is refused ([`ChannelError::Invalid`]); pick a value the data never ends
+    ///   with (a NaN pattern for `f64` data);
+    /// - "only 1 transaction per handle at a time" is the application's: a `put` before
+    ///   the receiver's `ready_mark` of the previous one is not detected as `Busy`; it may
+    ///   land while the receiver reads the buffer (torn data, never undefined behaviour:
+    ///   the buffer is only ever read through copies) or be lost to the `ready_mark` that
+    ///   rewrites the sentinel. Applications with iteration boundaries (the seed's use case:
+    ///   halo exchanges, ping-pongs) get that order for free;
+    /// - the buffer must start and end 8-aligned, so that its last 8 bytes are the word a
+    ///   NIC places last (see [`pipe`](crate::pipe) for the ordering caveat on hardware).
+    Sentinel,
+}
+
+/// What the receiver ships to the sender: where a handle's buffer and sequence word are,
+/// and how its puts are detected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HandleDesc {
     /// The handle's number on the receiver.
     pub id: u32,
     /// The receive buffer.
     pub buf: RemoteRegion,
-    /// The handle's sequence word (8 bytes).
+    /// The handle's sequence word (8 bytes; unused with [`Detection::Sentinel`]).
     pub seq: RemoteRegion,
+    /// With [`Detection::Sentinel`]: the handle's `initial_value` (a put whose payload ends
+    /// with it is refused); `None` with [`Detection::SequenceWord`].
+    pub sentinel: Option<u64>,
 }
+
+/// Bit 31 of an encoded descriptor's id: the handle uses [`Detection::Sentinel`], and the
+/// last 8 bytes carry its value.
+const SENTINEL_BIT: u32 = 1 << 31;
 
 impl HandleDesc {
     /// Encoded length.
-    pub const ENCODED_LEN: usize = 4 + 20 + 20;
+    pub const ENCODED_LEN: usize = 4 + 20 + 20 + 8;
+
+    /// How the receiver detects this handle's puts.
+    pub fn detection(&self) -> Detection {
+        if self.sentinel.is_some() { Detection::Sentinel } else { Detection::SequenceWord }
+    }
 
     /// Little-endian encoding.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
         let mut out = [0u8; Self::ENCODED_LEN];
-        out[0..4].copy_from_slice(&self.id.to_le_bytes());
+        let flag = if self.sentinel.is_some() { SENTINEL_BIT } else { 0 };
+        out[0..4].copy_from_slice(&(self.id | flag).to_le_bytes());
         out[4..24].copy_from_slice(&self.buf.encode());
         out[24..44].copy_from_slice(&self.seq.encode());
+        out[44..52].copy_from_slice(&self.sentinel.unwrap_or(0).to_le_bytes());
         out
     }
 
     /// Decodes [`encode`](Self::encode)'s output; anything else is an error.
     pub fn decode(b: &[u8]) -> Result<HandleDesc> {
         if b.len() != Self::ENCODED_LEN {
-            return Err(ChannelError::Protocol(format!("a handle descriptor is 44 bytes, got {}", b.len())));
+            return Err(ChannelError::Protocol(format!(
+                "a handle descriptor is {} bytes, got {}",
+                Self::ENCODED_LEN,
+                b.len()
+            )));
         }
         let seq = RemoteRegion::decode(&b[24..44])?;
         if seq.len != 8 {
@@ -173,7 +230,23 @@ impl HandleDesc {
         if buf.addr.checked_add(buf.len).is_none() || seq.addr.checked_add(seq.len).is_none() {
             return Err(ChannelError::Protocol("a handle descriptor's region overflows".into()));
         }
-        Ok(HandleDesc { id: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")), buf, seq })
+        let raw = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+        let value = u64::from_le_bytes(b[44..52].try_into().expect("8 bytes"));
+        let sentinel = match raw & SENTINEL_BIT {
+            0 if value != 0 => {
+                return Err(ChannelError::Protocol(
+                    "a sequence-word handle's descriptor carries a sentinel".into(),
+                ));
+            }
+            0 => None,
+            _ if buf.len < 8 || !buf.addr.is_multiple_of(8) || !buf.len.is_multiple_of(8) => {
+                return Err(ChannelError::Protocol(
+                    "a sentinel handle's buffer is not whole aligned words".into(),
+                ));
+            }
+            _ => Some(value),
+        };
+        Ok(HandleDesc { id: raw & !SENTINEL_BIT, buf, seq, sentinel })
     }
 }
 
@@ -183,6 +256,7 @@ struct RecvEntry {
     buf: MemoryRegion,
     callback: Option<Callback>,
     initial_value: u64,
+    detection: Detection,
     /// Puts marked done (`ready_mark`) so far; never more than `seen`.
     consumed: u64,
     /// Puts seen (callback fired, or `next_put` returned) so far.
@@ -198,9 +272,28 @@ struct RecvEntry {
     incarnation: u64,
 }
 
+impl RecvEntry {
+    /// Puts landed on this handle as far as its memory says: the count in its sequence word
+    /// (`words`, slot `id`), or, for a sentinel handle, one more than seen once its last
+    /// word differs from `initial_value`.
+    fn landed(&self, words: &MemoryRegion, id: u32) -> Result<u64> {
+        Ok(match self.detection {
+            Detection::SequenceWord => count_for(words.load_u64_acquire(u64::from(id) * 8)?, self.epoch),
+            Detection::Sentinel => {
+                let w = self.buf.load_u64_acquire(self.buf.len() as u64 - 8)?;
+                // Seen but not marked: the sentinel is still the put's, not a new one.
+                let fresh = w != self.initial_value && self.consumed == self.seen;
+                self.seen + u64::from(fresh)
+            }
+        })
+    }
+}
+
 struct SendEntry {
     desc: HandleDesc,
     src: LocalSlice,
+    /// The source's last word, whose value must differ from the sentinel (sentinel handles).
+    last_word: u64,
     puts: u64,
     /// This association's epoch, tagged on every sequence word it writes.
     epoch: u32,
@@ -294,8 +387,28 @@ impl PutEndpoint {
         callback: impl FnMut(&MemoryRegion) + Send + 'static,
         initial_value: u64,
     ) -> Result<RecvHandle> {
+        self.create_handle_with(recv_buf, callback, initial_value, Detection::SequenceWord)
+    }
+
+    /// [`create_handle`](Self::create_handle) with a choice of [`Detection`]: with
+    /// [`Detection::Sentinel`] a put is one RDMA write, as in CkDirect, and the
+    /// application keeps to one transaction per handle at a time (see there).
+    pub fn create_handle_with(
+        &self,
+        recv_buf: &MemoryRegion,
+        callback: impl FnMut(&MemoryRegion) + Send + 'static,
+        initial_value: u64,
+        detection: Detection,
+    ) -> Result<RecvHandle> {
         if !recv_buf.access().contains(AccessFlags::REMOTE_WRITE) || recv_buf.len() < 8 {
             return Err(ChannelError::Invalid("a put handle's buffer needs REMOTE_WRITE and 8+ bytes"));
+        }
+        let whole_words =
+            recv_buf.remote().addr.is_multiple_of(8) && (recv_buf.len() as u64).is_multiple_of(8);
+        if detection == Detection::Sentinel && !whole_words {
+            return Err(ChannelError::Invalid(
+                "a sentinel handle's buffer must start and end 8-aligned (its last word is the sentinel)",
+            ));
         }
         let id = self.inner.driver.with(|st| {
             let id = st.recv.iter().position(Option::is_none).unwrap_or(st.recv.len());
@@ -306,6 +419,7 @@ impl PutEndpoint {
                 buf: recv_buf.clone(),
                 callback: Some(Box::new(callback)),
                 initial_value,
+                detection,
                 consumed: 0,
                 seen: 0,
                 queued: false,
@@ -333,6 +447,8 @@ impl PutEndpoint {
         if u64::from(send_buf.len()) != desc.buf.len {
             return Err(ChannelError::Invalid("the send buffer's length differs from the handle's"));
         }
+        // (A sentinel descriptor's buffer is 8 bytes or more: `decode` checked it.)
+        let last_word = send_buf.offset() + u64::from(send_buf.len()).saturating_sub(8);
         let inner = &self.inner;
         let (id, epoch) = inner.driver.with(|st| -> Result<(u32, u32)> {
             st.check()?;
@@ -342,7 +458,7 @@ impl PutEndpoint {
             }
             let epoch = st.next_epoch;
             st.next_epoch = (st.next_epoch % EPOCH_MASK) + 1;
-            let entry = SendEntry { desc: *desc, src: send_buf, puts: 0, epoch };
+            let entry = SendEntry { desc: *desc, src: send_buf, last_word, puts: 0, epoch };
             if id == st.send.len() {
                 st.send.push(Some(entry));
             } else {
@@ -352,6 +468,10 @@ impl PutEndpoint {
         })?;
         // From here on the handle owns the slot: dropping it on an error frees the slot.
         let handle = SendHandle { ep: self.clone(), id };
+        if desc.sentinel.is_some() {
+            // CkDirect's scheme: nothing to tell the receiver, nothing to wait for.
+            return Ok(handle);
+        }
         inner.ready_words.write_u64(u64::from(id) * 8, 0)?;
         let ready = inner.ready_words.remote().slice(u64::from(id) * 8, 8)?;
         let m = Message::Assoc { handle: desc.id, ready, epoch };
@@ -425,9 +545,8 @@ impl Inner {
     fn take_job(&self, st: &mut State) -> Result<Option<Job>> {
         st.check()?;
         let Some(id) = st.queued.pop_front() else { return Ok(None) };
-        let w = self.seq_words.load_u64_acquire(u64::from(id) * 8)?;
         let Some(e) = st.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(None) };
-        let seq = count_for(w, e.epoch);
+        let seq = e.landed(&self.seq_words, id)?;
         // Not yet; or the callback is out, running for the previous put on another
         // thread: this put is seen with its own callback once that one is back.
         if seq <= e.seen || e.callback.is_none() {
@@ -517,10 +636,12 @@ impl State {
             // Nothing to be done with: the buffer may hold the next put already.
             return Ok(());
         }
-        // CkDirect's sentinel, for compatibility (detection uses the sequence word),
-        // written before the sender may put again.
+        // CkDirect's sentinel (what detects the next put of a sentinel handle; for
+        // compatibility otherwise), written before the sender may put again.
         e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
-        if let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) {
+        if e.detection == Detection::Sentinel {
+            // Nobody to tell: the application's iteration boundaries order the next put.
+        } else if let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) {
             let v = word(epoch, e.seen).to_le_bytes();
             // Nobody waits for its completion (RC reports a failure all the same).
             self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?))?;
@@ -553,7 +674,12 @@ impl RecvHandle {
         let buf = buf.ok_or(ChannelError::Invalid("destroyed handle"))?;
         let words = self.ep.inner.seq_words.remote();
         let seq = RemoteRegion { addr: words.addr + u64::from(self.id) * 8, len: 8, rkey: words.rkey };
-        Ok(HandleDesc { id: self.id, buf, seq })
+        let sentinel = self.ep.inner.driver.with(|st| {
+            st.recv[self.id as usize]
+                .as_ref()
+                .and_then(|e| (e.detection == Detection::Sentinel).then_some(e.initial_value))
+        });
+        Ok(HandleDesc { id: self.id, buf, seq, sentinel })
     }
 
     /// `CkDirect_readyMark`: done with the data of the latest put. The sender may put
@@ -621,12 +747,11 @@ impl RecvHandle {
                     if let Err(e) = st.check() {
                         return Some(Err(e));
                     }
-                    let w = match inner.seq_words.load_u64_acquire(u64::from(id) * 8) {
-                        Ok(w) => w,
-                        Err(e) => return Some(Err(e.into())),
-                    };
                     let e = st.recv.get_mut(id as usize)?.as_mut()?;
-                    let seq = count_for(w, e.epoch);
+                    let seq = match e.landed(&inner.seq_words, id) {
+                        Ok(seq) => seq,
+                        Err(e) => return Some(Err(e)),
+                    };
                     (seq > e.seen).then(|| {
                         e.seen = seq;
                         // Seen here: no longer awaiting a put in the poll queue.
@@ -685,6 +810,20 @@ impl SendHandle {
         let r = inner.driver.progress_then(on_wc, |st| -> Result<()> {
             st.check()?;
             let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
+            if let Some(sentinel) = e.desc.sentinel {
+                // CkDirect's put: one write, the payload's last word flags it.
+                if e.src.region().read_u64(e.last_word)? == sentinel {
+                    return Err(ChannelError::Invalid(
+                        "the payload ends with the handle's initial value, so the receiver would never see it",
+                    ));
+                }
+                let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
+                st.ctl.post_lazy(data)?;
+                if let Some(e) = st.send[self.id as usize].as_mut() {
+                    e.puts += 1;
+                }
+                return Ok(());
+            }
             let ready = count_for(inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?, Some(e.epoch));
             if ready < e.puts {
                 return Err(ChannelError::Busy);
@@ -714,13 +853,18 @@ impl SendHandle {
     }
 
     /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`).
+    ///
+    /// A [`Detection::Sentinel`] handle tracks nothing (its `put` is never `Busy`; the
+    /// application's iteration boundaries order its puts): always true while associated.
     pub fn is_ready(&self) -> Result<bool> {
         let inner = &self.ep.inner;
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
         let ready = inner.driver.progress_then(on_wc, |st| -> Result<bool> {
             st.check()?;
             let w = inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?;
-            Ok(st.send[self.id as usize].as_ref().is_some_and(|e| count_for(w, Some(e.epoch)) >= e.puts))
+            Ok(st.send[self.id as usize]
+                .as_ref()
+                .is_some_and(|e| e.desc.sentinel.is_some() || count_for(w, Some(e.epoch)) >= e.puts))
         })??;
         if !ready {
             inner.watch()?; // the caller waits for it
@@ -772,9 +916,24 @@ mod tests {
             id: 9,
             buf: RemoteRegion { addr: 0x1000, len: 4096, rkey: 77 },
             seq: RemoteRegion { addr: 0x2000, len: 8, rkey: 78 },
+            sentinel: None,
         };
         assert_eq!(HandleDesc::decode(&d.encode()).unwrap(), d);
-        assert!(matches!(HandleDesc::decode(&d.encode()[..43]), Err(ChannelError::Protocol(_))));
+        assert!(matches!(HandleDesc::decode(&d.encode()[..51]), Err(ChannelError::Protocol(_))));
+        // A sentinel handle's descriptor carries its value (0 included).
+        for v in [0, u64::MAX, 0x7ff8_dead_beef_0001] {
+            let s = HandleDesc { sentinel: Some(v), ..d };
+            assert_eq!(HandleDesc::decode(&s.encode()).unwrap(), s);
+            assert_eq!(s.detection(), Detection::Sentinel);
+        }
+        // A value without the flag, or a sentinel over a buffer that is not whole words.
+        let mut b = d.encode();
+        b[44] = 1;
+        assert!(matches!(HandleDesc::decode(&b), Err(ChannelError::Protocol(_))));
+        for buf in [RemoteRegion { len: 4095, ..d.buf }, RemoteRegion { addr: 0x1001, ..d.buf }] {
+            let s = HandleDesc { sentinel: Some(1), buf, ..d };
+            assert!(matches!(HandleDesc::decode(&s.encode()), Err(ChannelError::Protocol(_))));
+        }
         let mut bad = d;
         bad.seq.len = 16;
         assert!(matches!(HandleDesc::decode(&bad.encode()), Err(ChannelError::Protocol(_))));

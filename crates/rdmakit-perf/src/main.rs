@@ -236,6 +236,11 @@ struct Opts {
     /// run of one size; at most `--tx-depth`.
     #[arg(short = 'Q', long = "cq-mod", value_parser = clap::value_parser!(u32).range(1..=65535))]
     cq_mod: Option<u32>,
+    /// put-lat: the handles detect a put by CkDirect's sentinel (the buffer's last 8 bytes
+    /// change from an out-of-band value): one RDMA write per put, against three with the
+    /// default sequence word. Sizes that are multiples of 8.
+    #[arg(long)]
+    sentinel: bool,
     /// Queue pairs run at once (bandwidth tests); each does `--iters`.
     #[arg(short = 'q', long = "qp", default_value_t = 1)]
     qps: u32,
@@ -387,6 +392,11 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
     if size == 0 || size > rig::MAX_SIZE {
         return Err(bad(format!("--size must be 1..={}", rig::MAX_SIZE)));
     }
+    if o.sentinel && (test != Test::PutLat || o.all || !size.is_multiple_of(8)) {
+        return Err(bad(
+            "--sentinel is for put-lat at one size that is a multiple of 8 (the sentinel is the last word)",
+        ));
+    }
     let iters = o.iters.unwrap_or(if bw { 5000 } else { 1000 });
     if iters < 5 {
         return Err(bad("--iters must be at least 5 (as perftest)"));
@@ -453,6 +463,7 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         duration,
         margin: if duration > 0 { o.margin } else { 0 },
         cq_mod: o.cq_mod.unwrap_or(0),
+        sentinel: o.sentinel,
         placement: o.placement,
     })
 }

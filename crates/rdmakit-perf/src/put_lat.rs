@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use indicatif::ProgressBar;
 use rdmakit_channel::ChannelError;
 use rdmakit_channel::PollMode;
-use rdmakit_channel::put::{HandleDesc, PutEndpoint, RecvHandle, SendHandle};
+use rdmakit_channel::put::{Detection, HandleDesc, PutEndpoint, RecvHandle, SendHandle};
 use rdmakit_verbs::{AccessFlags, Error, MemoryRegion, Result, SendWr};
 
 use crate::channel::chan;
@@ -76,16 +76,26 @@ fn endpoint(side: &Side) -> Result<PutEndpoint> {
     PutEndpoint::new(side.qp.clone(), side.cq.clone(), PollMode::Busy).map_err(chan)
 }
 
+/// The out-of-band value of sentinel handles: the payloads here never end with it.
+const SENTINEL: u64 = u64::MAX;
+
+/// A receive handle over `buf`, detecting puts as the run asks.
+fn handle(ep: &PutEndpoint, buf: &MemoryRegion, p: &Params) -> Result<RecvHandle> {
+    let (initial, detection) =
+        if p.sentinel { (SENTINEL, Detection::Sentinel) } else { (0, Detection::SequenceWord) };
+    ep.create_handle_with(buf, |_| {}, initial, detection).map_err(chan)
+}
+
 fn recv_buffer(side: &Side, size: u32) -> Result<MemoryRegion> {
     side.qp.pd().alloc_mr(size as usize, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
 }
 
 /// Both ends in this process.
-fn loopback(a: &Side, b: &Side, size: u32) -> Result<(End, End)> {
+fn loopback(a: &Side, b: &Side, p: &Params) -> Result<(End, End)> {
+    let size = p.size;
     let (ea, eb) = (endpoint(a)?, endpoint(b)?);
     let (ra, rb) = (recv_buffer(a, size)?, recv_buffer(b, size)?);
-    let ha = ea.create_handle(&ra, |_| {}, 0).map_err(chan)?;
-    let hb = eb.create_handle(&rb, |_| {}, 0).map_err(chan)?;
+    let (ha, hb) = (handle(&ea, &ra, p)?, handle(&eb, &rb, p)?);
     let to_b = ea.assoc_local_buffer(&hb.desc().map_err(chan)?, a.buf.slice(0, size)?).map_err(chan)?;
     let to_a = eb.assoc_local_buffer(&ha.desc().map_err(chan)?, b.buf.slice(0, size)?).map_err(chan)?;
     Ok((End { ep: ea, recv: ha, send: to_b, _buf: ra }, End { ep: eb, recv: hb, send: to_a, _buf: rb }))
@@ -93,10 +103,11 @@ fn loopback(a: &Side, b: &Side, size: u32) -> Result<(End, End)> {
 
 /// This process's end, the peer's in another: exchanges handle descriptors through the
 /// exchange areas at the end of both sides' buffers.
-fn across(side: &Side, size: u32) -> Result<End> {
+fn across(side: &Side, p: &Params) -> Result<End> {
+    let size = p.size;
     let ep = endpoint(side)?;
     let buf = recv_buffer(side, size)?;
-    let recv = ep.create_handle(&buf, |_| {}, 0).map_err(chan)?;
+    let recv = handle(&ep, &buf, p)?;
     let mut area = [0u8; REPORT_LEN];
     area[..HandleDesc::ENCODED_LEN].copy_from_slice(&recv.desc().map_err(chan)?.encode());
     area[TAG_AT..].copy_from_slice(&tag(size).to_le_bytes());
@@ -128,6 +139,9 @@ fn across(side: &Side, size: u32) -> Result<End> {
     if desc.buf.len != u64::from(size) {
         return Err(malformed(format!("a handle of {} bytes for {size}-byte puts", desc.buf.len)));
     }
+    if desc.sentinel.is_some() != p.sentinel {
+        return Err(malformed("the peer's handle detects puts another way".into()));
+    }
     let send = ep.assoc_local_buffer(&desc, side.buf.slice(0, size)?).map_err(chan)?;
     Ok(End { ep, recv, send, _buf: buf })
 }
@@ -144,7 +158,7 @@ pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> R
     let mut lat = Vec::with_capacity(p.iters as usize);
     match peer {
         Some(b) => {
-            let (a, b) = loopback(side, b, p.size)?;
+            let (a, b) = loopback(side, b, p)?;
             for i in 0..p.iters {
                 b.recv.ready_poll_q().map_err(chan)?;
                 a.recv.ready_poll_q().map_err(chan)?;
@@ -160,7 +174,7 @@ pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> R
             }
         }
         None => {
-            let a = across(side, p.size)?;
+            let a = across(side, p)?;
             a.recv.ready_poll_q().map_err(chan)?;
             for i in 0..p.iters {
                 let t = Instant::now();
@@ -177,7 +191,7 @@ pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> R
 
 /// The server's side of a put-lat run: waits for each put, marks it done, puts back.
 pub fn serve(side: &Side, p: &Params) -> Result<()> {
-    let b = across(side, p.size)?;
+    let b = across(side, p)?;
     b.recv.ready_poll_q().map_err(chan)?;
     for _ in 0..p.iters {
         b.wait()?;

@@ -119,6 +119,9 @@ pub struct Params {
     /// Bandwidth tests ask for a completion every `cq_mod` operations (perftest's `-Q`);
     /// 0 = perftest's default rule ([`Params::cq_mod_at`]).
     pub cq_mod: u32,
+    /// `put-lat`: the handles detect puts by CkDirect's sentinel (one write per put)
+    /// instead of a sequence word.
+    pub sentinel: bool,
     pub placement: Placement,
 }
 
@@ -144,6 +147,7 @@ impl Params {
             duration: 0,
             margin: 0,
             cq_mod: 0,
+            sentinel: false,
             placement,
         }
     }
@@ -172,7 +176,8 @@ impl Params {
     }
 
     /// 25 bytes of private data: test, placement, size, iterations, window, rx depth,
-    /// inline size, QPs, flags (bidirectional, all sizes), duration, margin, CQ moderation.
+    /// inline size, QPs, flags (bidirectional, all sizes, sentinel puts), duration, margin, CQ
+    /// moderation.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![self.test.code(), self.placement as u8];
         b.extend_from_slice(&self.size.to_le_bytes());
@@ -181,7 +186,7 @@ impl Params {
         b.extend_from_slice(&(self.rx_depth.min(u32::from(u16::MAX)) as u16).to_le_bytes());
         b.extend_from_slice(&(self.inline.min(u32::from(u16::MAX)) as u16).to_le_bytes());
         b.push(self.qps.min(255) as u8);
-        b.push(u8::from(self.bidir) | (u8::from(self.all) << 1));
+        b.push(u8::from(self.bidir) | (u8::from(self.all) << 1) | (u8::from(self.sentinel) << 2));
         b.extend_from_slice(&self.duration.to_le_bytes());
         b.push(self.margin.min(255) as u8);
         b.extend_from_slice(&(self.cq_mod.min(u32::from(u16::MAX)) as u16).to_le_bytes());
@@ -205,7 +210,7 @@ impl Params {
             1 => Placement::Memic,
             p => return Err(format!("unknown placement {p}")),
         };
-        if b[19] > 0b11 {
+        if b[19] > 0b111 {
             return Err(format!("unknown flags {:#04x}", b[19]));
         }
         let p = Params {
@@ -219,6 +224,7 @@ impl Params {
             qps: u32::from(b[18]),
             bidir: b[19] & 1 != 0,
             all: b[19] & 2 != 0,
+            sentinel: b[19] & 4 != 0,
             duration: h(20),
             margin: u16::from(b[22]),
             cq_mod: u32::from(h(23)),

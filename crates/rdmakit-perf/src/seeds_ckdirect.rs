@@ -23,7 +23,7 @@
 use std::time::{Duration, Instant};
 
 use rdmakit_channel::PollMode;
-use rdmakit_channel::put::{PutEndpoint, RecvHandle, SendHandle};
+use rdmakit_channel::put::{Detection, PutEndpoint, RecvHandle, SendHandle};
 use rdmakit_verbs::*;
 
 use crate::channel::chan;
@@ -69,8 +69,15 @@ struct PutEnd {
     edge: MemoryRegion,
 }
 
-/// Two ends of a put-handle link of `len`-byte buffers over a fresh loopback QP pair.
-fn put_link(ctx: &Context, copts: &ConnectOptions, len: u32) -> Result<(PutEnd, PutEnd, (Side, Side))> {
+/// Two ends of a put-handle link of `len`-byte buffers over a fresh loopback QP pair,
+/// detecting puts as `detection` says (a sentinel handle's out-of-band value is one the
+/// zero-filled edges never end with).
+fn put_link(
+    ctx: &Context,
+    copts: &ConnectOptions,
+    len: u32,
+    detection: Detection,
+) -> Result<(PutEnd, PutEnd, (Side, Side))> {
     let (a, b) = pair(ctx, copts, Test::PutLat, 8)?;
     let ea = PutEndpoint::new(a.qp.clone(), a.cq.clone(), PollMode::Busy).map_err(chan)?;
     let eb = PutEndpoint::new(b.qp.clone(), b.cq.clone(), PollMode::Busy).map_err(chan)?;
@@ -78,8 +85,9 @@ fn put_link(ctx: &Context, copts: &ConnectOptions, len: u32) -> Result<(PutEnd, 
     let n = len as usize;
     let (ga, gb) = (pd.alloc_mr(n, AccessFlags::ALL_REMOTE)?, pd.alloc_mr(n, AccessFlags::ALL_REMOTE)?);
     let (xa, xb) = (pd.alloc_mr(n, AccessFlags::LOCAL_WRITE)?, pd.alloc_mr(n, AccessFlags::LOCAL_WRITE)?);
-    let ha = ea.create_handle(&ga, |_| {}, 0).map_err(chan)?;
-    let hb = eb.create_handle(&gb, |_| {}, 0).map_err(chan)?;
+    let initial = if detection == Detection::Sentinel { u64::MAX } else { 0 };
+    let ha = ea.create_handle_with(&ga, |_| {}, initial, detection).map_err(chan)?;
+    let hb = eb.create_handle_with(&gb, |_| {}, initial, detection).map_err(chan)?;
     let sa = ea.assoc_local_buffer(&hb.desc().map_err(chan)?, xa.local()?).map_err(chan)?;
     let sb = eb.assoc_local_buffer(&ha.desc().map_err(chan)?, xb.local()?).map_err(chan)?;
     Ok((
@@ -198,27 +206,46 @@ fn msg_pingpong(a: &mut MsgEnd, b: &mut MsgEnd, iters: u32) -> Result<f64> {
     Ok(median(&mut lat))
 }
 
-/// The ping-pong table's rows: size, put (us), send/recv (us).
+/// One row of the ping-pong table: half round trips in us.
+pub struct PingPongRow {
+    pub size: u32,
+    /// Put handles, rdmakit's default detection (sequence word).
+    pub put: f64,
+    /// Put handles, CkDirect's sentinel (one write per put).
+    pub put_sentinel: f64,
+    /// Send/recv.
+    pub send_recv: f64,
+}
+
+/// The ping-pong table's rows.
 pub fn pingpong_rows(
     ctx: &Context,
     copts: &ConnectOptions,
     max: u32,
     iters: u32,
     runs: usize,
-) -> Result<Vec<(u32, f64, f64)>> {
+) -> Result<Vec<PingPongRow>> {
     let mut rows = Vec::new();
     for s in sizes(max) {
-        let (pa, pb, _keep) = put_link(ctx, copts, s)?;
+        let (pa, pb, _keep) = put_link(ctx, copts, s, Detection::SequenceWord)?;
+        let (qa, qb, _keep_s) = put_link(ctx, copts, s, Detection::Sentinel)?;
         let (mut ma, mut mb) = msg_link(ctx, copts, s)?;
-        // Warm up both, then interleave their runs (the machine's load hits both alike).
+        // Warm up all three, then interleave their runs (the machine's load hits them alike).
         put_pingpong(&pa, &pb, iters.min(64))?;
+        put_pingpong(&qa, &qb, iters.min(64))?;
         msg_pingpong(&mut ma, &mut mb, iters.min(64))?;
-        let (mut vp, mut vm) = (Vec::new(), Vec::new());
+        let (mut vp, mut vq, mut vm) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             vp.push(put_pingpong(&pa, &pb, iters)?);
+            vq.push(put_pingpong(&qa, &qb, iters)?);
             vm.push(msg_pingpong(&mut ma, &mut mb, iters)?);
         }
-        rows.push((s, median(&mut vp), median(&mut vm)));
+        rows.push(PingPongRow {
+            size: s,
+            put: median(&mut vp),
+            put_sentinel: median(&mut vq),
+            send_recv: median(&mut vm),
+        });
     }
     Ok(rows)
 }
@@ -398,7 +425,7 @@ pub fn jacobi_rows(
         let mut keep = Vec::new();
         let mut msgs = Vec::new();
         for _ in 0..ranks - 1 {
-            let (a, b, k) = put_link(ctx, copts, len)?;
+            let (a, b, k) = put_link(ctx, copts, len, Detection::SequenceWord)?;
             puts.push((a, b));
             keep.push(k);
             msgs.push(msg_link(ctx, copts, len)?);
@@ -469,16 +496,28 @@ pub fn ckdirect_seed(ctx: &Context, copts: &ConnectOptions, o: &CkOpts) -> Resul
     );
     println!();
     println!(
-        "ping-pong, half round trip [us] (median of {} per run): put handle vs send/recv, CkDirect's relative improvement",
+        "ping-pong, half round trip [us] (median of {} per run): put handles (default: sequence word; sentinel: CkDirect's one-write put) vs send/recv, CkDirect's relative improvement",
         o.iters
     );
-    println!("{:<10} {:>12} {:>12} {:>12}   {:<8}", "size", "put handle", "send/recv", "improvement", "");
-    for (s, p, m) in pingpong_rows(ctx, copts, o.max_size, o.iters, o.runs)? {
-        println!("{:<10} {:>12.3} {:>12.3} {:>11.1}%   {kind}", label(s), p, m, (m - p) / m * 100.0);
+    println!(
+        "{:<10} {:>12} {:>12} {:>12} {:>12} {:>12}   {:<8}",
+        "size", "put handle", "put sentinel", "send/recv", "improvement", "sentinel imp", ""
+    );
+    for r in pingpong_rows(ctx, copts, o.max_size, o.iters, o.runs)? {
+        let m = r.send_recv;
+        println!(
+            "{:<10} {:>12.3} {:>12.3} {:>12.3} {:>11.1}% {:>11.1}%   {kind}",
+            label(r.size),
+            r.put,
+            r.put_sentinel,
+            m,
+            (m - r.put) / m * 100.0,
+            (m - r.put_sentinel) / m * 100.0
+        );
     }
     println!(
-        "{:<10} {:>12} {:>12} {:>12}   seed (charts only, on BG/P and Abe: CkDirect ahead of Charm++ messages, most at small sizes)",
-        "", "", "", "> 0%"
+        "{:<10} {:>12} {:>12} {:>12} {:>12} {:>12}   seed (charts only, on BG/P and Abe: CkDirect ahead of Charm++ messages, most at small sizes)",
+        "", "", "", "", "> 0%", "> 0%"
     );
     println!();
     println!(
@@ -507,7 +546,7 @@ pub fn ckdirect_seed(ctx: &Context, copts: &ConnectOptions, o: &CkOpts) -> Resul
     );
     if ctx.provider() == ProviderKind::Soft {
         println!(
-            "soft NIC: software RDMA in this process; a put costs two writes (data, sequence word) and a send one message, both through the same software engine, so the comparison is of rdmakit's two paths, not of an HCA's"
+            "soft NIC: software RDMA in this process; a put costs three writes by default (data, sequence word, the receiver's ready signal) and one with the sentinel, a send one message, all through the same software engine, so the comparison is of rdmakit's paths, not of an HCA's"
         );
     }
     Ok(())
@@ -593,7 +632,7 @@ mod tests {
             let mut keep = Vec::new();
             let mut msgs = Vec::new();
             for _ in 0..ranks - 1 {
-                let (a, b, k) = put_link(&ctx, &copts, len).expect("put link");
+                let (a, b, k) = put_link(&ctx, &copts, len, Detection::SequenceWord).expect("put link");
                 puts.push((a, b));
                 keep.push(k);
                 msgs.push(msg_link(&ctx, &copts, len).expect("send/recv link"));

@@ -72,19 +72,27 @@ fn client_and_server_in_two_processes() {
 /// buffer; the client reports the ping-pong (and send-lat at the same size is its baseline).
 #[test]
 fn put_lat_client_and_server_in_two_processes() {
-    for size in ["8", "4096"] {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let addr = format!("127.0.0.1:{port}");
+    use std::io::BufRead;
+    // Both detections (the server takes the client's), each at two sizes.
+    for (size, sentinel) in [("8", false), ("4096", false), ("8", true), ("4096", true)] {
         let mut server = Command::new(BIN)
-            .args(["put-lat", "--server", &addr])
+            .args(["put-lat", "--server", "127.0.0.1:0"])
             .stderr(Stdio::piped())
             .spawn()
             .expect("server");
-        std::thread::sleep(Duration::from_millis(300));
-        let out = Command::new(BIN)
-            .args(["put-lat", "--connect", &addr, "-n", "300", "-s", size, "--json"])
-            .output()
-            .expect("client");
+        // The address it listens on, once it does (its first line).
+        let mut lines = std::io::BufReader::new(server.stderr.take().unwrap()).lines();
+        let addr = lines
+            .find_map(|l| {
+                l.ok()?.strip_prefix("rdmakit-perf: serving on ")?.split_whitespace().next().map(String::from)
+            })
+            .expect("the server says where it listens");
+        std::thread::spawn(move || lines.for_each(drop)); // never let its stderr fill up
+        let mut args = vec!["put-lat", "--connect", &addr, "-n", "300", "-s", size, "--json"];
+        if sentinel {
+            args.push("--sentinel");
+        }
+        let out = Command::new(BIN).args(&args).output().expect("client");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
         assert_eq!(
@@ -103,6 +111,11 @@ fn bad_arguments_are_errors_not_panics() {
     let out = Command::new(BIN).args(["write-bw", "-s", "0"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--size"));
+    for args in [&["put-lat", "-s", "6", "--sentinel"][..], &["write-bw", "--sentinel"]] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--sentinel"), "{args:?}");
+    }
     let out = Command::new(BIN).args(["read-lat", "--provider", "nope"]).output().unwrap();
     assert!(!out.status.success());
     let out = Command::new(BIN).args(["read-lat", "--connect", "127.0.0.1:1", "-n", "1"]).output().unwrap();

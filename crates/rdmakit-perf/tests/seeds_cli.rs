@@ -67,13 +67,17 @@ fn ckdirect_seed_prints_ping_pong_and_jacobi() {
         "5",
     ]);
     let rows = rows(&out);
-    // put | send/recv | improvement %.
-    let ping: Vec<_> = rows.iter().filter(|(_, n)| n.len() == 3).collect();
+    // put | put (sentinel) | send/recv | improvement % | sentinel improvement %.
+    let ping: Vec<_> = rows.iter().filter(|(_, n)| n.len() == 5).collect();
     assert_eq!(ping.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), ["8 B", "1 KiB", "4 KiB"], "{out}");
     // iteration: put | send/recv | %, exchange: put | send/recv | %.
     let jacobi: Vec<_> = rows.iter().filter(|(_, n)| n.len() == 6).collect();
     assert_eq!(jacobi.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), ["64 B", "1 KiB"], "{out}");
-    for (s, n) in ping.iter().chain(&jacobi) {
+    for (s, n) in &ping {
+        assert!(n.iter().all(|v| v.is_finite()), "{s}: {n:?}\n{out}");
+        assert!(n[..3].iter().all(|&v| v > 0.0) && n[3..].iter().all(|&p| p < 100.0), "{s}: {n:?}\n{out}");
+    }
+    for (s, n) in &jacobi {
         assert!(n.iter().all(|v| v.is_finite()), "{s}: {n:?}\n{out}");
         // The times are positive; an improvement is below 100 % (it may be negative).
         let times = n.iter().enumerate().filter(|(i, _)| i % 3 != 2).map(|(_, v)| *v);
