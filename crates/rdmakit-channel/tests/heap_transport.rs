@@ -364,3 +364,61 @@ fn rmem_views_stage_blocks_before_rwrite() {
     forged.segment = 5;
     assert!(a.rmem(heap, &forged).is_err());
 }
+
+/// A hostile (or broken) owner that answers every growth request with `HeapFreed` ("the
+/// frees I just sent may suffice, try again") but never frees anything: `rmalloc` gives up
+/// after a bounded number of rounds with a protocol error, instead of asking forever.
+#[test]
+fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
+    let raw = pd.create_qp(&cb, &cb, QpCaps::default().with_max_inline_data(64)).unwrap();
+    a.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
+    raw.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut alloc = HeapEndpoint::new(a, ca, OwnerLimits::default(), T).unwrap();
+    let heap = HeapId(5);
+    let stop = AtomicBool::new(false);
+    let grows = std::thread::scope(|s| {
+        // The fake owner: grants the first segment, then answers each growth request with
+        // `HeapFreed` and nothing else.
+        let owner = s.spawn(|| {
+            let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
+            let slots = pd.alloc_mr(8 * 16384, AccessFlags::LOCAL_WRITE).unwrap();
+            for i in 0..8 {
+                raw.post_recv(RecvWr::new(slots.slice(i * 16384, 16384).unwrap()).wr_id(i)).unwrap();
+            }
+            let mut grows = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let Some(wc) = cb.poll_one().unwrap() else { continue };
+                let wc = wc.ok().unwrap();
+                if wc.opcode != WcOpcode::RECV {
+                    continue; // our own sends
+                }
+                let mut bytes = vec![0u8; wc.byte_len as usize];
+                slots.read_at(wc.wr_id * 16384, &mut bytes).unwrap();
+                raw.post_recv(RecvWr::new(slots.slice(wc.wr_id * 16384, 16384).unwrap()).wr_id(wc.wr_id))
+                    .unwrap();
+                let reply = match Message::decode(&bytes).unwrap() {
+                    Message::HeapCreate { .. } => Message::HeapGrant { heap, segment: segment.remote() },
+                    Message::HeapGrow { .. } => {
+                        grows += 1;
+                        Message::HeapFreed { heap }
+                    }
+                    _ => continue, // keep-alives and notices
+                };
+                raw.post_send(SendWr::send_inline(&reply.encode())).unwrap();
+            }
+            grows
+        });
+        alloc.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
+        alloc.rmalloc(heap, 64 << 10).unwrap(); // the heap is full
+        let err = alloc.rmalloc(heap, 8).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("frees")), "{err}");
+        owner.join().unwrap()
+    });
+    // rdmakit-channel's GROW_ROUNDS: enough for a consumer still freeing, and a bound.
+    assert_eq!(grows, 16, "growth requests sent before giving up");
+}
