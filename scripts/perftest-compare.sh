@@ -41,12 +41,23 @@ rows=${RDMAKIT_COMPARE_ROWS:-.}
 port=7471
 
 # perftest: prints the result line (the first all-numeric line after its header).
+# A client that fails (its server not listening yet on a starved VM) is tried again; a
+# server left waiting for a client that never came is stopped, so one bad run cannot hang
+# the whole comparison.
 perftest() { # perftest TOOL ARGS...
     local tool=$1; shift
-    "$tool" -d "$dev" -x "$gid" -F "$@" >/dev/null 2>&1 &
-    local srv=$!
-    sleep 1
-    "$tool" -d "$dev" -x "$gid" -F "$@" "$ip" 2>/dev/null | awk '/^ *[0-9]+ +[0-9]+ +[0-9.]+/ {print; exit}'
+    timeout 300 "$tool" -d "$dev" -x "$gid" -F "$@" >/dev/null 2>&1 &
+    local srv=$! try line=""
+    for try in 1 2 3; do
+        sleep 1
+        line=$(timeout 300 "$tool" -d "$dev" -x "$gid" -F "$@" "$ip" 2>/dev/null |
+            awk '/^ *[0-9]+ +[0-9]+ +[0-9.]+/ {print; exit}') || true
+        [ -n "$line" ] && break
+        kill -0 "$srv" 2>/dev/null || break
+    done
+    [ -n "$line" ] && echo "$line"
+    for try in $(seq 20); do kill -0 "$srv" 2>/dev/null || break; sleep 0.5; done
+    kill "$srv" 2>/dev/null || true
     wait "$srv" 2>/dev/null || true
 }
 
@@ -56,13 +67,15 @@ rdmakit() { # rdmakit TEST ARGS...
     port=$((port + 1))
     local log
     log=$(mktemp)
-    "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --server "$ip:$port" "$@" 2>"$log" &
+    timeout 300 "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --server "$ip:$port" "$@" 2>"$log" &
     local srv=$! w
     # The client does not retry its connection: wait until the server says it listens (a
     # starved VM may take more than a second), rather than for a fixed time.
     for w in $(seq 150); do grep -q "serving on" "$log" && break; sleep 0.2; done
     rm -f "$log"
-    "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --connect "$ip:$port" --json "$@"
+    timeout 300 "$perf" "$test" --provider verbs --device "$dev" --gid-index "$gid" --connect "$ip:$port" --json "$@" || true
+    for w in $(seq 20); do kill -0 "$srv" 2>/dev/null || break; sleep 0.5; done
+    kill "$srv" 2>/dev/null || true
     wait "$srv" 2>/dev/null || true
 }
 
