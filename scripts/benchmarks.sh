@@ -85,11 +85,15 @@ section "CkDirect: put handles vs send/recv (ping-pong improvement, Jacobi halo)
     "$perf" ckdirect-seed
 cat >>"$tmp" <<'NOTE'
 What the soft NIC can and cannot reproduce of the CkDirect slides (BG/P and the InfiniBand
-cluster Abe, whose figures are charts only): the comparison of rdmakit's put path (one RDMA
-write and a sequence-word write, polled) against its send/recv path on the same software
-engine, and whether the halo exchange gains from it; not the hardware's saving, where a
-polled put skips the receive-queue and completion work of a message in the HCA, nor Charm++'s
-own messaging cost, which was the slides' baseline (ours is raw verbs send/recv).
+cluster Abe, whose figures are charts only): the comparison of rdmakit's put paths against its
+send/recv path on the same software engine, and whether the halo exchange gains from it. The
+default put (data, a sequence-word write, and the receiver's ready signal written back: three
+writes) buys an enforced one-transaction-per-handle and detection of any payload; the
+sentinel put (`Detection::Sentinel`, `put-lat --sentinel`) is CkDirect's own scheme, one write
+polled at the buffer's last word, and is the one that can beat a message, as the slides claim.
+Not reproduced: the hardware's saving, where a polled put skips the receive-queue and
+completion work of a message in the HCA, nor Charm++'s own messaging cost, which was the
+slides' baseline (ours is raw verbs send/recv).
 
 NOTE
 if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
