@@ -113,7 +113,9 @@ fn reap(cq: &CompletionQueue) -> Result<WorkCompletion> {
 
 /// Spins until byte `at` of `mr` equals `v` or [`STOP`]; true for `v`.
 fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<bool> {
-    let start = Instant::now();
+    // The clock only every 256 spins, and not at all when the answer is there by then:
+    // this loop is what a latency test measures.
+    let mut start: Option<Instant> = None;
     let mut b = [0u8; 1];
     let mut spins = 0u32;
     loop {
@@ -121,9 +123,8 @@ fn spin_byte(mr: &MemoryRegion, at: u64, v: u8) -> Result<bool> {
         if b[0] == v || b[0] == STOP {
             return Ok(b[0] == v);
         }
-        // The clock only every 256 spins: this loop is what a latency test measures.
         spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(256) && start.elapsed() > STUCK {
+        if spins.is_multiple_of(256) && start.get_or_insert_with(Instant::now).elapsed() > STUCK {
             return Err(err(&format!(
                 "no answer from the peer in {STUCK:?}: byte {at} of the buffer is {}, waited for {v}",
                 b[0]
@@ -247,6 +248,48 @@ pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Res
     }
 }
 
+/// Latency samples taken as perftest takes them: one clock read as each iteration posts,
+/// and a sample is the time from one post to the next (half of it for a ping-pong), so it
+/// covers the whole iteration, the loop's own work included. The last sample ends when the
+/// loop does (perftest drops it: its `iters - 1` samples).
+pub(crate) struct Stamps {
+    at: Vec<Instant>,
+    /// False in a timed run, which counts iterations and keeps no samples.
+    keep: bool,
+}
+
+impl Stamps {
+    pub(crate) fn new(keep: bool, iters: u32) -> Stamps {
+        Stamps { at: Vec::with_capacity(if keep { iters as usize + 1 } else { 0 }), keep }
+    }
+
+    fn for_span(span: &Span, iters: u32) -> Stamps {
+        Stamps::new(!span.is_timed(), iters)
+    }
+
+    /// An iteration posts now.
+    #[inline]
+    pub(crate) fn post(&mut self) {
+        if self.keep {
+            self.at.push(Instant::now());
+        }
+    }
+
+    /// The samples in microseconds: the differences of successive stamps, the last to now,
+    /// divided by 2 for a round trip (`half`).
+    pub(crate) fn samples(mut self, half: bool) -> Vec<f64> {
+        if self.keep {
+            self.at.push(Instant::now());
+        }
+        let div = if half { 2.0 } else { 1.0 };
+        self.at.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / div).collect()
+    }
+
+    fn finish(self, span: &Span, half: bool) -> Result<Measured> {
+        latency_result(span, self.samples(half), half)
+    }
+}
+
 fn latency_result(span: &Span, lat: Vec<f64>, half: bool) -> Result<Measured> {
     if !span.is_timed() {
         return Ok(Measured::Latency(lat));
@@ -272,14 +315,17 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let stride = upper_half(side);
     let src = side.buf.slice(stride, size)?;
     let dst = side.peer_buf.slice(0, size)?;
-    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
     let mut inline = inline_payload(side, p);
     let mut span = Span::new(p);
+    let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
     while span.go_on(i) {
         let v = stamp(i);
-        side.buf.write_at(stride + u64::from(size - 1), &[v])?;
-        let t = Instant::now();
+        if inline.is_none() {
+            // Sent from the registered buffer: its last byte carries the round.
+            side.buf.write_at(stride + u64::from(size - 1), &[v])?;
+        }
+        stamps.post();
         side.qp.post_send(ping(&mut inline, &src, dst, v))?;
         // Our write's completion is reaped while the peer turns the ping around, as
         // perftest does (post, poll the CQ, then wait for the answer): reaping it after the
@@ -288,41 +334,36 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
         if !spin_byte(&side.buf, u64::from(size - 1), v)? {
             return Err(err("the peer ended the run early"));
         }
-        if !span.is_timed() {
-            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-        }
         i += 1;
         tick(bar, i);
     }
+    let result = stamps.finish(&span, true);
     // Tell the peer this size is over, and wait for it to answer with the same mark: the
     // next size's first ping must not overwrite this one before the peer has seen it.
     side.buf.write_at(stride + u64::from(size - 1), &[STOP])?;
     side.qp.post_send(ping(&mut inline, &src, dst, STOP))?;
     reap(&side.cq)?;
     spin_byte(&side.buf, u64::from(size - 1), STOP)?;
-    latency_result(&span, lat, true)
+    result
 }
 
 fn read_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let size = p.size;
-    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
     let mut span = Span::new(p);
+    let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
     while span.go_on(i) {
         let wr = match p.test {
             Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
             _ => SendWr::fetch_add(side.buf.slice(0, 8)?, side.peer_atomic.slice(0, 8)?, 1),
         };
-        let t = Instant::now();
+        stamps.post();
         side.qp.post_send(wr)?;
         reap(&side.cq)?;
-        if !span.is_timed() {
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
-        }
         i += 1;
         tick(bar, i);
     }
-    latency_result(&span, lat, false)
+    stamps.finish(&span, false)
 }
 
 /// Keeps `want` receives posted on `side` (covering the whole buffer: any size fits).
@@ -385,27 +426,25 @@ impl Banked {
 fn send_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let src = side.buf.slice(0, p.size)?;
     let inline = inline_payload(side, p);
-    let mut lat = Vec::with_capacity(if p.duration > 0 { 0 } else { p.iters as usize });
     let mut span = Span::new(p);
+    let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
     let mut banked = Banked::default();
     top_up_recvs(side, 2)?;
     while span.go_on(i) {
-        let t = Instant::now();
+        stamps.post();
         side.qp.post_send(send_wr(&inline, &src))?;
         if banked.wait(side, 1, 1)? {
             return Err(err("the peer ended the run early"));
-        }
-        if !span.is_timed() {
-            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
         }
         top_up_recvs(side, 2)?;
         i += 1;
         tick(bar, i);
     }
+    let result = stamps.finish(&span, true);
     send_stop(side)?;
     banked.wait(side, 0, 1)?;
-    latency_result(&span, lat, true)
+    result
 }
 
 /// The bandwidth loop. `send`: this side issues the test's operations (writes, reads,

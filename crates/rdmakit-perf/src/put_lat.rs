@@ -19,7 +19,7 @@ use rdmakit_channel::put::{Detection, HandleDesc, PutEndpoint, RecvHandle, SendH
 use rdmakit_verbs::{AccessFlags, Error, MemoryRegion, Result, SendWr};
 
 use crate::channel::chan;
-use crate::measure::Measured;
+use crate::measure::{Measured, Stamps};
 use crate::rig::{Params, REPORT_LEN, Side};
 
 /// Longest a wait for the peer may take before the run gives up.
@@ -49,11 +49,12 @@ struct End {
 impl End {
     /// Puts, retrying while the peer has not marked the previous put done.
     fn put(&self) -> Result<()> {
-        let start = Instant::now();
+        // The clock starts at the first `Busy`: a put that goes at once reads none.
+        let mut start: Option<Instant> = None;
         loop {
             match self.send.put() {
                 Ok(()) => return Ok(()),
-                Err(ChannelError::Busy) if start.elapsed() < PATIENCE => {}
+                Err(ChannelError::Busy) if start.get_or_insert_with(Instant::now).elapsed() < PATIENCE => {}
                 Err(e) => return Err(chan(e)),
             }
         }
@@ -62,10 +63,11 @@ impl End {
     /// Waits for the peer's put (a dead peer ends it: `ready_poll` keeps the connection
     /// watched).
     fn wait(&self) -> Result<()> {
-        let start = Instant::now();
+        let mut start: Option<Instant> = None;
         while self.ep.ready_poll().map_err(chan)? == 0 {
-            if start.elapsed() >= PATIENCE {
-                return Err(Error::Timeout(start.elapsed()));
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
+            if waited >= PATIENCE {
+                return Err(Error::Timeout(waited));
             }
         }
         Ok(())
@@ -155,19 +157,20 @@ fn tick(bar: &ProgressBar, i: u32) {
 /// The client's side: against `peer` in this process (loopback), or against a server
 /// running [`serve`] (`peer` is `None`).
 pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> Result<Measured> {
-    let mut lat = Vec::with_capacity(p.iters as usize);
+    // As every latency test here (and perftest): one clock read per iteration, a sample
+    // from one iteration's start to the next's, so the receiver's ready calls count too.
+    let mut stamps = Stamps::new(true, p.iters);
     match peer {
         Some(b) => {
             let (a, b) = loopback(side, b, p)?;
             for i in 0..p.iters {
+                stamps.post();
                 b.recv.ready_poll_q().map_err(chan)?;
                 a.recv.ready_poll_q().map_err(chan)?;
-                let t = Instant::now();
                 a.put()?;
                 b.wait()?;
                 b.put()?;
                 a.wait()?;
-                lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 b.recv.ready().map_err(chan)?;
                 a.recv.ready().map_err(chan)?;
                 tick(bar, i);
@@ -177,16 +180,15 @@ pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> R
             let a = across(side, p)?;
             a.recv.ready_poll_q().map_err(chan)?;
             for i in 0..p.iters {
-                let t = Instant::now();
+                stamps.post();
                 a.put()?;
                 a.wait()?;
-                lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 a.recv.ready().map_err(chan)?;
                 tick(bar, i);
             }
         }
     }
-    Ok(Measured::Latency(lat))
+    Ok(Measured::Latency(stamps.samples(true)))
 }
 
 /// The server's side of a put-lat run: waits for each put, marks it done, puts back.
