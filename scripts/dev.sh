@@ -165,20 +165,25 @@ miri_tier() {
         skip "Miri: no nightly toolchain with the miri component here"
         return
     fi
+    # Each run has a time limit, so that a test too slow under the interpreter fails this
+    # tier by name instead of taking CI past its own limit (it did once: an arithmetic-only
+    # test of tens of millions of steps).
+    local limit=${RDMAKIT_MIRI_TIMEOUT:-900}
     # The soft NIC's core and its end-to-end flows (among them: as_slice_at beside concurrent
     # neighbour writes, a CPU copy racing a NIC atomic on the same word, odd-length
     # register); -Zmiri-ignore-leaks because the soft NIC's timer thread lives for the whole
     # process by design.
     MIRIFLAGS="-Zmiri-strict-provenance -Zmiri-ignore-leaks" \
-        cargo +nightly miri test -p rdmakit-verbs --no-default-features --lib --test soft_nic_miri &&
+        timeout "$limit" cargo +nightly miri test -p rdmakit-verbs --no-default-features --lib --test soft_nic_miri &&
         # A flag-mode pipe round trip on the in-process soft NIC (busy polling, a
         # current-thread runtime with its timer only: no epoll or eventfd).
         MIRIFLAGS="-Zmiri-strict-provenance -Zmiri-ignore-leaks" \
-            cargo +nightly miri test -p rdmakit-channel --test pipe_miri &&
+            timeout "$limit" cargo +nightly miri test -p rdmakit-channel --test pipe_miri &&
         # The memory crate's pure parts: the remote-heap allocator and the UMR pool, alias
         # cache and registration cache (on a device model and on the soft NIC).
         MIRIFLAGS="-Zmiri-strict-provenance -Zmiri-ignore-leaks" \
-            cargo +nightly miri test -p rdmakit-memory --lib -- xgvmi:: heap::tests:: heap::free_space
+            timeout "$limit" cargo +nightly miri test -p rdmakit-memory --lib -- xgvmi:: heap::tests:: heap::free_space ||
+        { warn "Miri: a run failed or took more than ${limit} s (RDMAKIT_MIRI_TIMEOUT)"; return 1; }
 }
 
 # The sanitizer tiers: ThreadSanitizer and AddressSanitizer (with its leak checker) over the
