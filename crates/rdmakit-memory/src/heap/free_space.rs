@@ -680,6 +680,48 @@ mod tests {
         check_index(&f);
     }
 
+    /// Best-fit and worst-fit takes against a plain list of ranges, over thousands of random
+    /// takes and frees: the same ranges are chosen, and the index stays exact after every
+    /// step, whether the rest of a range stays in its bin or moves to another, in vector
+    /// bins and in set bins.
+    #[test]
+    #[cfg_attr(miri, ignore = "20,000 steps; the unit tests above cover each path under Miri")]
+    fn takes_choose_as_a_plain_list_would_and_keep_the_index_exact() {
+        let mut state = 0x5eed_u64;
+        let mut rand = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let z = (state ^ (state >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let mut f = FreeSpace::new(true);
+        f.insert(0, 1 << 20, 0).expect("disjoint");
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        for step in 0..20_000 {
+            if used.len() > 200 || (!used.is_empty() && rand() % 3 == 0) {
+                let (a, b) = used.swap_remove((rand() % used.len() as u64) as usize);
+                f.insert(a, b, 0).expect("a used block is not free");
+            } else {
+                // Mostly small (many ranges of a few lengths: set bins), some up to 8 KiB.
+                let n = 8 * if rand() % 4 == 0 { 1 + rand() % 1024 } else { 1 + rand() % 8 };
+                let list: Vec<(u64, u64, u32)> = f.iter().collect();
+                let fits = list.iter().filter(|(a, b, _)| b - a >= n);
+                let (worst, want) = if rand() % 2 == 0 {
+                    (false, fits.min_by_key(|(a, b, _)| (b - a, *a)).map(|r| r.0))
+                } else {
+                    let largest = list.iter().max_by_key(|(a, b, _)| (b - a, u64::MAX - a));
+                    (true, largest.filter(|(a, b, _)| b - a >= n).map(|r| r.0))
+                };
+                let got = if worst { f.take_worst_fit(n) } else { f.take_best_fit(n) };
+                assert_eq!(got.map(|t| t.addr), want, "step {step}, n {n}, worst {worst}");
+                if let Some(t) = got {
+                    used.push((t.addr, t.addr + n));
+                }
+            }
+            check_index(&f);
+        }
+    }
+
     #[test]
     fn carving_keeps_the_index_in_step() {
         let mut f = FreeSpace::new(true);
