@@ -115,16 +115,17 @@ if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
         echo '```'
         echo
     } >>"$tmp"
-    if [ -f target/perftest-compare.svg ]; then
+    if [ -f target/perftest-compare/perftest-compare.svg ]; then
         mkdir -p docs
-        cp target/perftest-compare.svg docs/perftest-compare.svg
+        cp target/perftest-compare/perftest-compare.svg docs/perftest-compare.svg
         printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
     fi
 elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
+    rm -f target/perftest-compare/perftest-compare.svg # an older run's plot must not pass for this one's
     section "perftest against rdmakit-perf on rdma-core" rxe scripts/perftest-compare.sh
-    if [ -f target/perftest-compare.svg ]; then
+    if [ -f target/perftest-compare/perftest-compare.svg ]; then
         mkdir -p docs
-        cp target/perftest-compare.svg docs/perftest-compare.svg
+        cp target/perftest-compare/perftest-compare.svg docs/perftest-compare.svg
         printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
     fi
 else

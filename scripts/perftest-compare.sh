@@ -22,9 +22,15 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# The sweep's CSV and SVG go to target/perftest-compare/, shared read-write with the VM (the
+# rest of the host is read-only there, and a guest's writes elsewhere are discarded).
+results=target/perftest-compare
+
 if [ "${RDMAKIT_IN_RXE_VM:-}" != 1 ]; then
     cd "$here"
     cargo build --release --quiet -p rdmakit-perf
+    mkdir -p "$results"
+    export RDMAKIT_RXE_RW_DIRS="${RDMAKIT_RXE_RW_DIRS:+$RDMAKIT_RXE_RW_DIRS:}$here/$results"
     exec scripts/rxe-vm.sh "$0" "$@"
 fi
 
@@ -95,9 +101,16 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
         last=("$tool" "$test" "" "")
         return
     fi
-    local p r i
-    p=$(for i in $(seq "$runs"); do perftest "$tool" "$@" | awk -v c="$col" '{print $c}'; done | median)
-    r=$(for i in $(seq "$runs"); do json "$key" "$(rdmakit "$test" "$@")"; done | median)
+    # The two programs' runs alternate, so that the VM's speed drifting during the row (TCG
+    # on a shared host: a round trip went from 18 to 11 us between two rows of one run)
+    # moves both medians alike instead of skewing the ratio.
+    local p r i ps=() rs=()
+    for i in $(seq "$runs"); do
+        ps+=("$(perftest "$tool" "$@" | awk -v c="$col" '{print $c}')")
+        rs+=("$(json "$key" "$(rdmakit "$test" "$@")")")
+    done
+    p=$(printf '%s\n' "${ps[@]}" | { grep . || true; } | median)
+    r=$(printf '%s\n' "${rs[@]}" | { grep . || true; } | median)
     row "$name" "$unit" "$p" "$r" "$kind"
     last=("$tool" "$test" "$p" "$r")
 }
@@ -123,8 +136,9 @@ compare "write latency 8 B" usec lat ib_write_lat 5 write-lat t_typical -- -s 8 
 compare "read latency 8 B" usec lat ib_read_lat 5 read-lat t_typical -- -s 8 -n "$iters"
 compare "send latency 8 B" usec lat ib_send_lat 5 send-lat t_typical -- -s 8 -n "$iters"
 compare "fetch-and-add latency" usec lat ib_atomic_lat 5 atomic-lat t_typical -- -n "$iters"
-# The sweep also goes to a CSV and an SVG plot (rdmakit-perf plot) under target/.
-csv="$here/target/perftest-compare.csv"
+# The sweep also goes to a CSV and an SVG plot (rdmakit-perf plot), named relative to the
+# checkout so that the plot's report names no path of this machine.
+csv="$results/perftest-compare.csv"
 echo "# perftest vs rdmakit-perf on $dev, median of $runs runs, $(date -u +%Y-%m-%dT%H:%MZ)" >"$csv"
 for size in $sweep; do
     for k in bw lat; do
@@ -139,5 +153,5 @@ for size in $sweep; do
     done
 done
 [ "$(grep -vc '^#' "$csv")" -gt 0 ] || exit 0
-"$perf" plot "$csv" --output "$here/target/perftest-compare.svg" \
+"$perf" plot "$csv" --output "$results/perftest-compare.svg" \
     --title "perftest vs rdmakit-perf, Soft-RoCE ($dev) in a TCG-emulated VM"
