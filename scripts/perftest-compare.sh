@@ -102,8 +102,8 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
         return
     fi
     # The two programs' runs alternate, so that the VM's speed drifting during the row (TCG
-    # on a shared host: a round trip went from 18 to 11 us between two rows of one run)
-    # moves both medians alike instead of skewing the ratio.
+    # on a shared host: perftest's 8 B write latency went from 18 to 11 us between two rows
+    # of one run) moves both medians alike instead of skewing the ratio.
     local p r i ps=() rs=()
     for i in $(seq "$runs"); do
         ps+=("$(perftest "$tool" "$@" | awk -v c="$col" '{print $c}')")
