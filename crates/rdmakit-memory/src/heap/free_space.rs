@@ -696,9 +696,18 @@ mod tests {
         };
         let mut f = FreeSpace::new(true);
         f.insert(0, 1 << 20, 0).expect("disjoint");
+        // 100 blocks of 8 bytes side by side, every other one freed: 50 ranges of one
+        // length, a set bin from the start.
         let mut used: Vec<(u64, u64)> = Vec::new();
+        for i in 0..100 {
+            let t = f.take_best_fit(8).expect("room");
+            if i % 2 == 1 {
+                used.push((t.addr, t.addr + 8));
+            }
+        }
+        let mut with_a_set_bin = 0usize;
         for step in 0..20_000 {
-            if used.len() > 200 || (!used.is_empty() && rand() % 3 == 0) {
+            if used.len() > 300 || (!used.is_empty() && rand() % 3 == 0) {
                 let (a, b) = used.swap_remove((rand() % used.len() as u64) as usize);
                 f.insert(a, b, 0).expect("a used block is not free");
             } else {
@@ -719,7 +728,10 @@ mod tests {
                 }
             }
             check_index(&f);
+            let idx = f.by_size.as_ref().expect("indexed");
+            with_a_set_bin += usize::from(idx.bins.iter().any(|b| matches!(b, Bin::Many(_))));
         }
+        assert!(with_a_set_bin > 1000, "set bins were exercised in {with_a_set_bin} steps");
     }
 
     #[test]
