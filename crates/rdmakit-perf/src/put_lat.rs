@@ -19,7 +19,7 @@ use rdmakit_channel::put::{Detection, HandleDesc, PutEndpoint, RecvHandle, SendH
 use rdmakit_verbs::{AccessFlags, Error, MemoryRegion, Result, SendWr};
 
 use crate::channel::chan;
-use crate::measure::{Measured, Stamps};
+use crate::measure::{Measured, Stamps, spin_until};
 use crate::rig::{Params, REPORT_LEN, Side};
 
 /// Longest a wait for the peer may take before the run gives up.
@@ -49,28 +49,17 @@ struct End {
 impl End {
     /// Puts, retrying while the peer has not marked the previous put done.
     fn put(&self) -> Result<()> {
-        // The clock starts at the first `Busy`: a put that goes at once reads none.
-        let mut start: Option<Instant> = None;
-        loop {
-            match self.send.put() {
-                Ok(()) => return Ok(()),
-                Err(ChannelError::Busy) if start.get_or_insert_with(Instant::now).elapsed() < PATIENCE => {}
-                Err(e) => return Err(chan(e)),
-            }
-        }
+        spin_until(PATIENCE, || match self.send.put() {
+            Ok(()) => Ok(true),
+            Err(ChannelError::Busy) => Ok(false),
+            Err(e) => Err(chan(e)),
+        })
     }
 
     /// Waits for the peer's put (a dead peer ends it: `ready_poll` keeps the connection
     /// watched).
     fn wait(&self) -> Result<()> {
-        let mut start: Option<Instant> = None;
-        while self.ep.ready_poll().map_err(chan)? == 0 {
-            let waited = start.get_or_insert_with(Instant::now).elapsed();
-            if waited >= PATIENCE {
-                return Err(Error::Timeout(waited));
-            }
-        }
-        Ok(())
+        spin_until(PATIENCE, || Ok(self.ep.ready_poll().map_err(chan)? > 0))
     }
 }
 

@@ -27,6 +27,7 @@ use rdmakit_channel::put::{Detection, PutEndpoint, RecvHandle, SendHandle};
 use rdmakit_verbs::*;
 
 use crate::channel::chan;
+use crate::measure::spin_until;
 use crate::rig::{self, Params, Placement, Side, Test};
 use crate::seeds_rpipe::median;
 
@@ -44,24 +45,6 @@ pub fn sizes(max: u32) -> Vec<u32> {
 
 fn pair(ctx: &Context, copts: &ConnectOptions, test: Test, size: u32) -> Result<(Side, Side)> {
     rig::loopback(ctx, &Params::simple(test, size, 1, 16, Placement::Host), copts)
-}
-
-/// Spins until `what` holds, failing after [`STUCK`]. The clock is read only after 256
-/// spins, as the send/recv side's CQ spin does: a clock read at every entry cost the put
-/// side four reads per round trip that the message side did not pay.
-fn spin_until(mut what: impl FnMut() -> Result<bool>) -> Result<()> {
-    let mut start: Option<Instant> = None;
-    let mut spins = 0u32;
-    while !what()? {
-        spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(256) {
-            let waited = start.get_or_insert_with(Instant::now).elapsed();
-            if waited > STUCK {
-                return Err(Error::Timeout(waited));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// One end of a put-handle link: a receive handle over `ghost`, a send handle from `edge`
@@ -105,13 +88,13 @@ fn put_link(
 impl PutEnd {
     /// Puts the edge buffer, waiting for the receiver to have consumed the previous put.
     fn put(&self) -> Result<()> {
-        spin_until(|| self.send.is_ready().map_err(chan))?;
+        spin_until(STUCK, || self.send.is_ready().map_err(chan))?;
         self.send.put().map_err(chan)
     }
 
     /// Waits for the queued receive handle's put (runs its callback).
     fn wait(&self) -> Result<()> {
-        spin_until(|| Ok(self.ep.ready_poll().map_err(chan)? > 0))
+        spin_until(STUCK, || Ok(self.ep.ready_poll().map_err(chan)? > 0))
     }
 }
 
@@ -336,7 +319,7 @@ impl Halo for PutEnd {
         &self.edge
     }
     fn edge_free(&mut self) -> Result<()> {
-        spin_until(|| self.send.is_ready().map_err(chan))
+        spin_until(STUCK, || self.send.is_ready().map_err(chan))
     }
 }
 
