@@ -489,6 +489,18 @@ fn carve_first<'a>(
 mod tests {
     use super::*;
 
+    /// A seeded xorshift generator (seed not 0) for the randomised tests: fixed sequences, no
+    /// dependency.
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut x = seed;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     fn ranges(f: &FreeSpace) -> Vec<(u64, u64, u32)> {
         f.iter().collect()
     }
@@ -574,13 +586,7 @@ mod tests {
     fn size_index_matches_a_single_ordered_set() {
         let mut idx = SizeIndex::new();
         let mut reference = BTreeSet::new();
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        let mut rand = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rand = xorshift(0x2545_f491_4f6c_dd1d);
         let entry = |(len, end): (u64, u64)| Entry { len, end, slot: end as usize };
         for step in 0..6000 {
             let len = match rand() % 6 {
@@ -592,7 +598,7 @@ mod tests {
                 _ => 1 + rand() % 8,                        // many equal lengths: ties by lowest end
             };
             let end = rand() % 512;
-            if rand() % 3 == 0 || reference.contains(&(len, end)) {
+            if rand().is_multiple_of(3) || reference.contains(&(len, end)) {
                 if let Some(&(l, e)) = reference.iter().nth((rand() % 8) as usize) {
                     reference.remove(&(l, e));
                     idx.remove(entry((l, e)));
@@ -687,13 +693,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "20,000 steps; the unit tests above cover each path under Miri")]
     fn takes_choose_as_a_plain_list_would_and_keep_the_index_exact() {
-        let mut state = 0x5eed_u64;
-        let mut rand = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let z = (state ^ (state >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
+        let mut rand = xorshift(0x5eed_0000_5eed);
         let mut f = FreeSpace::new(true);
         f.insert(0, 1 << 20, 0).expect("disjoint");
         // 100 blocks of 8 bytes side by side, every other one freed: 50 ranges of one
@@ -707,15 +707,15 @@ mod tests {
         }
         let mut with_a_set_bin = 0usize;
         for step in 0..20_000 {
-            if used.len() > 300 || (!used.is_empty() && rand() % 3 == 0) {
+            if used.len() > 300 || (!used.is_empty() && rand().is_multiple_of(3)) {
                 let (a, b) = used.swap_remove((rand() % used.len() as u64) as usize);
                 f.insert(a, b, 0).expect("a used block is not free");
             } else {
                 // Mostly small (many ranges of a few lengths: set bins), some up to 8 KiB.
-                let n = 8 * if rand() % 4 == 0 { 1 + rand() % 1024 } else { 1 + rand() % 8 };
+                let n = 8 * if rand().is_multiple_of(4) { 1 + rand() % 1024 } else { 1 + rand() % 8 };
                 let list: Vec<(u64, u64, u32)> = f.iter().collect();
                 let fits = list.iter().filter(|(a, b, _)| b - a >= n);
-                let (worst, want) = if rand() % 2 == 0 {
+                let (worst, want) = if rand().is_multiple_of(2) {
                     (false, fits.min_by_key(|(a, b, _)| (b - a, *a)).map(|r| r.0))
                 } else {
                     let largest = list.iter().max_by_key(|(a, b, _)| (b - a, u64::MAX - a));
