@@ -93,8 +93,8 @@ sentinel put (`Detection::Sentinel`, `put-lat --sentinel`) is CkDirect's own sch
 polled at the buffer's last word, and the one that comes near a message. Here each side's
 re-arming (the handle's `ready_poll_q`/`ready_mark`, the message's `post_recv`) is left out of
 the timed round trip on both sides; the criterion `round_trip` group below counts it on both,
-and there the sentinel put is ahead at small sizes. Not reproduced: the hardware's saving, where a polled put skips the receive-queue and
-completion work of a message in the HCA, nor Charm++'s own messaging cost, which was the
+and there the sentinel put is ahead at small sizes. Not reproduced: the hardware's saving,
+where a polled put skips the receive-queue and completion work of a message in the HCA, nor Charm++'s own messaging cost, which was the
 slides' baseline (ours is raw verbs send/recv).
 
 NOTE
@@ -106,6 +106,13 @@ if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
 else
     printf '## Criterion groups (soft)\n\nNot run this time (RDMAKIT_BENCH_CRITERION=0): `cargo bench --bench channel` and `--bench heap_alloc`.\n\n' >>"$tmp"
 fi
+rxe_plot() { # the comparison's size-sweep plot, when its run drew one, into docs/ and the file
+    if [ -f target/perftest-compare/perftest-compare.svg ]; then
+        mkdir -p docs
+        cp target/perftest-compare/perftest-compare.svg docs/perftest-compare.svg
+        printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
+    fi
+}
 if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
     {
         echo "## perftest against rdmakit-perf on rdma-core (rxe)"
@@ -117,19 +124,11 @@ if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
         echo '```'
         echo
     } >>"$tmp"
-    if [ -f target/perftest-compare/perftest-compare.svg ]; then
-        mkdir -p docs
-        cp target/perftest-compare/perftest-compare.svg docs/perftest-compare.svg
-        printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
-    fi
+    rxe_plot
 elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     rm -f target/perftest-compare/perftest-compare.svg # an older run's plot must not pass for this one's
     section "perftest against rdmakit-perf on rdma-core" rxe scripts/perftest-compare.sh
-    if [ -f target/perftest-compare/perftest-compare.svg ]; then
-        mkdir -p docs
-        cp target/perftest-compare/perftest-compare.svg docs/perftest-compare.svg
-        printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
-    fi
+    rxe_plot
 else
     printf '## perftest against rdmakit-perf on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
 fi

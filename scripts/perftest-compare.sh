@@ -89,8 +89,8 @@ json() { # json KEY LINE
     sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p" <<<"$2"
 }
 
-median() { # median: of the numbers on stdin
-    sort -g | awk '{v[NR] = $1} END {if (NR == 0) print 0; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2}'
+median() { # median: of the numbers on stdin (blank lines, runs that gave nothing, skipped)
+    sort -g | awk 'NF {v[++n] = $1} END {if (n == 0) print 0; else if (n % 2) print v[(n + 1) / 2]; else print (v[n / 2] + v[n / 2 + 1]) / 2}'
 }
 
 # measure KIND TEST-ARGS...: median over $runs of perftest's column and rdmakit's JSON key.
@@ -109,8 +109,8 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
         ps+=("$(perftest "$tool" "$@" | awk -v c="$col" '{print $c}')")
         rs+=("$(json "$key" "$(rdmakit "$test" "$@")")")
     done
-    p=$(printf '%s\n' "${ps[@]}" | { grep . || true; } | median)
-    r=$(printf '%s\n' "${rs[@]}" | { grep . || true; } | median)
+    p=$(printf '%s\n' "${ps[@]}" | median)
+    r=$(printf '%s\n' "${rs[@]}" | median)
     row "$name" "$unit" "$p" "$r" "$kind"
     last=("$tool" "$test" "$p" "$r")
 }
