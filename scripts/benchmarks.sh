@@ -124,6 +124,19 @@ if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
         echo '```'
         echo
     } >>"$tmp"
+    # The plot is drawn again from FILE's own sweep rows: one left in target/ may be another
+    # run's.
+    mkdir -p target/perftest-compare
+    awk '/^write bandwidth [0-9]+ B / {sweep = 1}
+         sweep && /^write (bandwidth|latency) [0-9]+ B / {
+             k = ($2 == "bandwidth") ? "bw" : "lat"
+             printf "perftest ib_write_%s,%s,%s,%s\nrdmakit write-%s,%s,%s,%s\n", k, k, $3, $6, k, k, $3, $7
+         }' "$RDMAKIT_BENCH_RXE_FROM" >target/perftest-compare/from-file.csv
+    rm -f target/perftest-compare/perftest-compare.svg
+    if [ -s target/perftest-compare/from-file.csv ]; then
+        "$perf" plot target/perftest-compare/from-file.csv --output target/perftest-compare/perftest-compare.svg \
+            --title "perftest vs rdmakit-perf, Soft-RoCE (rxe0) in a TCG-emulated VM" >/dev/null
+    fi
     rxe_plot
 elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     rm -f target/perftest-compare/perftest-compare.svg # an older run's plot must not pass for this one's
