@@ -38,6 +38,7 @@ pub const CASES: &[Case] = &[
     case("connect_options_path_fields", connect_options_path_fields),
     case("inline_write", inline_write),
     case("batch_post_keeps_order", batch_post_order),
+    case("prepared_requests_post_as_built_ones", prepared_requests),
     case("async_completion_wait", async_wait),
     case("dropped_qp_releases_buffers", dropped_qp_releases_buffers),
     Case { name: "dm_alloc_past_capacity_fails_cleanly", needs: Needs::DeviceMemory, run: dm_capacity },
@@ -632,6 +633,101 @@ fn batch_post_order(env: &Env) -> Result<(), Failed> {
         check_eq!(res.read_u64(i * 8)?, 100 + i - 1);
     }
     check_eq!(dst.read_u64(0)?, 110);
+    Ok(())
+}
+
+/// Requests prepared once and posted many times: writes, inline writes with a new payload
+/// per post, fetch-and-add, sends with immediate; each post's in-flight slot holds the
+/// region even after the prepared request is dropped; what `post_send` refuses, preparing
+/// refuses.
+fn prepared_requests(env: &Env) -> Result<(), Failed> {
+    let p = env.pair()?;
+    let src = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    let dst = p.pd.alloc_mr(256, AccessFlags::ALL_REMOTE)?;
+    let res = p.pd.alloc_mr(16, AccessFlags::LOCAL_WRITE)?;
+    src.fill(5)?;
+
+    // Unsignalled posts of a prepared write: each slot holds `src` until a signalled
+    // completion retires it, even with the prepared request gone.
+    let quiet =
+        p.a.prepare_send(SendWr::write(src.slice(0, 32)?, dst.remote().slice(0, 32)?).unsignaled())?;
+    check_eq!(quiet.len(), 32);
+    for _ in 0..3 {
+        quiet.post()?;
+    }
+    drop(quiet);
+    check_eq!(p.a.outstanding(), (3, 0));
+    let src = match src.try_into_vec() {
+        Ok(_) => return Err("a region was released while posted requests referenced it".into()),
+        Err(mr) => mr,
+    };
+    let mut loud =
+        p.a.prepare_send(SendWr::write(src.slice(32, 32)?, dst.remote().slice(32, 32)?).wr_id(10))?;
+    loud.post()?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 10);
+    loud.set_wr_id(11);
+    loud.post()?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 11);
+    check_eq!(p.a.outstanding(), (0, 0));
+    drop(loud);
+    check!(src.is_unique(), "the region is still held after every completion was reaped");
+    check!(dst.to_vec()?[..64].iter().all(|&b| b == 5), "a prepared write did not land");
+
+    // Inline: the prepared bytes, then a new payload per post; lengths are checked.
+    let ping = p.a.prepare_send(SendWr::write_inline(&[1; 8], dst.remote().slice(64, 8)?).wr_id(20))?;
+    ping.post()?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 20);
+    check_eq!(dst.read_u64(64)?, u64::from_ne_bytes([1; 8]));
+    for round in 1..=3u64 {
+        ping.post_inline(&round.to_le_bytes())?;
+        check_eq!(wait_ok(&p.cq_a)?.wr_id, 20);
+        check!(dst.to_vec()?[64..72] == round.to_le_bytes(), "round {round}'s payload did not land");
+    }
+    check!(
+        matches!(ping.post_inline(&[0; 7]), Err(Error::InvalidArgument(_))),
+        "a short inline payload posted"
+    );
+    let plain = p.a.prepare_send(SendWr::write(src.slice(0, 8)?, dst.remote().slice(72, 8)?))?;
+    check!(
+        matches!(plain.post_inline(&[0; 8]), Err(Error::InvalidArgument(_))),
+        "post_inline on a gathered write"
+    );
+    check_eq!(p.a.outstanding(), (0, 0));
+
+    // Fetch-and-add: every post adds, and the original lands locally.
+    let counter = dst.remote().slice(80, 8)?;
+    let add = p.a.prepare_send(SendWr::fetch_add(res.slice(0, 8)?, counter, 3).wr_id(30))?;
+    for i in 0..4u64 {
+        add.post()?;
+        check_eq!(wait_ok(&p.cq_a)?.wr_id, 30);
+        check_eq!(res.read_u64(0)?, 3 * i);
+    }
+    check_eq!(dst.read_u64(80)?, 12);
+
+    // A send with immediate: the receiver sees the prepared bytes and the immediate.
+    let rbuf = p.pd.alloc_mr(16, AccessFlags::LOCAL_WRITE)?;
+    let hello = p.a.prepare_send(SendWr::send_inline(b"prepared").with_imm(0xfeed).wr_id(40))?;
+    for _ in 0..2 {
+        p.b.post_recv(RecvWr::new(rbuf.local()?).wr_id(41))?;
+        hello.post()?;
+        check_eq!(wait_ok(&p.cq_a)?.wr_id, 40);
+        let wc = wait_ok(&p.cq_b)?;
+        check_eq!((wc.wr_id, wc.imm, wc.byte_len), (41, Some(0xfeed), 8));
+        check!(&rbuf.to_vec()?[..8] == b"prepared", "the prepared send's bytes differ");
+    }
+
+    // What post_send refuses, preparing refuses.
+    let max = p.a.caps().max_inline_data as usize;
+    let too_long = vec![0u8; max + 1];
+    let big = p.pd.alloc_mr(max + 1, AccessFlags::ALL_REMOTE)?;
+    check!(
+        p.a.prepare_send(SendWr::write_inline(&too_long, big.remote().slice(0, max as u32 + 1)?)).is_err(),
+        "an over-long inline request was prepared"
+    );
+    check!(
+        p.a.prepare_send(SendWr::write(src.slice(0, 8)?, dst.remote().slice(0, 16)?)).is_err(),
+        "a write with mismatched lengths was prepared"
+    );
     Ok(())
 }
 

@@ -165,17 +165,39 @@ fn inline_payload(side: &Side, p: &Params) -> Option<Vec<u8>> {
     (p.size <= inline_limit(side, p)).then(|| vec![0; p.size as usize])
 }
 
-/// One write-lat ping whose last byte is `v`: inline from `inline` when it is there, else
-/// from the registered `src` (whose last byte the caller has set).
-fn ping<'a>(inline: &'a mut Option<Vec<u8>>, src: &LocalSlice, dst: RemoteSlice, v: u8) -> SendWr<'a> {
-    match inline {
-        Some(bytes) => {
-            if let Some(last) = bytes.last_mut() {
-                *last = v;
+/// write-lat's ping, prepared once as perftest builds its requests once: inline from a
+/// private copy when the size goes inline, else from the registered buffer at `at`.
+struct Ping {
+    wr: PreparedSend,
+    inline: Option<Vec<u8>>,
+    /// Offset of the outgoing message's last byte in the side's buffer.
+    last: u64,
+}
+
+impl Ping {
+    fn new(side: &Side, p: &Params, from: u64, dst: RemoteSlice) -> Result<Ping> {
+        let inline = inline_payload(side, p);
+        let wr = match &inline {
+            Some(bytes) => side.qp.prepare_send(SendWr::write_inline(bytes, dst))?,
+            None => side.qp.prepare_send(SendWr::write(side.buf.slice(from, p.size)?, dst))?,
+        };
+        Ok(Ping { wr, inline, last: from + u64::from(p.size - 1) })
+    }
+
+    /// Posts the ping with last byte `v`.
+    fn post(&mut self, side: &Side, v: u8) -> Result<()> {
+        match &mut self.inline {
+            Some(bytes) => {
+                if let Some(last) = bytes.last_mut() {
+                    *last = v;
+                }
+                self.wr.post_inline(bytes)
             }
-            SendWr::write_inline(bytes, dst)
+            None => {
+                side.buf.write_at(self.last, &[v])?;
+                self.wr.post()
+            }
         }
-        None => SendWr::write(src.clone(), dst),
     }
 }
 
@@ -330,21 +352,14 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     // Write from the upper half of our buffer into the lower half of the peer's; the peer
     // answers into the lower half of ours. The last byte carries the round.
     let size = p.size;
-    let stride = upper_half(side);
-    let src = side.buf.slice(stride, size)?;
-    let dst = side.peer_buf.slice(0, size)?;
-    let mut inline = inline_payload(side, p);
+    let mut ping = Ping::new(side, p, upper_half(side), side.peer_buf.slice(0, size)?)?;
     let mut span = Span::new(p);
     let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
     while span.go_on(i) {
         let v = stamp(i);
-        if inline.is_none() {
-            // Sent from the registered buffer: its last byte carries the round.
-            side.buf.write_at(stride + u64::from(size - 1), &[v])?;
-        }
         stamps.post();
-        side.qp.post_send(ping(&mut inline, &src, dst, v))?;
+        ping.post(side, v)?;
         // Our write's completion is reaped while the peer turns the ping around, as
         // perftest does (post, poll the CQ, then wait for the answer): reaping it after the
         // answer put a CQ poll on the round trip that perftest does not time.
@@ -358,8 +373,7 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let result = stamps.finish(&span, true);
     // Tell the peer this size is over, and wait for it to answer with the same mark: the
     // next size's first ping must not overwrite this one before the peer has seen it.
-    side.buf.write_at(stride + u64::from(size - 1), &[STOP])?;
-    side.qp.post_send(ping(&mut inline, &src, dst, STOP))?;
+    ping.post(side, STOP)?;
     reap(&side.cq)?;
     spin_byte(&side.buf, u64::from(size - 1), STOP)?;
     result
@@ -370,13 +384,13 @@ fn read_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let mut span = Span::new(p);
     let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
+    let wr = side.qp.prepare_send(match p.test {
+        Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
+        _ => SendWr::fetch_add(side.buf.slice(0, 8)?, side.peer_atomic.slice(0, 8)?, 1),
+    })?;
     while span.go_on(i) {
-        let wr = match p.test {
-            Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
-            _ => SendWr::fetch_add(side.buf.slice(0, 8)?, side.peer_atomic.slice(0, 8)?, 1),
-        };
         stamps.post();
-        side.qp.post_send(wr)?;
+        wr.post()?;
         reap(&side.cq)?;
         i += 1;
         tick(bar, i);
@@ -444,6 +458,7 @@ impl Banked {
 fn send_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let src = side.buf.slice(0, p.size)?;
     let inline = inline_payload(side, p);
+    let send = side.qp.prepare_send(send_wr(&inline, &src))?;
     let mut span = Span::new(p);
     let mut stamps = Stamps::for_span(&span, p.iters);
     let mut i = 0u64;
@@ -451,7 +466,7 @@ fn send_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     top_up_recvs(side, 2)?;
     while span.go_on(i) {
         stamps.post();
-        side.qp.post_send(send_wr(&inline, &src))?;
+        send.post()?;
         if banked.wait(side, 1, 1)? {
             return Err(err("the peer ended the run early"));
         }
@@ -672,17 +687,12 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
         let p = p.at(size);
         match p.test {
             Test::WriteLat => {
-                let stride = upper_half(side);
-                let src = side.buf.slice(stride, size)?;
-                let dst = side.peer_buf.slice(0, size)?;
-                let mut inline = inline_payload(side, &p);
+                let mut ping = Ping::new(side, &p, upper_half(side), side.peer_buf.slice(0, size)?)?;
                 for i in 0u64.. {
                     let v = stamp(i);
                     let more = spin_byte(&side.buf, u64::from(size - 1), v)?;
                     // Answer a ping with its stamp, the stop mark with the stop mark.
-                    let v = if more { v } else { STOP };
-                    side.buf.write_at(stride + u64::from(size - 1), &[v])?;
-                    side.qp.post_send(ping(&mut inline, &src, dst, v))?;
+                    ping.post(side, if more { v } else { STOP })?;
                     reap(&side.cq)?;
                     if !more {
                         break;
@@ -692,12 +702,13 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
             Test::SendLat => {
                 let src = side.buf.slice(0, size)?;
                 let inline = inline_payload(side, &p);
+                let send = side.qp.prepare_send(send_wr(&inline, &src))?;
                 loop {
                     top_up_recvs(side, 2)?;
                     if banked.wait(side, 1, 0)? {
                         break;
                     }
-                    side.qp.post_send(send_wr(&inline, &src))?;
+                    send.post()?;
                     banked.wait(side, 0, 1)?;
                 }
             }

@@ -54,6 +54,7 @@ mod inflight;
 pub mod mlx5;
 mod mr;
 mod pd;
+mod prepared;
 mod qp;
 mod raw;
 mod shared_mem;
@@ -74,6 +75,7 @@ pub use dm::DeviceMemory;
 pub use error::{Error, Result, WcStatus};
 pub use mr::{LocalSlice, MemoryRegion};
 pub use pd::ProtectionDomain;
+pub use prepared::PreparedSend;
 pub use qp::QueuePair;
 pub use soft::SoftConfig;
 pub use types::{

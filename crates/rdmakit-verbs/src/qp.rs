@@ -9,6 +9,7 @@ use crate::cq::CqBackend;
 use crate::error::{Error, Result};
 use crate::inflight::Inflight;
 use crate::pd::{PdBackend, ProtectionDomain};
+use crate::prepared::{PreparedBackend, PreparedSend};
 use crate::raw::{RawRecvWr, RawSendWr};
 use crate::soft::qp::SoftQp;
 use crate::types::{ConnectOptions, QpAddress, QpCaps};
@@ -163,6 +164,34 @@ impl QpBackend {
             QpBackend::Soft(qp) => qp.post_send(raws),
             #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(qp) => qp.post_send(raws),
+        }
+    }
+
+    /// The provider's own form of a checked request, built once for many posts.
+    fn prepare_send(&self, raw: &RawSendWr<'_>) -> PreparedBackend {
+        match self {
+            QpBackend::Soft(_) => PreparedBackend::Soft,
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(_) => PreparedBackend::Verbs(crate::rdma::SendTemplate::new(raw)),
+        }
+    }
+
+    /// Posts a prepared request as provider request `seq`, with `inline` as its payload.
+    fn post_prepared(
+        &self,
+        raw: &RawSendWr<'static>,
+        prepared: &PreparedBackend,
+        seq: u64,
+        inline: Option<&[u8]>,
+    ) -> std::result::Result<(), (usize, Error)> {
+        match (self, prepared) {
+            (QpBackend::Soft(qp), PreparedBackend::Soft) => {
+                qp.post_send(std::slice::from_ref(&RawSendWr { wr_id: seq, inline, ..*raw }))
+            }
+            #[cfg(rdmakit_verbs)]
+            (QpBackend::Verbs(qp), PreparedBackend::Verbs(t)) => qp.post_prepared(t, seq, inline),
+            #[cfg(rdmakit_verbs)]
+            _ => unreachable!("a request is prepared by the QP it posts to"),
         }
     }
 
@@ -323,7 +352,7 @@ impl QueuePair {
         self.inner.backend.modify_to_error()
     }
 
-    fn check_same_device(&self, wr_local: Option<&crate::mr::LocalSlice>) -> Result<()> {
+    pub(crate) fn check_same_device(&self, wr_local: Option<&crate::mr::LocalSlice>) -> Result<()> {
         if let Some(l) = wr_local
             && !l.mr.context().same_device(self.inner.pd.context())
         {
@@ -348,6 +377,23 @@ impl QueuePair {
         // The slot is pushed and the lock held across the post, so slots stay in posting
         // order and a completion polled on another thread always finds its slot.
         self.post_raw_send(&mut q, std::slice::from_ref(&raw))
+    }
+
+    /// The provider's form of `raw` (the inline bytes still in it), for [`PreparedSend`].
+    pub(crate) fn prepare_backend(&self, raw: &RawSendWr<'_>) -> PreparedBackend {
+        self.inner.backend.prepare_send(raw)
+    }
+
+    /// Posts a prepared request: its in-flight slot (with its own clone of the region) and
+    /// the provider call, under the in-flight lock as [`post_send`](Self::post_send) does.
+    pub(crate) fn post_prepared(&self, p: &PreparedSend, inline: Option<&[u8]>) -> Result<()> {
+        let (wr_id, mr, raw, prepared) = p.parts();
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let seq = q.push_send(wr_id, mr.cloned())?;
+        self.inner.backend.post_prepared(raw, prepared, seq, inline).map_err(|(posted, e)| {
+            q.unpush_send(1 - posted);
+            post_error(posted, e)
+        })
     }
 
     /// Posts several send-queue requests with one provider call.

@@ -28,7 +28,7 @@ pub(crate) use dm::Dm;
 pub(crate) use mr::Mr;
 pub(crate) use pd::Pd;
 use pd::PdShared;
-pub(crate) use qp::Qp;
+pub(crate) use qp::{Qp, SendTemplate};
 
 /// `ibv_port_attr::link_layer` of a RoCE port (the header's value, as the field's `u8`).
 const LINK_LAYER_ETHERNET: u8 = rdmakit_sys::IBV_LINK_LAYER_ETHERNET as u8;

@@ -256,6 +256,33 @@ impl Qp {
         Ok(())
     }
 
+    /// Posts a request filled in once (`t`) as provider request `wr_id`, with `inline` as
+    /// the payload of an inline request: one copy of the template on the stack, two fields
+    /// set, one `ibv_post_send`.
+    pub fn post_prepared(
+        &self,
+        t: &SendTemplate,
+        wr_id: u64,
+        inline: Option<&[u8]>,
+    ) -> std::result::Result<(), (usize, Error)> {
+        let mut wr = t.wr;
+        let mut sge = t.sge;
+        wr.wr_id = wr_id;
+        if let Some(data) = inline {
+            sge.addr = data.as_ptr() as u64;
+            sge.length = data.len() as u32;
+            wr.num_sge = i32::from(!data.is_empty());
+        }
+        wr.sg_list = &mut sge;
+        wr.next = ptr::null_mut();
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: valid QP; one request whose SGE is on this stack frame and points into
+        // registered memory kept alive by the safe layer's in-flight table, or to inline data
+        // that ibv_post_send copies before returning.
+        let rc = unsafe { sys::ibv_post_send(self.ptr(), &mut wr, &mut bad) };
+        errno_ret("ibv_post_send", rc).map_err(|e| (0, e))
+    }
+
     pub fn post_recv(&self, raws: &[RawRecvWr]) -> std::result::Result<(), (usize, Error)> {
         const CHUNK: usize = 16;
         let mut posted = 0;
@@ -308,5 +335,35 @@ impl Drop for Qp {
         if !self.destroy() {
             tracing::error!(qp_num = self.qpn(), "ibv_destroy_qp failed");
         }
+    }
+}
+
+/// A send request in `struct ibv_send_wr` form, filled in once for many posts
+/// ([`crate::PreparedSend`]).
+pub(crate) struct SendTemplate {
+    wr: sys::ibv_send_wr,
+    sge: sys::ibv_sge,
+}
+
+// SAFETY: the template's pointers (`sg_list`, `next`, an inline SGE's address) are null:
+// each post sets them in its own copy on its stack. The rest is plain integers.
+unsafe impl Send for SendTemplate {}
+// SAFETY: as above; posts only copy the template.
+unsafe impl Sync for SendTemplate {}
+
+impl SendTemplate {
+    /// Fills in `raw` (its inline bytes, if any, only make it an inline request: each post
+    /// gives its own).
+    pub fn new(raw: &RawSendWr<'_>) -> SendTemplate {
+        // SAFETY: all-zero ibv_send_wr / ibv_sge are valid values (null pointers, zeros).
+        let (mut wr, mut sge): (sys::ibv_send_wr, sys::ibv_sge) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        conv::fill_send_wr(&mut wr, &mut sge, raw);
+        if raw.inline.is_some() {
+            sge.addr = 0;
+        }
+        wr.sg_list = ptr::null_mut();
+        wr.next = ptr::null_mut();
+        SendTemplate { wr, sge }
     }
 }
