@@ -637,8 +637,8 @@ fn batch_post_order(env: &Env) -> Result<(), Failed> {
 }
 
 /// Requests prepared once and posted many times: writes, inline writes with a new payload
-/// per post, fetch-and-add, sends with immediate; each post's in-flight slot holds the
-/// region even after the prepared request is dropped; what `post_send` refuses, preparing
+/// per post, fetch-and-add, sends with immediate into prepared receives; each post's
+/// in-flight slot holds the region even after the prepared request is dropped; what `post_send` refuses, preparing
 /// refuses.
 fn prepared_requests(env: &Env) -> Result<(), Failed> {
     let p = env.pair()?;
@@ -707,14 +707,29 @@ fn prepared_requests(env: &Env) -> Result<(), Failed> {
     // A send with immediate: the receiver sees the prepared bytes and the immediate.
     let rbuf = p.pd.alloc_mr(16, AccessFlags::LOCAL_WRITE)?;
     let hello = p.a.prepare_send(SendWr::send_inline(b"prepared").with_imm(0xfeed).wr_id(40))?;
+    let recv = p.b.prepare_recv(RecvWr::new(rbuf.local()?).wr_id(41))?;
     for _ in 0..2 {
-        p.b.post_recv(RecvWr::new(rbuf.local()?).wr_id(41))?;
+        recv.post()?;
         hello.post()?;
         check_eq!(wait_ok(&p.cq_a)?.wr_id, 40);
         let wc = wait_ok(&p.cq_b)?;
         check_eq!((wc.wr_id, wc.imm, wc.byte_len), (41, Some(0xfeed), 8));
         check!(&rbuf.to_vec()?[..8] == b"prepared", "the prepared send's bytes differ");
+        rbuf.fill(0)?;
     }
+    // A posted prepared receive holds its region with the prepared receive gone.
+    recv.post()?;
+    drop(recv);
+    check_eq!(p.b.outstanding(), (0, 1));
+    let rbuf = match rbuf.try_into_vec() {
+        Ok(_) => return Err("a region was released while a posted receive referenced it".into()),
+        Err(mr) => mr,
+    };
+    hello.post()?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 40);
+    check_eq!(wait_ok(&p.cq_b)?.wr_id, 41);
+    check!(&rbuf.to_vec()?[..8] == b"prepared", "the last receive's bytes differ");
+    check!(rbuf.is_unique(), "the receive buffer is still held after its completion was reaped");
 
     // What post_send refuses, preparing refuses.
     let max = p.a.caps().max_inline_data as usize;

@@ -273,6 +273,8 @@ pub struct Side {
     pub _atomic: MemoryRegion,
     /// Receives posted on this QP and not yet consumed (they outlive one size of a sweep).
     pub posted_recvs: std::sync::atomic::AtomicU32,
+    /// The receive `measure` keeps posting (the whole buffer), prepared on first use.
+    pub recv: std::sync::OnceLock<PreparedRecv>,
 }
 
 /// Bytes at the end of every buffer for the peer's report in bidirectional runs.
@@ -346,6 +348,7 @@ pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Sid
         conn: None,
         _atomic: aa,
         posted_recvs: 0.into(),
+        recv: std::sync::OnceLock::new(),
     };
     let b = Side {
         _pd: pd,
@@ -357,6 +360,7 @@ pub fn loopback(ctx: &Context, p: &Params, opts: &ConnectOptions) -> Result<(Sid
         conn: None,
         _atomic: ab,
         posted_recvs: 0.into(),
+        recv: std::sync::OnceLock::new(),
     };
     Ok((a, b))
 }
@@ -403,6 +407,7 @@ pub fn client(ctx: &Context, addr: SocketAddr, p: &Params, opts: &ConnectOptions
         conn: Some(conn),
         _atomic: atomic,
         posted_recvs: 0.into(),
+        recv: std::sync::OnceLock::new(),
     })
 }
 
@@ -446,6 +451,7 @@ pub fn server(
         conn: Some(conn),
         _atomic: atomic,
         posted_recvs: 0.into(),
+        recv: std::sync::OnceLock::new(),
     };
     Ok((p, side))
 }

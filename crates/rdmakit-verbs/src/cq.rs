@@ -74,6 +74,17 @@ impl CqBackend {
         }
     }
 
+    fn poll_one(&self) -> Result<Option<WorkCompletion>> {
+        match self {
+            CqBackend::Soft(cq) => {
+                let mut out = [WorkCompletion::default()];
+                Ok((cq.poll(&mut out)? == 1).then_some(out[0]))
+            }
+            #[cfg(rdmakit_verbs)]
+            CqBackend::Verbs(cq) => cq.poll_one(),
+        }
+    }
+
     fn req_notify(&self) -> Result<()> {
         match self {
             CqBackend::Soft(cq) => cq.req_notify(),
@@ -162,10 +173,18 @@ impl CompletionQueue {
         Ok(kept)
     }
 
-    /// Polls one completion.
+    /// Polls one completion: [`poll`](Self::poll) for one, without its batch loop (a
+    /// latency loop's every poll comes here).
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
-        let mut wc = [WorkCompletion::default()];
-        Ok((self.poll(&mut wc)? == 1).then_some(wc[0]))
+        let qps = self.inner.qps.lock().expect("cq registry lock");
+        let Some(mut wc) = self.inner.backend.poll_one()? else {
+            return Ok(None);
+        };
+        if qps.get(&wc.qp_num).is_some_and(|inf| inf.lock().complete(&mut wc)) {
+            return Ok(Some(wc));
+        }
+        tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
+        Ok(None)
     }
 
     /// Polls one completion; if there is none, arms the channel so the next one signals

@@ -75,7 +75,7 @@ pub use dm::DeviceMemory;
 pub use error::{Error, Result, WcStatus};
 pub use mr::{LocalSlice, MemoryRegion};
 pub use pd::ProtectionDomain;
-pub use prepared::PreparedSend;
+pub use prepared::{PreparedRecv, PreparedSend};
 pub use qp::QueuePair;
 pub use soft::SoftConfig;
 pub use types::{

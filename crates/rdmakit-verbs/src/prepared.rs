@@ -12,8 +12,8 @@
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::qp::QueuePair;
-use crate::raw::{RawOp, RawSendWr};
-use crate::wr::SendWr;
+use crate::raw::{RawOp, RawRecvWr, RawSendWr};
+use crate::wr::{RecvWr, SendWr};
 
 /// A send-queue request checked and converted once, posted as often as wanted
 /// ([`QueuePair::prepare_send`]).
@@ -172,5 +172,84 @@ impl PreparedSend {
 
     pub(crate) fn parts(&self) -> (u64, Option<&MemoryRegion>, &RawSendWr<'static>, &PreparedBackend) {
         (self.wr_id, self.mr.as_ref(), &self.raw, &self.backend)
+    }
+}
+
+/// A receive checked once and posted as often as wanted ([`QueuePair::prepare_recv`]): a
+/// ping-pong re-posts the same buffer after every message. Like [`PreparedSend`], it holds
+/// its queue pair and region, and each post's in-flight slot takes its own clone of the
+/// region.
+///
+/// # Examples
+/// ```
+/// use rdmakit_verbs::*;
+/// let ctx = Context::open_soft();
+/// let pd = ctx.alloc_pd()?;
+/// let cq = ctx.create_cq(16)?;
+/// let a = pd.create_qp(&cq, &cq, QpCaps::default())?;
+/// let b = pd.create_qp(&cq, &cq, QpCaps::default())?;
+/// a.connect(&b.address()?, &ConnectOptions::default())?;
+/// b.connect(&a.address()?, &ConnectOptions::default())?;
+/// let inbox = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
+///
+/// let recv = b.prepare_recv(RecvWr::new(inbox.local()?).wr_id(9))?;
+/// let hello = a.prepare_send(SendWr::send_inline(b"hello!!!"))?;
+/// for _ in 0..3 {
+///     recv.post()?;
+///     hello.post()?;
+///     cq.wait(None)?.ok()?;
+///     cq.wait(None)?.ok()?;
+/// }
+/// assert_eq!(inbox.to_vec()?, b"hello!!!");
+/// # Ok::<(), Error>(())
+/// ```
+pub struct PreparedRecv {
+    qp: QueuePair,
+    wr_id: u64,
+    mr: Option<MemoryRegion>,
+    raw: RawRecvWr,
+}
+
+impl std::fmt::Debug for PreparedRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedRecv")
+            .field("qp_num", &format_args!("{:#x}", self.qp.qp_num()))
+            .field("wr_id", &self.wr_id)
+            .field("len", &self.raw.sge.map_or(0, |s| s.len))
+            .finish()
+    }
+}
+
+impl QueuePair {
+    /// Checks `wr` once, as [`post_recv`](Self::post_recv) would, and returns it ready to be
+    /// posted many times.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer registered on another device.
+    pub fn prepare_recv(&self, wr: RecvWr) -> Result<PreparedRecv> {
+        self.check_same_device(wr.local.as_ref())?;
+        let raw = wr.to_raw();
+        Ok(PreparedRecv { qp: self.clone(), wr_id: wr.wr_id, mr: wr.local.map(|l| l.mr), raw })
+    }
+}
+
+impl PreparedRecv {
+    /// Posts the receive (`ibv_post_recv`).
+    ///
+    /// # Errors
+    /// As [`QueuePair::post_recv`]: [`Error::QueueFull`], a provider refusal.
+    #[doc(alias = "ibv_post_recv")]
+    pub fn post(&self) -> Result<()> {
+        self.qp.post_prepared_recv(self.wr_id, self.mr.as_ref(), &self.raw)
+    }
+
+    /// Sets the `wr_id` the next posts' completions carry.
+    pub fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr_id = wr_id;
+    }
+
+    /// The queue pair it posts to.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
     }
 }

@@ -8,6 +8,7 @@ use crate::cq::CompletionQueue;
 use crate::cq::CqBackend;
 use crate::error::{Error, Result};
 use crate::inflight::Inflight;
+use crate::mr::MemoryRegion;
 use crate::pd::{PdBackend, ProtectionDomain};
 use crate::prepared::{PreparedBackend, PreparedSend};
 use crate::raw::{RawRecvWr, RawSendWr};
@@ -439,6 +440,19 @@ impl QueuePair {
         let mut q = self.inner.inflight.q.lock().expect("inflight lock");
         raw.wr_id = q.push_recv(wr.wr_id, wr.local.map(|l| l.mr))?;
         self.post_raw_recv(&mut q, std::slice::from_ref(&raw))
+    }
+
+    /// Posts a prepared receive: its in-flight slot (with its own clone of the region) and
+    /// the provider call.
+    pub(crate) fn post_prepared_recv(
+        &self,
+        wr_id: u64,
+        mr: Option<&MemoryRegion>,
+        raw: &RawRecvWr,
+    ) -> Result<()> {
+        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let seq = q.push_recv(wr_id, mr.cloned())?;
+        self.post_raw_recv(&mut q, std::slice::from_ref(&RawRecvWr { wr_id: seq, ..*raw }))
     }
 
     /// Posts several receives with one provider call.
