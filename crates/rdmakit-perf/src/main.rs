@@ -712,7 +712,21 @@ fn suite(a: &SuiteArgs) -> Result<()> {
     Ok(())
 }
 
+/// Warnings of the library (a refused connection, a dropped frame, a peer that stopped
+/// answering) go to stderr; `RUST_LOG` chooses more or less (default: warnings).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .try_init();
+}
+
 fn main() -> ExitCode {
+    init_logging();
     let cli = Cli::parse();
     let r = match &cli.cmd {
         None => suite(&cli.suite),

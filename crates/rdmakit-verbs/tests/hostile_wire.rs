@@ -702,6 +702,52 @@ fn a_burst_of_hellos_from_one_address_waits_for_its_qps() {
 }
 
 #[test]
+fn more_qps_than_a_device_keeps_waiting_all_get_through_once_their_peers_connect() {
+    // A legitimate host connects 300 QPs and posts a write on each before the victim has
+    // connected any of its QPs (out-of-band setup lets either side go first). The victim
+    // keeps at most MAX_PENDING (256) connections waiting for their QPs and closes the
+    // others. Before, a requester took that close as the end of its link, and 44 writes
+    // failed with RETRY_EXC_ERR although the victim connected its QPs 200 ms later; a
+    // requester whose Hello is unanswered now dials again (with backoff, within the Hello
+    // timeout), as a busy listener's client does.
+    let _g = serial();
+    let v = Victim::new();
+    let (vqps, veps) = unconnected(&v, 300);
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"through!").unwrap();
+    let qps: Vec<QueuePair> = veps
+        .iter()
+        .enumerate()
+        .map(|(i, vep)| {
+            let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+            qp.connect(&far(vep), &opts()).unwrap();
+            let dst = v.mr.remote().slice(8 * i as u64, 8).unwrap();
+            qp.post_send(SendWr::write(src.local().unwrap(), dst).wr_id(i as u64)).unwrap();
+            qp
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    for (vqp, qp) in vqps.iter().zip(&qps) {
+        vqp.connect(&qp.address().unwrap(), &opts()).unwrap();
+    }
+    let mut failed = 0;
+    for _ in 0..qps.len() {
+        let wc = cq.wait(Some(Duration::from_secs(20))).expect("every write completes");
+        failed += usize::from(!wc.status.is_success());
+    }
+    println!("300 QPs connected before their 300 peers: {failed} writes failed");
+    assert_eq!(failed, 0, "writes of QPs whose peers connected late failed");
+    for i in 0..qps.len() as u64 {
+        let mut b = [0u8; 8];
+        v.mr.read_at(8 * i, &mut b).unwrap();
+        assert_eq!(&b, b"through!", "write {i} did not land");
+    }
+}
+
+#[test]
 fn hellos_waiting_for_one_qp_are_bounded() {
     // What a legitimate peer never does: many complete Hellos for the same QP before it is
     // connected. At most MAX_AWAITING_PER_QP (4) wait; the others are closed at once.

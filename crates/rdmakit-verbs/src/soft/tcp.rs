@@ -35,7 +35,9 @@
 //!
 //! Requesters never hold a lock across I/O, nor wait on it: a QP queues a frame on its
 //! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
-//! loop hands responses back to the QP. Served streams and links whose QP is gone end
+//! loop hands responses back to the QP. A TCP link holds its frames until the peer accepts its Hello,
+//! and when a device closes it before that (over the bounds above, its QPs not connected
+//! yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial (`Dial`). Served streams and links whose QP is gone end
 //! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
 //! ends it even if the peer is alive but silent.
 //!
@@ -341,6 +343,10 @@ impl Write for Conn {
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// A link whose peer closed it before answering its Hello dials again after this, doubling
+/// up to [`REDIAL_MAX`], until [`HELLO_TIMEOUT`] from its first dial.
+const REDIAL_MIN: Duration = Duration::from_millis(5);
+const REDIAL_MAX: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Bytes queued for one socket beyond which the loop stops producing more for it (a
@@ -391,6 +397,34 @@ struct NewLink {
     s: Conn,
     shared: Arc<LinkShared>,
     qp: Weak<SoftQp>,
+    /// How to dial again (TCP links).
+    dial: Option<Dial>,
+}
+
+/// How a TCP link whose Hello is unanswered is set up again.
+///
+/// A device over its bound of connections waiting for their QPs ([`MAX_PENDING`]) closes
+/// new ones; for an honest requester that means "busy", as a full listen backlog does, not
+/// "gone": its peer may just not have connected its QPs yet (out-of-band set-up lets either
+/// side go first). So until the peer accepts the Hello, a TCP link holds its requests (none
+/// can be lost with a closed socket) and, when the peer closes, dials again with backoff
+/// until `until`; then it fails, and its requests time out as before.
+struct Dial {
+    addr: SocketAddr,
+    /// The encoded Hello.
+    hello: Vec<u8>,
+    /// [`HELLO_TIMEOUT`] after the first dial.
+    until: Instant,
+    /// The wait before the next dial.
+    backoff: Duration,
+}
+
+/// A link waiting to dial again, off the loop's slab.
+struct Redial {
+    at: Instant,
+    shared: Arc<LinkShared>,
+    qp: Weak<SoftQp>,
+    dial: Dial,
 }
 
 impl Wire {
@@ -432,6 +466,7 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         free: Vec::new(),
         listeners: Vec::new(),
         again: Vec::new(),
+        redials: Vec::new(),
         rbuf: vec![0; READ_BUF],
         scratch: Vec::new(),
     };
@@ -662,6 +697,8 @@ struct LinkConn {
     io: Io,
     shared: Arc<LinkShared>,
     qp: Weak<SoftQp>,
+    /// Until the peer accepts the Hello (TCP): how to dial again if it closes first.
+    dial: Option<Dial>,
 }
 
 enum Entry {
@@ -680,6 +717,8 @@ struct EventLoop {
     listeners: Vec<usize>,
     /// Connections with input or output left over from their last turn.
     again: Vec<usize>,
+    /// Links waiting to dial again.
+    redials: Vec<Redial>,
     rbuf: Vec<u8>,
     scratch: Vec<u8>,
 }
@@ -693,6 +732,9 @@ impl EventLoop {
         loop {
             let now = Instant::now();
             let mut until = next_sweep.min(next_auth);
+            if let Some(r) = self.redials.iter().map(|r| r.at).min() {
+                until = until.min(r);
+            }
             for &li in &self.listeners {
                 if let Some(Some(Entry::Listener(l))) = self.slab.get(li)
                     && let Some(p) = l.paused_until
@@ -728,6 +770,7 @@ impl EventLoop {
             }
             let now = Instant::now();
             self.resume_listeners(now);
+            self.redial_due(now);
             if now >= next_auth {
                 self.retry_auth();
                 next_auth = now + AUTH_RETRY;
@@ -815,19 +858,7 @@ impl EventLoop {
         }
         for nl in inbox.links {
             let io = Io::new(nl.s, Accept::HelloAck);
-            let shared = nl.shared.clone();
-            let i = self.insert(Entry::Link(LinkConn { io, shared: nl.shared, qp: nl.qp }));
-            shared.token.store(i, Ordering::Release);
-            let Some(Some(Entry::Link(c))) = self.slab.get_mut(i) else { unreachable!() };
-            if let Err(e) =
-                c.io.s.register(self.poll.registry(), Token(i), Interest::READABLE | Interest::WRITABLE)
-            {
-                tracing::error!(error = %e, "soft NIC: cannot watch a link");
-                let e = self.slab[i].take().expect("just inserted");
-                self.remove(i, e);
-                continue;
-            }
-            self.again.push(i);
+            self.add_link(LinkConn { io, shared: nl.shared, qp: nl.qp, dial: nl.dial });
         }
         for link in inbox.ready {
             link.flagged.store(false, Ordering::Release);
@@ -841,6 +872,77 @@ impl EventLoop {
         }
         self.again.sort_unstable();
         self.again.dedup();
+    }
+
+    /// Puts link `c` on the loop.
+    fn add_link(&mut self, c: LinkConn) {
+        let shared = c.shared.clone();
+        let i = self.insert(Entry::Link(c));
+        shared.token.store(i, Ordering::Release);
+        let Some(Some(Entry::Link(c))) = self.slab.get_mut(i) else { unreachable!() };
+        if let Err(e) =
+            c.io.s.register(self.poll.registry(), Token(i), Interest::READABLE | Interest::WRITABLE)
+        {
+            tracing::error!(error = %e, "soft NIC: cannot watch a link");
+            let e = self.slab[i].take().expect("just inserted");
+            self.remove(i, e);
+            return;
+        }
+        self.again.push(i);
+    }
+
+    /// Link `c` (taken out of the slab at `i`) ended. One whose Hello is unanswered dials
+    /// again later if its time allows ([`Dial`]); any other fails.
+    fn end_link(&mut self, i: usize, mut c: LinkConn) {
+        let now = Instant::now();
+        match c.dial.take() {
+            Some(mut dial) if now + dial.backoff < dial.until && !c.shared.closed.load(Ordering::Acquire) => {
+                c.io.s.deregister(self.poll.registry());
+                c.io.s.end();
+                self.free.push(i);
+                let at = now + dial.backoff;
+                dial.backoff = (dial.backoff * 2).min(REDIAL_MAX);
+                self.redials.push(Redial { at, shared: c.shared, qp: c.qp, dial });
+            }
+            _ => self.remove(i, Entry::Link(c)),
+        }
+    }
+
+    /// Dials the links whose wait is over.
+    fn redial_due(&mut self, now: Instant) {
+        if !self.redials.iter().any(|r| r.at <= now) {
+            return;
+        }
+        let (due, later): (Vec<Redial>, Vec<Redial>) =
+            std::mem::take(&mut self.redials).into_iter().partition(|r| r.at <= now);
+        self.redials = later;
+        for r in due {
+            if r.shared.closed.load(Ordering::Acquire) || r.qp.strong_count() == 0 {
+                r.shared.fail();
+                continue;
+            }
+            // Non-blocking: the Hello goes out when the socket first says it is writable.
+            match MioStream::connect(r.dial.addr) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    let mut io = Io::new(Conn::Tcp(s), Accept::HelloAck);
+                    io.writable = false;
+                    io.push_bytes(&r.dial.hello);
+                    self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial) });
+                }
+                Err(e) => {
+                    warn_limited!(addr = %r.dial.addr, error = %e, "soft NIC: dialing a peer again failed");
+                    let mut dial = r.dial;
+                    if now + dial.backoff < dial.until {
+                        let at = now + dial.backoff;
+                        dial.backoff = (dial.backoff * 2).min(REDIAL_MAX);
+                        self.redials.push(Redial { at, shared: r.shared, qp: r.qp, dial });
+                    } else {
+                        r.shared.fail();
+                    }
+                }
+            }
+        }
     }
 
     fn on_event(&mut self, i: usize, readable: bool, writable: bool, hup: bool) {
@@ -880,6 +982,8 @@ impl EventLoop {
         };
         if keep {
             self.slab[i] = Some(e);
+        } else if let Entry::Link(c) = e {
+            self.end_link(i, c);
         } else {
             self.remove(i, e);
         }
@@ -1277,7 +1381,8 @@ impl EventLoop {
         loop {
             {
                 let mut q = c.shared.queue.lock().expect("link queue");
-                while c.io.out_bytes <= OUT_HIGH {
+                // A TCP link holds its requests until the peer accepts its Hello (`Dial`).
+                while c.dial.is_none() && c.io.out_bytes <= OUT_HIGH {
                     let Some((f, tail)) = q.pop_front() else { break };
                     c.io.push_request(f, tail, &mut self.scratch);
                 }
@@ -1327,18 +1432,26 @@ impl EventLoop {
                             Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
                                 c.io.rd.accept = Accept::Responses;
                                 let _ = c.shared.accepted_at.set(Instant::now());
+                                // Accepted: no more dialing, and the held requests go out.
+                                c.dial = None;
+                                self.again.push(i);
                             }
                             Ok(Some(Got::Frame(Frame::HelloAck { .. }))) => {
                                 warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
+                                c.dial = None;
                                 return false;
                             }
                             Ok(Some(Got::Frame(f))) => match c.qp.upgrade() {
                                 Some(qp) => qp.on_remote_response(f),
                                 None => return false,
                             },
-                            Ok(Some(Got::Refused { .. } | Got::Placed { .. })) => return false,
+                            Ok(Some(Got::Refused { .. } | Got::Placed { .. })) => {
+                                c.dial = None;
+                                return false;
+                            }
                             Err(e) => {
                                 warn_limited!(error = %e, "soft NIC: bad response; link dropped");
+                                c.dial = None;
                                 return false;
                             }
                         }
@@ -1564,7 +1677,12 @@ impl TcpLink {
         wire::encode(&hello, &mut encoded);
         if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
             let direct = conn.direct().ok();
-            let nl = NewLink { s: Conn::Shm(Box::new(conn)), shared: shared.clone(), qp: Arc::downgrade(qp) };
+            let nl = NewLink {
+                s: Conn::Shm(Box::new(conn)),
+                shared: shared.clone(),
+                qp: Arc::downgrade(qp),
+                dial: None,
+            };
             wire.submit(|inbox| inbox.links.push(nl));
             return TcpLink { shared, wire: Some(wire), same_host: true, direct };
         }
@@ -1585,6 +1703,12 @@ impl TcpLink {
                     s: Conn::Tcp(MioStream::from_std(s)),
                     shared: shared.clone(),
                     qp: Arc::downgrade(qp),
+                    dial: Some(Dial {
+                        addr,
+                        hello: encoded,
+                        until: Instant::now() + HELLO_TIMEOUT,
+                        backoff: REDIAL_MIN,
+                    }),
                 };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
