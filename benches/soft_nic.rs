@@ -1,5 +1,6 @@
 //! Soft NIC micro-benchmarks, in-process, with the physical limit beside them in the same
-//! run: an 8-byte RDMA write plus its completion (latency), and a 1 MiB RDMA write plus its
+//! run: an 8-byte RDMA write plus its completion (latency; built per post and prepared
+//! once), and a 1 MiB RDMA write plus its
 //! completion against a plain `memcpy` of 1 MiB (bandwidth).
 //!
 //! `cargo bench --bench soft_nic`; HTML reports land in `target/criterion/report/`.
@@ -51,6 +52,20 @@ fn small_write(c: &mut Criterion) {
     let remote = r.dst.remote().slice(0, 8).expect("slice");
     let mut g = c.benchmark_group("soft_nic_latency");
     g.bench_function("write_8B_plus_completion", |b| b.iter(|| write_and_reap(&r, &local, remote)));
+    // The same write checked and converted once (`PreparedSend`), as perftest posts requests
+    // it built before timing.
+    let prepared = r.a.prepare_send(SendWr::write(local.clone(), remote)).expect("prepare");
+    g.bench_function("prepared_write_8B_plus_completion", |b| {
+        b.iter(|| {
+            prepared.post().expect("post");
+            loop {
+                if let Some(wc) = r.cq.poll_one().expect("poll") {
+                    black_box(wc.ok().expect("completion"));
+                    break;
+                }
+            }
+        })
+    });
     g.bench_function("write_inline_8B_plus_completion", |b| {
         let data = 42u64.to_ne_bytes();
         b.iter(|| {

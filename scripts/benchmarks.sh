@@ -65,9 +65,9 @@ section "rdmakit against this machine's limits (memcpy, same-host rings, TCP loo
 section "MEMIC atomics, the UCX talk's table" soft "$perf" memic-atomics
 section "Cross-GVMI export costs, the UMR mkey pool talk's table" soft "$perf" xgvmi-export
 section "Connections between two processes: threads, memory and rate against the pair count" soft \
-    "$perf" scaling --pairs 1,4,16,64,256
+    "$perf" scaling --pairs 1,4,16,64,256,1024
 section "The same over the TCP wire (the same-host path off)" soft \
-    env RDMAKIT_SOFT_SHM=0 "$perf" scaling --pairs 1,4,16,64,256
+    env RDMAKIT_SOFT_SHM=0 "$perf" scaling --pairs 1,4,16,64,256,1024
 section "Idle connections between two processes: memory per QP pair" soft \
     "$perf" scaling --idle --pairs 1,256,1024
 section "rpipe: rwrite PUT_W_SYNC vs 2PUT, rread, allocation policies through pipes, the rmalloc/rpipe paper's tables" soft \
@@ -103,8 +103,10 @@ if [ "${RDMAKIT_BENCH_CRITERION:-1}" != 0 ]; then
         cargo bench --quiet --bench channel -- --noplot --warm-up-time 1 --measurement-time 3
     section "Remote-heap allocation policies (criterion)" soft \
         cargo bench --quiet --bench heap_alloc -- --noplot --warm-up-time 1 --measurement-time 3
+    section "Verbs latency: a request built per post against one prepared once (criterion)" soft \
+        cargo bench --quiet --bench soft_nic -- soft_nic_latency --noplot --warm-up-time 1 --measurement-time 3
 else
-    printf '## Criterion groups (soft)\n\nNot run this time (RDMAKIT_BENCH_CRITERION=0): `cargo bench --bench channel` and `--bench heap_alloc`.\n\n' >>"$tmp"
+    printf '## Criterion groups (soft)\n\nNot run this time (RDMAKIT_BENCH_CRITERION=0): `cargo bench --bench channel`, `--bench heap_alloc` and `--bench soft_nic`.\n\n' >>"$tmp"
 fi
 rxe_plot() { # the comparison's size-sweep plot, when its run drew one, into docs/ and the file
     if [ -f target/perftest-compare/perftest-compare.svg ]; then

@@ -748,6 +748,56 @@ fn more_qps_than_a_device_keeps_waiting_all_get_through_once_their_peers_connect
 }
 
 #[test]
+fn a_peer_that_always_closes_is_dialed_a_bounded_number_of_times_then_the_request_fails() {
+    // The other side of dialing again: a "device" that accepts every connection and closes
+    // it at once, without a word. The requester dials again with backoff within the Hello
+    // timeout (3 s), then gives up: its write completes with RETRY_EXC_ERR (its transport
+    // timer ran from the post) instead of waiting for ever or dialing without bound.
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqps, veps) = unconnected(&v, 1);
+    let closer = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mut ep = far(&veps[0]);
+    ep.lid = closer.local_addr().unwrap().port();
+    closer.set_nonblocking(true).unwrap();
+    let accepts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let counter = {
+        let (accepts, stop) = (accepts.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match closer.accept() {
+                    Ok((s, _)) => {
+                        accepts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        drop(s);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        })
+    };
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let t = Instant::now();
+    qp.connect(&ep, &opts()).unwrap();
+    qp.post_send(SendWr::write(src.local().unwrap(), v.mr.remote().slice(0, 8).unwrap())).unwrap();
+    let wc = cq.wait(Some(Duration::from_secs(20))).expect("the write completes, with an error");
+    let took = t.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    counter.join().unwrap();
+    let n = accepts.load(std::sync::atomic::Ordering::Relaxed);
+    println!("a peer closing every connection: {n} dials, failed after {took:?} with {}", wc.status);
+    assert_eq!(wc.status, WcStatus::RETRY_EXC_ERR);
+    assert!(n >= 3, "the requester did not dial again ({n} connections)");
+    assert!(n <= 20, "the requester dialed {n} times in 3 s: no backoff");
+    // The last dial is the one whose backoff would end past the Hello timeout.
+    assert!(took >= Duration::from_secs(2), "gave up after {took:?}, long before the Hello timeout");
+}
+
+#[test]
 fn hellos_waiting_for_one_qp_are_bounded() {
     // What a legitimate peer never does: many complete Hellos for the same QP before it is
     // connected. At most MAX_AWAITING_PER_QP (4) wait; the others are closed at once.
