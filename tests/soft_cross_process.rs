@@ -19,18 +19,23 @@ use libtest_mimic::{Arguments, Trial};
 use rdmakit::*;
 
 fn main() {
-    if std::env::var("RDMAKIT_TEST_PEER").as_deref() == Ok("1") {
-        peer_process();
-        return;
+    match std::env::var("RDMAKIT_TEST_PEER").as_deref() {
+        Ok("1") => return peer_process(),
+        Ok("many") => return many_qps_peer_process(),
+        _ => {}
     }
     let args = Arguments::from_args();
     type Case = (&'static str, fn(Path));
-    let tests: [Case; 3] = [
+    let tests: [Case; 4] = [
         ("one_sided_and_two_sided_ops_across_processes", one_sided_and_two_sided_ops_across_processes),
         ("send_waits_for_a_late_receive_across_processes", send_waits_for_a_late_receive_across_processes),
         (
             "killed_peer_gives_retry_exceeded_within_the_budget",
             killed_peer_gives_retry_exceeded_within_the_budget,
+        ),
+        (
+            "more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes",
+            more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes,
         ),
     ];
     let mut trials: Vec<Trial> = tests
@@ -455,4 +460,110 @@ fn hostile_bytes_on_the_port_are_dropped() {
     let m = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
     qp.post_send(SendWr::write(m.local().unwrap(), m.remote().slice(0, 8).unwrap())).unwrap();
     wait(&cq).ok().unwrap();
+}
+
+/// QPs the many-QP peer makes: more than a device keeps waiting for their QPs (256).
+const MANY: usize = 300;
+
+/// The many-QP peer (`RDMAKIT_TEST_PEER=many`): prints `MR <region>` and `MANY` endpoints
+/// of QPs left unconnected, reads as many endpoints, and connects its QPs only when the
+/// client says `GO` (after the client connected its QPs and posted on them); then prints
+/// `CONNECTED` and idles until its stdin closes.
+fn many_qps_peer_process() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024).unwrap();
+    let mr = pd.alloc_mr(8 * MANY, AccessFlags::ALL_REMOTE).unwrap();
+    let qps: Vec<QueuePair> = (0..MANY).map(|_| pd.create_qp(&cq, &cq, QpCaps::default()).unwrap()).collect();
+    let mut out = std::io::stdout();
+    writeln!(out, "MR {}", hex(&mr.remote().encode())).unwrap();
+    for qp in &qps {
+        qp.modify_to_init(&opts()).unwrap();
+        writeln!(out, "EP {}", hex(&qp.address().unwrap().encode())).unwrap();
+    }
+    out.flush().unwrap();
+    let mut stdin = BufReader::new(std::io::stdin());
+    let mut line = String::new();
+    let mut theirs = Vec::new();
+    while theirs.len() < MANY {
+        line.clear();
+        stdin.read_line(&mut line).unwrap();
+        theirs.push(QpAddress::decode(&unhex(line.trim().strip_prefix("EP ").unwrap())).unwrap());
+    }
+    line.clear();
+    stdin.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "GO");
+    for (qp, ep) in qps.iter().zip(&theirs) {
+        qp.connect(ep, &opts()).unwrap();
+    }
+    writeln!(out, "CONNECTED").unwrap();
+    out.flush().unwrap();
+    while stdin.read_line(&mut line).unwrap_or(0) > 0 {}
+    drop(mr);
+}
+
+/// A host connecting more QPs than the peer device keeps waiting (256) and posting on them
+/// before the peer connected any of its own: the peer closes the links over its bound, and
+/// each dials again until the peer's QPs are connected. Before, the rest failed with
+/// `RETRY_EXC_ERR` (over TCP 44 of 300; the same-host rings had the same bound and no
+/// second dial either).
+fn more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes(path: Path) {
+    let mut cmd = peer_command();
+    if path == Path::Tcp {
+        cmd.env(rdmakit_verbs::soft::SHM_ENV, "0");
+    }
+    let mut child = cmd
+        .env("RDMAKIT_TEST_PEER", "many")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the peer process");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let mut mr = None;
+    let mut eps = Vec::new();
+    while eps.len() < MANY {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "peer exited early");
+        if let Some(m) = line.trim().strip_prefix("MR ") {
+            mr = Some(RemoteRegion::decode(&unhex(m)).unwrap());
+        } else if let Some(e) = line.trim().strip_prefix("EP ") {
+            eps.push(QpAddress::decode(&unhex(e)).unwrap());
+        }
+    }
+    let mr = mr.expect("the peer's region");
+    let ctx = Context::open_soft_with(path.config()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(1024).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"through!").unwrap();
+    let mut msg = String::new();
+    let qps: Vec<QueuePair> = eps
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| {
+            let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+            qp.connect(ep, &opts()).unwrap();
+            qp.post_send(
+                SendWr::write(src.local().unwrap(), mr.slice(8 * i as u64, 8).unwrap()).wr_id(i as u64),
+            )
+            .unwrap();
+            msg += &format!("EP {}\n", hex(&qp.address().unwrap().encode()));
+            qp
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let stdin = child.stdin.as_mut().unwrap();
+    writeln!(stdin, "{msg}GO").unwrap();
+    stdin.flush().unwrap();
+    let mut failed = Vec::new();
+    for _ in 0..qps.len() {
+        let wc = cq.wait(Some(Duration::from_secs(30))).expect("every write completes");
+        if !wc.status.is_success() {
+            failed.push((wc.wr_id, wc.status));
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(failed.is_empty(), "{path:?}: {} of {MANY} writes failed: {failed:?}", failed.len());
 }
