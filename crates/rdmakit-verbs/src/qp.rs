@@ -171,7 +171,10 @@ impl QpBackend {
     /// The provider's own form of a checked request, built once for many posts.
     fn prepare_send(&self, raw: &RawSendWr<'_>) -> PreparedBackend {
         match self {
-            QpBackend::Soft(_) => PreparedBackend::Soft,
+            QpBackend::Soft(_) => {
+                let _ = raw; // the soft NIC takes the provider-neutral form as it is
+                PreparedBackend::Soft
+            }
             #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(_) => PreparedBackend::Verbs(crate::rdma::SendTemplate::new(raw)),
         }
