@@ -465,6 +465,14 @@ fn hostile_bytes_on_the_port_are_dropped() {
 /// QPs the many-QP peer makes: more than a device keeps waiting for their QPs (256).
 const MANY: usize = 300;
 
+/// A transport budget of about 8 s (4.096 µs × 2^18 × 8) for the many-QP test: its 300
+/// connections are accepted at once, and a device slowed down (the sanitizer tiers run
+/// this binary instrumented) answers the last of their first requests well after the
+/// 67 ms of `opts`.
+fn patient_opts() -> ConnectOptions {
+    ConnectOptions::default().with_timeout(18).with_retry_cnt(7)
+}
+
 /// The many-QP peer (`RDMAKIT_TEST_PEER=many`): prints `MR <region>` and `MANY` endpoints
 /// of QPs left unconnected, reads as many endpoints, and connects its QPs only when the
 /// client says `GO` (after the client connected its QPs and posted on them); then prints
@@ -478,7 +486,7 @@ fn many_qps_peer_process() {
     let mut out = std::io::stdout();
     writeln!(out, "MR {}", hex(&mr.remote().encode())).unwrap();
     for qp in &qps {
-        qp.modify_to_init(&opts()).unwrap();
+        qp.modify_to_init(&patient_opts()).unwrap();
         writeln!(out, "EP {}", hex(&qp.address().unwrap().encode())).unwrap();
     }
     out.flush().unwrap();
@@ -494,7 +502,7 @@ fn many_qps_peer_process() {
     stdin.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "GO");
     for (qp, ep) in qps.iter().zip(&theirs) {
-        qp.connect(ep, &opts()).unwrap();
+        qp.connect(ep, &patient_opts()).unwrap();
     }
     writeln!(out, "CONNECTED").unwrap();
     out.flush().unwrap();
@@ -543,7 +551,7 @@ fn more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes(path: P
         .enumerate()
         .map(|(i, ep)| {
             let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-            qp.connect(ep, &opts()).unwrap();
+            qp.connect(ep, &patient_opts()).unwrap();
             qp.post_send(
                 SendWr::write(src.local().unwrap(), mr.slice(8 * i as u64, 8).unwrap()).wr_id(i as u64),
             )
