@@ -35,10 +35,9 @@
 //!
 //! Requesters never hold a lock across I/O, nor wait on it: a QP queues a frame on its
 //! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
-//! loop hands responses back to the QP. A link holds its frames until the peer accepts its
-//! Hello, and when a device closes it before that (over the bounds above, its QPs not
-//! connected yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial
-//! (`Dial`; same-host rings first, then TCP). Served streams and links whose QP is gone end
+//! loop hands responses back to the QP. A TCP link holds its frames until the peer accepts its Hello,
+//! and when a device closes it before that (over the bounds above, its QPs not connected
+//! yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial (`Dial`). Served streams and links whose QP is gone end
 //! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
 //! ends it even if the peer is alive but silent.
 //!
@@ -402,18 +401,16 @@ struct NewLink {
     dial: Option<Dial>,
 }
 
-/// How a link whose Hello is unanswered is set up again.
+/// How a TCP link whose Hello is unanswered is set up again.
 ///
 /// A device over its bound of connections waiting for their QPs ([`MAX_PENDING`]) closes
 /// new ones; for an honest requester that means "busy", as a full listen backlog does, not
 /// "gone": its peer may just not have connected its QPs yet (out-of-band set-up lets either
-/// side go first). So until the peer accepts the Hello, a link holds its requests (none
-/// can be lost with a closed socket or abandoned rings) and, when the peer closes, dials
-/// again with backoff until `until`; then it fails, and its requests time out as before.
+/// side go first). So until the peer accepts the Hello, a TCP link holds its requests (none
+/// can be lost with a closed socket) and, when the peer closes, dials again with backoff
+/// until `until`; then it fails, and its requests time out as before.
 struct Dial {
     addr: SocketAddr,
-    /// Same-host rings to try first: the device's GID and the ring size.
-    shm: Option<([u8; 16], usize)>,
     /// The encoded Hello.
     hello: Vec<u8>,
     /// [`HELLO_TIMEOUT`] after the first dial.
@@ -922,14 +919,6 @@ impl EventLoop {
         for r in due {
             if r.shared.closed.load(Ordering::Acquire) || r.qp.strong_count() == 0 {
                 r.shared.fail();
-                continue;
-            }
-            // Same-host rings first (the Hello is in the ring when it returns), else TCP.
-            if let Some((gid, ring)) = r.dial.shm
-                && let Some(conn) = shm::connect(&gid, &r.dial.hello, ring)
-            {
-                let io = Io::new(Conn::Shm(Box::new(conn)), Accept::HelloAck);
-                self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial) });
                 continue;
             }
             // Non-blocking: the Hello goes out when the socket first says it is writable.
@@ -1443,11 +1432,6 @@ impl EventLoop {
                             Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
                                 c.io.rd.accept = Accept::Responses;
                                 let _ = c.shared.accepted_at.set(Instant::now());
-                                if let Conn::Shm(sc) = &c.io.s
-                                    && let Ok(d) = sc.direct()
-                                {
-                                    let _ = c.shared.direct.set(d);
-                                }
                                 // Accepted: no more dialing, and the held requests go out.
                                 c.dial = None;
                                 self.again.push(i);
@@ -1634,9 +1618,6 @@ struct LinkShared {
     flagged: AtomicBool,
     /// Its slot on the loop.
     token: AtomicUsize,
-    /// Same-host rings: the QP's way to post into the ring itself, set by the loop when the
-    /// peer accepts the Hello (the rings of a link dialed again are new ones).
-    direct: OnceLock<shm::Direct>,
 }
 
 impl LinkShared {
@@ -1652,6 +1633,9 @@ pub(crate) struct TcpLink {
     shared: Arc<LinkShared>,
     wire: Option<&'static Wire>,
     same_host: bool,
+    /// Same-host rings: requests go into the ring from the QP's thread when the loop has
+    /// nothing waiting (no wake-up of the loop on the way out).
+    direct: Option<shm::Direct>,
 }
 
 impl TcpLink {
@@ -1680,36 +1664,27 @@ impl TcpLink {
             closed: AtomicBool::new(false),
             flagged: AtomicBool::new(false),
             token: AtomicUsize::new(usize::MAX),
-            direct: OnceLock::new(),
         });
         let wire = match wire() {
             Ok(w) => w,
             Err(e) => {
                 tracing::error!(%e, "soft NIC: no wire; requests will time out");
                 shared.dead.store(true, Ordering::Release);
-                return TcpLink { shared, wire: None, same_host: false };
+                return TcpLink { shared, wire: None, same_host: false, direct: None };
             }
         };
         let mut encoded = Vec::new();
         wire::encode(&hello, &mut encoded);
-        let dial = |shm| Dial {
-            addr,
-            shm,
-            hello: encoded.clone(),
-            until: Instant::now() + HELLO_TIMEOUT,
-            backoff: REDIAL_MIN,
-        };
         if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
-            // Requests go into the ring from the QP's thread (no wake-up of the loop) once
-            // the peer accepted the Hello: `LinkShared::direct`.
+            let direct = conn.direct().ok();
             let nl = NewLink {
                 s: Conn::Shm(Box::new(conn)),
                 shared: shared.clone(),
                 qp: Arc::downgrade(qp),
-                dial: Some(dial(Some((*gid, ring)))),
+                dial: None,
             };
             wire.submit(|inbox| inbox.links.push(nl));
-            return TcpLink { shared, wire: Some(wire), same_host: true };
+            return TcpLink { shared, wire: Some(wire), same_host: true, direct };
         }
         // The Hello goes out with the connection, from this thread: a fresh socket's send
         // buffer takes its few bytes at once, and a listener counts a connection whose Hello
@@ -1728,7 +1703,12 @@ impl TcpLink {
                     s: Conn::Tcp(MioStream::from_std(s)),
                     shared: shared.clone(),
                     qp: Arc::downgrade(qp),
-                    dial: Some(dial(None)),
+                    dial: Some(Dial {
+                        addr,
+                        hello: encoded,
+                        until: Instant::now() + HELLO_TIMEOUT,
+                        backoff: REDIAL_MIN,
+                    }),
                 };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
@@ -1737,7 +1717,7 @@ impl TcpLink {
                 shared.dead.store(true, Ordering::Release);
             }
         }
-        TcpLink { shared, wire: Some(wire), same_host: false }
+        TcpLink { shared, wire: Some(wire), same_host: false, direct: None }
     }
 
     /// Queues a request frame, with its payload still in the region when `tail` is given.
@@ -1754,7 +1734,7 @@ impl TcpLink {
                 return false;
             }
             if q.is_empty()
-                && let Some(d) = self.shared.direct.get()
+                && let Some(d) = &self.direct
                 && post_direct(d, &f, tail.as_ref())
             {
                 return true;
