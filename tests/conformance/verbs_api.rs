@@ -72,10 +72,7 @@ fn register_deregister(env: &Env) -> Result<(), Failed> {
     let mr = pd.register(pattern(1000, 3), AccessFlags::ALL_REMOTE)?;
     mr.write_at(10, b"xyz")?;
     let clone = mr.clone();
-    let mr = match mr.try_into_vec() {
-        Err(mr) => mr,
-        Ok(_) => return Err("try_into_vec succeeded while a clone was alive".into()),
-    };
+    let mr = still_held(mr, "try_into_vec succeeded while a clone was alive")?;
     drop(clone);
     let v = mr.try_into_vec().map_err(|_| "try_into_vec failed with one handle")?;
     let mut want = pattern(1000, 3);
@@ -657,10 +654,7 @@ fn prepared_requests(env: &Env) -> Result<(), Failed> {
     }
     drop(quiet);
     check_eq!(p.a.outstanding(), (3, 0));
-    let src = match src.try_into_vec() {
-        Ok(_) => return Err("a region was released while posted requests referenced it".into()),
-        Err(mr) => mr,
-    };
+    let src = still_held(src, "a region was released while posted requests referenced it")?;
     let mut loud =
         p.a.prepare_send(SendWr::write(src.slice(32, 32)?, dst.remote().slice(32, 32)?).wr_id(10))?;
     loud.post()?;
@@ -721,10 +715,7 @@ fn prepared_requests(env: &Env) -> Result<(), Failed> {
     recv.post()?;
     drop(recv);
     check_eq!(p.b.outstanding(), (0, 1));
-    let rbuf = match rbuf.try_into_vec() {
-        Ok(_) => return Err("a region was released while a posted receive referenced it".into()),
-        Err(mr) => mr,
-    };
+    let rbuf = still_held(rbuf, "a region was released while a posted receive referenced it")?;
     hello.post()?;
     check_eq!(wait_ok(&p.cq_a)?.wr_id, 40);
     check_eq!(wait_ok(&p.cq_b)?.wr_id, 41);
@@ -778,10 +769,7 @@ fn dropped_qp_releases_buffers(env: &Env) -> Result<(), Failed> {
     let rbuf = p.pd.register(vec![7u8; 64], AccessFlags::LOCAL_WRITE)?;
     p.b.post_recv(RecvWr::new(rbuf.local()?).wr_id(1))?;
     // The posted receive holds the region.
-    let rbuf = match rbuf.try_into_vec() {
-        Ok(_) => return Err("a region was released while a posted receive referenced it".into()),
-        Err(mr) => mr,
-    };
+    let rbuf = still_held(rbuf, "a region was released while a posted receive referenced it")?;
     check_eq!(p.b.outstanding(), (0, 1));
     drop(p.b);
     let v = rbuf.try_into_vec().map_err(|_| "region still held after its QP was destroyed")?;
@@ -912,4 +900,13 @@ fn cm_refused_and_limits(env: &Env) -> Result<(), Failed> {
         other => return Err(format!("accept with no request gave {other:?}").into()),
     }
     Ok(())
+}
+
+/// `mr` back if something (a clone, a posted request's in-flight slot) still holds it, so
+/// that `try_into_vec` refuses; the test fails with `why` if the region was released.
+fn still_held(mr: MemoryRegion, why: &str) -> Result<MemoryRegion, Failed> {
+    match mr.try_into_vec() {
+        Ok(_) => Err(why.into()),
+        Err(mr) => Ok(mr),
+    }
 }

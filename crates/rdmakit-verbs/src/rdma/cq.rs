@@ -99,7 +99,7 @@ impl Cq {
         if done == 0 {
             self.check_overrun()?;
         } else {
-            self.empty_polls.store(0, Ordering::Relaxed);
+            self.found_some();
         }
         Ok(done)
     }
@@ -113,9 +113,18 @@ impl Cq {
             self.check_overrun()?;
             return Ok(None);
         }
-        self.empty_polls.store(0, Ordering::Relaxed);
+        self.found_some();
         // SAFETY: ibv_poll_cq returned 1: it initialised the entry.
         Ok(Some(convert_wc(unsafe { wc.assume_init_ref() })))
+    }
+
+    /// A poll found completions: the next empty poll checks for an overrun. The counter is
+    /// written only when it is not already zero, so a CQ that always has completions does
+    /// not dirty its line once per completion.
+    fn found_some(&self) {
+        if self.empty_polls.load(Ordering::Relaxed) != 0 {
+            self.empty_polls.store(0, Ordering::Relaxed);
+        }
     }
 
     /// Called when a poll found the queue empty. An overrun is reported by an async event,
