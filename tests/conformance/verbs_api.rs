@@ -46,6 +46,11 @@ pub const CASES: &[Case] = &[
     case("random_ops_match_memory_model", crate::model::random_ops_match_model),
     Case { name: "cm_connect_accept_write_disconnect", needs: Needs::CmAddress, run: cm_round_trip },
     Case { name: "cm_refused_and_limits", needs: Needs::CmAddress, run: cm_refused_and_limits },
+    Case {
+        name: "cm_receives_posted_before_the_answer",
+        needs: Needs::CmAddress,
+        run: cm_receives_posted_before_the_answer,
+    },
 ];
 
 fn register_deregister(env: &Env) -> Result<(), Failed> {
@@ -898,6 +903,80 @@ fn cm_refused_and_limits(env: &Env) -> Result<(), Failed> {
     match l.accept_timeout(&pd, &opts, &[], Some(Duration::from_millis(200))) {
         Err(Error::Timeout(_)) => {}
         other => return Err(format!("accept with no request gave {other:?}").into()),
+    }
+    Ok(())
+}
+
+/// `accept_with`: receives posted in its hook are in place before the requester can send.
+/// The hook takes its time before posting, and the requester sends at once without RNR
+/// retries: a send that arrived before the receives would fail with RNR_RETRY_EXC_ERR. A
+/// failing hook refuses the request and returns its error.
+fn cm_receives_posted_before_the_answer(env: &Env) -> Result<(), Failed> {
+    use rdmakit::cm;
+    const N: u64 = 4;
+    let ip = crate::fixture::cm_ip(env.provider).ok_or("no address")?;
+    let listener = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
+    let addr = listener.local_addr()?;
+    let pd = env.ctx.alloc_pd()?;
+    let opts = cm::CmOptions::default().with_connect(env.opts());
+    let inbox = pd.alloc_mr(16 * N as usize, AccessFlags::LOCAL_WRITE)?;
+    let server = std::thread::spawn({
+        let (pd, inbox) = (pd.clone(), inbox.clone());
+        move || -> Result<(), String> {
+            let conn = listener
+                .accept_with(&pd, &opts, &[], Some(Duration::from_secs(20)), |qp, peer| {
+                    if !peer.starts_with(b"early") {
+                        return Err(Error::InvalidArgument(format!("request data {peer:?}")));
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                    for i in 0..N {
+                        qp.post_recv(RecvWr::new(inbox.slice(i * 16, 16)?).wr_id(i))?;
+                    }
+                    Ok(())
+                })
+                .map_err(|e| e.to_string())?;
+            for i in 0..N {
+                let wc = wait_ok(conn.cq()).map_err(|e| format!("receive {i}: {e:?}"))?;
+                if wc.wr_id != i || wc.byte_len != 5 {
+                    return Err(format!("receive {i}: {wc:?}"));
+                }
+            }
+            conn.wait_disconnected(Duration::from_secs(20)).map_err(|e| e.to_string())?;
+            Ok(())
+        }
+    });
+    let client_opts = opts.with_connect(env.opts().with_rnr_retry(0));
+    let conn = cm::connect(&pd, addr, &client_opts, b"early")?;
+    for i in 0..N {
+        conn.qp().post_send(SendWr::send_inline(b"hello").wr_id(i))?;
+    }
+    for i in 0..N {
+        check_eq!(wait_ok(conn.cq())?.wr_id, i);
+    }
+    conn.disconnect()?;
+    server.join().map_err(|_| "server panicked")??;
+    let mut got = [0u8; 5];
+    inbox.read_at(16 * (N - 1), &mut got)?;
+    check!(&got == b"hello", "received {got:?}");
+
+    // A hook that fails: the request is refused, and accept returns the hook's error.
+    let listener = cm::Listener::bind(&env.ctx, std::net::SocketAddr::new(ip, 0))?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn({
+        let pd = pd.clone();
+        move || {
+            listener
+                .accept_with(&pd, &opts, &[], Some(Duration::from_secs(20)), |_, _| {
+                    Err(Error::InvalidArgument("not today".into()))
+                })
+                .map(drop)
+        }
+    });
+    let refused = cm::connect(&pd, addr, &opts.with_timeout(Duration::from_secs(10)), b"late");
+    check!(refused.is_err(), "a request whose hook failed was accepted");
+    match server.join().map_err(|_| "server panicked")? {
+        Err(Error::InvalidArgument(why)) if why == "not today" => {}
+        other => return Err(format!("accept with a failing hook gave {other:?}").into()),
     }
     Ok(())
 }

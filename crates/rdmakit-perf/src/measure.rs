@@ -401,15 +401,14 @@ fn read_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
 /// Keeps `want` receives posted on `side` (covering the whole buffer: any size fits), from
 /// one receive prepared on first use, as perftest re-posts one it built before timing.
 fn top_up_recvs(side: &Side, want: u32) -> Result<()> {
-    let want = want.min(side.qp.caps().max_recv_wr.saturating_sub(1)).max(1);
+    let want = recv_target(&side.qp, want);
     if side.posted_recvs.load(Ordering::Relaxed) >= want {
         return Ok(());
     }
     let recv = match side.recv.get() {
         Some(r) => r,
         None => {
-            let len = (side.buf.len() - rig::REPORT_LEN) as u32;
-            let r = side.qp.prepare_recv(RecvWr::new(side.buf.slice(0, len)?).wr_id(RECV_WR))?;
+            let r = prepare_recv(&side.qp, &side.buf)?;
             side.recv.get_or_init(|| r)
         }
     };
@@ -418,6 +417,40 @@ fn top_up_recvs(side: &Side, want: u32) -> Result<()> {
         side.posted_recvs.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
+}
+
+/// Receives to keep posted when a test asks for `want`: what the QP holds, at least one.
+fn recv_target(qp: &QueuePair, want: u32) -> u32 {
+    want.min(qp.caps().max_recv_wr.saturating_sub(1)).max(1)
+}
+
+/// The receive every test posts: the buffer but its report area.
+fn prepare_recv(qp: &QueuePair, buf: &MemoryRegion) -> Result<PreparedRecv> {
+    let len = (buf.len() - rig::REPORT_LEN) as u32;
+    qp.prepare_recv(RecvWr::new(buf.slice(0, len)?).wr_id(RECV_WR))
+}
+
+/// The server's receives for a test that sends to it, posted on its new QP before the
+/// client learns that the connection is up (perftest posts them before its handshake): a
+/// first send that found none would be refused with a receiver-not-ready NAK and retried
+/// only after the RNR timer, at least a kernel tick (4 ms) on rxe, which a short message
+/// rate run measured. Returns the prepared receive and how many were posted.
+pub(crate) fn prepost_recvs(
+    qp: &QueuePair,
+    buf: &MemoryRegion,
+    p: &Params,
+) -> Result<Option<(PreparedRecv, u32)>> {
+    let want = match p.test {
+        Test::SendBw => p.rx_depth,
+        Test::SendLat => 2,
+        _ => return Ok(None),
+    };
+    let want = recv_target(qp, want);
+    let recv = prepare_recv(qp, buf)?;
+    for _ in 0..want {
+        recv.post()?;
+    }
+    Ok(Some((recv, want)))
 }
 
 /// One received message: counts the receive off; true if it is the stop mark.

@@ -431,9 +431,22 @@ pub fn server(
     let pd = ctx.alloc_pd()?;
     let buf = pd.alloc_mr(max_buffer_len(), AccessFlags::ALL_REMOTE)?;
     let atomic = atomic_target(ctx, &pd, placement)?;
-    let conn = listener.accept(&pd, &cm_options(&max, opts), &regions(&buf, &atomic))?;
+    // A test that sends to the server finds its receives posted (a malformed request is
+    // refused below, once accepted).
+    let mut preposted = None;
+    let conn =
+        listener.accept_with(&pd, &cm_options(&max, opts), &regions(&buf, &atomic), None, |qp, d| {
+            if let Ok(p) = Params::decode(d) {
+                preposted = crate::measure::prepost_recvs(qp, &buf, &p)?;
+            }
+            Ok(())
+        })?;
     let d = conn.peer_private_data();
     let p = Params::decode(d).map_err(|reason| Error::Malformed { what: "test parameters", reason })?;
+    let (recv, posted) = match preposted {
+        Some((r, n)) => (std::sync::OnceLock::from(r), n),
+        None => (std::sync::OnceLock::new(), 0),
+    };
     let at = Params::ENCODED_LEN;
     let peer_buf =
         RemoteRegion::decode(d.get(at..at + RemoteRegion::ENCODED_LEN).ok_or_else(|| Error::Malformed {
@@ -450,8 +463,8 @@ pub fn server(
         peer_atomic: peer_buf,
         conn: Some(conn),
         _atomic: atomic,
-        posted_recvs: 0.into(),
-        recv: std::sync::OnceLock::new(),
+        posted_recvs: posted.into(),
+        recv,
     };
     Ok((p, side))
 }

@@ -242,9 +242,50 @@ impl Listener {
         private_data: &[u8],
         wait: Option<Duration>,
     ) -> Result<Connection> {
+        self.accept_with(pd, opts, private_data, wait, |_, _| Ok(()))
+    }
+
+    /// [`accept_timeout`](Self::accept_timeout) that runs `before_answer` on the new QP,
+    /// with the requester's private data, once the QP takes receives and before the
+    /// requester learns that it was accepted. Receives posted there are in place before the
+    /// peer's first send can arrive, as perftest posts its receives before its handshake: a
+    /// send that finds none is answered with a receiver-not-ready NAK, and the sender waits
+    /// out the RNR timer (at least a kernel tick on rxe) before it tries again.
+    ///
+    /// An error from `before_answer` rejects the request and is returned.
+    ///
+    /// # Example
+    /// ```
+    /// # use rdmakit_verbs::{cm, AccessFlags, Context, RecvWr};
+    /// # fn main() -> rdmakit_verbs::Result<()> {
+    /// let ctx = Context::open_soft();
+    /// let pd = ctx.alloc_pd()?;
+    /// let inbox = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    /// let listener = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap())?;
+    /// let addr = listener.local_addr()?;
+    /// let client = std::thread::spawn(move || {
+    ///     let pd = Context::open_soft().alloc_pd()?;
+    ///     cm::connect(&pd, addr, &cm::CmOptions::default(), b"hi")
+    /// });
+    /// let conn = listener.accept_with(&pd, &cm::CmOptions::default(), &[], None, |qp, _peer| {
+    ///     qp.post_recv(RecvWr::new(inbox.local()?))
+    /// })?;
+    /// client.join().unwrap()?;
+    /// # drop(conn);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn accept_with(
+        &self,
+        pd: &ProtectionDomain,
+        opts: &CmOptions,
+        private_data: &[u8],
+        wait: Option<Duration>,
+        before_answer: impl FnOnce(&QueuePair, &[u8]) -> Result<()>,
+    ) -> Result<Connection> {
         check_private_data(private_data)?;
         self.backend.check_pd(pd)?;
-        self.backend.incoming(wait)?.accept(pd, opts, private_data)
+        self.backend.incoming(wait)?.accept(pd, opts, private_data, before_answer)
     }
 }
 
@@ -417,12 +458,22 @@ fn bind_verbs(ctx: &Context, addr: SocketAddr) -> Result<CmListener> {
 
 impl Incoming {
     /// The handshake: a QP and CQ on `pd`, connected, answered with `data` (checked).
-    fn accept(self, pd: &ProtectionDomain, opts: &CmOptions, data: &[u8]) -> Result<Connection> {
+    /// `before_answer` runs on the connected QP before the answer goes out.
+    fn accept(
+        self,
+        pd: &ProtectionDomain,
+        opts: &CmOptions,
+        data: &[u8],
+        before_answer: impl FnOnce(&QueuePair, &[u8]) -> Result<()>,
+    ) -> Result<Connection> {
         match self {
             Incoming::Soft(inc) => {
                 let mut req = inc.read_request(MAX_PRIVATE_DATA, opts.timeout)?;
                 let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
                 let peer_data = std::mem::take(&mut req.hello.private_data);
+                // On an error the request is dropped unanswered: its stream closes, and the
+                // requester's connect fails.
+                before_answer(&qp, &peer_data)?;
                 let conn = req.accept(&ep, &token, data)?;
                 Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
             }
@@ -431,7 +482,9 @@ impl Incoming {
                 let req = check_request_device(req, pd)?;
                 let peer_data = req.private_data().to_vec();
                 let (qp, cq) = new_qp(pd, opts)?;
-                let conn = req.accept(verbs_qp(&qp), &opts.connect, data, Some(opts.timeout))?;
+                let mut once = Some(before_answer);
+                let mut hook = || once.take().map_or(Ok(()), |f| f(&qp, &peer_data));
+                let conn = req.accept(verbs_qp(&qp), &opts.connect, data, Some(opts.timeout), &mut hook)?;
                 Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
             }
         }

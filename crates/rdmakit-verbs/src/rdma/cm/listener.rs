@@ -128,6 +128,9 @@ impl CmRequest {
     /// applied), then `rdma_accept` with `private_data`, then waits for ESTABLISHED
     /// (`None`: no limit of ours; the CM gives up after its own REP retries).
     ///
+    /// `before_answer` runs once the QP is in RTS and before `rdma_accept` sends the reply:
+    /// receives posted there are in place before the peer can send.
+    ///
     /// On failure the request is rejected (if not yet accepted) and a QP that was
     /// modified is moved to ERR.
     pub fn accept(
@@ -136,9 +139,10 @@ impl CmRequest {
         opts: &ConnectOptions,
         private_data: &[u8],
         timeout: Option<Duration>,
+        before_answer: &mut dyn FnMut() -> Result<()>,
     ) -> Result<CmConn> {
         let deadline = Deadline::new(timeout);
-        let cm = self.start_accept(qp, opts, private_data)?;
+        let cm = self.start_accept(qp, opts, private_data, before_answer)?;
         match cm.wait_for(ev::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept", &deadline) {
             Ok(_) => Ok(CmConn::new(cm)),
             Err(e) => {
@@ -158,7 +162,7 @@ impl CmRequest {
         opts: &ConnectOptions,
         private_data: &[u8],
     ) -> Result<CmConn> {
-        let cm = self.start_accept(qp, opts, private_data)?;
+        let cm = self.start_accept(qp, opts, private_data, &mut || Ok(()))?;
         match cm.wait_for_async(ev::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept").await {
             Ok(_) => Ok(CmConn::new(cm)),
             Err(e) => {
@@ -169,7 +173,13 @@ impl CmRequest {
     }
 
     /// The QP to RTS and `rdma_accept`: the id, waiting for ESTABLISHED.
-    fn start_accept(&mut self, qp: &Qp, opts: &ConnectOptions, private_data: &[u8]) -> Result<CmId> {
+    fn start_accept(
+        &mut self,
+        qp: &Qp,
+        opts: &ConnectOptions,
+        private_data: &[u8],
+        before_answer: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<CmId> {
         let cm = self.take()?;
         if let Err(e) = cm.check_qp(qp) {
             cm.reject_quietly();
@@ -183,6 +193,7 @@ impl CmRequest {
             cm.qp_to_init(qp, opts)?;
             cm.qp_to_rtr(qp, opts, Some(resp))?;
             cm.qp_to_rts(qp, opts, Some(init))?;
+            before_answer()?;
             // SAFETY: live connect-request id; `param` and the private data it points to
             // outlive the call, which copies them.
             cm_ret("rdma_accept", unsafe { sys::rdma_accept(cm.ptr(), &mut param) })

@@ -114,7 +114,8 @@ fn connect_write_disconnect() {
         reply.extend_from_slice(b"RKW1");
         reply.extend_from_slice(&(buf.as_ptr() as u64).to_le_bytes());
         reply.extend_from_slice(&mr.rkey().to_le_bytes());
-        let conn = req.accept(&s.qp, &ConnectOptions::default(), &reply, Some(T)).expect("accept");
+        let conn =
+            req.accept(&s.qp, &ConnectOptions::default(), &reply, Some(T), &mut || Ok(())).expect("accept");
         assert!(conn.wait_disconnected(T).expect("wait_disconnected"), "saw DISCONNECTED");
         // The write was acknowledged before the peer disconnected.
         // SAFETY: `buf` is live; volatile reads because the NIC wrote it.
@@ -215,7 +216,8 @@ fn wildcard_listener_acceptor_disconnects() {
     let server = thread::spawn(move || {
         let req = listener.get_request(Some(T)).expect("get_request");
         let s = side(&req.device_name());
-        let conn = req.accept(&s.qp, &ConnectOptions::default(), b"srv", Some(T)).expect("accept");
+        let conn =
+            req.accept(&s.qp, &ConnectOptions::default(), b"srv", Some(T), &mut || Ok(())).expect("accept");
         assert_eq!(s.qp.state(), QpState::ReadyToSend);
         wait_go.recv().unwrap();
         conn.disconnect().expect("disconnect");
