@@ -132,6 +132,7 @@ compare "write bandwidth 64 KiB" MiB/s bw ib_write_bw 4 write-bw bw_average_mb_p
 compare "read bandwidth 64 KiB" MiB/s bw ib_read_bw 4 read-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
 compare "send bandwidth 64 KiB" MiB/s bw ib_send_bw 4 send-bw bw_average_mb_per_sec -- -s 65536 -n "$iters"
 compare "write message rate 8 B" Mpps bw ib_write_bw 5 write-bw msg_rate_mpps -- -s 8 -n "$iters"
+compare "send message rate 8 B" Mpps bw ib_send_bw 5 send-bw msg_rate_mpps -- -s 8 -n "$iters"
 compare "write latency 8 B" usec lat ib_write_lat 5 write-lat t_typical -- -s 8 -n "$iters"
 compare "read latency 8 B" usec lat ib_read_lat 5 read-lat t_typical -- -s 8 -n "$iters"
 compare "send latency 8 B" usec lat ib_send_lat 5 send-lat t_typical -- -s 8 -n "$iters"
