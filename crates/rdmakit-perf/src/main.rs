@@ -460,6 +460,7 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         qps: o.qps,
         bidir: o.bidirectional,
         all: o.all,
+        in_sweep: false,
         duration,
         margin: if duration > 0 { o.margin } else { 0 },
         cq_mod: o.cq_mod.unwrap_or(0),

@@ -620,9 +620,11 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
         if !sending && posted == done && stop_done && recv_done {
             break;
         }
-        // A receiver takes one completion at a time: what follows this size's stop mark
-        // belongs to the next size (the sender may run ahead into receives posted earlier).
-        let batch = if recv { 1 } else { wcs.len() };
+        // In a sweep a receiver takes one completion at a time: what follows this size's
+        // stop mark belongs to the next size (the sender may run ahead into receives posted
+        // earlier). With one size nothing follows it, and the receiver takes them in
+        // batches, as perftest's does.
+        let batch = if recv && p.in_sweep { 1 } else { wcs.len() };
         let mut n = side.cq.poll(&mut wcs[..batch])?;
         if n == 0 && wait == CqWait::Event {
             wcs[0] = side.cq.wait(Some(STUCK))?;

@@ -328,6 +328,18 @@ mod tests {
     }
 
     #[test]
+    fn a_sweeps_sizes_keep_cq_moderation_as_perftests_run_all() {
+        // perftest turns its default moderation off above 8 KiB in a run of one size, not in
+        // an -a sweep; a size of a sweep (Params::at) must still know it is one.
+        let one = Params::simple(Test::WriteBw, 65536, 50, 128, Placement::Host);
+        assert_eq!(one.cq_mod_at(65536, false), 1);
+        let at = Params { all: true, ..one }.at(65536);
+        assert!(at.in_sweep && !at.all && at.sizes() == [65536]);
+        assert_eq!(at.cq_mod_at(65536, false), 100);
+        assert_eq!(at.cq_mod_at(4096, false), 100);
+    }
+
+    #[test]
     fn params_round_trip_and_reject_garbage() {
         let p = Params {
             qps: 3,

@@ -112,6 +112,9 @@ pub struct Params {
     pub bidir: bool,
     /// Sweep the sizes 2, 4, ..., 2^23 (perftest's `-a`).
     pub all: bool,
+    /// This is one size of such a sweep ([`Params::at`]; never sent to the peer, which
+    /// makes its own from `all`).
+    pub in_sweep: bool,
     /// Run for this many seconds instead of `iters` (perftest's `-D`); 0 = by iterations.
     pub duration: u16,
     /// Seconds left out of the measurement at each end of a timed run (perftest's `-f`).
@@ -144,6 +147,7 @@ impl Params {
             qps: 1,
             bidir: false,
             all: false,
+            in_sweep: false,
             duration: 0,
             margin: 0,
             cq_mod: 0,
@@ -159,7 +163,7 @@ impl Params {
 
     /// This run at one size of its sweep.
     pub fn at(&self, size: u32) -> Params {
-        Params { size, all: false, ..*self }
+        Params { size, all: false, in_sweep: self.all || self.in_sweep, ..*self }
     }
 
     /// Operations per requested completion in a bandwidth test of `size`-byte messages
@@ -168,7 +172,7 @@ impl Params {
     /// ask for every completion; never more than the send queue depth.
     pub fn cq_mod_at(&self, size: u32, events: bool) -> u32 {
         let asked = match self.cq_mod {
-            0 if size > CQ_MOD_SIZE_LIMIT && !self.all && !events => 1,
+            0 if size > CQ_MOD_SIZE_LIMIT && !self.all && !self.in_sweep && !events => 1,
             0 => DEFAULT_CQ_MOD,
             n => n,
         };
@@ -224,6 +228,7 @@ impl Params {
             qps: u32::from(b[18]),
             bidir: b[19] & 1 != 0,
             all: b[19] & 2 != 0,
+            in_sweep: false,
             sentinel: b[19] & 4 != 0,
             duration: h(20),
             margin: u16::from(b[22]),
