@@ -1,6 +1,7 @@
 //! rdmakit-channel against raw verbs on the soft NIC, side by side in one run:
 //! - pipe `rwrite` latency at 8 B (post to completion, busy polling) vs a raw RDMA write
-//!   plus completion poll (goal ≤ 1.2×);
+//!   plus completion poll (goal ≤ 1.2×), in both notification modes, beside their floors in
+//!   raw verbs (a write with immediate; a data write plus an inline flag write);
 //! - pipe bandwidth at 1 MiB, 8 writes in flight, reader releasing, vs 8 raw writes in
 //!   flight (goal ≥ 0.95×);
 //! - a persistent put-handle round trip vs a send/recv ping-pong of the same size (CkDirect's
@@ -80,6 +81,24 @@ fn pipe_latency(c: &mut Criterion) {
             })
         })
     });
+    // The same with the flag notification (the paper's 2PUT: data write, then flag write).
+    let fcfg = cfg.with_notify(NotifyMode::Flag);
+    let (fa, fb) = rt.block_on(Pipe::pair(&pd, fcfg, fcfg)).expect("pipe");
+    g.bench_function("pipe_rwrite_flag", |bch| {
+        bch.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let (r, _) = fa.rwrite(src.local().expect("slice")).await;
+                    timed += t.elapsed();
+                    r.expect("rwrite");
+                    drop(fb.recv().await.expect("recv")); // the reader's release, untimed
+                }
+                timed
+            })
+        })
+    });
     // Timed as the pipe is, one clock pair around each operation (the pipe's reader
     // releases between two of its writes, untimed): the two rows pay the same clock reads.
     g.bench_function("raw_write_and_poll", |bch| {
@@ -89,6 +108,53 @@ fn pipe_latency(c: &mut Criterion) {
                 let t = Instant::now();
                 raw.a
                     .post_send(SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r")))
+                    .expect("post");
+                black_box(spin(&raw.ca));
+                timed += t.elapsed();
+            }
+            timed
+        })
+    });
+    // The floors of the pipe's two notification modes, in raw verbs: what an rwrite costs
+    // before any pipe logic (ring allocation, credits, the driver). A write with immediate
+    // also consumes a receive of the reader and queues its completion (the reader's
+    // re-post is untimed, as the pipe's release is); data + flag is two writes, the flag
+    // inline and signalled.
+    let rflag = raw.pd.alloc_mr(8, AccessFlags::ALL_REMOTE).expect("mr");
+    let rinbox = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr");
+    g.bench_function("raw_write_imm_and_poll", |bch| {
+        bch.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for i in 0..iters {
+                raw.b.post_recv(RecvWr::new(rinbox.local().expect("l"))).expect("recv");
+                let t = Instant::now();
+                raw.a
+                    .post_send(
+                        SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r"))
+                            .with_imm(i as u32),
+                    )
+                    .expect("post");
+                black_box(spin(&raw.ca));
+                timed += t.elapsed();
+                black_box(spin(&raw.cb)); // the reader's receive, untimed
+            }
+            timed
+        })
+    });
+    g.bench_function("raw_write_and_flag_and_poll", |bch| {
+        bch.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for i in 0..iters {
+                let t = Instant::now();
+                raw.a
+                    .post_send(
+                        SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r"))
+                            .unsignaled(),
+                    )
+                    .expect("post");
+                let word = i.to_le_bytes();
+                raw.a
+                    .post_send(SendWr::write_inline(&word, rflag.remote().slice(0, 8).expect("r")))
                     .expect("post");
                 black_box(spin(&raw.ca));
                 timed += t.elapsed();
