@@ -52,6 +52,40 @@ fn spin(cq: &CompletionQueue) -> WorkCompletion {
     }
 }
 
+/// `op(i)` for `i` in `0..iters`, each timed alone (a clock pair per operation, as the
+/// pipe rows are timed).
+fn timed_each(iters: u64, mut op: impl FnMut(u64)) -> Duration {
+    let mut timed = Duration::ZERO;
+    for i in 0..iters {
+        let t = Instant::now();
+        op(i);
+        timed += t.elapsed();
+    }
+    timed
+}
+
+/// `iters` rwrites of `src` from `w` to `r`, each timed from the call to its completion;
+/// the reader's release between two is not timed.
+fn timed_rwrites(
+    rt: &tokio::runtime::Runtime,
+    w: &Pipe,
+    r: &Pipe,
+    src: &MemoryRegion,
+    iters: u64,
+) -> Duration {
+    rt.block_on(async {
+        let mut timed = Duration::ZERO;
+        for _ in 0..iters {
+            let t = Instant::now();
+            let (res, _) = w.rwrite(src.local().expect("slice")).await;
+            timed += t.elapsed();
+            res.expect("rwrite");
+            drop(r.recv().await.expect("recv"));
+        }
+        timed
+    })
+}
+
 fn pipe_latency(c: &mut Criterion) {
     let rt = rt();
     let pd = Context::open_soft().alloc_pd().expect("pd");
@@ -66,53 +100,23 @@ fn pipe_latency(c: &mut Criterion) {
     let rdst = raw.pd.alloc_mr(8, AccessFlags::ALL_REMOTE).expect("mr");
 
     let mut g = c.benchmark_group("latency_8b");
-    g.bench_function("pipe_rwrite", |bch| {
-        bch.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    let (r, _) = a.rwrite(src.local().expect("slice")).await;
-                    timed += t.elapsed();
-                    r.expect("rwrite");
-                    drop(b.recv().await.expect("recv")); // the reader's release, untimed
-                }
-                timed
-            })
-        })
-    });
+    g.bench_function("pipe_rwrite", |bch| bch.iter_custom(|iters| timed_rwrites(&rt, &a, &b, &src, iters)));
     // The same with the flag notification (the paper's 2PUT: data write, then flag write).
     let fcfg = cfg.with_notify(NotifyMode::Flag);
     let (fa, fb) = rt.block_on(Pipe::pair(&pd, fcfg, fcfg)).expect("pipe");
     g.bench_function("pipe_rwrite_flag", |bch| {
-        bch.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    let (r, _) = fa.rwrite(src.local().expect("slice")).await;
-                    timed += t.elapsed();
-                    r.expect("rwrite");
-                    drop(fb.recv().await.expect("recv")); // the reader's release, untimed
-                }
-                timed
-            })
-        })
+        bch.iter_custom(|iters| timed_rwrites(&rt, &fa, &fb, &src, iters))
     });
     // Timed as the pipe is, one clock pair around each operation (the pipe's reader
     // releases between two of its writes, untimed): the two rows pay the same clock reads.
     g.bench_function("raw_write_and_poll", |bch| {
         bch.iter_custom(|iters| {
-            let mut timed = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
+            timed_each(iters, |_| {
                 raw.a
                     .post_send(SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r")))
                     .expect("post");
                 black_box(spin(&raw.ca));
-                timed += t.elapsed();
-            }
-            timed
+            })
         })
     });
     // The floors of the pipe's two notification modes, in raw verbs: what an rwrite costs
@@ -143,23 +147,15 @@ fn pipe_latency(c: &mut Criterion) {
     });
     g.bench_function("raw_write_and_flag_and_poll", |bch| {
         bch.iter_custom(|iters| {
-            let mut timed = Duration::ZERO;
-            for i in 0..iters {
-                let t = Instant::now();
-                raw.a
-                    .post_send(
-                        SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r"))
-                            .unsignaled(),
-                    )
-                    .expect("post");
+            timed_each(iters, |i| {
+                let data = SendWr::write(rsrc.local().expect("l"), rdst.remote().slice(0, 8).expect("r"));
+                raw.a.post_send(data.unsignaled()).expect("post");
                 let word = i.to_le_bytes();
                 raw.a
                     .post_send(SendWr::write_inline(&word, rflag.remote().slice(0, 8).expect("r")))
                     .expect("post");
                 black_box(spin(&raw.ca));
-                timed += t.elapsed();
-            }
-            timed
+            })
         })
     });
     g.finish();
