@@ -436,28 +436,22 @@ pub fn server(
     let pd = ctx.alloc_pd()?;
     let buf = pd.alloc_mr(max_buffer_len(), AccessFlags::ALL_REMOTE)?;
     let atomic = atomic_target(ctx, &pd, placement)?;
-    // A test that sends to the server finds its receives posted (a malformed request is
-    // refused below, once accepted).
-    let mut preposted = None;
+    // The request is read before it is answered: a malformed one is refused (the client's
+    // connect fails), and a test that sends to the server finds its receives posted.
+    let mut asked = None;
     let conn =
         listener.accept_with(&pd, &cm_options(&max, opts), &regions(&buf, &atomic), None, |qp, d| {
-            if let Ok(p) = Params::decode(d) {
-                preposted = crate::measure::prepost_recvs(qp, &buf, &p)?;
-            }
+            let (p, peer_buf) = parse_request(d)?;
+            let preposted = crate::measure::prepost_recvs(qp, &buf, &p)?;
+            asked = Some((p, peer_buf, preposted));
             Ok(())
         })?;
-    let d = conn.peer_private_data();
-    let p = Params::decode(d).map_err(|reason| Error::Malformed { what: "test parameters", reason })?;
+    let (p, peer_buf, preposted) =
+        asked.ok_or_else(|| Error::InvalidArgument("accepted without reading the request".into()))?;
     let (recv, posted) = match preposted {
         Some((r, n)) => (std::sync::OnceLock::from(r), n),
         None => (std::sync::OnceLock::new(), 0),
     };
-    let at = Params::ENCODED_LEN;
-    let peer_buf =
-        RemoteRegion::decode(d.get(at..at + RemoteRegion::ENCODED_LEN).ok_or_else(|| Error::Malformed {
-            what: "test parameters",
-            reason: format!("{} bytes, no buffer descriptor", d.len()),
-        })?)?;
     let side = Side {
         _pd: pd,
         qp: conn.qp().clone(),
@@ -474,5 +468,39 @@ pub fn server(
     Ok((p, side))
 }
 
+/// A client's request (its private data): the test parameters, then its buffer.
+fn parse_request(d: &[u8]) -> Result<(Params, RemoteRegion)> {
+    let p = Params::decode(d).map_err(|reason| Error::Malformed { what: "test parameters", reason })?;
+    let at = Params::ENCODED_LEN;
+    let buf = d.get(at..at + RemoteRegion::ENCODED_LEN).ok_or_else(|| Error::Malformed {
+        what: "test parameters",
+        reason: format!("{} bytes, no buffer descriptor", d.len()),
+    })?;
+    Ok((p, RemoteRegion::decode(buf)?))
+}
+
 /// Largest message size the CLI accepts.
 pub const MAX_SIZE: u32 = 8 << 20;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_request_is_refused_before_it_is_answered() {
+        let ctx = Context::open_soft();
+        let listener = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            server(&ctx, &listener, &ConnectOptions::default(), Placement::Host).map(drop)
+        });
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let opts = CmOptions::default().with_timeout(Duration::from_secs(10));
+        let client = cm::connect(&pd, addr, &opts, b"not a test request");
+        assert!(client.is_err(), "a malformed request was answered");
+        match server.join().unwrap() {
+            Err(Error::Malformed { what: "test parameters", .. }) => {}
+            other => panic!("the server gave {other:?}"),
+        }
+    }
+}
