@@ -183,16 +183,19 @@ fn peer_command() -> Command {
     cmd
 }
 
-fn spawn_peer(recv_delay_ms: u64, path: Path) -> Peer {
+/// The peer command in `role` (its `RDMAKIT_TEST_PEER`) over `path`, stdin and stdout piped.
+fn peer_in_role(role: &str, path: Path) -> Command {
     let mut cmd = peer_command();
     if path == Path::Tcp {
         cmd.env(rdmakit_verbs::soft::SHM_ENV, "0");
     }
-    let mut child = cmd
-        .env("RDMAKIT_TEST_PEER", "1")
+    cmd.env("RDMAKIT_TEST_PEER", role).stdin(Stdio::piped()).stdout(Stdio::piped());
+    cmd
+}
+
+fn spawn_peer(recv_delay_ms: u64, path: Path) -> Peer {
+    let mut child = peer_in_role("1", path)
         .env("RDMAKIT_TEST_RECV_DELAY_MS", recv_delay_ms.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
         .spawn()
         .expect("spawn the peer process");
     let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -522,16 +525,7 @@ fn many_qps_peer_process() {
 /// that redialed them made `pipe_service`'s killed-clients test fail one run in three, and
 /// was taken back).
 fn more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes(path: Path) {
-    let mut cmd = peer_command();
-    if path == Path::Tcp {
-        cmd.env(rdmakit_verbs::soft::SHM_ENV, "0");
-    }
-    let mut child = cmd
-        .env("RDMAKIT_TEST_PEER", "many")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the peer process");
+    let mut child = peer_in_role("many", path).spawn().expect("spawn the peer process");
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     let mut mr = None;
