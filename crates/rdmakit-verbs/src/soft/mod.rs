@@ -67,6 +67,8 @@ mod timer;
 pub mod wire;
 
 pub use shm::SHM_ENV;
+#[doc(hidden)]
+pub use tcp::ANSWER_DELAY_ENV;
 pub use tcp::SOFT_ADDR_ENV;
 /// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
 /// stable API.

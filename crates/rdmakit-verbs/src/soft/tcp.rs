@@ -35,9 +35,10 @@
 //!
 //! Requesters never hold a lock across I/O, nor wait on it: a QP queues a frame on its
 //! link (a bounded queue; full means "retry later") and wakes the loop, which writes it; the
-//! loop hands responses back to the QP. A TCP link holds its frames until the peer accepts its Hello,
-//! and when a device closes it before that (over the bounds above, its QPs not connected
-//! yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial (`Dial`). Served streams and links whose QP is gone end
+//! loop hands responses back to the QP. A link holds its frames until the peer accepts its
+//! Hello, and when a device closes it before that (over the bounds above, its QPs not
+//! connected yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial
+//! (`Dial`; same-host rings first, then TCP). Served streams and links whose QP is gone end
 //! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
 //! ends it even if the peer is alive but silent.
 //!
@@ -55,12 +56,27 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
-use super::qp::{Auth, Placement, Requester, SharedTail, SoftQp};
+use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
 use crate::shared_mem::Src;
 use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
+
+/// Environment variable, for tests only: a device waits this many milliseconds before
+/// writing the answers of each batch of requests it served for another process (at most
+/// 1000), which makes the window between a request's effect and its answer wide enough for
+/// a test to see what an application does inside it.
+pub const ANSWER_DELAY_ENV: &str = "RDMAKIT_SOFT_TEST_ANSWER_DELAY_MS";
+
+/// The delay [`ANSWER_DELAY_ENV`] asks for, read once.
+fn answer_delay() -> Option<Duration> {
+    static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+    *DELAY.get_or_init(|| {
+        let ms = std::env::var(ANSWER_DELAY_ENV).ok()?.parse::<u64>().ok()?;
+        (ms > 0).then(|| Duration::from_millis(ms.min(1000)))
+    })
+}
 
 /// Environment variable: the address soft devices listen on (`IP` or `IP:port`).
 pub const SOFT_ADDR_ENV: &str = "RDMAKIT_SOFT_ADDR";
@@ -397,20 +413,22 @@ struct NewLink {
     s: Conn,
     shared: Arc<LinkShared>,
     qp: Weak<SoftQp>,
-    /// How to dial again (TCP links).
+    /// How to dial again until the peer accepts the Hello.
     dial: Option<Dial>,
 }
 
-/// How a TCP link whose Hello is unanswered is set up again.
+/// How a link whose Hello is unanswered is set up again.
 ///
 /// A device over its bound of connections waiting for their QPs ([`MAX_PENDING`]) closes
 /// new ones; for an honest requester that means "busy", as a full listen backlog does, not
 /// "gone": its peer may just not have connected its QPs yet (out-of-band set-up lets either
-/// side go first). So until the peer accepts the Hello, a TCP link holds its requests (none
-/// can be lost with a closed socket) and, when the peer closes, dials again with backoff
-/// until `until`; then it fails, and its requests time out as before.
+/// side go first). So until the peer accepts the Hello, a link holds its requests (none
+/// can be lost with a closed socket or abandoned rings) and, when the peer closes, dials
+/// again with backoff until `until`; then it fails, and its requests time out as before.
 struct Dial {
     addr: SocketAddr,
+    /// Same-host rings to try first: the device's GID and the ring size.
+    shm: Option<([u8; 16], usize)>,
     /// The encoded Hello.
     hello: Vec<u8>,
     /// [`HELLO_TIMEOUT`] after the first dial.
@@ -689,6 +707,9 @@ struct ServedConn {
     /// dropped until the NAKed one comes again; replays and gaps are dropped the same way.
     expected: u32,
     peer: Option<SocketAddr>,
+    /// The receive completions of requests answered but whose answers are not written
+    /// yet, and QPs to kick: released after each flush (see [`Deferred::holding`]).
+    held: Deferred,
     _count: Served,
 }
 
@@ -697,7 +718,7 @@ struct LinkConn {
     io: Io,
     shared: Arc<LinkShared>,
     qp: Weak<SoftQp>,
-    /// Until the peer accepts the Hello (TCP): how to dial again if it closes first.
+    /// Until the peer accepts the Hello: how to dial again if it closes first.
     dial: Option<Dial>,
 }
 
@@ -919,6 +940,14 @@ impl EventLoop {
         for r in due {
             if r.shared.closed.load(Ordering::Acquire) || r.qp.strong_count() == 0 {
                 r.shared.fail();
+                continue;
+            }
+            // Same-host rings first (the Hello is in the ring when it returns), else TCP.
+            if let Some((gid, ring)) = r.dial.shm
+                && let Some(conn) = shm::connect(&gid, &r.dial.hello, ring)
+            {
+                let io = Io::new(Conn::Shm(Box::new(conn)), Accept::HelloAck);
+                self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial) });
                 continue;
             }
             // Non-blocking: the Hello goes out when the socket first says it is writable.
@@ -1194,6 +1223,7 @@ impl EventLoop {
             requester: Requester::remote(src_gid, src_qpn),
             expected: src_psn & 0x00ff_ffff,
             peer,
+            held: Deferred::holding(),
             _count: Served::new(served),
         };
         drop(qp);
@@ -1228,6 +1258,9 @@ impl EventLoop {
         let mut rbuf = std::mem::take(&mut self.rbuf);
         let keep = self.drive_served_with(i, s, &mut rbuf);
         self.rbuf = rbuf;
+        // Whatever was answered is published now, even if its answer still waits for room
+        // (a peer not taking its answers must not hold back the receiver's completions).
+        s.held.release();
         if keep {
             s.io.trim();
         }
@@ -1237,9 +1270,16 @@ impl EventLoop {
     fn drive_served_with(&mut self, i: usize, s: &mut ServedConn, rbuf: &mut [u8]) -> bool {
         let mut reads = 0;
         loop {
+            if !s.io.out.is_empty()
+                && let Some(d) = answer_delay()
+            {
+                std::thread::sleep(d);
+            }
             if !s.io.out.is_empty() && s.io.writable && s.io.flush().is_err() {
                 return false;
             }
+            // The answers are written (or wait for room): their requests' completions go.
+            s.held.release();
             if s.io.out_bytes > OUT_HIGH {
                 return true; // held back until the peer takes its answers
             }
@@ -1432,6 +1472,11 @@ impl EventLoop {
                             Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
                                 c.io.rd.accept = Accept::Responses;
                                 let _ = c.shared.accepted_at.set(Instant::now());
+                                if let Conn::Shm(sc) = &c.io.s
+                                    && let Ok(d) = sc.direct()
+                                {
+                                    let _ = c.shared.direct.set(d);
+                                }
                                 // Accepted: no more dialing, and the held requests go out.
                                 c.dial = None;
                                 self.again.push(i);
@@ -1544,7 +1589,9 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
             let target = s.qp.upgrade()?;
             // `None`: the target QP is not connected to this requester (any more): drop, as
             // a NIC drops such packets; the requester times out.
-            let Some(reply) = target.serve_remote(&s.requester, frame) else { return Some(None) };
+            let Some(reply) = target.serve_remote(&s.requester, frame, &mut s.held) else {
+                return Some(None);
+            };
             if !matches!(reply, Frame::RnrNak { .. }) {
                 s.expected = next_psn(psn);
             }
@@ -1618,6 +1665,9 @@ struct LinkShared {
     flagged: AtomicBool,
     /// Its slot on the loop.
     token: AtomicUsize,
+    /// Same-host rings: the QP's way to post into the ring itself, set by the loop when the
+    /// peer accepts the Hello (the rings of a link dialed again are new ones).
+    direct: OnceLock<shm::Direct>,
 }
 
 impl LinkShared {
@@ -1633,9 +1683,6 @@ pub(crate) struct TcpLink {
     shared: Arc<LinkShared>,
     wire: Option<&'static Wire>,
     same_host: bool,
-    /// Same-host rings: requests go into the ring from the QP's thread when the loop has
-    /// nothing waiting (no wake-up of the loop on the way out).
-    direct: Option<shm::Direct>,
 }
 
 impl TcpLink {
@@ -1664,27 +1711,36 @@ impl TcpLink {
             closed: AtomicBool::new(false),
             flagged: AtomicBool::new(false),
             token: AtomicUsize::new(usize::MAX),
+            direct: OnceLock::new(),
         });
         let wire = match wire() {
             Ok(w) => w,
             Err(e) => {
                 tracing::error!(%e, "soft NIC: no wire; requests will time out");
                 shared.dead.store(true, Ordering::Release);
-                return TcpLink { shared, wire: None, same_host: false, direct: None };
+                return TcpLink { shared, wire: None, same_host: false };
             }
         };
         let mut encoded = Vec::new();
         wire::encode(&hello, &mut encoded);
+        let dial = |shm| Dial {
+            addr,
+            shm,
+            hello: encoded.clone(),
+            until: Instant::now() + HELLO_TIMEOUT,
+            backoff: REDIAL_MIN,
+        };
         if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
-            let direct = conn.direct().ok();
+            // Requests go into the ring from the QP's thread (no wake-up of the loop) once
+            // the peer accepted the Hello: `LinkShared::direct`.
             let nl = NewLink {
                 s: Conn::Shm(Box::new(conn)),
                 shared: shared.clone(),
                 qp: Arc::downgrade(qp),
-                dial: None,
+                dial: Some(dial(Some((*gid, ring)))),
             };
             wire.submit(|inbox| inbox.links.push(nl));
-            return TcpLink { shared, wire: Some(wire), same_host: true, direct };
+            return TcpLink { shared, wire: Some(wire), same_host: true };
         }
         // The Hello goes out with the connection, from this thread: a fresh socket's send
         // buffer takes its few bytes at once, and a listener counts a connection whose Hello
@@ -1703,12 +1759,7 @@ impl TcpLink {
                     s: Conn::Tcp(MioStream::from_std(s)),
                     shared: shared.clone(),
                     qp: Arc::downgrade(qp),
-                    dial: Some(Dial {
-                        addr,
-                        hello: encoded,
-                        until: Instant::now() + HELLO_TIMEOUT,
-                        backoff: REDIAL_MIN,
-                    }),
+                    dial: Some(dial(None)),
                 };
                 wire.submit(|inbox| inbox.links.push(nl));
             }
@@ -1717,7 +1768,7 @@ impl TcpLink {
                 shared.dead.store(true, Ordering::Release);
             }
         }
-        TcpLink { shared, wire: Some(wire), same_host: false, direct: None }
+        TcpLink { shared, wire: Some(wire), same_host: false }
     }
 
     /// Queues a request frame, with its payload still in the region when `tail` is given.
@@ -1734,7 +1785,7 @@ impl TcpLink {
                 return false;
             }
             if q.is_empty()
-                && let Some(d) = &self.direct
+                && let Some(d) = self.shared.direct.get()
                 && post_direct(d, &f, tail.as_ref())
             {
                 return true;

@@ -206,8 +206,41 @@ enum Outcome {
 
 /// Work to do after the send-queue lock is released.
 #[derive(Default)]
-struct Deferred {
+pub(crate) struct Deferred {
     kick: Vec<Arc<SoftQp>>,
+    /// Receive completions a responder made, held until the answer to their request is
+    /// written ([`Deferred::holding`]); `None`: they are published at once.
+    recvs: Option<Vec<HeldRecv>>,
+}
+
+/// A receive completion held back, with the QP whose receive queue it belongs to.
+struct HeldRecv {
+    qp: Arc<SoftQp>,
+    wc: WorkCompletion,
+}
+
+impl Deferred {
+    /// Work that also holds the receive completions of the requests served with it until
+    /// [`release`](Self::release): a device serving another process writes its answer (the
+    /// ACK) first. On a NIC the ACK leaves as the data lands; here, an application that
+    /// sees its message and exits at once would otherwise take the unwritten ACK with it,
+    /// and the sender's write would fail with `RETRY_EXC_ERR` although it was delivered.
+    pub(crate) fn holding() -> Deferred {
+        Deferred { kick: Vec::new(), recvs: Some(Vec::new()) }
+    }
+
+    /// Publishes the held receive completions, in order, then runs the rest; keeps holding.
+    pub(crate) fn release(&mut self) {
+        let recvs = self.recvs.as_mut().map(std::mem::take).unwrap_or_default();
+        let kick = std::mem::take(&mut self.kick);
+        if recvs.is_empty() && kick.is_empty() {
+            return;
+        }
+        for r in recvs {
+            r.qp.publish_recv(r.wc);
+        }
+        run_deferred(Deferred { kick, recvs: None });
+    }
 }
 
 pub(crate) struct SoftQp {
@@ -702,9 +735,14 @@ impl SoftQp {
 
     /// Flushes posted receives; returns the requesters that were waiting on us.
     fn flush_rq(&self) -> Vec<Weak<SoftQp>> {
+        self.flush_rq_via(&mut Deferred::default())
+    }
+
+    /// [`flush_rq`](Self::flush_rq), with the flushed completions behind any `d` holds.
+    fn flush_rq_via(&self, d: &mut Deferred) -> Vec<Weak<SoftQp>> {
         let mut rq = self.rq.lock().expect("rq lock");
         while let Some(r) = rq.posted.pop_front() {
-            self.complete_recv(r.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
+            self.complete_recv_via(d, r.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
         }
         std::mem::take(&mut rq.rnr_waiters)
     }
@@ -713,7 +751,7 @@ impl SoftQp {
     /// Its send queue is flushed after the requester's lock is released.
     fn responder_error(&self, d: &mut Deferred) {
         self.state.store(ERR, Ordering::Release);
-        let _ = self.flush_rq();
+        let _ = self.flush_rq_via(d);
         if let Some(me) = self.me.upgrade() {
             d.kick.push(me);
         }
@@ -752,15 +790,29 @@ impl SoftQp {
     }
 
     fn complete_recv(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>) {
-        let ok = self.recv_cq.push(WorkCompletion {
-            wr_id,
-            status,
-            opcode,
-            byte_len: len,
-            imm,
-            qp_num: self.qpn,
-            vendor_err: 0,
-        });
+        self.complete_recv_via(&mut Deferred::default(), wr_id, status, opcode, len, imm);
+    }
+
+    /// Reports a receive completion now, or holds it in `d` if `d` holds them.
+    fn complete_recv_via(
+        &self,
+        d: &mut Deferred,
+        wr_id: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        len: u32,
+        imm: Option<u32>,
+    ) {
+        let wc =
+            WorkCompletion { wr_id, status, opcode, byte_len: len, imm, qp_num: self.qpn, vendor_err: 0 };
+        match (&mut d.recvs, self.me.upgrade()) {
+            (Some(held), Some(qp)) => held.push(HeldRecv { qp, wc }),
+            _ => self.publish_recv(wc),
+        }
+    }
+
+    fn publish_recv(&self, wc: WorkCompletion) {
+        let ok = self.recv_cq.push(wc);
         if !ok {
             self.state.store(ERR, Ordering::Release);
         }

@@ -10,24 +10,25 @@ use super::*;
 impl SoftQp {
     /// A request from a QP of another process (called by the device's connection
     /// thread). Returns the response, or `None` to drop the request silently, as a NIC
-    /// drops packets for a QP that is not connected to their sender.
-    pub fn serve_remote(&self, from: &Requester<'_>, f: Frame) -> Option<Frame> {
+    /// drops packets for a QP that is not connected to their sender. What follows from it
+    /// (receive completions if `d` holds them, QPs to kick) is left in `d` for the caller
+    /// to release once the response is written.
+    pub fn serve_remote(&self, from: &Requester<'_>, f: Frame, d: &mut Deferred) -> Option<Frame> {
         if !self.accepts_from(from) {
             return None;
         }
-        let mut d = Deferred::default();
         let (psn, outcome, data) = match f {
             Frame::Write { psn, addr, rkey, imm, data } => {
                 let len = data.len() as u32;
                 (
                     psn,
-                    self.respond_write(from, Src::Private(data.as_ptr()), len, addr, rkey, imm, &mut d),
+                    self.respond_write(from, Src::Private(data.as_ptr()), len, addr, rkey, imm, d),
                     Vec::new(),
                 )
             }
             Frame::Send { psn, imm, data } => (
                 psn,
-                self.respond_send(from, Src::Private(data.as_ptr()), data.len() as u32, imm, &mut d),
+                self.respond_send(from, Src::Private(data.as_ptr()), data.len() as u32, imm, d),
                 Vec::new(),
             ),
             Frame::Read { psn, len, .. } if len > wire::MAX_MESSAGE => {
@@ -35,7 +36,7 @@ impl SoftQp {
             }
             Frame::Read { psn, addr, rkey, len } => {
                 let mut buf = vec![0u8; len as usize];
-                (psn, self.respond_read(Dst::Private(buf.as_mut_ptr()), len, addr, rkey, &mut d), buf)
+                (psn, self.respond_read(Dst::Private(buf.as_mut_ptr()), len, addr, rkey, d), buf)
             }
             Frame::FetchAdd { psn, addr, rkey, add } => {
                 let mut buf = vec![0u8; 8];
@@ -44,18 +45,17 @@ impl SoftQp {
                     addr,
                     rkey,
                     RawOp::FetchAdd { add },
-                    &mut d,
+                    d,
                 );
                 (psn, out, buf)
             }
             Frame::CmpSwap { psn, addr, rkey, compare, swap } => {
                 let mut buf = vec![0u8; 8];
                 let op = RawOp::CompareSwap { compare, swap };
-                (psn, self.respond_atomic(Dst::Private(buf.as_mut_ptr()), addr, rkey, op, &mut d), buf)
+                (psn, self.respond_atomic(Dst::Private(buf.as_mut_ptr()), addr, rkey, op, d), buf)
             }
             _ => return None,
         };
-        run_deferred(d);
         Some(match outcome {
             Outcome::Done(status, _) => {
                 let data = if status.is_success() { data } else { Vec::new() };
@@ -180,7 +180,7 @@ impl SoftQp {
         // `_entry` keeps alive; registered memory is only accessed through `shared_mem`.
         unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
         if let Some(r) = recv {
-            self.complete_recv(r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
+            self.complete_recv_via(d, r.wr_id, WcStatus::SUCCESS, WcOpcode::RECV_RDMA_WITH_IMM, len, imm);
         }
         Outcome::Done(WcStatus::SUCCESS, len)
     }
@@ -212,7 +212,7 @@ impl SoftQp {
         let opcode = WcOpcode::RECV;
         let cap = recv.sge.map_or(0, |s| s.len);
         if len > cap {
-            self.complete_recv(recv.wr_id, WcStatus::LOC_LEN_ERR, opcode, len, None);
+            self.complete_recv_via(d, recv.wr_id, WcStatus::LOC_LEN_ERR, opcode, len, None);
             self.responder_error(d);
             return Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0);
         }
@@ -233,13 +233,13 @@ impl SoftQp {
                     unsafe { shared_mem::copy(src, Dst::Shared(dst), len as usize) };
                 }
                 Err(_) => {
-                    self.complete_recv(recv.wr_id, WcStatus::LOC_PROT_ERR, opcode, 0, None);
+                    self.complete_recv_via(d, recv.wr_id, WcStatus::LOC_PROT_ERR, opcode, 0, None);
                     self.responder_error(d);
                     return Outcome::Done(WcStatus::REM_OP_ERR, 0);
                 }
             }
         }
-        self.complete_recv(recv.wr_id, WcStatus::SUCCESS, opcode, len, imm);
+        self.complete_recv_via(d, recv.wr_id, WcStatus::SUCCESS, opcode, len, imm);
         Outcome::Done(WcStatus::SUCCESS, len)
     }
 
