@@ -266,10 +266,12 @@ fn put_vs_messaging(c: &mut Criterion) {
             let hb = eb.create_handle_with(&rb, |_| {}, u64::MAX, detection).expect("handle");
             let to_b = ea.assoc_local_buffer(&hb.desc().expect("d"), sa.local().expect("l")).expect("assoc");
             let to_a = eb.assoc_local_buffer(&ha.desc().expect("d"), sb.local().expect("l")).expect("assoc");
+            // CkDirect's loop (see `rdmakit_channel::put`): queued once, then each
+            // iteration polls, uses the data and calls `ready` (mark done and queue again).
+            hb.ready_poll_q().expect("queue");
+            ha.ready_poll_q().expect("queue");
             g.bench_with_input(BenchmarkId::new(name, size), &size, |bch, _| {
                 bch.iter(|| {
-                    hb.ready_poll_q().expect("mark");
-                    ha.ready_poll_q().expect("mark");
                     put_when_ready(&to_b);
                     while eb.ready_poll().expect("poll") == 0 {}
                     hb.ready().expect("ready");

@@ -152,10 +152,12 @@ pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> R
     match peer {
         Some(b) => {
             let (a, b) = loopback(side, b, p)?;
+            // Queued once; each iteration's `ready` marks the put done and queues again
+            // (CkDirect's loop, as the server's below).
+            b.recv.ready_poll_q().map_err(chan)?;
+            a.recv.ready_poll_q().map_err(chan)?;
             for i in 0..p.iters {
                 stamps.post();
-                b.recv.ready_poll_q().map_err(chan)?;
-                a.recv.ready_poll_q().map_err(chan)?;
                 a.put()?;
                 b.wait()?;
                 b.put()?;

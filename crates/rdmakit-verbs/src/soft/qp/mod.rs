@@ -805,9 +805,10 @@ impl SoftQp {
     ) {
         let wc =
             WorkCompletion { wr_id, status, opcode, byte_len: len, imm, qp_num: self.qpn, vendor_err: 0 };
-        match (&mut d.recvs, self.me.upgrade()) {
-            (Some(held), Some(qp)) => held.push(HeldRecv { qp, wc }),
-            _ => self.publish_recv(wc),
+        // Only a holding `d` pays for the QP's handle (an atomic upgrade).
+        match d.recvs.as_mut().and_then(|held| Some((held, self.me.upgrade()?))) {
+            Some((held, qp)) => held.push(HeldRecv { qp, wc }),
+            None => self.publish_recv(wc),
         }
     }
 
