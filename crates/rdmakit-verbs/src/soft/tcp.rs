@@ -406,8 +406,6 @@ struct Inbox {
     links: Vec<NewLink>,
     /// Links with new frames queued, or dropped.
     ready: Vec<Arc<LinkShared>>,
-    /// A QP of this process was connected: Hellos waiting for their QP may be answered.
-    auth: bool,
 }
 
 struct NewLink {
@@ -461,11 +459,9 @@ impl Wire {
     }
 }
 
-/// The process's wire, once started.
-static WIRE: OnceLock<std::result::Result<&'static Wire, String>> = OnceLock::new();
-
 /// The process's wire, started on first use.
 fn wire() -> std::io::Result<&'static Wire> {
+    static WIRE: OnceLock<std::result::Result<&'static Wire, String>> = OnceLock::new();
     WIRE.get_or_init(|| start_wire().map_err(|e| e.to_string()))
         .as_ref()
         .map(|w| *w)
@@ -494,16 +490,6 @@ fn start_wire() -> std::io::Result<&'static Wire> {
     };
     std::thread::Builder::new().name("rdmakit-soft-wire".into()).spawn(move || lp.run())?;
     Ok(wire)
-}
-
-/// A QP of this process was connected (moved to RTR): Hellos waiting for it are answered
-/// on the loop's next turn rather than at its next periodic retry ([`AUTH_RETRY`]), which a
-/// burst of connections outran (a device keeps at most [`MAX_PENDING`] waiting). Nothing to
-/// do when the wire has not started: no Hello can be waiting.
-pub(crate) fn qp_connected() {
-    if let Some(Ok(wire)) = WIRE.get() {
-        wire.submit(|inbox| inbox.auth = true);
-    }
 }
 
 /// A device's listener on the loop.
@@ -781,7 +767,6 @@ impl EventLoop {
             let work = !self.again.is_empty() || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
                 !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
-                    || inbox.auth
             };
             let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
             let polled = self.poll.poll(&mut events, Some(timeout));
@@ -908,9 +893,6 @@ impl EventLoop {
         }
         self.again.sort_unstable();
         self.again.dedup();
-        if inbox.auth {
-            self.retry_auth();
-        }
     }
 
     /// Puts link `c` on the loop.
