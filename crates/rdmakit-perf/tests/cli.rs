@@ -87,7 +87,8 @@ fn put_lat_client_and_server_in_two_processes() {
                 l.ok()?.strip_prefix("rdmakit-perf: serving on ")?.split_whitespace().next().map(String::from)
             })
             .expect("the server says where it listens");
-        std::thread::spawn(move || lines.for_each(drop)); // never let its stderr fill up
+        // Never let its stderr fill up; keep it for the failure message.
+        let said = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
         let mut args = vec!["put-lat", "--connect", &addr, "-n", "300", "-s", size, "--json"];
         if sentinel {
             args.push("--sentinel");
@@ -102,7 +103,11 @@ fn put_lat_client_and_server_in_two_processes() {
         assert!(v["t_typical"].as_f64().unwrap() > 0.0, "{v}");
         // The server ends once the client disconnects, without an error.
         let status = server.wait().unwrap();
-        assert!(status.success());
+        let said = said.join().unwrap();
+        assert!(
+            status.success(),
+            "put-lat server ({size} B, sentinel {sentinel}): {status}; it said:\n{said}"
+        );
     }
 }
 
