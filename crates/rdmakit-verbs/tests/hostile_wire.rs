@@ -584,6 +584,39 @@ fn raw_endpoint_hello_without_the_token_is_refused() {
 }
 
 #[test]
+fn a_refused_write_flushes_receives_behind_the_completion_before_it() {
+    // One batch from another process: a send that lands in the first posted receive, then a
+    // write 8 bytes too long for its region, refused, which moves the victim QP to error and
+    // flushes the second receive. The receive queue's completions keep their order: the
+    // send's success first. Before, a served connection held the send's completion until
+    // its answers were written but flushed the receive at once, and the flush came first.
+    let _g = serial();
+    let v = Victim::new();
+    let (vqp, vep, pep, _pctx, _p) = phantom(&v);
+    for id in [1, 2] {
+        vqp.post_recv(RecvWr::new(v.mr.slice(0, 64).unwrap()).wr_id(id)).unwrap();
+    }
+    let target = v.mr.remote();
+    let mut s = speaking_for(&pep, &vep);
+    let mut batch = frame(&Frame::Send { psn: pep.psn, imm: None, data: vec![7; 8] });
+    let edge = target.addr + target.len - 8;
+    let psn = (pep.psn + 1) & 0x00ff_ffff;
+    batch.extend(frame(&Frame::Write { psn, addr: edge, rkey: target.rkey, imm: None, data: vec![9; 16] }));
+    s.write_all(&batch).unwrap();
+    let got: Vec<(u64, WcStatus)> = (0..2)
+        .map(|_| {
+            let wc = v.cq.wait(Some(Duration::from_secs(10))).expect("a receive completion");
+            (wc.wr_id, wc.status)
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [(1, WcStatus::SUCCESS), (2, WcStatus::WR_FLUSH_ERR)],
+        "receive completions out of order"
+    );
+}
+
+#[test]
 fn oversized_write_is_refused_without_being_stored() {
     let _g = serial();
     let v = Victim::new();

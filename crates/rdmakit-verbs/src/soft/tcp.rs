@@ -1574,7 +1574,9 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
                 return Some(None);
             }
             let target = s.qp.upgrade()?;
-            let Some(reply) = target.refuse_write(&s.requester, frame, data_len) else { return Some(None) };
+            let Some(reply) = target.refuse_write(&s.requester, frame, data_len, &mut s.held) else {
+                return Some(None);
+            };
             s.expected = next_psn(psn);
             Some(reply)
         }

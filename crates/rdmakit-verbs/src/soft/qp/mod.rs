@@ -229,17 +229,17 @@ impl Deferred {
         Deferred { kick: Vec::new(), recvs: Some(Vec::new()) }
     }
 
-    /// Publishes the held receive completions, in order, then runs the rest; keeps holding.
+    /// Publishes the held receive completions, in order, then runs the rest; keeps holding
+    /// (and keeps its buffer: no allocation per batch).
     pub(crate) fn release(&mut self) {
-        let recvs = self.recvs.as_mut().map(std::mem::take).unwrap_or_default();
-        let kick = std::mem::take(&mut self.kick);
-        if recvs.is_empty() && kick.is_empty() {
-            return;
+        if let Some(held) = &mut self.recvs {
+            for r in held.drain(..) {
+                r.qp.publish_recv(r.wc);
+            }
         }
-        for r in recvs {
-            r.qp.publish_recv(r.wc);
+        if !self.kick.is_empty() {
+            run_deferred(Deferred { kick: std::mem::take(&mut self.kick), recvs: None });
         }
-        run_deferred(Deferred { kick, recvs: None });
     }
 }
 

@@ -104,8 +104,17 @@ impl SoftQp {
 
     /// Answers a write whose `data_len` bytes of data were too many for its target (read
     /// and dropped by the connection): the error the target check gives for that length,
-    /// and the responder error that follows, as if the data had been kept.
-    pub fn refuse_write(&self, from: &Requester<'_>, f: Frame, data_len: usize) -> Option<Frame> {
+    /// and the responder error that follows, as if the data had been kept. Its receive
+    /// flush goes into `d`, behind the completions `d` holds, as [`serve_remote`]'s do.
+    ///
+    /// [`serve_remote`]: Self::serve_remote
+    pub fn refuse_write(
+        &self,
+        from: &Requester<'_>,
+        f: Frame,
+        data_len: usize,
+        d: &mut Deferred,
+    ) -> Option<Frame> {
         if !self.accepts_from(from) {
             return None;
         }
@@ -113,9 +122,7 @@ impl SoftQp {
         let len = u32::try_from(data_len).unwrap_or(u32::MAX);
         let status =
             self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE).err().unwrap_or(WcStatus::REM_ACCESS_ERR);
-        let mut d = Deferred::default();
-        self.responder_error(&mut d);
-        run_deferred(d);
+        self.responder_error(d);
         Some(Frame::Ack { psn, status: status.0, data: Vec::new() })
     }
 
