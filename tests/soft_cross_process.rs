@@ -26,7 +26,7 @@ fn main() {
     }
     let args = Arguments::from_args();
     type Case = (&'static str, fn(Path));
-    let tests: [Case; 5] = [
+    let tests: [Case; 6] = [
         ("one_sided_and_two_sided_ops_across_processes", one_sided_and_two_sided_ops_across_processes),
         ("send_waits_for_a_late_receive_across_processes", send_waits_for_a_late_receive_across_processes),
         (
@@ -36,6 +36,10 @@ fn main() {
         (
             "a_receiver_exiting_on_its_message_does_not_fail_the_send",
             a_receiver_exiting_on_its_message_does_not_fail_the_send,
+        ),
+        (
+            "a_target_exiting_on_a_polled_write_does_not_fail_the_write",
+            a_target_exiting_on_a_polled_write_does_not_fail_the_write,
         ),
         (
             "more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes",
@@ -105,7 +109,8 @@ fn opts() -> ConnectOptions {
 /// The peer process (this binary with `RDMAKIT_TEST_PEER=1`). Prints `EP <endpoint> MR
 /// <region> RX <region>`, reads the client's endpoint, connects, posts a receive into RX
 /// after `RDMAKIT_TEST_RECV_DELAY_MS`, prints `READY`, then idles until its stdin closes
-/// (or, with `RDMAKIT_TEST_EXIT_ON_RECV`, exits as soon as that receive completes).
+/// (or, with `RDMAKIT_TEST_EXIT_ON_RECV`, exits as soon as that receive completes; with
+/// `RDMAKIT_TEST_EXIT_ON_WRITE`, as soon as RX's first byte changes, polled in memory).
 fn peer_process() {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
@@ -139,6 +144,16 @@ fn peer_process() {
     qp.post_recv(RecvWr::new(rx.local().unwrap())).unwrap();
     writeln!(out, "READY").unwrap();
     out.flush().unwrap();
+    if std::env::var_os("RDMAKIT_TEST_EXIT_ON_WRITE").is_some() {
+        // Exit the moment a write lands, seen in memory (as a put handle or a pipe sees
+        // one), with no completion of ours in between.
+        let end = Instant::now() + Duration::from_secs(30);
+        while rx.read_u64(0).unwrap() & 0xff == 0 {
+            assert!(Instant::now() < end, "no write landed");
+            std::hint::spin_loop();
+        }
+        std::process::exit(0);
+    }
     if std::env::var_os("RDMAKIT_TEST_EXIT_ON_RECV").is_some() {
         // Exit the moment the receive completes, as a client does once it has its answer.
         let wc = cq.wait(Some(Duration::from_secs(30))).expect("the receive completes");
@@ -427,6 +442,29 @@ fn a_receiver_exiting_on_its_message_does_not_fail_the_send(path: Path) {
     let status = peer.child.wait().unwrap();
     assert!(status.success(), "the peer's receive failed: {status}");
     assert_eq!((wc.wr_id, wc.status), (7, WcStatus::SUCCESS), "{path:?}: a delivered send failed");
+}
+
+/// The same for a write the target sees in memory (a put handle's, a pipe's): it may exit
+/// the moment the bytes are there. A NIC has sent the ACK by then; the soft NIC's wire
+/// writes it a moment after placing the data, so a process going away writes what its wire
+/// has answered before it goes (an exit hook, bounded). The peer's device again waits 200 ms
+/// before writing its answers.
+fn a_target_exiting_on_a_polled_write_does_not_fail_the_write(path: Path) {
+    let mut peer = spawn_peer_with(
+        0,
+        path,
+        &[("RDMAKIT_TEST_EXIT_ON_WRITE", "1"), (rdmakit_verbs::soft::ANSWER_DELAY_ENV, "200")],
+    );
+    let l = local(path);
+    peer.connect_with(&l.qp, &ConnectOptions::default().with_timeout(18).with_retry_cnt(7));
+    peer.wait_ready();
+    let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    buf.write_at(0, b"bye").unwrap();
+    l.qp.post_send(SendWr::write(buf.slice(0, 3).unwrap(), peer.rx.slice(0, 3).unwrap()).wr_id(9)).unwrap();
+    let wc = wait(&l.cq);
+    let status = peer.child.wait().unwrap();
+    assert!(status.success(), "the peer did not see the write: {status}");
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::SUCCESS), "{path:?}: a delivered write failed");
 }
 
 fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {

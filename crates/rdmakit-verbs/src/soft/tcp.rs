@@ -52,7 +52,7 @@ use std::io::{BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
@@ -388,6 +388,9 @@ const SWEEP: Duration = Duration::from_millis(100);
 const AUTH_RETRY: Duration = Duration::from_millis(20);
 
 const WAKER: Token = Token(usize::MAX);
+/// How long a process going away waits for its wire to write the answers it owes
+/// ([`flush_at_exit`]).
+const EXIT_FLUSH: Duration = Duration::from_millis(500);
 
 /// The process's wire: one event-loop thread serving every soft device's listener, the
 /// connections they accepted and every requester link, over non-blocking sockets.
@@ -398,6 +401,45 @@ struct Wire {
     /// The loop is (about to be) waiting in `poll`: only then does new work need a wake-up
     /// (a system call); a busy loop takes the inbox on its next turn anyway.
     asleep: AtomicBool,
+    exit: ExitFlush,
+}
+
+/// The exit hook's handshake with the loop ([`flush_at_exit`]).
+#[derive(Default)]
+struct ExitFlush {
+    /// The process is exiting: the loop writes what it owes at the end of its turn.
+    wanted: AtomicBool,
+    done: Mutex<bool>,
+    cv: Condvar,
+    /// The loop's thread (it must not wait for itself).
+    loop_tid: std::sync::atomic::AtomicI32,
+}
+
+/// The process's wire, once started.
+static WIRE: OnceLock<std::result::Result<&'static Wire, String>> = OnceLock::new();
+
+/// Run by `exit` (an `atexit` hook): lets the wire finish its turn, so that the answers it
+/// owes for requests already applied are written before the process goes.
+///
+/// A NIC acknowledges a write as it places the data; the soft NIC's loop writes the ACK a
+/// moment after placing it. A process that sees the data in memory (a put handle, a pipe's
+/// flag) may exit in between, and without this its peer's write would fail with
+/// `RETRY_EXC_ERR` though delivered. Receive completions need no hook: a device serving
+/// another process publishes them only after their answers are written. Bounded by
+/// [`EXIT_FLUSH`]; a process killed by a signal gets no such grace (its peer sees it die).
+extern "C" fn flush_at_exit() {
+    let Some(Ok(w)) = WIRE.get() else { return };
+    // SAFETY: gettid(2) has no preconditions.
+    if w.exit.loop_tid.load(Ordering::Relaxed) == unsafe { libc::gettid() } {
+        return;
+    }
+    w.exit.wanted.store(true, Ordering::SeqCst);
+    if w.waker.wake().is_err() {
+        return;
+    }
+    // No panic may leave an `extern "C"` function: a poisoned lock is taken as it is.
+    let done = w.exit.done.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = w.exit.cv.wait_timeout_while(done, EXIT_FLUSH, |d| !*d);
 }
 
 #[derive(Default)]
@@ -461,7 +503,6 @@ impl Wire {
 
 /// The process's wire, started on first use.
 fn wire() -> std::io::Result<&'static Wire> {
-    static WIRE: OnceLock<std::result::Result<&'static Wire, String>> = OnceLock::new();
     WIRE.get_or_init(|| start_wire().map_err(|e| e.to_string()))
         .as_ref()
         .map(|w| *w)
@@ -476,7 +517,16 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         waker,
         inbox: Mutex::new(Inbox::default()),
         asleep: AtomicBool::new(false),
+        exit: ExitFlush::default(),
     }));
+    #[cfg(not(miri))]
+    // SAFETY: registers a function taking and returning nothing, which only reads statics
+    // and never unwinds; atexit(3) has no other precondition.
+    unsafe {
+        if libc::atexit(flush_at_exit) != 0 {
+            tracing::debug!("soft NIC: atexit failed; answers owed at exit may be lost");
+        }
+    }
     let lp = EventLoop {
         poll,
         wire,
@@ -746,6 +796,8 @@ struct EventLoop {
 
 impl EventLoop {
     fn run(mut self) {
+        // SAFETY: gettid(2) has no preconditions.
+        self.wire.exit.loop_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
         let mut events = Events::with_capacity(1024);
         let mut next_sweep = Instant::now() + SWEEP;
         let mut next_auth = Instant::now() + AUTH_RETRY;
@@ -788,6 +840,9 @@ impl EventLoop {
             self.take_inbox();
             for i in std::mem::take(&mut self.again) {
                 self.on_event(i, false, false, false);
+            }
+            if self.wire.exit.wanted.swap(false, Ordering::SeqCst) {
+                self.flush_for_exit();
             }
             let now = Instant::now();
             self.resume_listeners(now);
@@ -1016,6 +1071,21 @@ impl EventLoop {
         } else {
             self.remove(i, e);
         }
+    }
+
+    /// The process exits: what every served connection owes is written now (as far as its
+    /// peer has room), then the exit hook is let go.
+    fn flush_for_exit(&mut self) {
+        for e in self.slab.iter_mut().flatten() {
+            if let Entry::Served(s) = e {
+                if !s.io.out.is_empty() {
+                    let _ = s.io.flush();
+                }
+                s.held.release();
+            }
+        }
+        *self.wire.exit.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.wire.exit.cv.notify_all();
     }
 
     // ---- the listener and unauthenticated connections ----
@@ -1271,6 +1341,7 @@ impl EventLoop {
         let mut reads = 0;
         loop {
             if !s.io.out.is_empty()
+                && !self.wire.exit.wanted.load(Ordering::Relaxed)
                 && let Some(d) = answer_delay()
             {
                 std::thread::sleep(d);
