@@ -943,6 +943,19 @@ fn cpu_ticks(stat: &std::fs::File) -> u64 {
     f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
 }
 
+/// The `stat` file of the wire's event-loop thread, which accepts and serves for every
+/// device of the process (thread names are cut to 15 bytes).
+fn wire_thread_stat() -> std::fs::File {
+    let name: String = "rdmakit-soft-wire".chars().take(15).collect();
+    let tid = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == name))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .expect("the wire's thread");
+    std::fs::File::open(format!("/proc/self/task/{tid}/stat")).unwrap()
+}
+
 #[test]
 fn accept_errors_back_off_instead_of_spinning() {
     let _g = serial();
@@ -950,16 +963,7 @@ fn accept_errors_back_off_instead_of_spinning() {
     let l = legit(&v);
     l.write(&v, 0, 1);
     let port = l.vep.lid;
-    // The wire's event-loop thread, which accepts for every device (names are cut to 15
-    // bytes).
-    let name: String = "rdmakit-soft-wire".chars().take(15).collect();
-    let tid = std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == name))
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .expect("the listener thread");
-    let stat = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).unwrap();
+    let stat = wire_thread_stat();
     // Lower the descriptor limit, fill it, then free one for an attacker's connection: the
     // listener's accept then fails with EMFILE while the connection waits in the backlog.
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -1273,6 +1277,63 @@ fn a_doorbell_flood_does_not_hold_the_wire() {
     assert!(took < Duration::from_secs(5), "the legitimate peer waited {took:?} behind the flood");
     let mut s = s;
     assert!(closed_within(&mut s, Duration::from_secs(2)), "the flooder was kept");
+}
+
+#[test]
+fn a_same_host_peer_that_never_takes_its_answers_does_not_make_the_wire_spin() {
+    // A requester with good rings and all the secrets asks for more read data than the
+    // response ring and the device's output bound hold together, and never takes any: the
+    // device holds its connection back with requests still in the ring. It must wait for
+    // the peer to make room (a doorbell), not look at those requests again and again.
+    use rdmakit_verbs::soft::shm::send_fd;
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let target = v.mr.remote();
+    let mut bytes = true_hello(&pep, &vep);
+    // 16 reads of 64 KiB: 1 MiB of answers, against a 64 KiB ring and a 256 KiB bound.
+    for k in 0..16u32 {
+        let psn = pep.psn.wrapping_add(k) & 0xff_ffff;
+        bytes.extend_from_slice(&frame(&Frame::Read {
+            psn,
+            addr: target.addr,
+            rkey: target.rkey,
+            len: 64 << 10,
+        }));
+    }
+    // And more requests behind them than one read of the ring takes, left in the ring.
+    for k in 16..400u32 {
+        bytes.extend_from_slice(&write_frame(pep.psn.wrapping_add(k) & 0xff_ffff, target, 4096, 7));
+    }
+    let (fd, map) = attacker_rings(&bytes);
+    let s = local_attacker(&vep);
+    send_fd(s.as_raw_fd(), &fd).unwrap();
+    let stat = wire_thread_stat();
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: words of the mapping's control page: the request ring's tail, the response
+    // ring's head.
+    let (taken, answered) =
+        unsafe { (map.add(64).cast::<u64>().read_volatile(), map.add(256).cast::<u64>().read_volatile()) };
+    println!(
+        "held back: {taken} of {} request bytes taken, {answered} answer bytes in the ring",
+        bytes.len()
+    );
+    assert!(
+        taken < bytes.len() as u64 && answered > 0,
+        "not the case under test: the device did not hold back"
+    );
+    let t0 = cpu_ticks(&stat);
+    std::thread::sleep(Duration::from_secs(1));
+    let spent = cpu_ticks(&stat) - t0;
+    println!("held-back same-host connection: the wire's thread used {spent} clock ticks in 1 s");
+    // Spinning uses every tick of a core (about 100 a second); waiting, next to none.
+    assert!(spent <= 10, "the wire spun on a connection held back by its peer: {spent} ticks in 1 s");
+    // Everyone else is still served.
+    l.write(&v, 64, 2);
+    drop((s, fd));
 }
 
 #[test]

@@ -16,9 +16,12 @@
 //! After that the wire's event loop treats the pair of rings like a socket: frames are
 //! copied into a ring from the requester's region (one copy, where TCP makes the kernel
 //! copy twice) and parsed on the other side with the same checks, bounds and timeouts as the
-//! TCP stream. The Unix socket stays open: one byte on it is a doorbell (sent only when the
-//! other side said it was about to sleep), and its end is the peer's end, so a dead peer is
-//! noticed at once. Everything read from the shared pages is copied into private memory
+//! TCP stream. The Unix socket stays open: one byte on it is a doorbell, and its end is the
+//! peer's end, so a dead peer is noticed at once. A doorbell is sent only when the other
+//! side asked for one: its loop found the ring empty and does not poll it, or is about to
+//! sleep. A loop polls the rings of every connection that had a turn since it last slept
+//! (NAPI's way): under load their peers post without doorbells, and the loop looks at
+//! each ring once per turn instead of taking a byte from a socket per frame. Everything read from the shared pages is copied into private memory
 //! before it is looked at, and the peer's ring counters are checked against the ring size
 //! on every use: a hostile peer can garble only its own frames, which are then refused.
 //! `RDMAKIT_SOFT_SHM=0` turns the path off (TCP only).
@@ -187,6 +190,9 @@ pub(crate) struct ShmConn {
     rx_tail: u64,
     /// The socket ended: the peer closed it or died.
     peer_gone: bool,
+    /// The wire's loop looks at this ring on each of its turns until it sleeps, so a read
+    /// that finds it empty does not ask the peer for a doorbell (see [`ShmConn::set_polled`]).
+    polled: bool,
 }
 
 impl Tx {
@@ -291,7 +297,7 @@ impl ShmConn {
     fn new(sock: UnixStream, map: Map, requester: bool) -> ShmConn {
         let (tx_ring, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
         let tx = Arc::new(Mutex::new(Tx { head: 0, loop_pending: false }));
-        ShmConn { sock, map: Arc::new(map), tx_ring, rx, tx, rx_tail: 0, peer_gone: false }
+        ShmConn { sock, map: Arc::new(map), tx_ring, rx, tx, rx_tail: 0, peer_gone: false, polled: false }
     }
 
     /// Shuts the doorbell socket down both ways: the peer sees the end now, whoever else
@@ -391,12 +397,16 @@ impl ShmConn {
         }
     }
 
-    /// Bytes ready to take. When there are none, asks the peer to ring and looks once more:
-    /// `WouldBlock` if still none, `Ok(0)` if none will come (the peer is gone).
+    /// Bytes ready to take. When there are none, asks the peer to ring (unless the loop
+    /// polls this ring) and looks once more: `WouldBlock` if still none, `Ok(0)` if none
+    /// will come (the peer is gone).
     fn ready(&self) -> io::Result<usize> {
         let avail = self.available()?;
         if avail > 0 {
             return Ok(avail);
+        }
+        if self.polled {
+            return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
         }
         self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
@@ -415,6 +425,37 @@ impl ShmConn {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "peer's ring head is out of bounds"));
         }
         Ok(avail as usize)
+    }
+
+    /// Whether the loop polls this ring (NAPI's way): while it does, the peer posts into
+    /// it without a doorbell, as the loop will look anyway. Under load that saves a
+    /// doorbell's two system calls and a poll event per frame; the loop asks for doorbells
+    /// again ([`arm`](Self::arm)) before it sleeps.
+    pub(crate) fn set_polled(&mut self, polled: bool) {
+        self.polled = polled;
+    }
+
+    pub(crate) fn is_polled(&self) -> bool {
+        self.polled
+    }
+
+    /// Whether there is input to take (or a ring error to report, which a read then does).
+    pub(crate) fn has_input(&self) -> bool {
+        self.available().map_or(true, |n| n > 0)
+    }
+
+    /// Asks the peer to ring for its next frame, then looks once more: whether input came
+    /// meanwhile (the peer may have published without ringing just before).
+    pub(crate) fn arm(&self) -> bool {
+        self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.has_input()
+    }
+
+    /// Takes back an [`arm`](Self::arm): the loop stays awake after all. A peer that
+    /// already saw the request rings anyway, which only costs a spurious wake-up.
+    pub(crate) fn disarm(&self) {
+        self.map.word(self.rx, CONSUMER_WAITS).store(0, Ordering::SeqCst);
     }
 
     /// Copies `buf` (or what fits) into the ring.

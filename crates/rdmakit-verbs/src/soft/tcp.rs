@@ -535,6 +535,8 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         listeners: Vec::new(),
         again: Vec::new(),
         redials: Vec::new(),
+        polled: Vec::new(),
+        polled_input: false,
         rbuf: vec![0; READ_BUF],
         scratch: Vec::new(),
     };
@@ -790,6 +792,11 @@ struct EventLoop {
     again: Vec<usize>,
     /// Links waiting to dial again.
     redials: Vec<Redial>,
+    /// Same-host connections whose rings the loop looks at on every turn until it sleeps
+    /// (their peers post without doorbells meanwhile; see [`ShmConn::set_polled`]).
+    polled: Vec<usize>,
+    /// The last look at the polled rings found input: no sleeping yet.
+    polled_input: bool,
     rbuf: Vec<u8>,
     scratch: Vec<u8>,
 }
@@ -816,10 +823,11 @@ impl EventLoop {
                 }
             }
             self.wire.asleep.store(true, Ordering::SeqCst);
-            let work = !self.again.is_empty() || {
+            let work = !self.again.is_empty() || std::mem::take(&mut self.polled_input) || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
                 !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
             };
+            let work = work || self.arm_polled();
             let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
             let polled = self.poll.poll(&mut events, Some(timeout));
             self.wire.asleep.store(false, Ordering::SeqCst);
@@ -841,6 +849,7 @@ impl EventLoop {
             for i in std::mem::take(&mut self.again) {
                 self.on_event(i, false, false, false);
             }
+            self.poll_rings();
             if self.wire.exit.wanted.swap(false, Ordering::SeqCst) {
                 self.flush_for_exit();
             }
@@ -1057,11 +1066,15 @@ impl EventLoop {
             }
             Entry::Served(s) => {
                 s.io.on_event(readable, writable, hup);
-                self.drive_served(i, s)
+                let keep = self.drive_served(i, s);
+                self.start_polling(i, &mut s.io.s);
+                keep
             }
             Entry::Link(c) => {
                 c.io.on_event(readable, writable, hup);
-                self.drive_link(i, c)
+                let keep = self.drive_link(i, c);
+                self.start_polling(i, &mut c.io.s);
+                keep
             }
         };
         if keep {
@@ -1086,6 +1099,108 @@ impl EventLoop {
         }
         *self.wire.exit.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.wire.exit.cv.notify_all();
+    }
+
+    // ---- same-host rings looked at without doorbells ----
+
+    /// A same-host connection that just had a turn is polled from now until the loop
+    /// sleeps: more is likely to come soon, and looking costs less than a doorbell.
+    fn start_polling(&mut self, i: usize, conn: &mut Conn) {
+        if let Conn::Shm(c) = conn
+            && !c.is_polled()
+        {
+            c.set_polled(true);
+            self.polled.push(i);
+        }
+    }
+
+    /// The rings of entry `i`, if it is a same-host connection, and whether it takes input
+    /// now: a served connection held back by answers its peer has not taken does not (it
+    /// waits for the doorbell of the peer making room), or the loop would spin on it.
+    fn rings(&mut self, i: usize) -> Option<(&mut ShmConn, bool)> {
+        match self.slab.get_mut(i)? {
+            Some(Entry::Served(ServedConn { io: Io { s: Conn::Shm(c), out_bytes, .. }, .. })) => {
+                Some((c, *out_bytes <= OUT_HIGH))
+            }
+            Some(Entry::Link(LinkConn { io: Io { s: Conn::Shm(c), .. }, .. })) => Some((c, true)),
+            _ => None,
+        }
+    }
+
+    /// Looks at every polled ring and gives a turn to those with input.
+    fn poll_rings(&mut self) {
+        let mut j = 0;
+        while j < self.polled.len() {
+            let i = self.polled[j];
+            match self.rings(i).map(|(c, takes)| (c.is_polled(), takes && c.has_input())) {
+                Some((true, input)) => {
+                    j += 1;
+                    if input {
+                        self.polled_input = true;
+                        self.ring_turn(i);
+                    }
+                }
+                // Ended (or its slot taken by a connection not polled): forgotten.
+                _ => {
+                    self.polled.swap_remove(j);
+                }
+            }
+        }
+    }
+
+    /// A turn for a polled connection with input: as a doorbell's, without its byte to read.
+    fn ring_turn(&mut self, i: usize) {
+        let Some(mut e) = self.slab.get_mut(i).and_then(Option::take) else { return };
+        let keep = match &mut e {
+            Entry::Served(s) => {
+                s.io.readable = true;
+                self.drive_served(i, s)
+            }
+            Entry::Link(c) => {
+                c.io.readable = true;
+                self.drive_link(i, c)
+            }
+            _ => true,
+        };
+        if keep {
+            self.slab[i] = Some(e);
+        } else if let Entry::Link(c) = e {
+            self.end_link(i, c);
+        } else {
+            self.remove(i, e);
+        }
+    }
+
+    /// Before sleeping: every polled ring asks for a doorbell again. True if input came
+    /// meanwhile (the loop then stays awake and goes on polling).
+    fn arm_polled(&mut self) -> bool {
+        let mut input = false;
+        for j in 0..self.polled.len() {
+            let i = self.polled[j];
+            if let Some((c, takes)) = self.rings(i)
+                && c.is_polled()
+            {
+                input |= c.arm() && takes;
+            }
+        }
+        for j in 0..self.polled.len() {
+            let i = self.polled[j];
+            // Only rings of this list: a slot taken since by a connection not polled has
+            // its own doorbell request, which must stand.
+            if let Some((c, _)) = self.rings(i)
+                && c.is_polled()
+            {
+                if input {
+                    c.disarm();
+                } else {
+                    c.set_polled(false);
+                }
+            }
+        }
+        if !input {
+            self.polled.clear();
+        }
+        input
     }
 
     // ---- the listener and unauthenticated connections ----
