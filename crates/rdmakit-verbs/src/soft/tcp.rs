@@ -536,6 +536,7 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         again: Vec::new(),
         redials: Vec::new(),
         polled: Vec::new(),
+        listed: Vec::new(),
         polled_input: false,
         rbuf: vec![0; READ_BUF],
         scratch: Vec::new(),
@@ -795,6 +796,8 @@ struct EventLoop {
     /// Same-host connections whose rings the loop looks at on every turn until it sleeps
     /// (their peers post without doorbells meanwhile; see [`ShmConn::set_polled`]).
     polled: Vec<usize>,
+    /// By slab index: in `polled` (an index is listed once, whoever holds its slot now).
+    listed: Vec<bool>,
     /// The last look at the polled rings found input: no sleeping yet.
     polled_input: bool,
     rbuf: Vec<u8>,
@@ -1110,7 +1113,13 @@ impl EventLoop {
             && !c.is_polled()
         {
             c.set_polled(true);
-            self.polled.push(i);
+            if self.listed.len() <= i {
+                self.listed.resize(i + 1, false);
+            }
+            if !self.listed[i] {
+                self.listed[i] = true;
+                self.polled.push(i);
+            }
         }
     }
 
@@ -1142,6 +1151,7 @@ impl EventLoop {
                 }
                 // Ended (or its slot taken by a connection not polled): forgotten.
                 _ => {
+                    self.listed[i] = false;
                     self.polled.swap_remove(j);
                 }
             }
@@ -1198,7 +1208,9 @@ impl EventLoop {
             }
         }
         if !input {
-            self.polled.clear();
+            for i in self.polled.drain(..) {
+                self.listed[i] = false;
+            }
         }
         input
     }
