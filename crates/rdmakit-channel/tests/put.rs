@@ -672,7 +672,10 @@ fn sentinel_puts_over_the_wire_are_seen_only_once_whole() {
     let qb = pb.create_qp(&qb_cq, &qb_cq, caps).unwrap();
     // The sender's requests (the puts) go over TCP; the receiver's (control messages)
     // stay in process.
-    let opts = ConnectOptions::default().with_timeout(16).with_retry_cnt(3);
+    // A transport budget of about 8 s (1.07 s per try): this test is about whole puts, not
+    // timeouts, and under ThreadSanitizer on 2 CPUs, with this thread spinning, the 1 s
+    // budget it had once ran out (RETRY_EXC_ERR on the receiver's keep-alive, 1 run in 40).
+    let opts = ConnectOptions::default().with_timeout(18).with_retry_cnt(7);
     qb.connect(&qa.address().unwrap(), &opts).unwrap();
     qa.connect(&far(&qb.address().unwrap()), &opts).unwrap();
     let sender = PutEndpoint::new(qa, qa_cq, PollMode::Busy).unwrap();
