@@ -448,6 +448,8 @@ struct Inbox {
     links: Vec<NewLink>,
     /// Links with new frames queued, or dropped.
     ready: Vec<Arc<LinkShared>>,
+    /// A QP of this process was connected: Hellos waiting for their QP may be answered.
+    auth: bool,
 }
 
 struct NewLink {
@@ -543,6 +545,16 @@ fn start_wire() -> std::io::Result<&'static Wire> {
     };
     std::thread::Builder::new().name("rdmakit-soft-wire".into()).spawn(move || lp.run())?;
     Ok(wire)
+}
+
+/// A QP of this process was connected (moved to RTR): Hellos waiting for it are answered
+/// on the loop's next turn rather than at its next periodic retry ([`AUTH_RETRY`]), which a
+/// burst of connections outran (a device keeps at most [`MAX_PENDING`] waiting). Nothing to
+/// do when the wire has not started: no Hello can be waiting.
+pub(crate) fn qp_connected() {
+    if let Some(Ok(wire)) = WIRE.get() {
+        wire.submit(|inbox| inbox.auth = true);
+    }
 }
 
 /// A device's listener on the loop.
@@ -829,6 +841,7 @@ impl EventLoop {
             let work = !self.again.is_empty() || std::mem::take(&mut self.polled_input) || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
                 !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
+                    || inbox.auth
             };
             let work = work || self.arm_polled();
             let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
@@ -960,6 +973,9 @@ impl EventLoop {
         }
         self.again.sort_unstable();
         self.again.dedup();
+        if inbox.auth {
+            self.retry_auth();
+        }
     }
 
     /// Puts link `c` on the loop.

@@ -459,6 +459,9 @@ impl SoftQp {
         self.remote_qpn.store(remote.qp_num, Ordering::Release);
         self.remote_psn.store(remote.psn & 0x00ff_ffff, Ordering::Release);
         self.state.store(RTR, Ordering::Release);
+        drop(sq);
+        // A requester of another process may be waiting for this: answer it now.
+        super::tcp::qp_connected();
         Ok(())
     }
 
