@@ -426,22 +426,7 @@ fn send_waits_for_a_late_receive_across_processes(path: Path) {
 /// serving another process writes the answers of a batch before it publishes the batch's
 /// receive completions.
 fn a_receiver_exiting_on_its_message_does_not_fail_the_send(path: Path) {
-    let mut peer = spawn_peer_with(
-        0,
-        path,
-        &[("RDMAKIT_TEST_EXIT_ON_RECV", "1"), (rdmakit_verbs::soft::ANSWER_DELAY_ENV, "200")],
-    );
-    let l = local(path);
-    // A transport budget far above the delay (about 1 s per try).
-    peer.connect_with(&l.qp, &ConnectOptions::default().with_timeout(18).with_retry_cnt(7));
-    peer.wait_ready();
-    let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    buf.write_at(0, b"bye").unwrap();
-    l.qp.post_send(SendWr::send(buf.slice(0, 3).unwrap()).wr_id(7)).unwrap();
-    let wc = wait(&l.cq);
-    let status = peer.child.wait().unwrap();
-    assert!(status.success(), "the peer's receive failed: {status}");
-    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::SUCCESS), "{path:?}: a delivered send failed");
+    against_an_exiting_peer(path, "RDMAKIT_TEST_EXIT_ON_RECV", |buf, _| SendWr::send(buf));
 }
 
 /// The same for a write the target sees in memory (a put handle's, a pipe's): it may exit
@@ -450,21 +435,32 @@ fn a_receiver_exiting_on_its_message_does_not_fail_the_send(path: Path) {
 /// has answered before it goes (an exit hook, bounded). The peer's device again waits 200 ms
 /// before writing its answers.
 fn a_target_exiting_on_a_polled_write_does_not_fail_the_write(path: Path) {
-    let mut peer = spawn_peer_with(
-        0,
-        path,
-        &[("RDMAKIT_TEST_EXIT_ON_WRITE", "1"), (rdmakit_verbs::soft::ANSWER_DELAY_ENV, "200")],
-    );
+    against_an_exiting_peer(path, "RDMAKIT_TEST_EXIT_ON_WRITE", |buf, peer| {
+        SendWr::write(buf, peer.rx.slice(0, 3).unwrap())
+    });
+}
+
+/// A peer that exits as `exit_env` says, its device waiting 200 ms before it writes its
+/// answers (`ANSWER_DELAY_ENV`): the request `wr` makes of 3 bytes must complete as
+/// delivered, and the peer must have seen it.
+fn against_an_exiting_peer(path: Path, exit_env: &str, wr: impl FnOnce(LocalSlice, &Peer) -> SendWr) {
+    let mut peer =
+        spawn_peer_with(0, path, &[(exit_env, "1"), (rdmakit_verbs::soft::ANSWER_DELAY_ENV, "200")]);
     let l = local(path);
+    // A transport budget far above the delay (about 1 s per try).
     peer.connect_with(&l.qp, &ConnectOptions::default().with_timeout(18).with_retry_cnt(7));
     peer.wait_ready();
     let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     buf.write_at(0, b"bye").unwrap();
-    l.qp.post_send(SendWr::write(buf.slice(0, 3).unwrap(), peer.rx.slice(0, 3).unwrap()).wr_id(9)).unwrap();
+    l.qp.post_send(wr(buf.slice(0, 3).unwrap(), &peer).wr_id(7)).unwrap();
     let wc = wait(&l.cq);
     let status = peer.child.wait().unwrap();
-    assert!(status.success(), "the peer did not see the write: {status}");
-    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::SUCCESS), "{path:?}: a delivered write failed");
+    assert!(status.success(), "{exit_env}: the peer did not get the request: {status}");
+    assert_eq!(
+        (wc.wr_id, wc.status),
+        (7, WcStatus::SUCCESS),
+        "{path:?}, {exit_env}: a delivered request failed"
+    );
 }
 
 fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {

@@ -1096,6 +1096,11 @@ impl EventLoop {
                 keep
             }
         };
+        self.put_back(i, e, keep);
+    }
+
+    /// After a turn: entry `i` goes back to its slot, or ends.
+    fn put_back(&mut self, i: usize, e: Entry, keep: bool) {
         if keep {
             self.slab[i] = Some(e);
         } else if let Entry::Link(c) = e {
@@ -1188,13 +1193,7 @@ impl EventLoop {
             }
             _ => true,
         };
-        if keep {
-            self.slab[i] = Some(e);
-        } else if let Entry::Link(c) = e {
-            self.end_link(i, c);
-        } else {
-            self.remove(i, e);
-        }
+        self.put_back(i, e, keep);
     }
 
     /// Before sleeping: every polled ring asks for a doorbell again. True if input came
