@@ -252,17 +252,32 @@ impl CompletionQueue {
         }
     }
 
-    /// Awaits the next completion on tokio, woken by the completion channel (verbs) or
-    /// eventfd (soft NIC).
+    /// Awaits the next completion on tokio, woken by the completion channel (verbs) or by
+    /// the soft NIC itself (its task's waker, without a file descriptor).
     ///
-    /// The first call registers the channel with the runtime it runs on; later calls must
-    /// run on the same runtime.
+    /// On verbs the first call registers the channel with the runtime it runs on; later
+    /// calls must run on the same runtime.
     ///
     /// # Cancel safety
     /// Cancel-safe: a completion is only taken from the queue in the same step that
     /// returns it, so dropping the future loses nothing.
     #[cfg(feature = "async")]
     pub async fn next(&self) -> Result<WorkCompletion> {
+        if let CqBackend::Soft(cq) = &self.inner.backend {
+            // The soft NIC wakes the task itself: no eventfd write and read per completion,
+            // and a runtime awaiting many CQs is woken once for a burst of them.
+            return std::future::poll_fn(|cx| {
+                loop {
+                    if let Some(wc) = self.poll_one()? {
+                        return std::task::Poll::Ready(Ok(wc));
+                    }
+                    if cq.register_waker(cx.waker()) {
+                        return std::task::Poll::Pending;
+                    }
+                }
+            })
+            .await;
+        }
         let afd = self.async_fd()?;
         loop {
             if let Some(wc) = self.poll_or_arm()? {

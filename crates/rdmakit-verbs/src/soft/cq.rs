@@ -1,4 +1,5 @@
-//! Soft completion queue: a bounded queue of completions and an eventfd for wake-ups.
+//! Soft completion queue: a bounded queue of completions, an eventfd for wake-ups, and
+//! the wakers of tasks awaiting it on tokio.
 //!
 //! Like a hardware CQ it has a fixed capacity; a completion that does not fit is an overrun:
 //! the CQ goes to error (every later poll reports it) and the producing QP goes to error,
@@ -7,6 +8,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Mutex, OnceLock};
+use std::task::Waker;
 
 use crate::error::{Error, Result};
 use crate::wc::WorkCompletion;
@@ -23,6 +25,13 @@ struct CqState {
     overrun: bool,
     /// `req_notify` was called and no event has fired since.
     armed: bool,
+    /// Tasks awaiting a completion ([`SoftCq::register_waker`]): woken by the next one
+    /// directly, which costs no system call when their runtime is awake and one (tokio's,
+    /// shared by every CQ it waits for) when it sleeps, where the eventfd costs a write
+    /// and a read per completion.
+    waker: Option<Waker>,
+    /// More of them, when several tasks await one CQ (rare).
+    more_wakers: Vec<Waker>,
 }
 
 impl SoftCq {
@@ -33,6 +42,8 @@ impl SoftCq {
                 queue: VecDeque::with_capacity((capacity as usize).min(4096)),
                 overrun: false,
                 armed: false,
+                waker: None,
+                more_wakers: Vec::new(),
             }),
             event_fd: OnceLock::new(),
         }
@@ -53,12 +64,37 @@ impl SoftCq {
             true
         };
         // An overrun also wakes waiters, so they see the error instead of sleeping forever.
-        if st.armed {
-            st.armed = false;
-            drop(st);
+        let signal = std::mem::take(&mut st.armed);
+        let waker = st.waker.take();
+        let more = if st.more_wakers.is_empty() { Vec::new() } else { std::mem::take(&mut st.more_wakers) };
+        drop(st);
+        if signal {
             self.signal();
         }
+        if let Some(w) = waker {
+            w.wake();
+        }
+        more.into_iter().for_each(Waker::wake);
         ok
+    }
+
+    /// Registers `w` to be woken by the next completion (or an overrun), unless there is
+    /// one already: false then, and the caller polls again instead of waiting.
+    pub fn register_waker(&self, w: &Waker) -> bool {
+        let mut st = self.state.lock().expect("cq lock");
+        if !st.queue.is_empty() || st.overrun {
+            return false;
+        }
+        match &st.waker {
+            None => st.waker = Some(w.clone()),
+            Some(first) if first.will_wake(w) => {}
+            Some(_) => {
+                if !st.more_wakers.iter().any(|m| m.will_wake(w)) {
+                    st.more_wakers.push(w.clone());
+                }
+            }
+        }
+        true
     }
 
     /// Moves up to `out.len()` completions into `out`.
@@ -161,5 +197,40 @@ mod tests {
         // Disarmed after one event.
         cq.push(WorkCompletion::default());
         assert!(!cq.take_event());
+    }
+
+    /// Counts its wakes.
+    struct Count(std::sync::atomic::AtomicUsize);
+    impl std::task::Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn registered_wakers_are_woken_once_by_the_next_completion() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let cq = SoftCq::new(8);
+        let (a, b) = (Arc::new(Count(AtomicUsize::new(0))), Arc::new(Count(AtomicUsize::new(0))));
+        let (wa, wb) = (Waker::from(a.clone()), Waker::from(b.clone()));
+        // Two tasks (one registering twice) wait on an empty CQ.
+        assert!(cq.register_waker(&wa));
+        assert!(cq.register_waker(&wa));
+        assert!(cq.register_waker(&wb));
+        cq.push(WorkCompletion::default());
+        assert_eq!((a.0.load(Ordering::SeqCst), b.0.load(Ordering::SeqCst)), (1, 1));
+        // With a completion queued, nothing is registered: the caller polls instead.
+        assert!(!cq.register_waker(&wa));
+        cq.push(WorkCompletion::default());
+        assert_eq!(a.0.load(Ordering::SeqCst), 1, "a waker is woken once per registration");
+        // An overrun wakes too (the waiter then sees the error).
+        let small = SoftCq::new(1);
+        small.push(WorkCompletion::default());
+        let mut out = [WorkCompletion::default(); 1];
+        small.poll(&mut out).unwrap();
+        assert!(small.register_waker(&wb));
+        small.push(WorkCompletion::default());
+        assert_eq!(b.0.load(Ordering::SeqCst), 2);
     }
 }
