@@ -5,8 +5,9 @@
 //! waiters. Two modes:
 //! - [`PollMode::Busy`] polls the CQ and yields to the executor between polls: lowest
 //!   latency, one core busy while waiting;
-//! - [`PollMode::Event`] sleeps on the CQ's completion channel (`ibv_get_cq_event`, or the
-//!   soft NIC's eventfd) through tokio's reactor: no CPU while idle.
+//! - [`PollMode::Event`] sleeps until the CQ has a completion (`ibv_get_cq_event` on the
+//!   completion channel through tokio's reactor, or the soft NIC waking the task itself):
+//!   no CPU while idle.
 //!
 //! Cancel safety: a completion leaves the CQ only in the same synchronous step that applies
 //! it to the state, so dropping a waiting future loses nothing; the buffers of requests in

@@ -17,8 +17,8 @@ use crate::wc::WorkCompletion;
 /// completion is what releases the buffers of its work request.
 ///
 /// Waiting: [`poll`](Self::poll) never blocks; [`wait`](Self::wait) blocks the thread on
-/// the completion channel (verbs) or eventfd (soft NIC); [`next`](Self::next) awaits it on
-/// tokio.
+/// the completion channel (verbs) or eventfd (soft NIC); [`next`](Self::next) awaits the
+/// next completion on tokio (on the soft NIC, woken by the NIC through the task's waker).
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
@@ -98,6 +98,16 @@ impl CqBackend {
             CqBackend::Soft(cq) => cq.fd(),
             #[cfg(rdmakit_verbs)]
             CqBackend::Verbs(cq) => Ok(cq.fd()),
+        }
+    }
+
+    /// The soft NIC's CQ, if this is one.
+    #[cfg(feature = "async")]
+    fn soft(&self) -> Option<&SoftCq> {
+        match self {
+            CqBackend::Soft(cq) => Some(cq),
+            #[cfg(rdmakit_verbs)]
+            CqBackend::Verbs(_) => None,
         }
     }
 
@@ -263,7 +273,7 @@ impl CompletionQueue {
     /// returns it, so dropping the future loses nothing.
     #[cfg(feature = "async")]
     pub async fn next(&self) -> Result<WorkCompletion> {
-        if let CqBackend::Soft(cq) = &self.inner.backend {
+        if let Some(cq) = self.inner.backend.soft() {
             // The soft NIC wakes the task itself: no eventfd write and read per completion,
             // and a runtime awaiting many CQs is woken once for a burst of them.
             return std::future::poll_fn(|cx| {

@@ -80,6 +80,8 @@ impl SoftCq {
 
     /// Registers `w` to be woken by the next completion (or an overrun), unless there is
     /// one already: false then, and the caller polls again instead of waiting.
+    /// (Only `CompletionQueue::next` registers, which needs the `async` feature.)
+    #[cfg_attr(not(feature = "async"), allow(dead_code))]
     pub fn register_waker(&self, w: &Waker) -> bool {
         let mut st = self.state.lock().expect("cq lock");
         if !st.queue.is_empty() || st.overrun {
