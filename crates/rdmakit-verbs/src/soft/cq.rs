@@ -216,16 +216,19 @@ mod tests {
         let cq = SoftCq::new(8);
         let (a, b) = (Arc::new(Count(AtomicUsize::new(0))), Arc::new(Count(AtomicUsize::new(0))));
         let (wa, wb) = (Waker::from(a.clone()), Waker::from(b.clone()));
-        // Two tasks (one registering twice) wait on an empty CQ.
+        // Two tasks (one registering twice: kept once where `will_wake` can tell, which is
+        // best effort, and Miri's vtables tell it apart) wait on an empty CQ.
         assert!(cq.register_waker(&wa));
         assert!(cq.register_waker(&wa));
         assert!(cq.register_waker(&wb));
         cq.push(WorkCompletion::default());
-        assert_eq!((a.0.load(Ordering::SeqCst), b.0.load(Ordering::SeqCst)), (1, 1));
+        let woken_a = a.0.load(Ordering::SeqCst);
+        assert!((1..=2).contains(&woken_a), "{woken_a}");
+        assert_eq!(b.0.load(Ordering::SeqCst), 1);
         // With a completion queued, nothing is registered: the caller polls instead.
         assert!(!cq.register_waker(&wa));
         cq.push(WorkCompletion::default());
-        assert_eq!(a.0.load(Ordering::SeqCst), 1, "a waker is woken once per registration");
+        assert_eq!(a.0.load(Ordering::SeqCst), woken_a, "a waker is woken only after a registration");
         // An overrun wakes too (the waiter then sees the error).
         let small = SoftCq::new(1);
         small.push(WorkCompletion::default());
