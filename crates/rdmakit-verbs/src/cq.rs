@@ -276,12 +276,14 @@ impl CompletionQueue {
         if let Some(cq) = self.inner.backend.soft() {
             // The soft NIC wakes the task itself: no eventfd write and read per completion,
             // and a runtime awaiting many CQs is woken once for a burst of them.
+            // The registration goes with this future, however it ends.
+            let mut wait = crate::soft::cq::Wait::new(cq);
             return std::future::poll_fn(|cx| {
                 loop {
                     if let Some(wc) = self.poll_one()? {
                         return std::task::Poll::Ready(Ok(wc));
                     }
-                    if cq.register_waker(cx.waker()) {
+                    if wait.register(cx.waker()) {
                         return std::task::Poll::Pending;
                     }
                 }
@@ -345,5 +347,32 @@ impl Drop for CqInner {
         // Deregister the fd from the reactor before the provider closes it.
         #[cfg(feature = "async")]
         drop(self.async_fd.take());
+    }
+}
+
+#[cfg(all(test, feature = "async", not(miri)))]
+mod tests {
+    use super::*;
+
+    /// Awaits on an idle soft CQ, each from a task of its own and given up at once (a
+    /// timeout, a `select!` lost): nothing of those waits may stay behind in the CQ, or a
+    /// program doing that in a loop would grow it without bound.
+    #[test]
+    fn abandoned_waits_leave_nothing_behind() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let cq = Context::open_soft().create_cq(16).unwrap();
+        rt.block_on(async {
+            for _ in 0..1000 {
+                let cq = cq.clone();
+                tokio::spawn(async move {
+                    let r = tokio::time::timeout(Duration::ZERO, cq.next()).await;
+                    assert!(r.is_err(), "an idle CQ gave a completion");
+                })
+                .await
+                .unwrap();
+            }
+        });
+        let Some(soft) = cq.inner.backend.soft() else { unreachable!("a soft CQ") };
+        assert_eq!(soft.waiters(), 0, "abandoned waits kept their wakers");
     }
 }

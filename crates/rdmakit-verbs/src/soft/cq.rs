@@ -25,13 +25,15 @@ struct CqState {
     overrun: bool,
     /// `req_notify` was called and no event has fired since.
     armed: bool,
-    /// Tasks awaiting a completion ([`SoftCq::register_waker`]): woken by the next one
+    /// Waits in progress ([`Wait`]), by registration: woken by the next completion
     /// directly, which costs no system call when their runtime is awake and one (tokio's,
     /// shared by every CQ it waits for) when it sleeps, where the eventfd costs a write
-    /// and a read per completion.
-    waker: Option<Waker>,
+    /// and a read per completion. A wait given up takes its entry with it.
+    waker: Option<(u64, Waker)>,
     /// More of them, when several tasks await one CQ (rare).
-    more_wakers: Vec<Waker>,
+    more_wakers: Vec<(u64, Waker)>,
+    /// The next registration's number.
+    next_wait: u64,
 }
 
 impl SoftCq {
@@ -44,6 +46,7 @@ impl SoftCq {
                 armed: false,
                 waker: None,
                 more_wakers: Vec::new(),
+                next_wait: 0,
             }),
             event_fd: OnceLock::new(),
         }
@@ -71,32 +74,56 @@ impl SoftCq {
         if signal {
             self.signal();
         }
-        if let Some(w) = waker {
+        if let Some((_, w)) = waker {
             w.wake();
         }
-        more.into_iter().for_each(Waker::wake);
+        more.into_iter().for_each(|(_, w)| w.wake());
         ok
     }
 
-    /// Registers `w` to be woken by the next completion (or an overrun), unless there is
-    /// one already: false then, and the caller polls again instead of waiting.
-    /// (Only `CompletionQueue::next` registers, which needs the `async` feature.)
-    #[cfg_attr(not(feature = "async"), allow(dead_code))]
-    pub fn register_waker(&self, w: &Waker) -> bool {
-        let mut st = self.state.lock().expect("cq lock");
+    /// Registers (or renews) wait `id`'s waker `w`, to be woken by the next completion (or
+    /// an overrun), unless there is one already: false then, and the caller polls again
+    /// instead of waiting.
+    fn register(&self, id: &mut Option<u64>, w: &Waker) -> bool {
+        let mut guard = self.state.lock().expect("cq lock");
+        let st = &mut *guard;
         if !st.queue.is_empty() || st.overrun {
             return false;
         }
-        match &st.waker {
-            None => st.waker = Some(w.clone()),
-            Some(first) if first.will_wake(w) => {}
-            Some(_) => {
-                if !st.more_wakers.iter().any(|m| m.will_wake(w)) {
-                    st.more_wakers.push(w.clone());
-                }
+        if let Some(i) = *id
+            && let Some((_, old)) =
+                st.waker.iter_mut().chain(st.more_wakers.iter_mut()).find(|(x, _)| *x == i)
+        {
+            if !old.will_wake(w) {
+                old.clone_from(w);
             }
+            return true;
+        }
+        let i = st.next_wait;
+        st.next_wait = i.wrapping_add(1);
+        *id = Some(i);
+        match st.waker {
+            None => st.waker = Some((i, w.clone())),
+            Some(_) => st.more_wakers.push((i, w.clone())),
         }
         true
+    }
+
+    /// Forgets wait `id` (gone already if a completion woke it).
+    fn deregister(&self, id: u64) {
+        let mut st = self.state.lock().expect("cq lock");
+        if st.waker.as_ref().is_some_and(|(x, _)| *x == id) {
+            st.waker = None;
+        } else {
+            st.more_wakers.retain(|(x, _)| *x != id);
+        }
+    }
+
+    /// Waits registered.
+    #[cfg(test)]
+    pub fn waiters(&self) -> usize {
+        let st = self.state.lock().expect("cq lock");
+        usize::from(st.waker.is_some()) + st.more_wakers.len()
     }
 
     /// Moves up to `out.len()` completions into `out`.
@@ -161,6 +188,36 @@ impl SoftCq {
     }
 }
 
+/// One wait for a completion of a [`SoftCq`] (`CompletionQueue::next` on the soft NIC):
+/// its waker is registered while it waits and deregistered when it is dropped, so waits
+/// given up (a timeout, a `select!` lost) leave nothing behind however many there are.
+pub(crate) struct Wait<'a> {
+    cq: &'a SoftCq,
+    id: Option<u64>,
+}
+
+// Only `CompletionQueue::next` waits, which needs the `async` feature.
+#[cfg_attr(not(feature = "async"), allow(dead_code))]
+impl<'a> Wait<'a> {
+    pub(crate) fn new(cq: &'a SoftCq) -> Wait<'a> {
+        Wait { cq, id: None }
+    }
+
+    /// Registers `w` to be woken by the next completion; false if one is there already
+    /// (poll again instead of waiting).
+    pub(crate) fn register(&mut self, w: &Waker) -> bool {
+        self.cq.register(&mut self.id, w)
+    }
+}
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.cq.deregister(id);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,17 +273,18 @@ mod tests {
         let cq = SoftCq::new(8);
         let (a, b) = (Arc::new(Count(AtomicUsize::new(0))), Arc::new(Count(AtomicUsize::new(0))));
         let (wa, wb) = (Waker::from(a.clone()), Waker::from(b.clone()));
-        // Two tasks (one registering twice: kept once where `will_wake` can tell, which is
-        // best effort, and Miri's vtables tell it apart) wait on an empty CQ.
-        assert!(cq.register_waker(&wa));
-        assert!(cq.register_waker(&wa));
-        assert!(cq.register_waker(&wb));
+        // Two waits (one registering twice: kept once, as its own entry) on an empty CQ.
+        let (mut ka, mut kb) = (Wait::new(&cq), Wait::new(&cq));
+        assert!(ka.register(&wa));
+        assert!(ka.register(&wa));
+        assert!(kb.register(&wb));
+        assert_eq!(cq.waiters(), 2);
         cq.push(WorkCompletion::default());
         let woken_a = a.0.load(Ordering::SeqCst);
         assert!((1..=2).contains(&woken_a), "{woken_a}");
         assert_eq!(b.0.load(Ordering::SeqCst), 1);
         // With a completion queued, nothing is registered: the caller polls instead.
-        assert!(!cq.register_waker(&wa));
+        assert!(!ka.register(&wa));
         cq.push(WorkCompletion::default());
         assert_eq!(a.0.load(Ordering::SeqCst), woken_a, "a waker is woken only after a registration");
         // An overrun wakes too (the waiter then sees the error).
@@ -234,8 +292,15 @@ mod tests {
         small.push(WorkCompletion::default());
         let mut out = [WorkCompletion::default(); 1];
         small.poll(&mut out).unwrap();
-        assert!(small.register_waker(&wb));
+        let mut kc = Wait::new(&small);
+        assert!(kc.register(&wb));
         small.push(WorkCompletion::default());
         assert_eq!(b.0.load(Ordering::SeqCst), 2);
+        // A wait dropped before any completion takes its registration with it.
+        let idle = SoftCq::new(4);
+        let mut kd = Wait::new(&idle);
+        assert!(kd.register(&wa));
+        drop(kd);
+        assert_eq!(idle.waiters(), 0);
     }
 }
