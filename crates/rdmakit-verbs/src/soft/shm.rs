@@ -21,9 +21,10 @@
 //! side asked for one: its loop found the ring empty and does not poll it, or is about to
 //! sleep. A loop polls the rings of every connection that had a turn since it last slept
 //! (NAPI's way): under load their peers post without doorbells, and the loop looks at
-//! each ring once per turn instead of taking a byte from a socket per frame. Everything read from the shared pages is copied into private memory
-//! before it is looked at, and the peer's ring counters are checked against the ring size
-//! on every use: a hostile peer can garble only its own frames, which are then refused.
+//! each ring once per turn instead of taking a byte from a socket per frame. Everything
+//! read from the shared pages is copied into private memory before it is looked at, and
+//! the peer's ring counters are checked against the ring size on every use: a hostile peer
+//! can garble only its own frames, which are then refused.
 //! `RDMAKIT_SOFT_SHM=0` turns the path off (TCP only).
 
 use std::io;
@@ -408,8 +409,7 @@ impl ShmConn {
         if self.polled {
             return if self.peer_gone { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
         }
-        self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        self.ask_for_doorbell();
         match self.available()? {
             0 if self.peer_gone => Ok(0),
             0 => Err(io::ErrorKind::WouldBlock.into()),
@@ -447,9 +447,15 @@ impl ShmConn {
     /// Asks the peer to ring for its next frame, then looks once more: whether input came
     /// meanwhile (the peer may have published without ringing just before).
     pub(crate) fn arm(&self) -> bool {
+        self.ask_for_doorbell();
+        self.has_input()
+    }
+
+    /// Tells the peer this side waits (it rings after its next publish); the fence pairs
+    /// with the peer's between publishing and looking, so one of the two sees the other.
+    fn ask_for_doorbell(&self) {
         self.map.word(self.rx, CONSUMER_WAITS).store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        self.has_input()
     }
 
     /// Takes back an [`arm`](Self::arm): the loop stays awake after all. A peer that
