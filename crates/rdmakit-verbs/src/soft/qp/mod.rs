@@ -899,6 +899,15 @@ impl LastWord {
         let direct = self.at.saturating_sub(at).min(n);
         (direct, (at + direct).saturating_sub(self.at))
     }
+
+    /// Whether a piece of `n` bytes at offset `at` of a `len`-byte write completes it: then,
+    /// and only then, the held word lands. An empty piece completes nothing, even at the
+    /// end (every ring read that does not wrap gives one, its second half): landing the
+    /// word again there would rewrite it after a reader that saw it had moved on (a put
+    /// handle's `ready_mark` restoring its sentinel), a second put out of nothing.
+    pub(crate) fn completes(&self, at: usize, n: usize, len: usize) -> bool {
+        n > 0 && at + n == len && self.at < len
+    }
 }
 
 impl Placement {
@@ -956,7 +965,7 @@ impl Placement {
                 shared_mem::copy(src.add(direct), Dst::Private(last.held.as_mut_ptr().add(held_from)), rest);
             }
         }
-        if at + n == self.len && last.at < self.len {
+        if last.completes(at, n, self.len) {
             // The final piece: the last word, whole and last, with release ordering.
             let (word_at, held) = (last.at, last.held);
             // SAFETY: `word_at .. len` is inside the target (at most 8 bytes); `held` is a
@@ -1017,9 +1026,7 @@ mod last_word_tests {
         bounds.sort_unstable();
         bounds.dedup();
         bounds.push(len);
-        let mut at = 0;
-        for end in bounds {
-            let n = end - at;
+        let mut piece = |at: usize, n: usize| {
             let (direct, held_from) = last.split(at, n);
             if direct > 0 {
                 out.push((at, at + direct));
@@ -1028,12 +1035,18 @@ mod last_word_tests {
                 assert!(held_from + (n - direct) <= 8, "held bytes overflow the word");
                 last.held[held_from..held_from + n - direct].fill(1);
             }
-            if at + n == len && last.at < len {
+            if last.completes(at, n, len) {
                 assert!(last.held[..len - last.at].iter().all(|&b| b == 1), "a held byte was never given");
                 out.push((last.at, len));
             }
+        };
+        let mut at = 0;
+        for end in bounds {
+            piece(at, end - at);
             at = end;
         }
+        // An empty piece at the end, as a ring read that does not wrap gives.
+        piece(len, 0);
         out
     }
 
