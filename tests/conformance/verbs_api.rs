@@ -38,6 +38,7 @@ pub const CASES: &[Case] = &[
     case("connect_options_path_fields", connect_options_path_fields),
     case("inline_write", inline_write),
     case("batch_post_keeps_order", batch_post_order),
+    case("array_post_is_one_call_in_order_and_all_or_nothing", array_post),
     case("prepared_requests_post_as_built_ones", prepared_requests),
     case("async_completion_wait", async_wait),
     case("dropped_qp_releases_buffers", dropped_qp_releases_buffers),
@@ -635,6 +636,49 @@ fn batch_post_order(env: &Env) -> Result<(), Failed> {
         check_eq!(res.read_u64(i * 8)?, 100 + i - 1);
     }
     check_eq!(dst.read_u64(0)?, 110);
+    Ok(())
+}
+
+/// `post_send_array`: a data write and an inline flag write after it, in order, one
+/// completion for both; a bad request anywhere, or a queue without room for all, posts none.
+fn array_post(env: &Env) -> Result<(), Failed> {
+    let caps = QpCaps::default().with_max_send_wr(4).with_max_inline_data(16);
+    let p = env.pair_with(caps, 64, env.opts())?;
+    let src = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    let dst = p.pd.alloc_mr(72, AccessFlags::ALL_REMOTE)?;
+    src.fill(9)?;
+    let flag = 7u64.to_le_bytes();
+    let data = || -> Result<SendWr<'static>, Failed> {
+        Ok(SendWr::write(src.local()?, dst.remote().slice(0, 64)?).unsignaled().wr_id(1))
+    };
+    p.a.post_send_array([data()?, SendWr::write_inline(&flag, dst.remote().slice(64, 8)?).wr_id(2)])?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 2);
+    check!(p.cq_a.poll_one()?.is_none(), "the unsignalled data write produced a completion");
+    check_eq!(p.a.outstanding(), (0, 0));
+    check_eq!(dst.read_u64(64)?, 7);
+    check!(dst.to_vec()?[..64].iter().all(|&b| b == 9), "the data write did not land");
+
+    // The second request cannot be valid: nothing is posted, the first included.
+    let too_long = vec![0u8; p.a.caps().max_inline_data as usize + 1];
+    match p.a.post_send_array([data()?, SendWr::write_inline(&too_long, dst.remote().slice(0, 1)?)]) {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("expected InvalidArgument, got {other:?}").into()),
+    }
+    check_eq!(p.a.outstanding(), (0, 0));
+
+    // Room for one of two: neither is posted.
+    let depth = p.a.caps().max_send_wr;
+    for i in 0..depth - 1 {
+        p.a.post_send(data()?.wr_id(10 + u64::from(i)))?;
+    }
+    match p.a.post_send_array([data()?, data()?]) {
+        Err(Error::QueueFull { queue: "send", .. }) => {}
+        other => return Err(format!("expected QueueFull, got {other:?}").into()),
+    }
+    check_eq!(p.a.outstanding(), (depth as usize - 1, 0));
+    p.a.post_send(data()?.signaled(true).wr_id(99))?;
+    check_eq!(wait_ok(&p.cq_a)?.wr_id, 99);
+    check_eq!(p.a.outstanding(), (0, 0));
     Ok(())
 }
 

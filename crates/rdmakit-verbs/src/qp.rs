@@ -413,6 +413,57 @@ impl QueuePair {
             self.check_same_device(wr.local.as_ref())?;
             raws.push(wr.to_raw(self.inner.caps.max_inline_data)?);
         }
+        self.push_and_post(&mut raws, wrs)
+    }
+
+    /// [`post_send_batch`](Self::post_send_batch) for a fixed number of requests, without
+    /// allocating: a data write and the flag write that announces it, say, go to the NIC
+    /// together (one `ibv_post_send`, one doorbell), in order.
+    ///
+    /// # Errors
+    /// As for [`post_send_batch`](Self::post_send_batch).
+    ///
+    /// # Example
+    /// ```
+    /// use rdmakit_verbs::*;
+    /// # fn main() -> Result<()> {
+    /// let ctx = Context::open_soft();
+    /// let pd = ctx.alloc_pd()?;
+    /// let cq = ctx.create_cq(16)?;
+    /// let caps = QpCaps::default().with_max_inline_data(16);
+    /// let (a, b) = (pd.create_qp(&cq, &cq, caps)?, pd.create_qp(&cq, &cq, caps)?);
+    /// a.connect(&b.address()?, &ConnectOptions::default())?;
+    /// b.connect(&a.address()?, &ConnectOptions::default())?;
+    /// let (src, dst) = (pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?, pd.alloc_mr(72, AccessFlags::ALL_REMOTE)?);
+    /// src.write_at(0, &[7; 64])?;
+    /// // The payload, then a flag word after it: one doorbell, completed in order.
+    /// a.post_send_array([
+    ///     SendWr::write(src.local()?, dst.remote().slice(0, 64)?).unsignaled(),
+    ///     SendWr::write_inline(&1u64.to_le_bytes(), dst.remote().slice(64, 8)?),
+    /// ])?;
+    /// cq.spin(std::time::Duration::from_secs(5))?.ok()?;
+    /// assert_eq!(dst.read_u64(64)?, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn post_send_array<'a, const N: usize>(&self, wrs: [SendWr<'a>; N]) -> Result<()> {
+        let Some(first) = wrs.first() else { return Ok(()) };
+        let max_inline = self.inner.caps.max_inline_data;
+        self.check_same_device(first.local.as_ref())?;
+        let mut raws = [first.to_raw(max_inline)?; N];
+        for (raw, wr) in raws.iter_mut().zip(&wrs).skip(1) {
+            self.check_same_device(wr.local.as_ref())?;
+            *raw = wr.to_raw(max_inline)?;
+        }
+        self.push_and_post(&mut raws, wrs)
+    }
+
+    /// Pushes the in-flight slots of `wrs`, whose provider forms are `raws` (in order),
+    /// then posts them with one provider call.
+    fn push_and_post<'a>(
+        &self,
+        raws: &mut [RawSendWr<'a>],
+        wrs: impl IntoIterator<Item = SendWr<'a>>,
+    ) -> Result<()> {
         let mut q = self.inner.inflight.q.lock().expect("inflight lock");
         for (i, (raw, wr)) in raws.iter_mut().zip(wrs).enumerate() {
             match q.push_send(wr.wr_id, wr.local.map(|l| l.mr)) {
@@ -423,7 +474,7 @@ impl QueuePair {
                 }
             }
         }
-        self.post_raw_send(&mut q, &raws)
+        self.post_raw_send(&mut q, raws)
     }
 
     /// Hands requests whose slots are pushed to the provider; drops the slots of those it
