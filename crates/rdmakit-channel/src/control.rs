@@ -756,6 +756,41 @@ impl ControlSlots {
         }
     }
 
+    /// Posts `first` unsignalled and then `then`, signalled, with one provider call (one
+    /// doorbell): a data write and the write that announces it. Returns `then`'s ticket.
+    pub fn post_two(&mut self, first: SendWr<'_>, then: SendWr<'_>) -> Result<u64> {
+        self.post_pair(first, then, true)?;
+        Ok(self.posted)
+    }
+
+    /// [`post_two`](Self::post_two) for requests nobody waits for: `then` is signalled as
+    /// [`post_lazy`](Self::post_lazy) would choose.
+    pub fn post_two_lazy(&mut self, first: SendWr<'_>, then: SendWr<'_>) -> Result<()> {
+        // As `post_unsignaled(first)` then `post_lazy(then)` would decide.
+        let signal = self.unsignaled_run + 2 >= self.signal_every;
+        self.post_pair(first, then, signal)
+    }
+
+    fn post_pair(&mut self, first: SendWr<'_>, then: SendWr<'_>, signal: bool) -> Result<()> {
+        let then = if signal { then } else { then.unsignaled() };
+        if let Err(e) = self.qp.post_send_array([first.unsignaled(), then]) {
+            if let rdmakit_verbs::Error::Post { posted, .. } = &e {
+                // `first` went; a later signalled request reports it.
+                self.sent += *posted as u64;
+                self.unsignaled_run = self.unsignaled_run.saturating_add(*posted as u32);
+            }
+            return Err(e.into());
+        }
+        self.sent += 2;
+        if signal {
+            self.posted += 1;
+            self.unsignaled_run = 0;
+        } else {
+            self.unsignaled_run = self.unsignaled_run.saturating_add(2);
+        }
+        Ok(())
+    }
+
     /// Sends `m`, or queues it behind earlier ones when the send queue is full.
     pub fn send(&mut self, m: &Message) -> Result<()> {
         let mut bytes = std::mem::take(&mut self.scratch);

@@ -703,11 +703,8 @@ impl Inner {
                 // last aligned word last, with release semantics).
                 h[16..24].copy_from_slice(&(st.notes_sent + 1).to_le_bytes());
                 let flag = peer.mailbox.slice(slot * MAILBOX_SLOT, MAILBOX_SLOT as u32)?;
-                // Two posts rather than a batch: no allocation per message. (A failure
-                // between them is as final as a batch refused part-way.)
-                st.ctl
-                    .post_unsignaled(SendWr::write(src.clone(), dst))
-                    .and_then(|()| st.ctl.post(SendWr::write_inline(&h, flag)))
+                // Both with one doorbell, the data first.
+                st.ctl.post_two(SendWr::write(src.clone(), dst), SendWr::write_inline(&h, flag))
             }
         };
         match r {

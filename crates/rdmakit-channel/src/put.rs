@@ -831,11 +831,10 @@ impl SendHandle {
             let seq = word(e.epoch, e.puts + 1).to_le_bytes();
             let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
             let seq_dst = e.desc.seq.slice(0, 8)?;
-            // Two posts rather than a batch: no allocation per put. Nobody waits for their
-            // completions (the receiver's ready word says the data was placed), so they are
-            // signalled only now and then, to retire them from the send queue.
-            st.ctl.post_unsignaled(data)?;
-            st.ctl.post_lazy(SendWr::write_inline(&seq, seq_dst))?;
+            // One doorbell for both, data first. Nobody waits for their completions (the
+            // receiver's ready word says the data was placed), so they are signalled only
+            // now and then, to retire them from the send queue.
+            st.ctl.post_two_lazy(data, SendWr::write_inline(&seq, seq_dst))?;
             if let Some(e) = st.send[self.id as usize].as_mut() {
                 e.puts += 1;
             }
