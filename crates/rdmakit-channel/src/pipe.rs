@@ -101,6 +101,9 @@ pub(crate) const MSG_LEN: u32 = 64;
 const MAX_QUEUED: usize = 1024;
 /// Most bytes of a ring, all segments: an immediate names a block by its offset / 8 in 32 bits.
 const MAX_RING: u64 = 8 << 32;
+/// The longest message an rwrite copies into its request (inline) instead of having the
+/// NIC read it: such an rwrite resolves once posted, with no wait for its completion.
+const INLINE_MAX: u32 = 256;
 
 /// How a receiver learns that a block landed (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -133,6 +136,10 @@ pub struct PipeConfig {
     pub poll: PollMode,
     /// Most messages the peer may have sent this end and this end not yet received.
     pub slots: u32,
+    /// Longest message this end's `rwrite` posts inline, resolving once posted (at most
+    /// 256 and the QP's `max_inline_data`; 0: every `rwrite` waits for its write's
+    /// completion). See [`Pipe::rwrite`].
+    pub inline_max: u32,
     /// How long connecting waits for the peer's hello.
     pub connect_timeout: Duration,
 }
@@ -146,6 +153,7 @@ impl Default for PipeConfig {
             notify: NotifyMode::WriteImm,
             poll: PollMode::Event,
             slots: 32,
+            inline_max: INLINE_MAX,
             connect_timeout: Duration::from_secs(10),
         }
     }
@@ -185,6 +193,12 @@ impl PipeConfig {
     /// Sets [`slots`](Self::slots).
     pub const fn with_slots(mut self, slots: u32) -> Self {
         self.slots = slots;
+        self
+    }
+
+    /// Sets [`inline_max`](Self::inline_max).
+    pub const fn with_inline_max(mut self, inline_max: u32) -> Self {
+        self.inline_max = inline_max;
         self
     }
 
@@ -276,6 +290,9 @@ struct Inner {
     config: PipeConfig,
     ring: Option<MemoryRegion>,
     mailbox: MemoryRegion,
+    /// Messages up to this long go inline: the least of [`INLINE_MAX`], the QP's limit and
+    /// [`PipeConfig::inline_max`].
+    inline_max: u64,
     _conn: Option<Connection>,
 }
 
@@ -348,6 +365,7 @@ impl Pipe {
             return Err(ChannelError::Invalid("a pipe's ring is at most 32 GiB"));
         }
         let pd = qp.pd().clone();
+        let qp_inline = qp.caps().max_inline_data;
         let ctl =
             ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
         let ring = match config.ring_len {
@@ -397,6 +415,7 @@ impl Pipe {
             qp,
             driver: Driver::new(cq, config.poll, state),
             config,
+            inline_max: u64::from(qp_inline.min(INLINE_MAX).min(config.inline_max)),
             ring,
             mailbox,
             _conn: conn,
@@ -461,6 +480,14 @@ impl Pipe {
     /// rwrite: RDMA-writes `src` into a block of the peer's ring and notifies the peer.
     /// Waits for ring space (and a notification slot) first: the reader releasing blocks
     /// is the credit. Resolves when `src` may be reused, returning it.
+    ///
+    /// A message of at most [`PipeConfig::inline_max`] bytes (256 by default; never more
+    /// than the QP's `max_inline_data`) is copied into the request when it is posted, as
+    /// a verbs user posts small writes inline, so
+    /// the call resolves once the request is posted, without waiting for its completion.
+    /// Like a socket's `write`, an `Ok` then means "handed to the NIC", not "delivered": a
+    /// transport failure of that write (the peer gone) breaks the pipe, and the next
+    /// operation reports it. A longer message resolves when its write has completed.
     pub async fn rwrite(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
         let r = self.rwrite_inner(&src).await;
         (r, src)
@@ -501,6 +528,9 @@ impl Pipe {
                 if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
                     return inner.ask_for_credit(st); // wait for the reader to take notifications
                 }
+                if len <= inner.inline_max && !inner.send_queue_has_room() {
+                    return None; // inline writes are reaped lazily: let completions retire them
+                }
                 let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
                     Ok(b) => b,
                     // Wait for frees; the growth request returns them first, then grows.
@@ -511,10 +541,11 @@ impl Pipe {
                     Err(e) => return Some(Err(e.into())),
                 };
                 match inner.post_rwrite(st, &peer, src, block, len) {
-                    Ok(t) => {
+                    Ok(Some(t)) => {
                         ticket = Some(t);
                         None // poll for the completion
                     }
+                    Ok(None) => Some(Ok(())), // copied into the request: `src` is free now
                     Err(e) => Some(Err(e)),
                 }
             })
@@ -668,10 +699,21 @@ impl Pipe {
 }
 
 impl Inner {
+    /// Whether the send queue has room for an inline rwrite: at most half of it in use.
+    /// Inline rwrites retire lazily (one in every few is signalled), so a writer that only
+    /// posts them waits here for completions instead of filling the queue.
+    fn send_queue_has_room(&self) -> bool {
+        let (sends, _) = self.qp.outstanding();
+        sends + 2 <= self.qp.caps().max_send_wr as usize / 2
+    }
+
     async fn wait<R>(&self, post_or_done: impl FnMut(&mut State) -> Option<Result<R>>) -> Result<R> {
         self.driver.wait(|st, wc| self.on_wc(st, wc), post_or_done).await
     }
 
+    /// Posts an rwrite of `src` into `block`. Returns the ticket to wait for, or `None` for
+    /// a message of at most [`Inner::inline_max`] bytes, copied into the request when
+    /// posted (and its completion reaped lazily, as control messages are).
     fn post_rwrite(
         &self,
         st: &mut State,
@@ -679,8 +721,16 @@ impl Inner {
         src: &LocalSlice,
         block: RemoteBlock,
         len: u64,
-    ) -> Result<u64> {
+    ) -> Result<Option<u64>> {
         let dst = block.region().slice(0, src.len())?;
+        let mut bytes = [0u8; INLINE_MAX as usize];
+        let inline = match usize::try_from(len) {
+            Ok(n) if len <= self.inline_max => {
+                src.region().read_at(src.offset(), &mut bytes[..n])?;
+                Some(&bytes[..n])
+            }
+            _ => None,
+        };
         // The block's offset in the ring's segments laid end to end.
         let seg = st.alloc.as_ref().and_then(|a| a.segments().get(block.segment as usize)).copied();
         let start = st.seg_starts.get(block.segment as usize).copied();
@@ -688,11 +738,18 @@ impl Inner {
             return Err(ChannelError::Protocol(format!("block in unknown segment {}", block.segment)));
         };
         let offset = start + (block.addr - seg.addr);
+        let data = match inline {
+            Some(b) => SendWr::write_inline(b, dst),
+            None => SendWr::write(src.clone(), dst),
+        };
         let r = match peer.notify {
             NotifyMode::WriteImm => {
                 let imm =
                     u32::try_from(offset / 8).map_err(|_| ChannelError::Invalid("ring beyond 32 GiB"))?;
-                st.ctl.post(SendWr::write(src.clone(), dst).with_imm(imm))
+                match inline {
+                    Some(_) => st.ctl.post_lazy(data.with_imm(imm)).map(|()| None),
+                    None => st.ctl.post(data.with_imm(imm)).map(Some),
+                }
             }
             NotifyMode::Flag => {
                 let slot = st.notes_sent % u64::from(peer.slots);
@@ -704,7 +761,11 @@ impl Inner {
                 h[16..24].copy_from_slice(&(st.notes_sent + 1).to_le_bytes());
                 let flag = peer.mailbox.slice(slot * MAILBOX_SLOT, MAILBOX_SLOT as u32)?;
                 // Both with one doorbell, the data first.
-                st.ctl.post_two(SendWr::write(src.clone(), dst), SendWr::write_inline(&h, flag))
+                let note = SendWr::write_inline(&h, flag);
+                match inline {
+                    Some(_) => st.ctl.post_two_lazy(data, note).map(|()| None),
+                    None => st.ctl.post_two(data, note).map(Some),
+                }
             }
         };
         match r {

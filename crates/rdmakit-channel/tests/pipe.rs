@@ -63,6 +63,46 @@ async fn flag_mode_integrity_busy_polling() {
     transfer(a, b, &pd, 500, 64 << 10, false).await;
 }
 
+/// A message of at most the QP's inline size is copied into its request: `rwrite` resolves
+/// once it is posted (its completion is not waited for, so its request is still outstanding),
+/// the source is free at once, and the reader gets the bytes as they were at the call. A
+/// longer message (or any, with `inline_max` 0) waits for its completion, which retires
+/// everything before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_rwrites_go_inline_and_resolve_once_posted() {
+    for notify in [NotifyMode::WriteImm, NotifyMode::Flag] {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let cfg = config(notify, PollMode::Busy, 64 << 10);
+        let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+        let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let inline = a.qp().caps().max_inline_data.min(256);
+        let before = a.qp().outstanding().0;
+        src.write_at(0, &[0xa5; 64]).unwrap();
+        let (r, _) = a.rwrite(src.slice(0, inline.min(64)).unwrap()).await;
+        r.expect("inline rwrite");
+        assert!(a.qp().outstanding().0 > before, "{notify:?}: the inline rwrite waited for its completion");
+        src.write_at(0, &[0x5a; 64]).unwrap(); // reused at once
+        let g = b.recv_timeout(Duration::from_secs(10)).await.unwrap();
+        assert!(
+            g.to_vec().unwrap().iter().all(|&x| x == 0xa5),
+            "{notify:?}: the reader saw the reused source"
+        );
+        drop(g);
+        let (r, _) = a.rwrite(src.slice(0, 4096).unwrap()).await;
+        r.expect("rwrite");
+        assert_eq!(a.qp().outstanding().0, 0, "{notify:?}: a waited-for rwrite retires what came before it");
+        drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
+
+        // `inline_max` 0: every rwrite waits for its completion.
+        let cfg = cfg.with_inline_max(0);
+        let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+        let (r, _) = a.rwrite(src.slice(0, 8).unwrap()).await;
+        r.expect("rwrite");
+        assert_eq!(a.qp().outstanding().0, 0, "{notify:?}: with inline_max 0 an rwrite waits for its write");
+        drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_reader_holds_back_the_writer() {
     // A 64 KiB ring and up to 32 KiB messages: the writer must wait for releases often.

@@ -68,7 +68,12 @@ fn connect_options() -> ConnectOptions {
 }
 
 fn config() -> PipeConfig {
-    PipeConfig::default().with_ring_len(64 << 10).with_notify(NotifyMode::WriteImm).with_poll(PollMode::Event)
+    PipeConfig::default()
+        .with_ring_len(64 << 10)
+        .with_notify(NotifyMode::WriteImm)
+        .with_poll(PollMode::Event)
+        // One rwrite in flight on each pipe, as the table says: each waits for its write.
+        .with_inline_max(0)
 }
 
 /// Threads and resident KiB of process `pid` ("self" for this one).
