@@ -40,6 +40,9 @@ pub(crate) trait Controlled {
 /// Completions taken per CQ poll.
 const POLL_BATCH: usize = 8;
 
+/// Steps [`Driver::try_unpolled`] takes in a row before the CQ must be polled again.
+const UNPOLLED_MAX: usize = 8;
+
 /// Rounds a busy-mode wait polls before it first yields to the executor.
 const BUSY_SPIN_ROUNDS: u32 = 64;
 
@@ -63,6 +66,8 @@ pub(crate) struct Driver<S> {
     notify: Notify,
     /// Futures registered to be woken: wake-ups are skipped (no lock taken) when zero.
     waiters: AtomicUsize,
+    /// Steps taken by [`try_unpolled`](Self::try_unpolled) since the CQ was last polled.
+    unpolled: AtomicUsize,
 }
 
 /// Counts a registered waiter for as long as it lives.
@@ -85,6 +90,7 @@ impl<S: Controlled> Driver<S> {
             state: Mutex::new(state),
             notify: Notify::new(),
             waiters: AtomicUsize::new(0),
+            unpolled: AtomicUsize::new(0),
         }
     }
 
@@ -116,6 +122,9 @@ impl<S: Controlled> Driver<S> {
         let mut wcs = [WorkCompletion::default(); POLL_BATCH];
         let mut total = 0;
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if self.unpolled.load(Ordering::Relaxed) != 0 {
+            self.unpolled.store(0, Ordering::Relaxed);
+        }
         loop {
             let n = match self.cq.poll(&mut wcs) {
                 Ok(n) => n,
@@ -144,6 +153,22 @@ impl<S: Controlled> Driver<S> {
             self.wake_all();
         }
         Ok(r)
+    }
+
+    /// Runs `step` on the state without polling the CQ first, unless that was done
+    /// [`UNPOLLED_MAX`] times since the last poll; `None` then, and when `step` returns
+    /// `None`. For a step that needs no completion to finish (a post whose completion
+    /// nobody waits for): it skips an empty poll, and the next wait, or the next step
+    /// past the limit, takes what came meanwhile.
+    pub(crate) fn try_unpolled<R>(&self, step: impl FnOnce(&mut S) -> Option<R>) -> Option<R> {
+        if self.unpolled.load(Ordering::Relaxed) >= UNPOLLED_MAX {
+            return None;
+        }
+        let r = self.with(step);
+        if r.is_some() {
+            self.unpolled.fetch_add(1, Ordering::Relaxed);
+        }
+        r
     }
 
     /// Sends a keep-alive if one is due (see [`ControlSlots::tick`]).

@@ -483,9 +483,8 @@ impl Pipe {
     ///
     /// A message of at most [`PipeConfig::inline_max`] bytes (256 by default; never more
     /// than the QP's `max_inline_data`) is copied into the request when it is posted, as
-    /// a verbs user posts small writes inline, so
-    /// the call resolves once the request is posted, without waiting for its completion.
-    /// Like a socket's `write`, an `Ok` then means "handed to the NIC", not "delivered": a
+    /// a verbs user posts small writes inline, so the call resolves once the request is
+    /// posted, without waiting for its completion. Like a socket's `write`, an `Ok` then means "handed to the NIC", not "delivered": a
     /// transport failure of that write (the peer gone) breaks the pipe, and the next
     /// operation reports it. A longer message resolves when its write has completed.
     pub async fn rwrite(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
@@ -501,55 +500,57 @@ impl Pipe {
         let inner = &self.inner;
         // One wait: post when there is room, then until the last request completes.
         let mut ticket: Option<u64> = None;
-        inner
-            .wait(|st| {
-                if let Err(e) = st.check() {
-                    return Some(Err(e));
+        let mut step = |st: &mut State| {
+            if let Err(e) = st.check() {
+                return Some(Err(e));
+            }
+            if let Some(t) = ticket {
+                return (st.ctl.done() >= t).then_some(Ok(()));
+            }
+            let peer = st.peer?;
+            if peer.ring.len == 0 {
+                return Some(Err(ChannelError::Invalid("the peer offers no receive ring")));
+            }
+            if len > st.largest_seg {
+                // A segment that large would take the ring beyond what the peer allows.
+                let room = peer.max_ring.saturating_sub(st.peer_ring_bytes);
+                if st.growth_refused || len > room {
+                    return Some(Err(ChannelError::TooLarge { what: "message", len, limit: st.largest_seg }));
                 }
-                if let Some(t) = ticket {
-                    return (st.ctl.done() >= t).then_some(Ok(()));
+                return inner.ask_to_grow(st, len); // no segment is large enough
+            }
+            if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
+                return inner.ask_for_credit(st); // wait for the reader to take notifications
+            }
+            if len <= inner.inline_max && !inner.send_queue_has_room() {
+                return None; // inline writes are reaped lazily: let completions retire them
+            }
+            let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
+                Ok(b) => b,
+                // Wait for frees; the growth request returns them first, then grows.
+                Err(HeapError::Exhausted { .. }) if !st.growth_refused => {
+                    return inner.ask_to_grow(st, len);
                 }
-                let peer = st.peer?;
-                if peer.ring.len == 0 {
-                    return Some(Err(ChannelError::Invalid("the peer offers no receive ring")));
+                Err(HeapError::Exhausted { .. }) => return inner.ask_for_credit(st),
+                Err(e) => return Some(Err(e.into())),
+            };
+            match inner.post_rwrite(st, &peer, src, block, len) {
+                Ok(Some(t)) => {
+                    ticket = Some(t);
+                    None // poll for the completion
                 }
-                if len > st.largest_seg {
-                    // A segment that large would take the ring beyond what the peer allows.
-                    let room = peer.max_ring.saturating_sub(st.peer_ring_bytes);
-                    if st.growth_refused || len > room {
-                        return Some(Err(ChannelError::TooLarge {
-                            what: "message",
-                            len,
-                            limit: st.largest_seg,
-                        }));
-                    }
-                    return inner.ask_to_grow(st, len); // no segment is large enough
-                }
-                if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
-                    return inner.ask_for_credit(st); // wait for the reader to take notifications
-                }
-                if len <= inner.inline_max && !inner.send_queue_has_room() {
-                    return None; // inline writes are reaped lazily: let completions retire them
-                }
-                let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
-                    Ok(b) => b,
-                    // Wait for frees; the growth request returns them first, then grows.
-                    Err(HeapError::Exhausted { .. }) if !st.growth_refused => {
-                        return inner.ask_to_grow(st, len);
-                    }
-                    Err(HeapError::Exhausted { .. }) => return inner.ask_for_credit(st),
-                    Err(e) => return Some(Err(e.into())),
-                };
-                match inner.post_rwrite(st, &peer, src, block, len) {
-                    Ok(Some(t)) => {
-                        ticket = Some(t);
-                        None // poll for the completion
-                    }
-                    Ok(None) => Some(Ok(())), // copied into the request: `src` is free now
-                    Err(e) => Some(Err(e)),
-                }
-            })
-            .await
+                Ok(None) => Some(Ok(())), // copied into the request: `src` is free now
+                Err(e) => Some(Err(e)),
+            }
+        };
+        // An inline rwrite with credit and room finishes when posted: try that first,
+        // without an (often empty) poll of the CQ before it.
+        if len <= inner.inline_max
+            && let Some(r) = inner.driver.try_unpolled(&mut step)
+        {
+            return r;
+        }
+        inner.wait(step).await
     }
 
     /// Waits for the next message and returns an exclusive guard over its block; dropping

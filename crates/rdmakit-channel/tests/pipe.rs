@@ -93,6 +93,24 @@ async fn small_rwrites_go_inline_and_resolve_once_posted() {
         assert_eq!(a.qp().outstanding().0, 0, "{notify:?}: a waited-for rwrite retires what came before it");
         drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
 
+        // A writer posting only inline rwrites (some without polling its CQ first) still
+        // reaps their completions: its send queue never fills.
+        let reader = tokio::spawn({
+            let b = b.clone();
+            async move {
+                for _ in 0..2000 {
+                    drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
+                }
+            }
+        });
+        let depth = a.qp().caps().max_send_wr as usize;
+        for _ in 0..2000 {
+            let (r, _) = a.rwrite(src.slice(0, 8).unwrap()).await;
+            r.expect("inline rwrite");
+            assert!(a.qp().outstanding().0 <= depth / 2, "{notify:?}: inline rwrites filled the send queue");
+        }
+        reader.await.unwrap();
+
         // `inline_max` 0: every rwrite waits for its completion.
         let cfg = cfg.with_inline_max(0);
         let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
