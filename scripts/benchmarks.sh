@@ -5,7 +5,8 @@
 #   scripts/benchmarks.sh            the soft NIC's tables (about 5 minutes), then the rxe
 #                                    comparison with perftest (scripts/perftest-compare.sh in
 #                                    the VM, about 15 minutes more)
-#   RDMAKIT_BENCH_RXE=0 ...          skip the rxe part (its section then says so)
+#   RDMAKIT_BENCH_RXE=0 ...          skip the rxe part (its sections then say so): the
+#                                    perftest comparison and the rpipe and CkDirect seeds in the VM
 #   RDMAKIT_BENCH_CRITERION=0 ...    skip the criterion groups
 #   RDMAKIT_BENCH_RXE_FROM=FILE ...  put the output of an earlier scripts/perftest-compare.sh
 #                                    run (saved in FILE) in the rxe section instead of a new run
@@ -146,6 +147,19 @@ elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     rxe_plot
 else
     printf '## perftest against rdmakit-perf on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
+fi
+# The seeds' tables that run on rdma-core (pipes, put handles; MEMIC and cross-GVMI need
+# mlx5 device memory and keys, which rxe lacks), in the VM, smaller than the soft runs: every
+# operation there is emulated.
+if [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
+    rxe=(--provider verbs --device rxe0 --gid-index 1)
+    section "rpipe: the rmalloc/rpipe paper's tables on rdma-core" rxe \
+        scripts/rxe-vm.sh "$perf" rpipe-seed "${rxe[@]}" --max-size 65536 -n 500 --runs 3
+    section "CkDirect: the slides' tables on rdma-core" rxe \
+        scripts/rxe-vm.sh "$perf" ckdirect-seed "${rxe[@]}" --max-size 65536 -n 500 --runs 3 \
+        --faces 64,1024 --jacobi-iters 100
+else
+    printf '## The seeds on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
 fi
 
 mv "$tmp" "$out"
