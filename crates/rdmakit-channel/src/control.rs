@@ -704,6 +704,20 @@ impl ControlSlots {
         self.done
     }
 
+    /// Signalled requests posted so far: the next one's ticket is one more.
+    pub fn posted(&self) -> u64 {
+        self.posted
+    }
+
+    /// Sends a keep-alive, signalled, and returns a ticket that completes no earlier than
+    /// it: once [`done`](Self::done) reaches it, every request posted before this call has
+    /// completed (RC completes in order), unsignalled ones included.
+    pub fn fence(&mut self) -> Result<u64> {
+        self.send(&Message::KeepAlive)?;
+        // Control messages go out in order, so the keep-alive's ticket is at least this.
+        Ok(self.posted + self.backlog.len() as u64)
+    }
+
     /// Broken (a failed request) or a protocol violation: the error every later
     /// operation returns.
     pub fn check(&self) -> Result<()> {

@@ -270,6 +270,9 @@ struct State {
     /// This end's publications the peer has not answered: their slices stay alive.
     publishing: std::collections::HashMap<u64, Publishing>,
     read_done: Vec<(u64, bool)>,
+    /// Signalled requests posted before the latest inline rwrite ([`ControlSlots::posted`]):
+    /// it has completed once [`ControlSlots::done`] passes this.
+    inline_mark: Option<u64>,
 }
 
 impl State {
@@ -410,6 +413,7 @@ impl Pipe {
             reads: VecDeque::new(),
             publishing: std::collections::HashMap::new(),
             read_done: Vec::new(),
+            inline_mark: None,
         };
         let inner = Arc::new(Inner {
             qp,
@@ -486,7 +490,9 @@ impl Pipe {
     /// a verbs user posts small writes inline, so the call resolves once the request is
     /// posted, without waiting for its completion. Like a socket's `write`, an `Ok` then means "handed to the NIC", not "delivered": a
     /// transport failure of that write (the peer gone) breaks the pipe, and the next
-    /// operation reports it. A longer message resolves when its write has completed.
+    /// operation reports it; [`flush`](Self::flush) waits for delivery, and a dropped end
+    /// lingers (up to a second) until its inline rwrites have completed. A longer message
+    /// resolves when its write has completed.
     pub async fn rwrite(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
         let r = self.rwrite_inner(&src).await;
         (r, src)
@@ -551,6 +557,31 @@ impl Pipe {
             return r;
         }
         inner.wait(step).await
+    }
+
+    /// Waits until every request this end has posted so far has completed: after it, the
+    /// peer has every message an earlier [`rwrite`](Self::rwrite) handed to the NIC (or
+    /// the pipe is broken, and this says so). An inline rwrite resolves when posted; this
+    /// is the wait for its delivery.
+    pub async fn flush(&self) -> Result<()> {
+        let mut ticket: Option<u64> = None;
+        self.inner
+            .wait(|st| {
+                if let Err(e) = st.check() {
+                    return Some(Err(e));
+                }
+                match ticket {
+                    Some(t) => (st.ctl.done() >= t).then_some(Ok(())),
+                    None => match st.ctl.fence() {
+                        Ok(t) => {
+                            ticket = Some(t);
+                            None
+                        }
+                        Err(e) => Some(Err(e)),
+                    },
+                }
+            })
+            .await
     }
 
     /// Waits for the next message and returns an exclusive guard over its block; dropping
@@ -699,6 +730,35 @@ impl Pipe {
     }
 }
 
+/// Longest a dropped pipe end lingers for its inline rwrites to complete.
+const LINGER: Duration = Duration::from_secs(1);
+
+impl Drop for Inner {
+    /// Inline rwrites resolve when posted, and destroying the QP would discard any not yet
+    /// executed: like a socket's close, the last end lingers until they have completed (a
+    /// fence, then polling), for at most [`LINGER`] or until the pipe breaks.
+    fn drop(&mut self) {
+        let this = &*self;
+        // Only an inline rwrite not yet followed by a completed signalled request.
+        let pending =
+            this.driver.with(|st| st.check().is_ok() && st.inline_mark.is_some_and(|m| st.ctl.done() <= m));
+        if !pending {
+            return;
+        }
+        let Ok(ticket) = this.driver.with(|st| st.ctl.fence()) else { return };
+        let deadline = std::time::Instant::now() + LINGER;
+        let mut handle = |st: &mut State, wc: &WorkCompletion| this.on_wc(st, wc);
+        while std::time::Instant::now() < deadline {
+            match this.driver.progress_then(&mut handle, |st| st.ctl.done() >= ticket || st.check().is_err())
+            {
+                Ok(false) => std::thread::yield_now(),
+                Ok(true) | Err(_) => return,
+            }
+        }
+        tracing::debug!("pipe dropped with requests still in flight after lingering");
+    }
+}
+
 impl Inner {
     /// Whether the send queue has room for an inline rwrite: at most half of it in use.
     /// Inline rwrites retire lazily (one in every few is signalled), so a writer that only
@@ -740,7 +800,11 @@ impl Inner {
         };
         let offset = start + (block.addr - seg.addr);
         let data = match inline {
-            Some(b) => SendWr::write_inline(b, dst),
+            Some(b) => {
+                // Done once a signalled request posted after it is: the ticket after this.
+                st.inline_mark = Some(st.ctl.posted());
+                SendWr::write_inline(b, dst)
+            }
             None => SendWr::write(src.clone(), dst),
         };
         let r = match peer.notify {

@@ -2,10 +2,13 @@
 //! uses a socket.
 //!
 //! Writes are copied into a registered staging chunk and sent as pipe messages (one in
-//! flight at a time: `poll_write` accepts the next bytes once the previous message's write
-//! has completed); the peer's ring and its releases are the credits. Each message carries a
-//! one-byte kind (data or end-of-stream), so `shutdown` gives the reader EOF. Reads copy out
-//! of the landed block and release it once consumed.
+//! flight at a time: `poll_write` accepts the next bytes once the previous message's
+//! [`rwrite`](Pipe::rwrite) has resolved, which for a message of at most the pipe's
+//! `inline_max` bytes is when it was posted); the peer's ring and its releases are the
+//! credits. As with a socket, a completed `flush` means the bytes were handed to the NIC,
+//! not that the peer has them: a transport failure surfaces on a later call. Each message
+//! carries a one-byte kind (data or end-of-stream), so `shutdown` gives the reader EOF.
+//! Reads copy out of the landed block and release it once consumed.
 //!
 //! Each message costs one boxed future (an allocation); for allocation-free transfers use
 //! [`Pipe::rwrite`] and [`Pipe::recv`] directly.

@@ -111,6 +111,26 @@ async fn small_rwrites_go_inline_and_resolve_once_posted() {
         }
         reader.await.unwrap();
 
+        // `flush` waits for delivery: nothing is left outstanding after it.
+        let (r, _) = a.rwrite(src.slice(0, 8).unwrap()).await;
+        r.expect("inline rwrite");
+        assert!(a.qp().outstanding().0 > 0, "{notify:?}: the inline rwrite was waited for");
+        a.flush().await.expect("flush");
+        assert_eq!(a.qp().outstanding().0, 0, "{notify:?}: flush left requests outstanding");
+        drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
+
+        // The last handle dropped right after an inline rwrite lingers until it completed
+        // (the QP, kept here, then has nothing outstanding): destroying the QP at once
+        // would discard a request a NIC had not executed yet.
+        let qp = a.qp().clone();
+        let (r, _) = a.rwrite(src.slice(0, 8).unwrap()).await;
+        r.expect("inline rwrite");
+        assert!(qp.outstanding().0 > 0, "{notify:?}: the inline rwrite was waited for");
+        drop(a);
+        assert_eq!(qp.outstanding().0, 0, "{notify:?}: the dropped end did not wait for its inline rwrite");
+        drop(b.recv_timeout(Duration::from_secs(10)).await.unwrap());
+        drop(qp);
+
         // `inline_max` 0: every rwrite waits for its completion.
         let cfg = cfg.with_inline_max(0);
         let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
