@@ -94,6 +94,11 @@ impl<S: Controlled> Driver<S> {
         }
     }
 
+    /// The CQ this driver takes completions from.
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
     /// Runs `f` on the state (never across an await).
     pub(crate) fn with<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());

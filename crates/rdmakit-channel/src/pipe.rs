@@ -488,10 +488,11 @@ impl Pipe {
     /// A message of at most [`PipeConfig::inline_max`] bytes (256 by default; never more
     /// than the QP's `max_inline_data`) is copied into the request when it is posted, as
     /// a verbs user posts small writes inline, so the call resolves once the request is
-    /// posted, without waiting for its completion. Like a socket's `write`, an `Ok` then means "handed to the NIC", not "delivered": a
-    /// transport failure of that write (the peer gone) breaks the pipe, and the next
-    /// operation reports it; [`flush`](Self::flush) waits for delivery, and a dropped end
-    /// lingers (up to a second) until its inline rwrites have completed. A longer message
+    /// posted, without waiting for its completion. Like a socket's `write`, an `Ok` then
+    /// means "handed to the NIC", not "delivered": a transport failure of that write (the
+    /// peer gone) breaks the pipe, and the next operation reports it; [`flush`](Self::flush)
+    /// waits for delivery, and a dropped end lingers (up to a second, in a task of its own
+    /// on a tokio runtime) until its inline rwrites have completed. A longer message
     /// resolves when its write has completed.
     pub async fn rwrite(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
         let r = self.rwrite_inner(&src).await;
@@ -735,27 +736,41 @@ const LINGER: Duration = Duration::from_secs(1);
 
 impl Drop for Inner {
     /// Inline rwrites resolve when posted, and destroying the QP would discard any not yet
-    /// executed: like a socket's close, the last end lingers until they have completed (a
-    /// fence, then polling), for at most [`LINGER`] or until the pipe breaks.
+    /// executed: like a socket's close, the end lingers until they have completed (a fence,
+    /// then the QP kept alive until nothing is outstanding), for at most [`LINGER`]. On a
+    /// tokio runtime that is a task of its own holding the QP, its CQ and connection, so a
+    /// peer that never answers cannot block the code dropping the pipe; elsewhere the
+    /// dropping thread waits.
     fn drop(&mut self) {
-        let this = &*self;
         // Only an inline rwrite not yet followed by a completed signalled request.
         let pending =
-            this.driver.with(|st| st.check().is_ok() && st.inline_mark.is_some_and(|m| st.ctl.done() <= m));
-        if !pending {
+            self.driver.with(|st| st.check().is_ok() && st.inline_mark.is_some_and(|m| st.ctl.done() <= m));
+        if !pending || self.driver.with(|st| st.ctl.fence()).is_err() {
             return;
         }
-        let Ok(ticket) = this.driver.with(|st| st.ctl.fence()) else { return };
+        let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
+        // The CQ is this pipe's alone (`Pipe::connect`): its completions can be discarded.
+        let drained = move || {
+            let mut wcs = [WorkCompletion::default(); 8];
+            while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
+            qp.outstanding().0 == 0
+        };
         let deadline = std::time::Instant::now() + LINGER;
-        let mut handle = |st: &mut State, wc: &WorkCompletion| this.on_wc(st, wc);
-        while std::time::Instant::now() < deadline {
-            match this.driver.progress_then(&mut handle, |st| st.ctl.done() >= ticket || st.check().is_err())
-            {
-                Ok(false) => std::thread::yield_now(),
-                Ok(true) | Err(_) => return,
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    while !drained() && std::time::Instant::now() < deadline {
+                        tokio::task::yield_now().await;
+                    }
+                    drop(conn);
+                });
+            }
+            Err(_) => {
+                while !drained() && std::time::Instant::now() < deadline {
+                    std::thread::yield_now();
+                }
             }
         }
-        tracing::debug!("pipe dropped with requests still in flight after lingering");
     }
 }
 
