@@ -49,7 +49,7 @@ impl HeapAllocator {
         HeapAllocator {
             config,
             segments: SegmentTable::default(),
-            free: FreeSpace::new(config.policy().needs_size_index()),
+            free: FreeSpace::new(config.policy().index_kind()),
             cursor: 0,
             pending: Vec::new(),
             next_batch: 0,

@@ -3,6 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound::{Excluded, Unbounded};
 
+use super::addr_index::AddrIndex;
+
 /// The start and segment of a free range, in the [`FreeSpace`]'s arena; the range's end is
 /// its key in the address map.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,7 +21,9 @@ struct Span {
 /// a block from the front of a range (what every policy does) then changes only its slot
 /// (the end, and so the map, stay as they are): best-fit and worst-fit find the range in
 /// the size index and carve it without searching the address map at all; only a range
-/// used up or freed touches the map. Next-fit and first-fit walk the map in address order.
+/// used up or freed touches the map. Next-fit walks the map in address order; first-fit
+/// asks the address index ([`AddrIndex`]): size classes in address order under a
+/// tournament tree of their lowest addresses.
 #[derive(Clone, Debug)]
 pub(crate) struct FreeSpace {
     /// End address → slot in `arena`.
@@ -30,7 +34,19 @@ pub(crate) struct FreeSpace {
     /// ranges there ever were at once.
     vacant: Vec<usize>,
     by_size: Option<SizeIndex>,
+    by_addr: Option<AddrIndex>,
     bytes: u64,
+}
+
+/// Which index a [`FreeSpace`] keeps beside its address map, for the policy it serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IndexKind {
+    /// None: next-fit walks the address map from its cursor.
+    None,
+    /// By size, for best-fit and worst-fit.
+    Size,
+    /// By size class and address, for first-fit.
+    Address,
 }
 
 /// Lengths below this have an exact-size bin each in the [`SizeIndex`].
@@ -38,7 +54,7 @@ const EXACT: u64 = 1 << SUB_BITS;
 /// Each power of two from [`EXACT`] up is split into `2^SUB_BITS` bins of equal width.
 const SUB_BITS: u32 = 4;
 /// Number of bins: the exact ones, then `2^SUB_BITS` per power of two from `EXACT` to 2^63.
-const BINS: usize = EXACT as usize + (64 - SUB_BITS as usize) * (1 << SUB_BITS);
+pub(super) const BINS: usize = EXACT as usize + (64 - SUB_BITS as usize) * (1 << SUB_BITS);
 /// Words of the bitmap of non-empty bins.
 const WORDS: usize = BINS.div_ceil(64);
 /// Most entries a bin keeps in a sorted vector; a bin that grows beyond becomes a B-tree
@@ -49,7 +65,7 @@ const BIN_VEC: usize = 32;
 /// [`EXACT`] have a bin each; above, the position of the highest set bit picks a power of
 /// two and the next [`SUB_BITS`] bits one of its equal parts. Monotone: a longer range never
 /// sits in a lower bin, so every range in a bin above `bin_of(n)` holds at least `n` bytes.
-fn bin_of(len: u64) -> usize {
+pub(super) fn bin_of(len: u64) -> usize {
     if len < EXACT {
         return len as usize;
     }
@@ -62,7 +78,7 @@ fn bin_of(len: u64) -> usize {
 /// Ordered by length, then address (ends of disjoint ranges are distinct, so the slot
 /// never decides).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct Entry {
+pub(super) struct Entry {
     len: u64,
     end: u64,
     slot: usize,
@@ -80,20 +96,22 @@ impl Entry {
 /// once it grows past [`BIN_VEC`] entries, so that every operation stays O(log n) however
 /// many ranges of one size class a peer's frees create.
 #[derive(Clone, Debug)]
-enum Bin {
-    Few(Vec<Entry>),
-    Many(BTreeSet<Entry>),
+pub(super) enum Bin<T = Entry> {
+    Few(Vec<T>),
+    Many(BTreeSet<T>),
 }
 
-impl Bin {
-    fn insert(&mut self, e: Entry) {
+impl<T: Ord + Copy> Bin<T> {
+    pub(super) const EMPTY: Self = Bin::Few(Vec::new());
+
+    pub(super) fn insert(&mut self, e: T) {
         match self {
             Bin::Few(v) => {
                 let Err(i) = v.binary_search(&e) else { return };
                 if v.len() < BIN_VEC {
                     v.insert(i, e);
                 } else {
-                    let mut set: BTreeSet<Entry> = v.drain(..).collect();
+                    let mut set: BTreeSet<T> = v.drain(..).collect();
                     set.insert(e);
                     *self = Bin::Many(set);
                 }
@@ -104,7 +122,7 @@ impl Bin {
         }
     }
 
-    fn remove(&mut self, e: Entry) {
+    pub(super) fn remove(&mut self, e: T) {
         match self {
             Bin::Few(v) => {
                 if let Ok(i) = v.binary_search(&e) {
@@ -120,13 +138,52 @@ impl Bin {
         }
     }
 
-    fn first(&self) -> Option<Entry> {
+    pub(super) fn first(&self) -> Option<T> {
         match self {
             Bin::Few(v) => v.first().copied(),
             Bin::Many(set) => set.first().copied(),
         }
     }
 
+    pub(super) fn is_empty(&self) -> bool {
+        match self {
+            Bin::Few(v) => v.is_empty(),
+            Bin::Many(set) => set.is_empty(),
+        }
+    }
+
+    /// Replaces `old` by `new`, which sorts where `old` did (in a vector, in place).
+    pub(super) fn replace(&mut self, old: T, new: T) {
+        match self {
+            Bin::Few(v) => {
+                if let Ok(i) = v.binary_search(&old) {
+                    v[i] = new;
+                }
+            }
+            Bin::Many(set) => {
+                set.remove(&old);
+                set.insert(new);
+            }
+        }
+    }
+
+    /// The entries in order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        let (few, many) = match self {
+            Bin::Few(v) => (Some(v.iter()), None),
+            Bin::Many(set) => (None, Some(set.iter())),
+        };
+        few.into_iter().flatten().chain(many.into_iter().flatten()).copied()
+    }
+
+    /// The entries in order (tests).
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> Vec<T> {
+        self.iter().collect()
+    }
+}
+
+impl Bin<Entry> {
     /// The first entry of `len` bytes or more.
     fn at_least(&self, len: u64) -> Option<Entry> {
         match self {
@@ -142,22 +199,6 @@ impl Bin {
             Bin::Many(set) => set.last()?.len,
         };
         self.at_least(longest)
-    }
-
-    fn is_empty(&self) -> bool {
-        match self {
-            Bin::Few(v) => v.is_empty(),
-            Bin::Many(set) => set.is_empty(),
-        }
-    }
-
-    /// The entries in order (tests).
-    #[cfg(test)]
-    fn entries(&self) -> Vec<Entry> {
-        match self {
-            Bin::Few(v) => v.clone(),
-            Bin::Many(set) => set.iter().copied().collect(),
-        }
     }
 }
 
@@ -180,7 +221,7 @@ struct SizeIndex {
 
 impl SizeIndex {
     fn new() -> Self {
-        SizeIndex { bins: vec![Bin::Few(Vec::new()); BINS], occupied: [0; WORDS], summary: 0 }
+        SizeIndex { bins: vec![Bin::EMPTY; BINS], occupied: [0; WORDS], summary: 0 }
     }
 
     fn insert(&mut self, e: Entry) {
@@ -257,13 +298,14 @@ pub(crate) struct Taken {
 }
 
 impl FreeSpace {
-    /// An empty set; `size_index` keeps the index by size best-fit and worst-fit need.
-    pub(crate) fn new(size_index: bool) -> Self {
+    /// An empty set keeping the index `kind`.
+    pub(crate) fn new(kind: IndexKind) -> Self {
         FreeSpace {
             by_end: BTreeMap::new(),
             arena: Vec::new(),
             vacant: Vec::new(),
-            by_size: size_index.then(SizeIndex::new),
+            by_size: (kind == IndexKind::Size).then(SizeIndex::new),
+            by_addr: (kind == IndexKind::Address).then(AddrIndex::new),
             bytes: 0,
         }
     }
@@ -278,11 +320,12 @@ impl FreeSpace {
         self.bytes
     }
 
-    /// The largest range's length (0 if none): O(1) with the size index, else a scan.
+    /// The largest range's length (0 if none): O(1) with an index, else a scan.
     pub(crate) fn largest(&self) -> u64 {
-        match &self.by_size {
-            Some(idx) => idx.largest().map_or(0, |e| e.len),
-            None => self.iter().map(|(start, end, _)| end - start).max().unwrap_or(0),
+        match (&self.by_size, &self.by_addr) {
+            (Some(idx), _) => idx.largest().map_or(0, |e| e.len),
+            (None, Some(idx)) => idx.largest(),
+            (None, None) => self.iter().map(|(start, end, _)| end - start).max().unwrap_or(0),
         }
     }
 
@@ -323,11 +366,10 @@ impl FreeSpace {
                 // Bridges two ranges: the one after absorbs the one before.
                 let merged_start = self.arena[b].start;
                 self.index_remove(start - merged_start, start, b);
-                self.index_remove(after_end - end, after_end, a);
                 self.by_end.remove(&start);
                 self.vacant.push(b);
                 self.arena[a].start = merged_start;
-                self.index_insert(after_end - merged_start, after_end, a);
+                self.index_resize(after_end - end, after_end, a, after_end - merged_start);
             }
             (Some(b), None) => {
                 // Extends the range before: its end, and so its key, moves to `end`.
@@ -338,9 +380,8 @@ impl FreeSpace {
                 self.index_insert(end - merged_start, end, b);
             }
             (None, Some((after_end, a))) => {
-                self.index_remove(after_end - end, after_end, a);
                 self.arena[a].start = start;
-                self.index_insert(after_end - start, after_end, a);
+                self.index_resize(after_end - end, after_end, a, after_end - start);
             }
             (None, None) => {
                 let slot = self.new_slot(Span { start, seg });
@@ -357,11 +398,11 @@ impl FreeSpace {
         let (&e, &slot) = self.by_end.range((Excluded(start), Unbounded)).next().expect("inside a range");
         let Span { start: s, seg } = self.arena[slot];
         debug_assert!(s <= start && end <= e);
-        self.index_remove(e - s, e, slot);
         if end < e {
             self.arena[slot].start = end;
-            self.index_insert(e - end, e, slot);
+            self.index_resize(e - s, e, slot, e - end);
         } else {
+            self.index_remove(e - s, e, slot);
             self.by_end.remove(&e);
             self.vacant.push(slot);
         }
@@ -381,9 +422,14 @@ impl FreeSpace {
         Some(self.carved(hit, n))
     }
 
-    /// First-fit: the lowest range that holds `n` bytes.
+    /// First-fit: the lowest range that holds `n` bytes. Needs the address index.
     pub(crate) fn take_first_fit(&mut self, n: u64) -> Option<Taken> {
-        let hit = carve_first(&mut self.arena, self.by_end.iter(), n)?;
+        let idx = self.by_addr.as_ref().expect("first-fit needs the address index");
+        let (slot, end, len) = idx.first_fit(n)?;
+        let span = &mut self.arena[slot];
+        let hit = (span.start, end, span.seg, slot);
+        debug_assert_eq!(end - span.start, len, "address index and ranges agree");
+        span.start += n;
         Some(self.carved(hit, n))
     }
 
@@ -429,12 +475,12 @@ impl FreeSpace {
     /// `(start, end, segment, slot)` before the cut), whose start was already advanced in
     /// its slot.
     fn carved(&mut self, (start, end, seg, slot): (u64, u64, u32, usize), n: u64) -> Taken {
-        self.index_remove(end - start, end, slot);
         if start + n == end {
+            self.index_remove(end - start, end, slot);
             self.by_end.remove(&end);
             self.vacant.push(slot);
         } else {
-            self.index_insert(end - start - n, end, slot);
+            self.index_resize(end - start, end, slot, end - start - n);
         }
         self.bytes -= n;
         Taken { addr: start, seg }
@@ -458,11 +504,29 @@ impl FreeSpace {
         if let Some(idx) = &mut self.by_size {
             idx.insert(Entry { len, end, slot });
         }
+        if let Some(idx) = &mut self.by_addr {
+            idx.insert(slot, end, len);
+        }
     }
 
     fn index_remove(&mut self, len: u64, end: u64, slot: usize) {
         if let Some(idx) = &mut self.by_size {
             idx.remove(Entry { len, end, slot });
+        }
+        if let Some(idx) = &mut self.by_addr {
+            idx.remove(slot, end, len);
+        }
+    }
+
+    /// The range ending at `end` (slot `slot`) went from `old` to `new` bytes, its end
+    /// unchanged.
+    fn index_resize(&mut self, old: u64, end: u64, slot: usize, new: u64) {
+        if let Some(idx) = &mut self.by_size {
+            idx.remove(Entry { len: old, end, slot });
+            idx.insert(Entry { len: new, end, slot });
+        }
+        if let Some(idx) = &mut self.by_addr {
+            idx.resize(slot, end, old, new);
         }
     }
 }
@@ -501,12 +565,19 @@ mod tests {
         }
     }
 
+    const KINDS: [IndexKind; 3] = [IndexKind::None, IndexKind::Size, IndexKind::Address];
+
     fn ranges(f: &FreeSpace) -> Vec<(u64, u64, u32)> {
         f.iter().collect()
     }
 
-    /// The size index holds exactly the ranges, each entry naming the range's slot.
+    /// Each index holds exactly the ranges, each entry naming the range's slot.
     fn check_index(f: &FreeSpace) {
+        if let Some(idx) = &f.by_addr {
+            let want: Vec<_> =
+                f.by_end.iter().map(|(&end, &slot)| (end, end - f.arena[slot].start, slot)).collect();
+            assert_eq!(idx.entries(), want);
+        }
         if let Some(idx) = &f.by_size {
             let mut lens: Vec<(u64, u64)> = f.iter().map(|(s, e, _)| (e - s, e)).collect();
             lens.sort_unstable();
@@ -519,8 +590,8 @@ mod tests {
 
     #[test]
     fn insert_coalesces_within_a_segment_only() {
-        for indexed in [false, true] {
-            let mut f = FreeSpace::new(indexed);
+        for kind in KINDS {
+            let mut f = FreeSpace::new(kind);
             for (start, end, seg) in [(0, 8, 0), (16, 24, 0), (8, 16, 0)] {
                 f.insert(start, end, seg).expect("disjoint"); // the last bridges both
             }
@@ -536,8 +607,8 @@ mod tests {
 
     #[test]
     fn overlapping_inserts_are_refused_and_removal_undoes_insertion() {
-        for indexed in [false, true] {
-            let mut f = FreeSpace::new(indexed);
+        for kind in KINDS {
+            let mut f = FreeSpace::new(kind);
             f.insert(16, 32, 0).expect("disjoint");
             f.insert(64, 96, 0).expect("disjoint");
             let before = ranges(&f);
@@ -658,7 +729,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn many_ranges_of_one_size_stay_logarithmic() {
         const N: u64 = 20_000;
-        let mut f = FreeSpace::new(true);
+        let mut f = FreeSpace::new(IndexKind::Size);
         for i in (0..N).rev() {
             f.insert(32 * i, 32 * i + 16, 0).expect("disjoint");
         }
@@ -694,7 +765,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "20,000 steps; the unit tests above cover each path under Miri")]
     fn takes_choose_as_a_plain_list_would_and_keep_the_index_exact() {
         let mut rand = xorshift(0x5eed_0000_5eed);
-        let mut f = FreeSpace::new(true);
+        let mut f = FreeSpace::new(IndexKind::Size);
         f.insert(0, 1 << 20, 0).expect("disjoint");
         // 100 blocks of 8 bytes side by side, every other one freed: 50 ranges of one
         // length, a set bin from the start.
@@ -734,9 +805,41 @@ mod tests {
         assert!(with_a_set_bin > 1000, "set bins were exercised in {with_a_set_bin} steps");
     }
 
+    /// First-fit takes against a plain list of ranges, over thousands of random takes and
+    /// frees (which merge, split and use up ranges): the lowest range that fits is chosen,
+    /// and the address index stays exact after every step.
+    #[test]
+    #[cfg_attr(miri, ignore = "10,000 steps; the unit tests cover each path under Miri")]
+    fn first_fit_takes_the_lowest_fitting_range_and_keeps_the_index_exact() {
+        let mut rand = xorshift(0xf1f1_0000_5eed);
+        let mut f = FreeSpace::new(IndexKind::Address);
+        f.insert(0, 1 << 20, 0).expect("disjoint");
+        f.insert(1 << 20, 2 << 20, 1).expect("disjoint"); // adjacent, never merged
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        for step in 0..10_000 {
+            if used.len() > 300 || (!used.is_empty() && rand().is_multiple_of(3)) {
+                let (a, b) = used.swap_remove((rand() % used.len() as u64) as usize);
+                let seg = u32::from(a >= 1 << 20);
+                f.insert(a, b, seg).expect("a used block is not free");
+            } else {
+                let n = 8 * if rand().is_multiple_of(4) { 1 + rand() % 1024 } else { 1 + rand() % 8 };
+                let want = f.iter().find(|(a, b, _)| b - a >= n).map(|r| r.0);
+                let got = f.take_first_fit(n);
+                assert_eq!(got.map(|t| t.addr), want, "step {step}, n {n}");
+                if let Some(t) = got {
+                    used.push((t.addr, t.addr + n));
+                }
+            }
+            check_index(&f);
+            let largest = f.iter().map(|(a, b, _)| b - a).max().unwrap_or(0);
+            assert_eq!(f.largest(), largest, "step {step}");
+        }
+        assert!(f.ranges() > 50, "the test fragmented the space: {} ranges", f.ranges());
+    }
+
     #[test]
     fn carving_keeps_the_index_in_step() {
-        let mut f = FreeSpace::new(true);
+        let mut f = FreeSpace::new(IndexKind::Size);
         f.insert(0, 64, 0).expect("disjoint");
         f.insert(100, 132, 0).expect("disjoint");
         assert_eq!(f.take_best_fit(32), Some(Taken { addr: 100, seg: 0 }));
@@ -745,7 +848,7 @@ mod tests {
         assert_eq!(f.take_worst_fit(64), None);
         assert_eq!(f.by_size.as_ref().map(SizeIndex::entries), Some(vec![(48, 64)]));
         check_index(&f);
-        assert_eq!(f.take_first_fit(48), Some(Taken { addr: 16, seg: 0 }));
+        assert_eq!(f.take_next_fit(48, 0), Some(Taken { addr: 16, seg: 0 }));
         assert!(f.ranges() == 0 && f.by_size.as_ref().is_some_and(|i| i.entries().is_empty()));
         assert!(f.by_size.as_ref().is_some_and(|i| i.occupied == [0; WORDS] && i.summary == 0));
         assert_eq!(f.bytes(), 0);

@@ -49,8 +49,9 @@
 //!
 //! With n free ranges on the allocating side and m blocks held by the owner: next-fit
 //! walks from the cursor's range to the first that fits (usually the cursor's own, which
-//! it carves in place), first-fit scans from the lowest address (O(n) at worst, like
-//! next-fit's), best-fit and worst-fit find their range through the size index (a two-level
+//! it carves in place), first-fit asks the address index (the size index's classes, each in
+//! address order, under a tournament tree of their lowest addresses: O(log n) but for a
+//! scan of the requested size's own class, which may also hold shorter ranges), best-fit and worst-fit find their range through the size index (a two-level
 //! segregated fit: bins by size class, exact below 16 bytes and 16 per power of two above,
 //! with a bitmap of the non-empty ones; a lookup is a few bit operations and a search in one
 //! bin, O(log n) at worst) and carve it without searching the address map. Applying a free
@@ -87,6 +88,7 @@
 
 #![forbid(unsafe_code)]
 
+mod addr_index;
 mod allocator;
 mod free_space;
 mod owner;
@@ -117,8 +119,8 @@ pub enum AllocPolicy {
     /// and wrapping around to the lowest address. The paper's default and fastest policy.
     #[default]
     NextFit,
-    /// The free range that fits with the lowest address. A linear scan, like next-fit's
-    /// worst case.
+    /// The free range that fits with the lowest address, through the address index
+    /// (see the module's costs).
     FirstFit,
     /// The smallest free range that fits; ties go to the lowest address. O(log n) through
     /// the size index.
@@ -142,10 +144,15 @@ impl AllocPolicy {
         }
     }
 
-    /// Whether the policy searches by size (and so the allocator keeps the size index);
-    /// next-fit and first-fit walk addresses.
-    pub(crate) const fn needs_size_index(self) -> bool {
-        matches!(self, AllocPolicy::BestFit | AllocPolicy::WorstFit)
+    /// The index the allocator keeps for this policy: by size for best-fit and worst-fit,
+    /// by size class and address for first-fit, none for
+    /// next-fit, which walks addresses from its cursor.
+    pub(crate) const fn index_kind(self) -> free_space::IndexKind {
+        match self {
+            AllocPolicy::NextFit => free_space::IndexKind::None,
+            AllocPolicy::FirstFit => free_space::IndexKind::Address,
+            AllocPolicy::BestFit | AllocPolicy::WorstFit => free_space::IndexKind::Size,
+        }
     }
 }
 

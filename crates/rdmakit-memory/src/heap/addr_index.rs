@@ -1,0 +1,235 @@
+//! The index first-fit needs: "the lowest free range of at least `n` bytes" without
+//! walking the ranges below it.
+
+use super::free_space::{BINS, Bin, bin_of};
+
+/// A free range of `len` bytes ending at `end`, in arena slot `slot`. Ordered by address
+/// (ends of disjoint ranges are distinct, and in the order of their starts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct AddrEntry {
+    end: u64,
+    len: u64,
+    slot: usize,
+}
+
+/// Classes per group of the two-level table of lowest addresses.
+const GROUP: usize = 32;
+/// Groups: enough for every class of [`bin_of`].
+const GROUPS: usize = BINS.div_ceil(GROUP);
+/// A table value for "no range".
+const NONE: u64 = u64::MAX;
+
+/// The free ranges by size class (the size index's classes, [`bin_of`]), each class in
+/// address order, under a two-level table of the lowest address per class and per group
+/// of [`GROUP`] classes.
+///
+/// Every class above `n`'s holds only ranges of more than `n` bytes, so the lowest of them
+/// that fits is the lowest address in all those classes: the rest of `n`'s group and the
+/// groups above, a few dozen words in a row. In `n`'s own class, shorter ranges sit beside
+/// longer ones: it is scanned in address order, up to the address the classes above offer
+/// (O(log n) everywhere else, but that scan is as long as the class has shorter ranges
+/// below the answer). An update touches one class, and the table only when it changes the
+/// class's lowest address.
+///
+/// Table values are a range's last address (`end - 1`), so that [`NONE`] cannot be one.
+#[derive(Clone, Debug)]
+pub(super) struct AddrIndex {
+    bins: Vec<Bin<AddrEntry>>,
+    /// Class `b`'s lowest last address.
+    lowest: Box<[u64; GROUPS * GROUP]>,
+    /// The lowest of each group's `lowest`.
+    group_lowest: [u64; GROUPS],
+}
+
+impl AddrIndex {
+    pub(super) fn new() -> Self {
+        AddrIndex {
+            bins: vec![Bin::EMPTY; BINS],
+            lowest: Box::new([NONE; GROUPS * GROUP]),
+            group_lowest: [NONE; GROUPS],
+        }
+    }
+
+    /// The lowest range of at least `n` bytes (`n > 0`), as `(slot, end, len)`.
+    pub(super) fn first_fit(&self, n: u64) -> Option<(usize, u64, u64)> {
+        let b = bin_of(n);
+        let (above, class) = self.lowest_from(b + 1);
+        // `n`'s own class, in address order, below what the classes above offer.
+        let own = self.bins[b].iter().take_while(|e| e.end - 1 < above).find(|e| e.len >= n);
+        let e = match own {
+            Some(e) => e,
+            None if above == NONE => return None,
+            None => self.bins[class].first().expect("the table names a non-empty class"),
+        };
+        Some((e.slot, e.end, e.len))
+    }
+
+    /// The longest range's length (0 if none): the longest in the highest non-empty class,
+    /// which is scanned (this serves statistics and error reports, not allocation).
+    pub(super) fn largest(&self) -> u64 {
+        let Some(b) = self.lowest.iter().rposition(|&v| v != NONE) else { return 0 };
+        self.bins[b].iter().map(|e| e.len).max().expect("a non-empty class")
+    }
+
+    /// Adds the range `len` bytes long ending at `end`, in arena slot `slot`.
+    pub(super) fn insert(&mut self, slot: usize, end: u64, len: u64) {
+        let b = bin_of(len);
+        self.bins[b].insert(AddrEntry { end, len, slot });
+        if end - 1 < self.lowest[b] {
+            self.lowest[b] = end - 1;
+            let g = &mut self.group_lowest[b / GROUP];
+            *g = (*g).min(end - 1);
+        }
+    }
+
+    /// Removes the range of `len` bytes ending at `end` (slot `slot`), which is indexed.
+    pub(super) fn remove(&mut self, slot: usize, end: u64, len: u64) {
+        let b = bin_of(len);
+        self.bins[b].remove(AddrEntry { end, len, slot });
+        if end - 1 == self.lowest[b] {
+            self.lowest[b] = self.bins[b].first().map_or(NONE, |e| e.end - 1);
+            let g = b / GROUP;
+            if end - 1 == self.group_lowest[g] {
+                self.group_lowest[g] =
+                    self.lowest[g * GROUP..][..GROUP].iter().copied().min().unwrap_or(NONE);
+            }
+        }
+    }
+
+    /// The range ending at `end` (slot `slot`) went from `old` to `new` bytes, its end (and
+    /// so its place in address order) unchanged: in place if its class is unchanged.
+    pub(super) fn resize(&mut self, slot: usize, end: u64, old: u64, new: u64) {
+        let (from, to) = (bin_of(old), bin_of(new));
+        if from == to {
+            self.bins[from].replace(AddrEntry { end, len: old, slot }, AddrEntry { end, len: new, slot });
+        } else {
+            self.remove(slot, end, old);
+            self.insert(slot, end, new);
+        }
+    }
+
+    /// The lowest last address in classes `from..` and the class holding it ([`NONE`] and
+    /// an unspecified class if they hold nothing).
+    fn lowest_from(&self, from: usize) -> (u64, usize) {
+        let g = from / GROUP;
+        if g >= GROUPS {
+            return (NONE, 0);
+        }
+        // The rest of `from`'s group, then the groups above (plain minima of words, which
+        // vectorise; no two classes hold the same address, but several may hold none).
+        let rest = &self.lowest[from..(g + 1) * GROUP];
+        let here = rest.iter().copied().min().unwrap_or(NONE);
+        let above = self.group_lowest[g + 1..].iter().copied().min().unwrap_or(NONE);
+        if here == NONE && above == NONE {
+            return (NONE, 0);
+        }
+        if here <= above {
+            return (here, from + rest.iter().position(|&x| x == here).expect("the minimum is there"));
+        }
+        let h = g
+            + 1
+            + self.group_lowest[g + 1..].iter().position(|&x| x == above).expect("the minimum is there");
+        let at = self.lowest[h * GROUP..][..GROUP].iter().position(|&x| x == above);
+        (above, h * GROUP + at.expect("a group's lowest is one of its classes'"))
+    }
+
+    /// Every `(end, len, slot)` in address order, after checking each entry's class and the
+    /// whole table (tests).
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> Vec<(u64, u64, usize)> {
+        let mut out = Vec::new();
+        for (b, bin) in self.bins.iter().enumerate() {
+            assert_eq!(self.lowest[b], bin.first().map_or(NONE, |e| e.end - 1), "class {b}");
+            out.extend(bin.iter().inspect(|e| assert_eq!(bin_of(e.len), b)).map(|e| (e.end, e.len, e.slot)));
+        }
+        assert!(self.lowest[BINS..].iter().all(|&v| v == NONE));
+        for (g, &v) in self.group_lowest.iter().enumerate() {
+            assert_eq!(
+                v,
+                self.lowest[g * GROUP..][..GROUP].iter().copied().min().unwrap_or(NONE),
+                "group {g}"
+            );
+        }
+        out.sort_unstable();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// Against a plain map from end to `(len, slot)`, through thousands of random inserts,
+    /// removals and resizes (within a class and across classes): the same ranges, the tree
+    /// exact, and `first_fit` the first entry in address order that fits, for every query,
+    /// including sizes in a class that also holds shorter ranges. (Too slow for Miri.)
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn first_fit_matches_a_scan_in_address_order() {
+        let mut idx = AddrIndex::new();
+        let mut reference: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+        let mut free_slots: Vec<usize> = (0..256).rev().collect();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let len = |rand: &mut dyn FnMut() -> u64| match rand() % 4 {
+            0 => 1 + rand() % (1 << 20),
+            1 => 1024 + rand() % 64, // one class: shorter and longer ranges side by side
+            _ => 1 + rand() % 64,
+        };
+        for step in 0..20_000 {
+            let end = 1 + rand() % 4096;
+            match (reference.get(&end).copied(), rand() % 3) {
+                (None, _) => {
+                    let Some(slot) = free_slots.pop() else { continue };
+                    let len = len(&mut rand);
+                    idx.insert(slot, end, len);
+                    reference.insert(end, (len, slot));
+                }
+                (Some((old, slot)), 0) => {
+                    idx.remove(slot, end, old);
+                    reference.remove(&end);
+                    free_slots.push(slot);
+                }
+                (Some((old, slot)), _) => {
+                    let new = len(&mut rand);
+                    idx.resize(slot, end, old, new);
+                    reference.insert(end, (new, slot));
+                }
+            }
+            if step % 97 == 0 {
+                let want: Vec<_> = reference.iter().map(|(&e, &(l, s))| (e, l, s)).collect();
+                assert_eq!(idx.entries(), want, "step {step}");
+            }
+            let n = len(&mut rand);
+            let want = reference.iter().find(|(_, (l, _))| *l >= n).map(|(&e, &(l, s))| (s, e, l));
+            assert_eq!(idx.first_fit(n), want, "step {step}, n {n}");
+            let largest = reference.values().map(|&(l, _)| l).max().unwrap_or(0);
+            assert_eq!(idx.largest(), largest, "step {step}");
+        }
+    }
+
+    /// The edges: a range ending at the top of the address space, sizes in the highest
+    /// class, and an empty index.
+    #[test]
+    fn extreme_addresses_and_sizes() {
+        let mut idx = AddrIndex::new();
+        assert_eq!((idx.first_fit(1), idx.largest()), (None, 0));
+        idx.insert(0, u64::MAX, 16);
+        idx.insert(1, 1 << 63, u64::MAX >> 1);
+        assert_eq!(idx.first_fit(16), Some((1, 1 << 63, u64::MAX >> 1)));
+        assert_eq!(idx.first_fit(u64::MAX >> 1), Some((1, 1 << 63, u64::MAX >> 1)));
+        assert_eq!(idx.first_fit(u64::MAX), None);
+        idx.remove(1, 1 << 63, u64::MAX >> 1);
+        assert_eq!(idx.first_fit(8), Some((0, u64::MAX, 16)));
+        assert_eq!(idx.largest(), 16);
+        idx.resize(0, u64::MAX, 16, 8);
+        assert_eq!((idx.first_fit(9), idx.first_fit(8)), (None, Some((0, u64::MAX, 8))));
+        assert_eq!(idx.entries(), [(u64::MAX, 8, 0)]);
+    }
+}
