@@ -161,7 +161,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     /// Against a plain map from end to `(len, slot)`, through thousands of random inserts,
-    /// removals and resizes (within a class and across classes): the same ranges, the tree
+    /// removals and resizes (within a class and across classes): the same ranges, the table
     /// exact, and `first_fit` the first entry in address order that fits, for every query,
     /// including sizes in a class that also holds shorter ranges. (Too slow for Miri.)
     #[test]

@@ -23,7 +23,7 @@ struct Span {
 /// the size index and carve it without searching the address map at all; only a range
 /// used up or freed touches the map. Next-fit walks the map in address order; first-fit
 /// asks the address index ([`AddrIndex`]): size classes in address order under a
-/// tournament tree of their lowest addresses.
+/// two-level table of their lowest addresses.
 #[derive(Clone, Debug)]
 pub(crate) struct FreeSpace {
     /// End address → slot in `arena`.

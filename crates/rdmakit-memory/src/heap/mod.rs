@@ -49,12 +49,13 @@
 //!
 //! With n free ranges on the allocating side and m blocks held by the owner: next-fit
 //! walks from the cursor's range to the first that fits (usually the cursor's own, which
-//! it carves in place), first-fit asks the address index (the size index's classes, each in
-//! address order, under a tournament tree of their lowest addresses: O(log n) but for a
-//! scan of the requested size's own class, which may also hold shorter ranges), best-fit and worst-fit find their range through the size index (a two-level
-//! segregated fit: bins by size class, exact below 16 bytes and 16 per power of two above,
-//! with a bitmap of the non-empty ones; a lookup is a few bit operations and a search in one
-//! bin, O(log n) at worst) and carve it without searching the address map. Applying a free
+//! it carves in place), first-fit asks the address index (the size index's classes, each
+//! in address order, with each class's and each group of 32 classes' lowest address: a
+//! few dozen words compared, then a scan of the requested size's own class, which may also
+//! hold shorter ranges), best-fit and worst-fit find their range through the size index (a
+//! two-level segregated fit: bins by size class, exact below 16 bytes and 16 per power of
+//! two above, with a bitmap of the non-empty ones; a lookup is a few bit operations and a
+//! search in one bin, O(log n) at worst) and carve it without searching the address map. Applying a free
 //! batch costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
 //! `benches/heap_alloc.rs` measures them under a realistic size mix.
 //!
