@@ -282,24 +282,28 @@ fn put_vs_messaging(c: &mut Criterion) {
             });
         }
 
-        // Send/recv ping-pong.
-        let raw = raw_pair();
-        let (ba, bb) = (
-            raw.pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
-            raw.pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr"),
-        );
-        g.bench_with_input(BenchmarkId::new("send_recv", size), &size, |bch, _| {
-            bch.iter(|| {
-                raw.b.post_recv(RecvWr::new(bb.local().expect("l"))).expect("recv");
-                raw.a.post_recv(RecvWr::new(ba.local().expect("l"))).expect("recv");
-                raw.a.post_send(SendWr::send(ba.local().expect("l"))).expect("send");
-                spin(&raw.cb); // b's receive
-                raw.b.post_send(SendWr::send(bb.local().expect("l"))).expect("send");
-                spin(&raw.ca); // a's send or receive
-                spin(&raw.ca);
-                spin(&raw.cb); // b's send
-            })
-        });
+        // Send/recv ping-pong: each side echoes the buffer it received into (two buffers in
+        // all, as perftest's send_lat), and with a receive buffer apart from the send
+        // buffer on each side (four in all: the put handles' working set, where the bytes a
+        // side sends are not the bytes it just received, so not in its nearest cache).
+        for (name, apart) in [("send_recv", false), ("send_recv_apart", true)] {
+            let raw = raw_pair();
+            let mr = || raw.pd.alloc_mr(size, AccessFlags::LOCAL_WRITE).expect("mr");
+            let (ra, rb) = (mr(), mr());
+            let (sa, sb) = if apart { (mr(), mr()) } else { (ra.clone(), rb.clone()) };
+            g.bench_with_input(BenchmarkId::new(name, size), &size, |bch, _| {
+                bch.iter(|| {
+                    raw.b.post_recv(RecvWr::new(rb.local().expect("l"))).expect("recv");
+                    raw.a.post_recv(RecvWr::new(ra.local().expect("l"))).expect("recv");
+                    raw.a.post_send(SendWr::send(sa.local().expect("l"))).expect("send");
+                    spin(&raw.cb); // b's receive
+                    raw.b.post_send(SendWr::send(sb.local().expect("l"))).expect("send");
+                    spin(&raw.ca); // a's send or receive
+                    spin(&raw.ca);
+                    spin(&raw.cb); // b's send
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -742,6 +742,7 @@ impl ControlSlots {
 
     /// Posts a signalled request; returns its ticket (complete once [`done`](Self::done)
     /// reaches it).
+    #[inline]
     pub fn post(&mut self, wr: SendWr<'_>) -> Result<u64> {
         self.qp.post_send(wr)?;
         self.posted += 1;
@@ -751,6 +752,7 @@ impl ControlSlots {
     }
 
     /// Posts an unsignalled request (a later signalled one on the same QP reports it).
+    #[inline]
     pub fn post_unsignaled(&mut self, wr: SendWr<'_>) -> Result<()> {
         self.qp.post_send(wr.unsignaled())?;
         self.sent += 1;
@@ -762,6 +764,7 @@ impl ControlSlots {
     /// `min(max_send_wr / 4, 16)` in a row, which retires those before it from the send
     /// queue (RC completes in order). A failed request still completes, with an error,
     /// which breaks the channel as a signalled one would.
+    #[inline]
     pub fn post_lazy(&mut self, wr: SendWr<'_>) -> Result<()> {
         if self.unsignaled_run + 1 >= self.signal_every {
             self.post(wr).map(drop)

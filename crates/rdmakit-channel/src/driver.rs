@@ -41,7 +41,7 @@ pub(crate) trait Controlled {
 const POLL_BATCH: usize = 8;
 
 /// Steps [`Driver::try_unpolled`] takes in a row before the CQ must be polled again.
-const UNPOLLED_MAX: usize = 8;
+const UNPOLLED_MAX: usize = 16;
 
 /// Rounds a busy-mode wait polls before it first yields to the executor.
 const BUSY_SPIN_ROUNDS: u32 = 64;

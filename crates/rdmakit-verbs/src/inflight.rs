@@ -10,7 +10,8 @@
 //! a completion for sequence number `s` also retires the unsignalled requests before it.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
@@ -32,16 +33,23 @@ pub(crate) struct Queues {
     next_seq: u64,
     max_send: u32,
     max_recv: u32,
+    /// `send.len()`, for [`Inflight::outstanding_sends`]: stored under the lock after
+    /// every change, read without it.
+    send_len: Arc<AtomicUsize>,
 }
 
 pub(crate) struct Inflight {
     pub(crate) q: Mutex<Queues>,
+    send_len: Arc<AtomicUsize>,
 }
 
 impl Inflight {
     pub fn new(max_send: u32, max_recv: u32) -> Inflight {
+        let send_len = Arc::new(AtomicUsize::new(0));
         Inflight {
+            send_len: send_len.clone(),
             q: Mutex::new(Queues {
+                send_len,
                 send: VecDeque::with_capacity(max_send as usize),
                 recv: VecDeque::with_capacity(max_recv as usize),
                 next_seq: 1,
@@ -61,6 +69,12 @@ impl Inflight {
         let q = self.q.lock().expect("inflight lock");
         (q.send.len(), q.recv.len())
     }
+
+    /// Outstanding send requests, without the lock: exact for the thread that posts (a
+    /// concurrent poll can only lower it).
+    pub fn outstanding_sends(&self) -> usize {
+        self.send_len.load(Ordering::Relaxed)
+    }
 }
 
 impl Queues {
@@ -70,6 +84,7 @@ impl Queues {
         let recv = wc.wr_id & RECV_BIT != 0;
         let seq = wc.wr_id & !RECV_BIT;
         let fifo = if recv { &mut self.recv } else { &mut self.send };
+        let mut found = false;
         while let Some(front) = fifo.front() {
             if front.seq > seq {
                 break;
@@ -77,11 +92,15 @@ impl Queues {
             let slot = fifo.pop_front().expect("front exists");
             if slot.seq == seq {
                 wc.wr_id = slot.user_wr_id;
-                return true;
+                found = true;
+                break;
             }
             // An earlier unsignalled request, retired by this later completion.
         }
-        false
+        if !recv {
+            self.send_len.store(self.send.len(), Ordering::Relaxed);
+        }
+        found
     }
 
     /// Reserves a send slot; returns the provider `wr_id`.
@@ -92,6 +111,7 @@ impl Queues {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.send.push_back(Slot { seq, user_wr_id, _mr: mr });
+        self.send_len.store(self.send.len(), Ordering::Relaxed);
         Ok(seq)
     }
 
@@ -110,6 +130,7 @@ impl Queues {
     pub fn unpush_send(&mut self, n: usize) {
         let keep = self.send.len().saturating_sub(n);
         self.send.truncate(keep);
+        self.send_len.store(keep, Ordering::Relaxed);
     }
 
     /// Drops the newest `n` receive slots.
@@ -130,10 +151,15 @@ mod tests {
             let mut q = inf.q.lock().unwrap();
             (0..3).map(|i| q.push_send(100 + i, None).unwrap()).collect()
         };
+        assert_eq!(inf.outstanding_sends(), 3);
+        let mut wc = WorkCompletion { wr_id: ids[1], ..Default::default() };
+        assert!(inf.lock().complete(&mut wc));
+        assert_eq!((wc.wr_id, inf.outstanding_sends()), (101, 1));
         let mut wc = WorkCompletion { wr_id: ids[2], ..Default::default() };
         assert!(inf.lock().complete(&mut wc));
         assert_eq!(wc.wr_id, 102);
         assert_eq!(inf.outstanding(), (0, 0));
+        assert_eq!(inf.outstanding_sends(), 0);
     }
 
     #[test]
@@ -148,6 +174,7 @@ mod tests {
         q.unpush_send(1);
         assert_eq!(q.send.len(), 1);
         drop(q);
+        assert_eq!(inf.outstanding_sends(), 1);
         let mut wc = WorkCompletion { wr_id: r, ..Default::default() };
         assert!(inf.lock().complete(&mut wc));
         assert_eq!(wc.wr_id, 9);

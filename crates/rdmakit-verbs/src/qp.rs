@@ -320,6 +320,12 @@ impl QueuePair {
         self.inner.inflight.outstanding()
     }
 
+    /// Outstanding send requests, read without taking the in-flight lock (exact on the
+    /// posting thread; a concurrent poll can only lower it).
+    pub fn outstanding_sends(&self) -> usize {
+        self.inner.inflight.outstanding_sends()
+    }
+
     /// What a peer needs to connect to this QP, using the default GID choice.
     pub fn address(&self) -> Result<QpAddress> {
         self.address_with(&ConnectOptions::default())
