@@ -55,7 +55,14 @@ impl AddrIndex {
         let b = bin_of(n);
         let (above, class) = self.lowest_from(b + 1);
         // `n`'s own class, in address order, below what the classes above offer.
-        let own = self.bins[b].iter().take_while(|e| e.end - 1 < above).find(|e| e.len >= n);
+        let own = if self.lowest[b] < above {
+            match &self.bins[b] {
+                Bin::Few(v) => v.iter().take_while(|e| e.end - 1 < above).find(|e| e.len >= n).copied(),
+                Bin::Many(set) => set.iter().take_while(|e| e.end - 1 < above).find(|e| e.len >= n).copied(),
+            }
+        } else {
+            None
+        };
         let e = match own {
             Some(e) => e,
             None if above == NONE => return None,
