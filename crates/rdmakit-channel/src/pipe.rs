@@ -585,6 +585,23 @@ impl Pipe {
             .await
     }
 
+    /// Sends the writer, now, every block this end's application has released and not yet
+    /// returned as credit.
+    ///
+    /// Released blocks go back in batches (once a quarter of [`PipeConfig::slots`] or of
+    /// the ring waits), and a writer that runs out of room asks for the rest, which this
+    /// end answers the next time it runs: any call on it (`recv`, `rwrite`, ...). An
+    /// application that drives both ends of a pipe from one task, or whose reader stops
+    /// calling the pipe while its writer may need room, calls this after releasing:
+    /// otherwise the writer may wait for credit the reader holds back.
+    pub fn return_credits(&self) -> Result<()> {
+        self.inner.driver.with(|st| {
+            st.check()?;
+            self.inner.flush_credits(st);
+            st.check()
+        })
+    }
+
     /// Waits for the next message and returns an exclusive guard over its block; dropping
     /// the guard releases the block to the writer (the rfree).
     pub async fn recv(&self) -> Result<RecvGuard> {

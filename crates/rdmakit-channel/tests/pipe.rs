@@ -458,3 +458,28 @@ async fn guard_slice_covers_exactly_its_block() {
         assert_eq!(view, g.to_vec().unwrap().as_slice());
     }
 }
+
+/// Released blocks go back to the writer in batches, so a writer that needs the room of a
+/// block the reader released but has not yet returned waits until the reader's end runs.
+/// With both ends in one task nothing runs it: the writer waits (here, until a timeout)
+/// however long, and `return_credits` is the way out.
+#[tokio::test(flavor = "current_thread")]
+async fn a_writer_needing_held_back_credit_waits_for_the_reader_to_return_it() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let cfg = config(NotifyMode::WriteImm, PollMode::Busy, 4096);
+    let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+    let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let (r, _) = a.rwrite(src.slice(0, 8).unwrap()).await;
+    r.expect("small rwrite");
+    drop(b.recv_timeout(Duration::from_secs(5)).await.expect("recv")); // released, not returned
+    src.write_at(0, &payload(1, 4096)).unwrap();
+    // The whole ring: it needs the released block back.
+    let blocked =
+        tokio::time::timeout(Duration::from_millis(300), a.rwrite(src.slice(0, 4096).unwrap())).await;
+    assert!(blocked.is_err(), "the writer got room the reader had not returned");
+    b.return_credits().expect("return credits");
+    let done = tokio::time::timeout(Duration::from_secs(5), a.rwrite(src.slice(0, 4096).unwrap())).await;
+    done.expect("the returned credit lets the writer on").0.expect("rwrite");
+    let g = b.recv_timeout(Duration::from_secs(5)).await.expect("recv");
+    assert_eq!(g.to_vec().unwrap(), payload(1, 4096));
+}
