@@ -70,8 +70,8 @@ impl Inflight {
         (q.send.len(), q.recv.len())
     }
 
-    /// Outstanding send requests, without the lock: exact for the thread that posts (a
-    /// concurrent poll can only lower it).
+    /// Outstanding send requests, read without the lock: a snapshot, which posts and polls
+    /// on other threads may have changed either way since.
     pub fn outstanding_sends(&self) -> usize {
         self.send_len.load(Ordering::Relaxed)
     }

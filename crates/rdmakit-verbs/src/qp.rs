@@ -320,8 +320,9 @@ impl QueuePair {
         self.inner.inflight.outstanding()
     }
 
-    /// Outstanding send requests, read without taking the in-flight lock (exact on the
-    /// posting thread; a concurrent poll can only lower it).
+    /// Outstanding send requests, read without taking the in-flight lock: a snapshot, which
+    /// posts and polls on other threads may have changed either way since (exact when this
+    /// thread alone posts and polls).
     pub fn outstanding_sends(&self) -> usize {
         self.inner.inflight.outstanding_sends()
     }

@@ -222,7 +222,7 @@ mod tests {
     }
 
     /// The edges: a range ending at the top of the address space, sizes in the highest
-    /// class, and an empty index.
+    /// classes (the last group, which is partial), and an empty index.
     #[test]
     fn extreme_addresses_and_sizes() {
         let mut idx = AddrIndex::new();
@@ -238,5 +238,24 @@ mod tests {
         idx.resize(0, u64::MAX, 16, 8);
         assert_eq!((idx.first_fit(9), idx.first_fit(8)), (None, Some((0, u64::MAX, 8))));
         assert_eq!(idx.entries(), [(u64::MAX, 8, 0)]);
+
+        // The last, partial group of classes: all of the address space (class 975, the
+        // highest) and half of it (class 960, the group's first).
+        let mut idx = AddrIndex::new();
+        idx.insert(0, u64::MAX, u64::MAX);
+        assert_eq!((bin_of(u64::MAX), bin_of(1 << 63)), (BINS - 1, BINS - 16));
+        assert_eq!((idx.first_fit(u64::MAX), idx.largest()), (Some((0, u64::MAX, u64::MAX)), u64::MAX));
+        idx.resize(0, u64::MAX, u64::MAX, 1 << 63);
+        assert_eq!((idx.first_fit(u64::MAX), idx.first_fit(1 << 63)), (None, Some((0, u64::MAX, 1 << 63))));
+        assert_eq!(idx.largest(), 1 << 63);
+        idx.insert(1, 1 << 62, 8);
+        assert_eq!(
+            (idx.first_fit(8), idx.first_fit(9)),
+            (Some((1, 1 << 62, 8)), Some((0, u64::MAX, 1 << 63)))
+        );
+        assert_eq!(idx.entries(), [(1 << 62, 8, 1), (u64::MAX, 1 << 63, 0)]);
+        idx.remove(0, u64::MAX, 1 << 63);
+        idx.remove(1, 1 << 62, 8);
+        assert_eq!((idx.first_fit(1), idx.largest(), idx.entries()), (None, 0, vec![]));
     }
 }

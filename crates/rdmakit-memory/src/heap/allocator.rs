@@ -22,9 +22,9 @@ impl<F: FnMut(HeapId, u64) -> Option<RemoteRegion>> SegmentProvider for F {
 
 /// The allocator of one remote heap, run by the allocating side over the owner's segments.
 ///
-/// Free space is a map of coalesced ranges by address (next-fit, first-fit, merging freed
-/// ranges) plus, for best-fit and worst-fit, an index by size, so those policies choose in
-/// O(log n). Space comes back only through [`apply_free_batch`](Self::apply_free_batch) (or
+/// Free space is a map of coalesced ranges by address (next-fit, merging freed ranges) plus,
+/// for best-fit and worst-fit, an index by size, so those policies choose in O(log n), and
+/// for first-fit an index by size class and address (see the [module docs](super)' costs). Space comes back only through [`apply_free_batch`](Self::apply_free_batch) (or
 /// the batch inside an [`AllocAck`]), never from the allocating side alone (save a pending
 /// block the owner refused, [`cancel`](Self::cancel)): a block is never handed out again
 /// while the owner holds it. See the [module docs](super) for the protocol.
@@ -216,8 +216,9 @@ impl HeapAllocator {
         Ok(())
     }
 
-    /// Current occupancy. O(1), except `largest_free` for next-fit and first-fit heaps
-    /// (which keep no size index): a scan of the free ranges.
+    /// Current occupancy. O(1), except `largest_free`: a scan of the free ranges for
+    /// next-fit heaps (which keep no index), of the largest ranges' size class for
+    /// first-fit heaps.
     pub fn stats(&self) -> HeapStats {
         let total = self.segments.total();
         let free = self.free.bytes();

@@ -1,4 +1,5 @@
-//! A set of disjoint free ranges, kept coalesced, with an optional index by size.
+//! A set of disjoint free ranges, kept coalesced, with an optional index by size (best-fit,
+//! worst-fit) or by size class and address (first-fit).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound::{Excluded, Unbounded};
@@ -125,12 +126,15 @@ impl<T: Ord + Copy> Bin<T> {
     pub(super) fn remove(&mut self, e: T) {
         match self {
             Bin::Few(v) => {
-                if let Ok(i) = v.binary_search(&e) {
+                let found = v.binary_search(&e);
+                debug_assert!(found.is_ok(), "removing an entry the bin does not hold");
+                if let Ok(i) = found {
                     v.remove(i);
                 }
             }
             Bin::Many(set) => {
-                set.remove(&e);
+                let found = set.remove(&e);
+                debug_assert!(found, "removing an entry the bin does not hold");
                 if set.len() <= BIN_VEC / 2 {
                     *self = Bin::Few(std::mem::take(set).into_iter().collect());
                 }
@@ -156,12 +160,15 @@ impl<T: Ord + Copy> Bin<T> {
     pub(super) fn replace(&mut self, old: T, new: T) {
         match self {
             Bin::Few(v) => {
-                if let Ok(i) = v.binary_search(&old) {
+                let found = v.binary_search(&old);
+                debug_assert!(found.is_ok(), "replacing an entry the bin does not hold");
+                if let Ok(i) = found {
                     v[i] = new;
                 }
             }
             Bin::Many(set) => {
-                set.remove(&old);
+                let found = set.remove(&old);
+                debug_assert!(found, "replacing an entry the bin does not hold");
                 set.insert(new);
             }
         }
@@ -320,7 +327,8 @@ impl FreeSpace {
         self.bytes
     }
 
-    /// The largest range's length (0 if none): O(1) with an index, else a scan.
+    /// The largest range's length (0 if none): O(1) with the size index, a scan of the
+    /// largest ranges' class with the address index, else a scan of every range.
     pub(crate) fn largest(&self) -> u64 {
         match (&self.by_size, &self.by_addr) {
             (Some(idx), _) => idx.largest().map_or(0, |e| e.len),

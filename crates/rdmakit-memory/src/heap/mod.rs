@@ -49,14 +49,17 @@
 //!
 //! With n free ranges on the allocating side and m blocks held by the owner: next-fit
 //! walks from the cursor's range to the first that fits (usually the cursor's own, which
-//! it carves in place), first-fit asks the address index (the size index's classes, each
-//! in address order, with each class's and each group of 32 classes' lowest address: a
-//! few dozen words compared, then a scan of the requested size's own class, which may also
-//! hold shorter ranges), best-fit and worst-fit find their range through the size index (a
-//! two-level segregated fit: bins by size class, exact below 16 bytes and 16 per power of
-//! two above, with a bitmap of the non-empty ones; a lookup is a few bit operations and a
-//! search in one bin, O(log n) at worst) and carve it without searching the address map. Applying a free
-//! batch costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
+//! it carves in place; O(n) at worst). First-fit asks the address index (the size index's
+//! classes, each in address order, with each class's and each group of 32 classes' lowest
+//! address): a few dozen words compared, then a scan of the requested size's own class up
+//! to what the classes above offer. That scan passes the class's shorter ranges below the
+//! answer, so it is O(n) at worst too (the owner's frees decide what the ranges are: a peer
+//! can leave many ranges of one class just short of a size below a range that holds it).
+//! Best-fit and worst-fit find their range through the size index (a two-level segregated
+//! fit: bins by size class, exact below 16 bytes and 16 per power of two above, with a
+//! bitmap of the non-empty ones; a lookup is a few bit operations and a search in one bin,
+//! O(log n) at worst) and carve it without searching the address map. Applying a free batch
+//! costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
 //! `benches/heap_alloc.rs` measures them under a realistic size mix.
 //!
 //! # Example
@@ -146,8 +149,8 @@ impl AllocPolicy {
     }
 
     /// The index the allocator keeps for this policy: by size for best-fit and worst-fit,
-    /// by size class and address for first-fit, none for
-    /// next-fit, which walks addresses from its cursor.
+    /// by size class and address for first-fit, none for next-fit, which walks addresses
+    /// from its cursor.
     pub(crate) const fn index_kind(self) -> free_space::IndexKind {
         match self {
             AllocPolicy::NextFit => free_space::IndexKind::None,
