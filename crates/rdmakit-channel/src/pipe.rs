@@ -104,6 +104,8 @@ const MAX_RING: u64 = 8 << 32;
 /// The longest message an rwrite copies into its request (inline) instead of having the
 /// NIC read it: such an rwrite resolves once posted, with no wait for its completion.
 const INLINE_MAX: u32 = 256;
+/// How long a writer waits for credits before it says so (once per wait) in the log.
+const CREDIT_WAIT_WARNING: Duration = Duration::from_secs(1);
 
 /// How a receiver learns that a block landed (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -253,6 +255,9 @@ struct State {
     peer_consumed: u64,
     /// A request for credits is on its way (cleared when credits arrive).
     need_sent: bool,
+    /// When this end started waiting for credits, until it has said once that it is still
+    /// waiting (`None` again once it has, or when credits arrive).
+    need_since: Option<std::time::Instant>,
     // ---- reader role (our ring)
     owner: Option<HeapOwner>,
     /// Our ring's segments with where each starts in the ring's offsets, in grant order.
@@ -405,6 +410,7 @@ impl Pipe {
             notes_sent: 0,
             peer_consumed: 0,
             need_sent: false,
+            need_since: None,
             owner,
             imm_ready: VecDeque::new(),
             consumed: 0,
@@ -977,12 +983,22 @@ impl Inner {
     }
 
     /// Blocked on credits: asks the reader once to return what it has freed, then waits.
+    /// Still waiting after [`CREDIT_WAIT_WARNING`], it says so once (a reader that is alive
+    /// but never runs, as with both ends driven from one task, holds its releases back).
     fn ask_for_credit<R>(&self, st: &mut State) -> Option<Result<R>> {
         if !st.need_sent {
             st.need_sent = true;
+            st.need_since = Some(std::time::Instant::now());
             if let Err(e) = st.ctl.send(&Message::NeedCredit) {
                 return Some(Err(e));
             }
+        } else if st.need_since.is_some_and(|t| t.elapsed() >= CREDIT_WAIT_WARNING) {
+            st.need_since = None;
+            tracing::warn!(
+                qp = self.qp.qp_num(),
+                "pipe: a writer has waited {CREDIT_WAIT_WARNING:?} for room the reader has not returned; \
+                 the reader's end returns released blocks when it runs (see Pipe::return_credits)"
+            );
         }
         None
     }
@@ -1078,6 +1094,7 @@ impl Inner {
                 }
                 st.peer_consumed = st.peer_consumed.max(consumed);
                 st.need_sent = false;
+                st.need_since = None;
                 let Some(batch) = batch else { return Ok(()) }; // notification slots only
                 let alloc = st.alloc.as_mut().ok_or("a free batch, but the peer has no ring")?;
                 alloc.apply_free_batch(&batch).map_err(|e| e.to_string())
