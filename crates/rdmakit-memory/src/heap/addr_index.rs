@@ -74,7 +74,10 @@ impl AddrIndex {
     /// The longest range's length (0 if none): the longest in the highest non-empty class,
     /// which is scanned (this serves statistics and error reports, not allocation).
     pub(super) fn largest(&self) -> u64 {
-        let Some(b) = self.lowest.iter().rposition(|&v| v != NONE) else { return 0 };
+        // The highest non-empty group, then its highest non-empty class: two short scans.
+        let Some(g) = self.group_lowest.iter().rposition(|&v| v != NONE) else { return 0 };
+        let at = self.lowest[g * GROUP..][..GROUP].iter().rposition(|&v| v != NONE);
+        let b = g * GROUP + at.expect("a non-empty group has a non-empty class");
         self.bins[b].iter().map(|e| e.len).max().expect("a non-empty class")
     }
 
