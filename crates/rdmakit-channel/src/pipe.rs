@@ -770,10 +770,13 @@ impl Drop for Inner {
     /// peer that never answers cannot block the code dropping the pipe; elsewhere the
     /// dropping thread waits.
     fn drop(&mut self) {
-        // Only an inline rwrite not yet followed by a completed signalled request.
-        let pending =
-            self.driver.with(|st| st.check().is_ok() && st.inline_mark.is_some_and(|m| st.ctl.done() <= m));
-        if !pending || self.driver.with(|st| st.ctl.fence()).is_err() {
+        // Only an inline rwrite not yet followed by a completed signalled request; then a
+        // fence, in the same critical section.
+        let fenced = self.driver.with(|st| {
+            let pending = st.check().is_ok() && st.inline_mark.is_some_and(|m| st.ctl.done() <= m);
+            pending && st.ctl.fence().is_ok()
+        });
+        if !fenced {
             return;
         }
         let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
