@@ -26,7 +26,12 @@ fn main() {
     }
     let args = Arguments::from_args();
     type Case = (&'static str, fn(Path));
-    let tests: [Case; 6] = [
+    let tests: [Case; 8] = [
+        (
+            "writes_and_reads_are_placed_directly_on_the_same_host",
+            writes_and_reads_are_placed_directly_on_the_same_host,
+        ),
+        ("direct_access_keeps_the_responders_checks", direct_access_keeps_the_responders_checks),
         ("one_sided_and_two_sided_ops_across_processes", one_sided_and_two_sided_ops_across_processes),
         ("send_waits_for_a_late_receive_across_processes", send_waits_for_a_late_receive_across_processes),
         (
@@ -118,17 +123,27 @@ fn peer_process() {
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
     let mr = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
     let rx = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+    // Read-only to peers, and a region of another protection domain than the QP's.
+    let ro = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).unwrap();
+    let other_pd = ctx.alloc_pd().unwrap();
+    let other = other_pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
     for i in 0..1024u64 {
         mr.write_u64(i * 8, i).unwrap();
     }
-    qp.modify_to_init(&opts()).unwrap();
+    ro.write_u64(0, 0x5eed).unwrap();
+    let mut mr = Some(mr);
+    let mut qp = Some(qp);
     let mut out = std::io::stdout();
+    let (qpr, mrr) = (qp.as_ref().unwrap(), mr.as_ref().unwrap());
+    qpr.modify_to_init(&opts()).unwrap();
     writeln!(
         out,
-        "EP {} MR {} RX {}",
-        hex(&qp.address().unwrap().encode()),
-        hex(&mr.remote().encode()),
-        hex(&rx.remote().encode())
+        "EP {} MR {} RX {} RO {} OTHER {}",
+        hex(&qpr.address().unwrap().encode()),
+        hex(&mrr.remote().encode()),
+        hex(&rx.remote().encode()),
+        hex(&ro.remote().encode()),
+        hex(&other.remote().encode())
     )
     .unwrap();
     out.flush().unwrap();
@@ -136,12 +151,13 @@ fn peer_process() {
     let mut stdin = BufReader::new(std::io::stdin());
     stdin.read_line(&mut line).unwrap();
     let peer = QpAddress::decode(&unhex(line.trim().strip_prefix("EP ").unwrap())).unwrap();
-    qp.connect(&peer, &opts()).unwrap();
+    let qpr = qp.as_ref().unwrap();
+    qpr.connect(&peer, &opts()).unwrap();
     writeln!(out, "CONNECTED").unwrap();
     out.flush().unwrap();
     let delay = std::env::var("RDMAKIT_TEST_RECV_DELAY_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     std::thread::sleep(Duration::from_millis(delay));
-    qp.post_recv(RecvWr::new(rx.local().unwrap())).unwrap();
+    qpr.post_recv(RecvWr::new(rx.local().unwrap())).unwrap();
     writeln!(out, "READY").unwrap();
     out.flush().unwrap();
     if std::env::var_os("RDMAKIT_TEST_EXIT_ON_WRITE").is_some() {
@@ -160,18 +176,33 @@ fn peer_process() {
         std::process::exit(if wc.status.is_success() { 0 } else { 3 });
     }
     // Idle: the NIC does the work. Answers `RINGS` (how many same-host rings this process
-    // maps); exits when the client closes our stdin.
+    // maps), `PEEK <offset>` (MR's word there), `DEREG` (drops MR) and `DESTROY` (drops the
+    // QP), each with a line; exits when the client closes our stdin.
     loop {
         line.clear();
         if stdin.read_line(&mut line).unwrap_or(0) == 0 {
             break;
         }
-        if line.trim() == "RINGS" {
-            writeln!(out, "RINGS {}", ring_mappings()).unwrap();
-            out.flush().unwrap();
+        let cmd: Vec<&str> = line.split_whitespace().collect();
+        match cmd.as_slice() {
+            ["RINGS"] => writeln!(out, "RINGS {}", ring_mappings()).unwrap(),
+            ["PEEK", off] => {
+                let v = mr.as_ref().map(|m| m.read_u64(off.parse().unwrap()).unwrap());
+                writeln!(out, "PEEKED {}", v.unwrap_or(u64::MAX)).unwrap();
+            }
+            ["DEREG"] => {
+                mr = None;
+                writeln!(out, "DEREGISTERED").unwrap();
+            }
+            ["DESTROY"] => {
+                qp = None;
+                writeln!(out, "DESTROYED").unwrap();
+            }
+            _ => {}
         }
+        out.flush().unwrap();
     }
-    drop((mr, rx));
+    drop((mr, rx, ro, other, qp));
 }
 
 struct Peer {
@@ -180,6 +211,10 @@ struct Peer {
     ep: QpAddress,
     mr: RemoteRegion,
     rx: RemoteRegion,
+    /// Remote read only.
+    ro: RemoteRegion,
+    /// In another PD of the peer than its QP's.
+    other: RemoteRegion,
 }
 
 /// The command that runs the peer: this test binary, behind the whitespace-separated
@@ -243,6 +278,8 @@ fn spawn_peer_with(recv_delay_ms: u64, path: Path, env: &[(&str, &str)]) -> Peer
         ep,
         mr: RemoteRegion::decode(&unhex(f[3])).unwrap(),
         rx: RemoteRegion::decode(&unhex(f[5])).unwrap(),
+        ro: RemoteRegion::decode(&unhex(f[7])).unwrap(),
+        other: RemoteRegion::decode(&unhex(f[9])).unwrap(),
     }
 }
 
@@ -269,6 +306,22 @@ impl Peer {
             assert!(self.out.read_line(&mut line).unwrap() > 0, "peer exited");
             if let Some(n) = line.trim().strip_prefix("RINGS ") {
                 return n.parse().unwrap();
+            }
+        }
+    }
+
+    /// Sends the peer a command and waits for the line starting with `answer`; returns
+    /// the rest of it.
+    fn ask(&mut self, cmd: &str, answer: &str) -> String {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "peer exited");
+            if let Some(rest) = line.trim().strip_prefix(answer) {
+                return rest.trim().to_string();
             }
         }
     }
@@ -399,6 +452,109 @@ fn one_sided_and_two_sided_ops_across_processes(path: Path) {
     l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), bad)).unwrap();
     assert_eq!(wait(&l.cq).status, WcStatus::REM_ACCESS_ERR);
     assert_eq!(l.qp.state(), QpState::Error);
+}
+
+/// Same-host: once the peer granted the key, plain writes and reads are placed by the
+/// requester itself (`soft::direct`), and land where the NIC's path puts them. Over TCP the
+/// same operations give the same results.
+fn writes_and_reads_are_placed_directly_on_the_same_host(path: Path) {
+    let mut peer = spawn_peer(0, path);
+    let l = local(path);
+    peer.connect(&l.qp);
+    peer.wait_ready();
+    let buf = l.pd.alloc_mr(65536, AccessFlags::LOCAL_WRITE).unwrap();
+    let before = rdmakit::soft::direct::direct_placements();
+    const N: u64 = 500;
+    for i in 0..N {
+        buf.write_u64(8 * i, 0xab00_0000 + i).unwrap();
+        let t = peer.mr.slice(16384 + 8 * i, 8).unwrap();
+        l.qp.post_send(SendWr::write(buf.slice(8 * i, 8).unwrap(), t).unsignaled()).unwrap();
+        l.qp.post_send(SendWr::read(buf.slice(4096 + 8 * i, 8).unwrap(), t).wr_id(i)).unwrap();
+        assert_eq!(wait(&l.cq).ok().unwrap().wr_id, i);
+        assert_eq!(buf.read_u64(4096 + 8 * i).unwrap(), 0xab00_0000 + i, "read back {i}");
+    }
+    // The peer sees them in its memory.
+    assert_eq!(peer.ask(&format!("PEEK {}", 16384 + 8 * 7), "PEEKED"), (0xab00_0000u64 + 7).to_string());
+    // A pipeline of writes, then a read of the last one's target: all in order.
+    for k in 0..64u64 {
+        buf.write_u64(32768 + 512 * k, k).unwrap();
+    }
+    for k in 0..64u64 {
+        let src = buf.slice(32768 + 512 * k, 512).unwrap();
+        let wr = SendWr::write(src, peer.mr.slice(65536 + 512 * k, 512).unwrap());
+        l.qp.post_send(wr.unsignaled()).unwrap();
+    }
+    l.qp.post_send(
+        SendWr::read(buf.slice(4096, 8).unwrap(), peer.mr.slice(65536 + 512 * 63, 8).unwrap()).wr_id(9),
+    )
+    .unwrap();
+    assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 9);
+    assert_eq!(buf.read_u64(4096).unwrap(), 63);
+    let placed = rdmakit::soft::direct::direct_placements() - before;
+    if path == Path::SameHost && std::env::var("RDMAKIT_TEST_PEER_WRAP").is_err() {
+        // The first access waits for the grant, then goes direct like the rest.
+        assert!(placed >= 2 * N, "only {placed} of {} accesses placed directly", 2 * N + 65);
+    }
+}
+
+/// Same-host direct access keeps every check the responder's NIC makes: a read-only key
+/// is read (directly) but not written, a key of another PD of the peer is refused, a
+/// deregistered region is no longer reachable, and a destroyed responder QP answers
+/// nothing (the write times out). Each case on a fresh connection (the first error moves
+/// the QP to the error state).
+fn direct_access_keeps_the_responders_checks(path: Path) {
+    let fresh = || {
+        let mut peer = spawn_peer(0, path);
+        let l = local(path);
+        peer.connect(&l.qp);
+        peer.wait_ready();
+        let buf = l.pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+        (peer, l, buf)
+    };
+    let write = |l: &Local, buf: &MemoryRegion, t: RemoteSlice| {
+        l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), t)).unwrap();
+        wait(&l.cq)
+    };
+
+    // Read-only: read twice (the second directly), then a write is refused.
+    let (peer, l, buf) = fresh();
+    for i in 0..2 {
+        l.qp.post_send(SendWr::read(buf.slice(8, 8).unwrap(), peer.ro.slice(0, 8).unwrap())).unwrap();
+        wait(&l.cq).ok().unwrap();
+        assert_eq!(buf.read_u64(8).unwrap(), 0x5eed, "read {i}");
+    }
+    assert_eq!(write(&l, &buf, peer.ro.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
+    drop((peer, l));
+
+    // Another PD of the peer than its QP's: refused, first and second time.
+    let (peer, l, buf) = fresh();
+    assert_eq!(write(&l, &buf, peer.other.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
+    drop((peer, l));
+
+    // Past the end of a region that was granted (after a write that was placed).
+    let (peer, l, buf) = fresh();
+    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    write(&l, &buf, peer.mr.slice(8, 8).unwrap()).ok().unwrap();
+    let past = RemoteSlice::new(peer.mr.addr + peer.mr.len - 4, 8, peer.mr.rkey);
+    assert_eq!(write(&l, &buf, past).status, WcStatus::REM_ACCESS_ERR);
+    drop((peer, l));
+
+    // Deregistered after writes were placed: the next write is refused.
+    let (mut peer, l, buf) = fresh();
+    buf.write_u64(0, 77).unwrap();
+    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    assert_eq!(peer.ask("PEEK 0", "PEEKED"), "77");
+    peer.ask("DEREG", "DEREGISTERED");
+    assert_eq!(write(&l, &buf, peer.mr.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
+    drop((peer, l));
+
+    // The responder QP destroyed after writes were placed: nothing answers any more.
+    let (mut peer, l, buf) = fresh();
+    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    peer.ask("DESTROY", "DESTROYED");
+    assert_eq!(write(&l, &buf, peer.mr.slice(0, 8).unwrap()).status, WcStatus::RETRY_EXC_ERR);
 }
 
 fn send_waits_for_a_late_receive_across_processes(path: Path) {

@@ -35,6 +35,8 @@ enum Owner {
     },
     /// Memory the caller owns ([`ProtectionDomain::register_raw`]): never freed here.
     External,
+    /// A memfd a same-host peer may map (`crate::soft::direct`).
+    File(crate::soft::direct::RegionFile),
 }
 
 // SAFETY: the buffer is plain heap memory owned by this value; its bytes are accessed only
@@ -114,8 +116,28 @@ impl HostBuffer {
         Ok(HostBuffer { ptr, len, owner: Owner::External })
     }
 
+    /// A region in its own memfd, which the soft NIC may let a same-host requester map
+    /// (`crate::soft::direct`); `None` when no file can be had (the caller uses the heap).
+    fn alloc_file(len: usize) -> Option<HostBuffer> {
+        let f = crate::soft::direct::RegionFile::create(len)?;
+        let ptr = NonNull::new(f.ptr()).expect("a mapping is not null");
+        Some(HostBuffer { ptr, len, owner: Owner::File(f) })
+    }
+
+    /// The region's memfd, if it has one.
+    pub(crate) fn file(&self) -> Option<&crate::soft::direct::RegionFile> {
+        match &self.owner {
+            Owner::File(f) => Some(f),
+            _ => None,
+        }
+    }
+
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     fn into_vec(self) -> Vec<u8> {
@@ -124,6 +146,17 @@ impl HostBuffer {
             // SAFETY: these are exactly the parts `from_vec` took apart, and `me` will not
             // be dropped, so the vector is reassembled once.
             Owner::Vec { cap } => unsafe { Vec::from_raw_parts(me.ptr.as_ptr(), me.len, cap) },
+            Owner::File(_) => {
+                let mut v = vec![0u8; me.len];
+                // SAFETY: `me.ptr` is valid for `len` bytes (the mapping); `v` is private.
+                unsafe {
+                    shared_mem::copy(Src::Shared(me.ptr.as_ptr()), Dst::Private(v.as_mut_ptr()), me.len)
+                };
+                // SAFETY: `me` is not dropped (ManuallyDrop): the file is moved out once and
+                // dropped here, unmapping the region after the copy.
+                drop(unsafe { std::ptr::read(&me.owner) });
+                v
+            }
             Owner::Alloc(layout) => {
                 let mut v = vec![0u8; me.len];
                 // SAFETY: `me.ptr` is valid for `len` bytes; `v` is private.
@@ -155,6 +188,8 @@ impl Drop for HostBuffer {
             Owner::Vec { cap } => drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap) }),
             // The caller's memory: theirs to free, after this registration is gone.
             Owner::External => {}
+            // The file unmaps itself.
+            Owner::File(_) => {}
         }
     }
 }
@@ -380,7 +415,16 @@ impl MemoryRegion {
         if len == 0 {
             return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
         }
-        MemoryRegion::register_host(pd, HostBuffer::alloc(len)?, access)
+        // Remote access on a soft device with the same-host path on: a memfd, so that a
+        // requester of another process may map it (`soft::direct`).
+        let shareable = access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)
+            && pd.context().backend().soft().is_some_and(|d| d.config().same_host_shm)
+            && crate::soft::shm::enabled();
+        let buf = match shareable.then(|| HostBuffer::alloc_file(len)).flatten() {
+            Some(b) => b,
+            None => HostBuffer::alloc(len)?,
+        };
+        MemoryRegion::register_host(pd, buf, access)
     }
 
     /// # Safety

@@ -69,6 +69,12 @@ impl ProtectionDomain {
 
     /// Allocates `len` zeroed, page-aligned bytes and registers them (`ibv_reg_mr`).
     ///
+    /// On a soft device with the same-host path on, a region for remote write or read
+    /// lives in its own memfd, which a requester of another process on this host may map
+    /// (once this device grants it) to place its writes and reads directly; see the
+    /// README's soft NIC section. [`register`](Self::register)ed vectors stay on the heap
+    /// and reach such requesters through the rings.
+    ///
     /// # Examples
     /// ```
     /// use rdmakit_verbs::{AccessFlags, Context};

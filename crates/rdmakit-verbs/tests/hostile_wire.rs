@@ -1434,3 +1434,93 @@ fn a_request_posted_before_the_link_is_up_waits_for_it_not_for_the_transport_tim
     assert_eq!(wc.status, WcStatus::RETRY_EXC_ERR, "{wc:?}");
     assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(10), "failed after {took:?}");
 }
+
+#[test]
+fn a_same_host_requester_asking_for_keys_gets_a_bounded_number_of_grants_of_its_own_keys() {
+    // A requester with all the secrets asks for 100 grants of the one key its QP may use,
+    // and for keys it has no right to: it gets at most `MAX_GRANTS` grants, each with one
+    // region memfd and the device's life page, and nothing for the other keys; the
+    // victim holds no more descriptors after it.
+    use rdmakit_verbs::soft::direct::MAX_GRANTS;
+    use rdmakit_verbs::soft::shm::{CTRL, MIN_RING, send_fd};
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    l.write(&v, 0, 1);
+    // A region of another PD of the victim, and a key that does not exist.
+    let other_pd = v.ctx.alloc_pd().unwrap();
+    let other = other_pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+    let fds_before = fds();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let mut bytes = true_hello(&pep, &vep);
+    let keys: Vec<u32> =
+        std::iter::repeat_n(v.mr.rkey(), 100).chain([other.rkey(), v.mr.rkey() ^ 0x5a5a_0000]).collect();
+    for &rkey in &keys {
+        bytes.extend_from_slice(&frame(&Frame::KeyRequest { rkey }));
+    }
+    let (fd, map) = attacker_rings(&bytes);
+    let s = local_attacker(&vep);
+    send_fd(s.as_raw_fd(), &fd).unwrap();
+    // The answers: a HelloAck, then one KeyGrant per request, in the response ring.
+    let mut answers = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    while answers.len() < keys.len() + 1 {
+        assert!(Instant::now() < end, "only {} answers came", answers.len());
+        std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: word 256/8 of the control page is the response ring's head; the ring's
+        // bytes follow the request ring. The answers fit without wrapping (checked).
+        let head = unsafe { map.add(256).cast::<u64>().read_volatile() } as usize;
+        assert!(head < MIN_RING, "the answers wrapped");
+        // SAFETY: `head` bytes of the response ring are published.
+        let ring = unsafe { std::slice::from_raw_parts(map.add(CTRL + MIN_RING), head) };
+        answers.clear();
+        let mut at = 0;
+        while let Ok((f, used)) = wire::decode(&ring[at..]) {
+            answers.push(f);
+            at += used;
+        }
+    }
+    assert_eq!(answers[0], Frame::HelloAck { status: 0 });
+    let granted = |f: &Frame| matches!(f, Frame::KeyGrant { access, .. } if *access != 0);
+    let grants = answers[1..].iter().filter(|f| granted(f)).count();
+    assert_eq!(grants, MAX_GRANTS, "grants of the QP's own key, up to the bound");
+    for (f, &rkey) in answers[1..].iter().zip(&keys).skip(100) {
+        assert!(matches!(f, Frame::KeyGrant { rkey: r, access: 0, .. } if *r == rkey), "{f:?}");
+    }
+    // The descriptors came on the socket: two per grant (region, life page).
+    let mut got = 0;
+    let mut buf = [0u8; 1];
+    loop {
+        let mut cbuf = [0u64; 16];
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: 1 };
+        // SAFETY: zeroed msghdr, then pointed at live locals of the stated lengths.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &raw mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+        // SAFETY: as above; non-blocking.
+        let n = unsafe { libc::recvmsg(s.as_raw_fd(), &raw mut msg, libc::MSG_DONTWAIT) };
+        if n <= 0 {
+            break;
+        }
+        // SAFETY: walks the control messages the kernel wrote; closes what they carry.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&raw const msg);
+            while !c.is_null() {
+                let k = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..k {
+                    libc::close(libc::CMSG_DATA(c).cast::<i32>().add(i).read_unaligned());
+                }
+                got += k;
+                c = libc::CMSG_NXTHDR(&raw const msg, c);
+            }
+        }
+    }
+    assert_eq!(got, 2 * MAX_GRANTS, "descriptors passed");
+    drop((s, fd, other));
+    // The victim still serves its legitimate peer, and holds no more descriptors.
+    l.write(&v, 64, 2);
+    assert!(eventually(Duration::from_secs(5), || fds() <= fds_before + 2), "descriptors leaked");
+}

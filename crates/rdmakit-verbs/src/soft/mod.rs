@@ -11,7 +11,9 @@
 //! - `cq`: completion queues with a capacity and an eventfd for wake-ups;
 //! - `qp`: RC queue pairs: the requester executes the send queue in order, the responder
 //!   side applies one-sided operations to its own memory without the application's help;
-//! - `timer`: the timer thread that drives retries (RNR, transport) as a NIC's timers do.
+//! - `timer`: the timer thread that drives retries (RNR, transport) as a NIC's timers do;
+//! - `shm` and `direct`: processes of one host, through rings in shared memory, and plain
+//!   writes and reads placed by the requester into the responder's region mapped by grant.
 //!
 //! Devices in one process reach each other through the in-process fabric (a registry keyed
 //! by GID); devices in other processes or hosts through TCP (`tcp`: each device opens a
@@ -53,6 +55,10 @@
 
 pub(crate) mod bootstrap;
 pub(crate) mod cq;
+/// Direct placement between processes of one host. Public for its counter; not a stable
+/// API.
+#[doc(hidden)]
+pub mod direct;
 pub(crate) mod dm;
 pub(crate) mod mr;
 pub(crate) mod qp;

@@ -93,6 +93,16 @@ pub(crate) enum Fault {
 const MAX_HOPS: u32 = 4;
 
 impl MrEntry {
+    /// The memfd of a plain region a same-host requester may map (`super::direct`): a
+    /// direct key over all of a [`HostBuffer`](crate::mr::HostBuffer) that has one,
+    /// addressed by its virtual address.
+    pub fn region_file(&self) -> Option<&super::direct::RegionFile> {
+        let Target::Direct { ptr, _keep } = &self.target else { return None };
+        let buf = _keep.downcast_ref::<crate::mr::HostBuffer>()?;
+        let f = buf.file()?;
+        (*ptr == f.ptr() && self.base == f.ptr() as u64 && self.len == buf.len() as u64).then_some(f)
+    }
+
     /// Checks `addr..addr+len` against this key for an access needing `need` from
     /// protection domain `pd` (`None`: an alias crossing functions, where the alias's own
     /// PD was checked) and follows indirect keys and aliases to the bytes. Returns the
@@ -299,9 +309,14 @@ impl KeyTable {
         self.lookup(key).ok_or(Fault::Key)?.resolve(Some(pd), addr, len, need)
     }
 
-    /// Invalidates `key`. Operations already holding the entry finish; new ones fail.
+    /// Invalidates `key`. Operations already holding the entry finish; new ones fail, and
+    /// so do a same-host requester's direct accesses (`super::direct`) from now on.
     pub fn deregister(&self, key: u32) -> bool {
-        self.map.write().expect("key table").remove(&key).is_some()
+        let gone = self.map.write().expect("key table").remove(&key);
+        if let Some(f) = gone.as_ref().and_then(|e| e.region_file()) {
+            f.revoke();
+        }
+        gone.is_some()
     }
 
     pub fn lookup(&self, key: u32) -> Option<Arc<MrEntry>> {

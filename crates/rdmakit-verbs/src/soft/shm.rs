@@ -25,6 +25,9 @@
 //! read from the shared pages is copied into private memory before it is looked at, and
 //! the peer's ring counters are checked against the ring size on every use: a hostile peer
 //! can garble only its own frames, which are then refused.
+//! Plain writes and reads to regions the responder granted skip the rings altogether: the
+//! requester maps the region and places them itself (`super::direct`); the rings carry the
+//! grants and everything else.
 //! `RDMAKIT_SOFT_SHM=0` turns the path off (TCP only).
 
 use std::io;
@@ -81,6 +84,11 @@ const CONSUMER_WAITS: usize = 128;
 /// The producer found the ring full and waits for a doorbell.
 const PRODUCER_WAITS: usize = 192;
 const RING_CTRL: usize = 256;
+/// The responder QP's gate (after both rings' words): 1 while the device's QP serves this
+/// connection, so that the requester may place accesses directly (`super::direct`).
+const GATE: usize = 2 * RING_CTRL;
+/// Descriptors a requester keeps waiting for their grant frames.
+const MAX_STASHED: usize = 4;
 
 /// Whether same-host peers use shared memory (unless `RDMAKIT_SOFT_SHM=0`).
 pub(crate) fn enabled() -> bool {
@@ -156,6 +164,12 @@ impl Map {
         unsafe { &*self.base.as_ptr().add(ring * RING_CTRL + at).cast::<AtomicU64>() }
     }
 
+    /// The gate word (see [`GATE`]).
+    fn gate(&self) -> &AtomicU64 {
+        // SAFETY: within the control page, 8-aligned; peers change it only as an atomic.
+        unsafe { &*self.base.as_ptr().add(GATE).cast::<AtomicU64>() }
+    }
+
     fn data(&self, ring: usize) -> *mut u8 {
         // SAFETY: ring data lies within the mapping, after the control page.
         unsafe { self.base.as_ptr().add(CTRL + ring * self.ring) }
@@ -191,6 +205,12 @@ pub(crate) struct ShmConn {
     rx_tail: u64,
     /// The socket ended: the peer closed it or died.
     peer_gone: bool,
+    /// This side is the requester's (it may receive grants' memfds).
+    requester: bool,
+    /// Descriptors the peer passed with doorbells, not taken yet (grants' memfds).
+    fds: std::collections::VecDeque<OwnedFd>,
+    /// The peer passed descriptors it must not have.
+    bad_fds: bool,
     /// The wire's loop looks at this ring on each of its turns until it sleeps, so a read
     /// that finds it empty does not ask the peer for a doorbell (see [`ShmConn::set_polled`]).
     polled: bool,
@@ -200,6 +220,22 @@ impl Tx {
     /// Marks (or clears) output the loop holds that must go before any direct post.
     pub(crate) fn set_loop_pending(&mut self, pending: bool) {
         self.loop_pending = pending;
+    }
+}
+
+/// The device's handle on a connection's gate word: its QP opens it when it starts
+/// serving the connection and closes it when it stops (error, destruction).
+pub(crate) struct Gate {
+    map: Arc<Map>,
+}
+
+impl Gate {
+    pub(crate) fn open(&self) {
+        self.map.gate().store(1, Ordering::Release);
+    }
+
+    pub(crate) fn close(&self) {
+        self.map.gate().store(0, Ordering::Release);
     }
 }
 
@@ -213,6 +249,11 @@ pub(crate) struct Direct {
 }
 
 impl Direct {
+    /// Whether the responder QP still serves this connection (its gate is open).
+    pub(crate) fn responder_open(&self) -> bool {
+        self.map.gate().load(Ordering::Acquire) == 1
+    }
+
     /// Writes the concatenation of `parts` into the ring as one, if the loop has nothing
     /// waiting and all of it fits now; false otherwise (the caller queues it for the loop).
     ///
@@ -298,7 +339,19 @@ impl ShmConn {
     fn new(sock: UnixStream, map: Map, requester: bool) -> ShmConn {
         let (tx_ring, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
         let tx = Arc::new(Mutex::new(Tx { head: 0, loop_pending: false }));
-        ShmConn { sock, map: Arc::new(map), tx_ring, rx, tx, rx_tail: 0, peer_gone: false, polled: false }
+        ShmConn {
+            sock,
+            map: Arc::new(map),
+            tx_ring,
+            rx,
+            tx,
+            rx_tail: 0,
+            peer_gone: false,
+            requester,
+            fds: Default::default(),
+            bad_fds: false,
+            polled: false,
+        }
     }
 
     /// Shuts the doorbell socket down both ways: the peer sees the end now, whoever else
@@ -334,6 +387,12 @@ impl ShmConn {
     /// Copies what the peer produced into `buf`. `WouldBlock` when the ring is empty (the
     /// peer is then asked to ring); `Ok(0)` once it is empty and the peer gone.
     pub(crate) fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.bad_fds {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "same-host peer passed descriptors unasked",
+            ));
+        }
         if buf.is_empty() {
             return Ok(0);
         }
@@ -506,17 +565,66 @@ impl ShmConn {
     /// byte is a new edge), so bytes left behind lose nothing.
     pub(crate) fn take_doorbells(&mut self, hup: bool) {
         let mut b = [0u8; 4096];
-        // SAFETY: reads into a local buffer of its length; MSG_DONTWAIT: never blocks.
-        let n =
-            unsafe { libc::recv(self.sock.as_raw_fd(), b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
-        let failed = n < 0
-            && !matches!(
-                io::Error::last_os_error().kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-            );
-        if hup || n == 0 || failed {
+        let failed = match recv_with_fds(self.sock.as_raw_fd(), &mut b) {
+            Ok(got) => {
+                self.stash(got.fds, got.truncated);
+                got.bytes == 0
+            }
+            Err(e) => !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted),
+        };
+        if hup || failed {
             self.peer_gone = true;
         }
+    }
+
+    /// Keeps descriptors that came with doorbells for [`take_fd`](Self::take_fd), on a
+    /// requester's side only (a device's requester never sends one after its rings), and
+    /// at most [`MAX_STASHED`]: more, or a truncated batch, is a protocol error.
+    fn stash(&mut self, fds: Vec<OwnedFd>, truncated: bool) {
+        if fds.is_empty() && !truncated {
+            return;
+        }
+        if !self.requester || truncated || self.fds.len() + fds.len() > MAX_STASHED {
+            self.bad_fds = true;
+            return;
+        }
+        self.fds.extend(fds);
+    }
+
+    /// The next descriptor the peer passed (a grant's memfd, sent just before its frame):
+    /// from the stash, or read from the socket now (its bytes are doorbells, taken as
+    /// such). `None` if it has not come, or the peer passed what it must not.
+    pub(crate) fn take_fd(&mut self) -> Option<OwnedFd> {
+        for _ in 0..16 {
+            if self.bad_fds {
+                return None;
+            }
+            if let Some(fd) = self.fds.pop_front() {
+                return Some(fd);
+            }
+            let mut b = [0u8; 256];
+            match recv_with_fds(self.sock.as_raw_fd(), &mut b) {
+                Ok(got) if got.bytes > 0 => self.stash(got.fds, got.truncated),
+                Ok(_) => {
+                    self.peer_gone = true;
+                    return None;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
+    /// Sends a grant's memfd and this process's life page to the peer with one doorbell
+    /// byte, before the grant's frame.
+    pub(crate) fn pass_grant(&self, region: &OwnedFd, life: &OwnedFd) -> io::Result<()> {
+        send_fds(self.sock.as_raw_fd(), &[region.as_raw_fd(), life.as_raw_fd()])
+    }
+
+    /// The responder QP's gate in this connection's control page (device side).
+    pub(crate) fn gate(&self) -> Gate {
+        Gate { map: self.map.clone() }
     }
 }
 
@@ -532,9 +640,34 @@ pub(crate) fn accept_rings(sock: &UnixStream, max_ring: usize) -> io::Result<Map
 
 /// Receives one byte carrying exactly one descriptor.
 fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = 0u8;
-    let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
-    // Room for a few descriptors, so that a peer sending more is seen (and they are closed).
+    let mut byte = [0u8; 1];
+    let got = recv_with_fds(sock.as_raw_fd(), &mut byte)?;
+    if got.bytes == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "same-host peer closed before its memfd"));
+    }
+    let mut fds = got.fds;
+    if got.truncated || fds.len() != 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("same-host peer passed {} descriptors, not one memfd", fds.len()),
+        ));
+    }
+    Ok(fds.pop().expect("one descriptor"))
+}
+
+/// What one `recvmsg` gave: bytes, the descriptors that came with them (now ours), and
+/// whether some were dropped for want of room (`MSG_CTRUNC`).
+struct Received {
+    bytes: usize,
+    fds: Vec<OwnedFd>,
+    truncated: bool,
+}
+
+/// One non-blocking `recvmsg` into `buf`, with room for a few descriptors (a peer sending
+/// more gets them closed, and `truncated` says so). A Unix stream socket never returns the
+/// descriptors of two sends in one call.
+fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     const MAX_FDS: usize = 4;
     let mut cbuf = [0u64; 8 + MAX_FDS];
     // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
@@ -543,10 +676,9 @@ fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = size_of::<[u64; 8 + MAX_FDS]>() as _;
-    // SAFETY: `msg` points at live locals of the lengths it states; MSG_CMSG_CLOEXEC: no
-    // descriptor leaks into children; MSG_DONTWAIT: never blocks.
-    let n =
-        unsafe { libc::recvmsg(sock.as_raw_fd(), &raw mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+    // SAFETY: `msg` points at live locals and `buf` of the lengths it states;
+    // MSG_CMSG_CLOEXEC: no descriptor leaks into children; MSG_DONTWAIT: never blocks.
+    let n = unsafe { libc::recvmsg(sock, &raw mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -566,16 +698,7 @@ fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
             c = libc::CMSG_NXTHDR(&raw const msg, c);
         }
     }
-    if n == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "same-host peer closed before its memfd"));
-    }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() != 1 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("same-host peer passed {} descriptors, not one memfd", fds.len()),
-        ));
-    }
-    Ok(fds.pop().expect("one descriptor"))
+    Ok(Received { bytes: n as usize, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
 }
 
 /// Accepts only shared memory sealed against shrinking (so the mapping can never fault
@@ -663,24 +786,34 @@ pub fn ring_memfd(ring: usize) -> io::Result<OwnedFd> {
 
 /// Sends one byte carrying `fd`.
 pub fn send_fd(sock: RawFd, fd: &OwnedFd) -> io::Result<()> {
+    send_fds(sock, &[fd.as_raw_fd()])
+}
+
+/// Sends one byte carrying `fds` (one or two descriptors).
+fn send_fds(sock: RawFd, fds: &[RawFd]) -> io::Result<()> {
+    assert!(matches!(fds.len(), 1 | 2), "one or two descriptors per doorbell");
     let byte = 0u8;
     let mut iov = libc::iovec { iov_base: (&raw const byte).cast_mut().cast(), iov_len: 1 };
     let mut cbuf = [0u64; 4];
+    let bytes = std::mem::size_of_val(fds) as u32;
     // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &raw mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
     // SAFETY: CMSG_SPACE is a pure size computation.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as _;
-    // SAFETY: `cbuf` (32 bytes) holds one header and one descriptor; `msg` points at live
-    // locals; the descriptor is only copied into the message.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as _;
+    // SAFETY: `cbuf` (32 bytes) holds one header (16) and two descriptors (8); `msg` points
+    // at live locals; the descriptors are only copied into the message.
     let n = unsafe {
         let c = libc::CMSG_FIRSTHDR(&raw const msg);
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as _;
-        libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd.as_raw_fd());
+        (*c).cmsg_len = libc::CMSG_LEN(bytes) as _;
+        let data = libc::CMSG_DATA(c).cast::<RawFd>();
+        for (k, fd) in fds.iter().enumerate() {
+            data.add(k).write_unaligned(*fd);
+        }
         libc::sendmsg(sock, &raw const msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
     };
     if n != 1 {

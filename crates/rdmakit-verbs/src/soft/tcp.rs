@@ -56,6 +56,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::SoftDevice;
+use super::direct::{self, GrantTable, Miss};
 use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
@@ -775,6 +776,9 @@ struct ServedConn {
     /// The receive completions of requests answered but whose answers are not written
     /// yet, and QPs to kick: released after each flush (see [`Deferred::holding`]).
     held: Deferred,
+    /// Keys granted to this requester for direct placement (at most
+    /// [`direct::MAX_GRANTS`]).
+    grants: usize,
     _count: Served,
 }
 
@@ -820,6 +824,9 @@ impl EventLoop {
     fn run(mut self) {
         // SAFETY: gettid(2) has no preconditions.
         self.wire.exit.loop_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+        // Peers granted direct access learn from the kernel when this thread (and so the
+        // process) ends.
+        direct::watch_loop_thread();
         let mut events = Events::with_capacity(1024);
         let mut next_sweep = Instant::now() + SWEEP;
         let mut next_auth = Instant::now() + AUTH_RETRY;
@@ -1436,8 +1443,14 @@ impl EventLoop {
             expected: src_psn & 0x00ff_ffff,
             peer,
             held: Deferred::holding(),
+            grants: 0,
             _count: Served::new(served),
         };
+        // Same-host rings: the requester may place accesses directly while the QP serves
+        // it (the gate closes when the QP leaves RTR/RTS or is destroyed).
+        if let Conn::Shm(sc) = &conn.io.s {
+            qp.set_gate(sc.gate());
+        }
         drop(qp);
         let i = match token {
             Some(i) => {
@@ -1604,6 +1617,11 @@ impl EventLoop {
                     return None;
                 }
             };
+            if let Got::Frame(Frame::KeyRequest { rkey }) = got {
+                let reply = grant(s, rkey);
+                s.io.push_frame(reply, &mut self.scratch);
+                continue;
+            }
             match answer(s, got)? {
                 Some(reply) => s.io.push_frame(reply, &mut self.scratch),
                 None => continue,
@@ -1698,6 +1716,29 @@ impl EventLoop {
                                 warn_limited!("soft NIC: the peer refused our Hello; requests will time out");
                                 c.dial = None;
                                 return false;
+                            }
+                            Ok(Some(Got::Frame(Frame::KeyGrant { rkey, access, addr, len, map_len }))) => {
+                                // A link dialed again may have fallen back to TCP: a refusal
+                                // comes there, and a grant (with no memfd) ends the link.
+                                let (fd, life) = match &mut c.io.s {
+                                    Conn::Shm(sc) if access != 0 => (sc.take_fd(), sc.take_fd()),
+                                    _ => (None, None),
+                                };
+                                let taken = c
+                                    .shared
+                                    .grants
+                                    .lock()
+                                    .expect("grants")
+                                    .insert(rkey, access, addr, len, map_len, fd, life);
+                                if let Err(e) = taken {
+                                    warn_limited!(error = %e, "soft NIC: bad key grant; link dropped");
+                                    return false;
+                                }
+                                // Accesses waiting for the answer go now (directly or not).
+                                match c.qp.upgrade() {
+                                    Some(qp) => qp.kick(),
+                                    None => return false,
+                                }
                             }
                             Ok(Some(Got::Frame(f))) => match c.qp.upgrade() {
                                 Some(qp) => qp.on_remote_response(f),
@@ -1815,6 +1856,26 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
     })
 }
 
+/// The answer to a same-host requester's `KeyRequest`: a grant, its memfd passed on the
+/// doorbell socket first, or a refusal (over TCP, past the grant bound, a key the QP does
+/// not admit, or a socket that cannot take the descriptor now).
+fn grant(s: &mut ServedConn, rkey: u32) -> Frame {
+    let refused = Frame::KeyGrant { rkey, access: 0, addr: 0, len: 0, map_len: 0 };
+    let Conn::Shm(sc) = &s.io.s else { return refused };
+    if s.grants >= direct::MAX_GRANTS {
+        return refused;
+    }
+    let Some(qp) = s.qp.upgrade() else { return refused };
+    let Some(life) = direct::life_fd() else { return refused };
+    let Some((grant, fd)) = qp.grant(&s.requester, rkey) else { return refused };
+    if let Err(e) = sc.pass_grant(&fd, life) {
+        tracing::debug!(error = %e, "soft NIC: cannot pass a region's memfd; refused");
+        return refused;
+    }
+    s.grants += 1;
+    grant
+}
+
 /// Checks `p`'s complete Hello against the QP it names.
 fn try_auth(p: &mut Pending, device: &Weak<SoftDevice>, served: &AtomicUsize) -> Next {
     let Some(Frame::Hello { src_gid, src_qpn, dst_qpn, src_psn, dst_psn, token }) = &p.hello else {
@@ -1883,6 +1944,8 @@ struct LinkShared {
     /// Same-host rings: the QP's way to post into the ring itself, set by the loop when the
     /// peer accepts the Hello (the rings of a link dialed again are new ones).
     direct: OnceLock<shm::Direct>,
+    /// Same-host rings: the peer's regions this link maps (`super::direct`).
+    grants: Mutex<GrantTable>,
 }
 
 impl LinkShared {
@@ -1927,6 +1990,7 @@ impl TcpLink {
             flagged: AtomicBool::new(false),
             token: AtomicUsize::new(usize::MAX),
             direct: OnceLock::new(),
+            grants: Mutex::new(GrantTable::default()),
         });
         let wire = match wire() {
             Ok(w) => w,
@@ -2043,6 +2107,72 @@ impl TcpLink {
     /// Goes through same-host rings (not TCP).
     pub fn is_same_host(&self) -> bool {
         self.same_host
+    }
+
+    /// Whether an access could be placed directly once what is before it is answered
+    /// (`Ok`); asks for a grant of the key if none was asked for (`Wait` then).
+    pub fn can_place(&self, rkey: u32, addr: u64, len: u64, need: crate::AccessFlags) -> Result<(), Miss> {
+        self.direct_access(rkey, addr, len, need, None::<fn(*mut u8)>)
+    }
+
+    /// Places a write or read of `len` bytes at `addr` of key `rkey` directly (see
+    /// [`super::direct`]): runs `copy` with the local address of that range if the link
+    /// holds a live grant allowing `need` there and the responder QP's gate is open
+    /// (`Ok`). Otherwise says why: no grant yet (one is asked for now if it was not:
+    /// `Wait` until the answer, which kicks the QP, or the deadline), or `Ring`.
+    ///
+    /// The caller holds the QP's send-queue lock and saw nothing of the QP unanswered
+    /// (RC order).
+    pub fn place_direct(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: crate::AccessFlags,
+        copy: impl FnOnce(*mut u8),
+    ) -> Result<(), Miss> {
+        self.direct_access(rkey, addr, len, need, Some(copy))
+    }
+
+    fn direct_access(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: crate::AccessFlags,
+        copy: Option<impl FnOnce(*mut u8)>,
+    ) -> Result<(), Miss> {
+        if self.is_dead() {
+            return Err(Miss::Ring);
+        }
+        let mut grants = self.shared.grants.lock().expect("grants");
+        match grants.target(rkey, addr, len, need) {
+            Ok(t) => {
+                // The gate: set once the peer accepted our Hello, open while its QP serves.
+                if !self.shared.direct.get().is_some_and(shm::Direct::responder_open) {
+                    return Err(Miss::Ring);
+                }
+                if let Some(copy) = copy {
+                    // Under the table's lock: the mapping stays while the copy runs.
+                    copy(t.ptr);
+                    direct::count_placement();
+                }
+                Ok(())
+            }
+            Err(Miss::Ask) => {
+                // Marked before it is sent: the grant may come back at once. Before the
+                // peer accepts our Hello the ask waits in the link's queue behind it.
+                let until = grants.asked(rkey);
+                drop(grants);
+                if self.send(Frame::KeyRequest { rkey }, None) {
+                    Err(Miss::Wait(until))
+                } else {
+                    self.shared.grants.lock().expect("grants").unask(rkey);
+                    Err(Miss::Ring)
+                }
+            }
+            Err(miss) => Err(miss),
+        }
     }
 }
 

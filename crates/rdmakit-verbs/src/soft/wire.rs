@@ -55,6 +55,16 @@ pub enum Frame {
     /// Response: no receive was posted for request `psn`; it and the requests after it
     /// were dropped and must be sent again.
     RnrNak { psn: u32 },
+    /// Same-host rings only: the requester asks to map the region of `rkey` itself, to
+    /// place its writes and take its reads without the responder's loop (see
+    /// `super::direct`). Carries no PSN: it is not a request of the send queue.
+    KeyRequest { rkey: u32 },
+    /// Answer to `KeyRequest`: `access` (remote write and/or read bits of
+    /// [`AccessFlags`](crate::AccessFlags)) is 0 for a refusal; otherwise the region's memfd
+    /// came on the doorbell socket just before this frame, holding the region's `len`
+    /// bytes (addressed from `addr`) at offset 0 and the region's control page at
+    /// `map_len - 4096`.
+    KeyGrant { rkey: u32, access: u32, addr: u64, len: u64, map_len: u64 },
 }
 
 /// Why bytes are not a valid frame.
@@ -96,6 +106,8 @@ mod kind {
     pub const CMP_SWAP: u8 = 14;
     pub const ACK: u8 = 20;
     pub const RNR_NAK: u8 = 21;
+    pub const KEY_REQUEST: u8 = 30;
+    pub const KEY_GRANT: u8 = 31;
 }
 
 /// Parses a header: the kind and the payload length.
@@ -219,6 +231,18 @@ pub fn decode_payload(k: u8, p: &[u8]) -> Result<Frame, WireError> {
             r.end().ok_or_else(bad)?;
             Frame::RnrNak { psn }
         }
+        kind::KEY_REQUEST => {
+            let rkey = r.u32().ok_or_else(bad)?;
+            r.end().ok_or_else(bad)?;
+            Frame::KeyRequest { rkey }
+        }
+        kind::KEY_GRANT => {
+            let (rkey, access) = (r.u32().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
+            let (addr, len, map_len) =
+                (r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?);
+            r.end().ok_or_else(bad)?;
+            Frame::KeyGrant { rkey, access, addr, len, map_len }
+        }
         other => return Err(WireError::UnknownKind(other)),
     };
     Ok(frame)
@@ -304,6 +328,18 @@ pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
             out.extend_from_slice(&psn.to_le_bytes());
             kind::RNR_NAK
         }
+        Frame::KeyRequest { rkey } => {
+            out.extend_from_slice(&rkey.to_le_bytes());
+            kind::KEY_REQUEST
+        }
+        Frame::KeyGrant { rkey, access, addr, len, map_len } => {
+            out.extend_from_slice(&rkey.to_le_bytes());
+            out.extend_from_slice(&access.to_le_bytes());
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(&map_len.to_le_bytes());
+            kind::KEY_GRANT
+        }
     };
     let len = (out.len() - start - HEADER + tail.len()) as u32;
     out[start + 3] = k;
@@ -324,6 +360,8 @@ pub fn check_length(k: u8, len: u32) -> Result<(), WireError> {
         kind::FETCH_ADD => 4 + 8 + 4 + 8,
         kind::CMP_SWAP => 4 + 8 + 4 + 8 + 8,
         kind::RNR_NAK => 4,
+        kind::KEY_REQUEST => 4,
+        kind::KEY_GRANT => 4 + 4 + 8 + 8 + 8,
         kind::WRITE | kind::SEND | kind::ACK => {
             let fixed = data_offset(k).expect("a data-carrying kind");
             return match len_us.checked_sub(fixed) {
@@ -345,12 +383,12 @@ pub const KIND_WRITE: u8 = kind::WRITE;
 
 /// True for the kinds a requester sends (requests), false for handshake and responses.
 pub fn is_request_kind(k: u8) -> bool {
-    matches!(k, kind::WRITE | kind::READ | kind::SEND | kind::FETCH_ADD | kind::CMP_SWAP)
+    matches!(k, kind::WRITE | kind::READ | kind::SEND | kind::FETCH_ADD | kind::CMP_SWAP | kind::KEY_REQUEST)
 }
 
 /// True for the kinds a responder answers with.
 pub fn is_response_kind(k: u8) -> bool {
-    matches!(k, kind::ACK | kind::RNR_NAK)
+    matches!(k, kind::ACK | kind::RNR_NAK | kind::KEY_GRANT)
 }
 
 /// For a frame kind that ends in variable-length data (write, send, ack), the length of the
@@ -419,6 +457,10 @@ mod tests {
                 data
             }),
             any::<u32>().prop_map(|psn| Frame::RnrNak { psn }),
+            any::<u32>().prop_map(|rkey| Frame::KeyRequest { rkey }),
+            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(rkey, access, addr, len, map_len)| Frame::KeyGrant { rkey, access, addr, len, map_len }
+            ),
         ]
     }
 
@@ -474,6 +516,8 @@ mod tests {
             Frame::CmpSwap { psn: 1, addr: 8, rkey: 3, compare: 4, swap: 5 },
             Frame::Ack { psn: 1, status: 10, data: vec![1, 2] },
             Frame::RnrNak { psn: u32::MAX },
+            Frame::KeyRequest { rkey: 0xdead_beef },
+            Frame::KeyGrant { rkey: 1, access: 2, addr: 3, len: 4, map_len: 8192 },
         ];
         let mut buf = Vec::new();
         for f in &frames {

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use super::SoftDevice;
 use super::cq::SoftCq;
+use super::direct::Miss;
 use super::mr::{Fault, MrEntry};
 use super::tcp::TcpLink;
 use super::timer;
@@ -270,6 +271,9 @@ pub(crate) struct SoftQp {
     timer: Mutex<Option<Instant>>,
     /// Set once, at RTR.
     remote_gid: OnceLock<[u8; 16]>,
+    /// The gate of the same-host connection this QP serves (one per QP): closed when the
+    /// QP goes to ERR, so the requester stops placing accesses directly (`super::direct`).
+    gate: OnceLock<super::shm::Gate>,
     sq: Mutex<Sq>,
     rq: Mutex<Rq>,
     me: Weak<SoftQp>,
@@ -319,6 +323,7 @@ impl SoftQp {
             max_send_wr: caps.max_send_wr,
             timer: Mutex::new(None),
             remote_gid: OnceLock::new(),
+            gate: OnceLock::new(),
             sq: Mutex::new(Sq {
                 pending: VecDeque::new(),
                 sent: VecDeque::new(),
@@ -388,6 +393,30 @@ impl SoftQp {
             & (self.remote_qpn.load(Ordering::Acquire) == qpn)
             & (self.remote_gid.get() == Some(gid));
         if ok && !self.claimed.swap(true, Ordering::AcqRel) { Auth::Accepted } else { Auth::Refused }
+    }
+
+    /// Moves to ERR, closing the same-host gate if this QP serves one.
+    fn set_err(&self) {
+        self.state.store(ERR, Ordering::Release);
+        // Pairs with the fence in `set_gate`: one of the two sees the other's store.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if let Some(g) = self.gate.get() {
+            g.close();
+        }
+    }
+
+    /// Takes the gate of the same-host connection that starts serving this QP's requester
+    /// and opens it, unless the QP is no longer in RTR/RTS.
+    pub(crate) fn set_gate(&self, gate: super::shm::Gate) {
+        if self.gate.set(gate).is_ok() {
+            let g = self.gate.get().expect("just set");
+            g.open();
+            // A move to ERR racing with this sees the gate set, or is seen here.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !matches!(self.state.load(Ordering::Acquire), RTR | RTS) {
+                g.close();
+            }
+        }
     }
 
     fn bad_transition(&self, to: &'static str) -> Error {
@@ -485,7 +514,7 @@ impl SoftQp {
 
     /// Called by the safe layer when the QP object is destroyed.
     pub fn destroy(&self) {
-        self.state.store(ERR, Ordering::Release);
+        self.set_err();
         self.device.unregister_qp(self.qpn);
         {
             let mut sq = self.sq.lock().expect("sq lock");
@@ -519,7 +548,7 @@ impl SoftQp {
                 // Fast path: nothing ahead of it, run it now (no copy of the request).
                 match self.run_head(&mut sq, wr, &mut d) {
                     Step::Completed | Step::Failed => {}
-                    Step::Blocked => sq.pending.push_back(Pending::from_raw(wr)),
+                    Step::Blocked | Step::Held => sq.pending.push_back(Pending::from_raw(wr)),
                     Step::Sent(psn, target) => self.push_sent(&mut sq, Pending::from_raw(wr), psn, target),
                 }
             } else {
@@ -563,7 +592,8 @@ impl SoftQp {
         self.kick();
     }
 
-    fn kick(&self) {
+    /// Runs the send queue again (after an event that may let its head go).
+    pub(crate) fn kick(&self) {
         let mut d = Deferred::default();
         {
             let mut sq = self.sq.lock().expect("sq lock");
@@ -587,7 +617,7 @@ impl SoftQp {
             match self.run_head(sq, &head.view(), d) {
                 Step::Completed | Step::Failed => {}
                 Step::Sent(psn, target) => self.push_sent(sq, head, psn, target),
-                Step::Blocked => {
+                Step::Blocked | Step::Held => {
                     sq.pending.push_front(head);
                     return;
                 }
@@ -638,7 +668,31 @@ impl SoftQp {
 
     /// Executes the request at the head of the send queue and handles its outcome.
     fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
+        // Same-host: placed directly when a grant allows it (see `super::direct`).
+        let mut placed = None;
+        if let Some(Link::Tcp(link)) = &sq.link
+            && link.is_same_host()
+        {
+            if sq.sent.is_empty() {
+                match self.place_direct(link, wr) {
+                    Ok(()) => placed = Some(Outcome::Done(WcStatus::SUCCESS, wr.len())),
+                    Err(Miss::Wait(until)) => {
+                        // The answer to the grant asked for kicks the queue; the timer, if
+                        // none comes.
+                        self.schedule(until);
+                        return Step::Held;
+                    }
+                    Err(Miss::Ask | Miss::Ring) => {}
+                }
+            } else if matches!(Self::can_place(link, wr), Ok(()) | Err(Miss::Wait(_))) {
+                // Requests sent through the ring are unanswered: wait for them (their
+                // answers run the queue again, as does the grant's) rather than follow them
+                // through the ring, which in a pipeline would keep it busy for good.
+                return Step::Held;
+            }
+        }
         let outcome = match sq.link.as_mut() {
+            _ if placed.is_some() => placed.take().expect("checked"),
             Some(Link::Tcp(link)) if !link.is_dead() => {
                 match self.remote_request(wr, sq.next_psn, link.is_same_host()) {
                     Ok((frame, target, tail)) => {
@@ -724,7 +778,7 @@ impl SoftQp {
 
     /// Moves to ERR and flushes both queues. The caller holds our send-queue lock.
     fn enter_error(&self, sq: &mut Sq, d: &mut Deferred) {
-        self.state.store(ERR, Ordering::Release);
+        self.set_err();
         sq.retry = None;
         while let Some(s) = sq.sent.pop_front() {
             self.complete_send(&s.p.view(), WcStatus::WR_FLUSH_ERR, 0, true);
@@ -753,7 +807,7 @@ impl SoftQp {
     /// Responder-side fatal error (as IB's class A/C errors): the responder QP goes to ERR.
     /// Its send queue is flushed after the requester's lock is released.
     fn responder_error(&self, d: &mut Deferred) {
-        self.state.store(ERR, Ordering::Release);
+        self.set_err();
         let _ = self.flush_rq_via(d);
         if let Some(me) = self.me.upgrade() {
             d.kick.push(me);
@@ -765,7 +819,7 @@ impl SoftQp {
         if !status.is_success() {
             // An RC requester error moves the QP to ERR; do it before the completion is
             // visible, so whoever reaps it sees the new state.
-            self.state.store(ERR, Ordering::Release);
+            self.set_err();
         }
         if !(wr.signaled || force || !status.is_success()) {
             return true;
@@ -787,7 +841,7 @@ impl SoftQp {
             vendor_err: 0,
         });
         if !ok {
-            self.state.store(ERR, Ordering::Release);
+            self.set_err();
         }
         ok
     }
@@ -818,7 +872,7 @@ impl SoftQp {
     fn publish_recv(&self, wc: WorkCompletion) {
         let ok = self.recv_cq.push(wc);
         if !ok {
-            self.state.store(ERR, Ordering::Release);
+            self.set_err();
         }
     }
 }
@@ -995,6 +1049,9 @@ impl Placement {
 enum Step {
     Completed,
     Blocked,
+    /// Waits in the queue, with no timer, for the requests sent before it to be answered:
+    /// it can then be placed directly (same-host), which must not overtake them.
+    Held,
     Failed,
     /// Sent over TCP with this PSN; the response completes it.
     Sent(u32, Option<LocalTarget>),

@@ -51,6 +51,38 @@ impl SoftQp {
         }
     }
 
+    /// Places a plain write or a read to a same-host responder directly, if its link holds
+    /// a grant for the target (see `super::super::direct`): `Ok` once done (it completes
+    /// with success). Anything else (other operations, zero length, a local buffer the
+    /// HCA would refuse, no grant) is left to the ring, where the responder answers it;
+    /// `Wait`: a grant was asked for, answered soon. The caller holds the send-queue lock
+    /// and nothing of this QP is unanswered.
+    pub(super) fn place_direct(&self, link: &TcpLink, wr: &RawSendWr<'_>) -> std::result::Result<(), Miss> {
+        let Some(need) = direct_need(wr) else { return Err(Miss::Ring) };
+        let len = wr.len();
+        let Ok(local) = self.resolve_local(wr) else { return Err(Miss::Ring) };
+        link.place_direct(wr.rkey, wr.remote_addr, u64::from(len), need, |target| {
+            // SAFETY: `target` is the checked range of a live grant's mapping, `len` bytes,
+            // kept mapped while this runs; `local` is the checked local buffer (or inline
+            // bytes) of `len` bytes, kept alive by `local.entry` or borrowed for this call.
+            // Both are shared memory, copied byte-wise atomically, the last word last.
+            unsafe {
+                if need == AccessFlags::REMOTE_WRITE {
+                    shared_mem::copy(local.src, Dst::Shared(target), len as usize);
+                } else {
+                    shared_mem::copy(Src::Shared(target), Dst::Shared(local.ptr), len as usize);
+                }
+            }
+        })
+    }
+
+    /// Whether [`place_direct`](Self::place_direct) could place `wr` once the requests
+    /// before it are answered (`Ok`), or may after the grant it asks for now (`Wait`).
+    pub(super) fn can_place(link: &TcpLink, wr: &RawSendWr<'_>) -> std::result::Result<(), Miss> {
+        let need = direct_need(wr).ok_or(Miss::Ring)?;
+        link.can_place(wr.rkey, wr.remote_addr, u64::from(wr.len()), need)
+    }
+
     /// Builds the frame for a request to a responder in another process. A write or send
     /// from a registered region leaves its payload in the region (`SharedTail`): the link's
     /// writer thread hands it to the socket (or copies it into the same-host ring) from
@@ -174,5 +206,18 @@ impl SoftQp {
             }
         }
         run_deferred(d);
+    }
+}
+
+/// The remote access a request placed directly needs: plain writes and reads that move
+/// bytes; `None` for the rest (they go through the ring).
+fn direct_need(wr: &RawSendWr<'_>) -> Option<AccessFlags> {
+    if wr.len() == 0 {
+        return None;
+    }
+    match wr.op {
+        RawOp::Write { imm: None } => Some(AccessFlags::REMOTE_WRITE),
+        RawOp::Read => Some(AccessFlags::REMOTE_READ),
+        _ => None,
     }
 }

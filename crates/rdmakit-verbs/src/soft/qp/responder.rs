@@ -66,6 +66,36 @@ impl SoftQp {
         })
     }
 
+    /// A grant of key `rkey` to a same-host requester `from` (see `super::super::direct`):
+    /// the `KeyGrant` frame and a copy of the region's memfd to pass before it. `None`
+    /// (refused) unless the QP serves `from`, the key is a plain region of this process's
+    /// memory in a memfd, of this QP's PD, and both its access flags and the QP's allow
+    /// remote write or read; the grant carries what both allow.
+    pub fn grant(&self, from: &Requester<'_>, rkey: u32) -> Option<(Frame, std::os::fd::OwnedFd)> {
+        if !self.accepts_from(from) {
+            return None;
+        }
+        let entry = self.device.mrs.lookup(rkey)?;
+        let file = entry.region_file()?;
+        if entry.pd != self.pd {
+            return None;
+        }
+        let qp_access = AccessFlags::from_bits_truncate(self.access.load(Ordering::Acquire));
+        let access = entry.access & qp_access & (AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ);
+        if access.is_empty() {
+            return None;
+        }
+        let fd = file.fd().try_clone().ok()?;
+        let frame = Frame::KeyGrant {
+            rkey,
+            access: access.bits(),
+            addr: entry.base,
+            len: entry.len,
+            map_len: file.map_len() as u64,
+        };
+        Some((frame, fd))
+    }
+
     /// Where a plain write (no immediate) of `len` data bytes from `from` lands, if it
     /// would succeed: the checks of [`respond_write`](Self::respond_write), made before the
     /// data arrives so that it can land as it does. `None`: the write is served the usual
