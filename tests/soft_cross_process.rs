@@ -354,6 +354,7 @@ struct Local {
     pd: ProtectionDomain,
     cq: CompletionQueue,
     qp: QueuePair,
+    same_host: bool,
 }
 
 fn local(path: Path) -> Local {
@@ -361,7 +362,7 @@ fn local(path: Path) -> Local {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(256).unwrap();
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    Local { pd, cq, qp }
+    Local { pd, cq, qp, same_host: path == Path::SameHost }
 }
 
 fn one_sided_and_two_sided_ops_across_processes(path: Path) {
@@ -490,10 +491,67 @@ fn writes_and_reads_are_placed_directly_on_the_same_host(path: Path) {
     .unwrap();
     assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 9);
     assert_eq!(buf.read_u64(4096).unwrap(), 63);
+    // An atomic goes through the ring; a write behind it to the same word must not overtake
+    // it (RC order), nor a read behind both.
+    for k in 0..20u64 {
+        let word = peer.mr.slice(65536 + 8 * k, 8).unwrap();
+        buf.write_u64(40960, 1_000_000 + k).unwrap();
+        l.qp.post_send(SendWr::fetch_add(buf.slice(40968, 8).unwrap(), word, 5).wr_id(200 + k)).unwrap();
+        l.qp.post_send(SendWr::write(buf.slice(40960, 8).unwrap(), word).unsignaled()).unwrap();
+        l.qp.post_send(SendWr::read(buf.slice(40976, 8).unwrap(), word).wr_id(100 + k)).unwrap();
+        assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 200 + k);
+        assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 100 + k);
+        assert_eq!(buf.read_u64(40976).unwrap(), 1_000_000 + k, "a read saw the word out of order");
+        // Everything answered: the word holds the write's value, not the atomic's sum.
+        l.qp.post_send(SendWr::read(buf.slice(40984, 8).unwrap(), word).wr_id(300 + k)).unwrap();
+        assert_eq!(wait(&l.cq).ok().unwrap().wr_id, 300 + k);
+        assert_eq!(buf.read_u64(40984).unwrap(), 1_000_000 + k, "a write overtook the atomic before it");
+    }
     let placed = rdmakit::soft::direct::direct_placements() - before;
     if path == Path::SameHost && std::env::var("RDMAKIT_TEST_PEER_WRAP").is_err() {
         // The first access waits for the grant, then goes direct like the rest.
         assert!(placed >= 2 * N, "only {placed} of {} accesses placed directly", 2 * N + 65);
+        // The proof that needs no counter: with every thread of the peer stopped, nothing
+        // of it answers through the rings, and placed accesses still complete.
+        let stopped = Stopped::new(&peer);
+        for i in 0..100u64 {
+            buf.write_u64(8 * i, 0xcd00 + i).unwrap();
+            let t = peer.mr.slice(16384 + 8 * i, 8).unwrap();
+            l.qp.post_send(SendWr::write(buf.slice(8 * i, 8).unwrap(), t).unsignaled()).unwrap();
+            l.qp.post_send(SendWr::read(buf.slice(4096 + 8 * i, 8).unwrap(), t).wr_id(i)).unwrap();
+            let wc =
+                l.cq.wait(Some(Duration::from_secs(2)))
+                    .expect("a placed access completes with the peer stopped");
+            assert_eq!((wc.wr_id, wc.status), (i, WcStatus::SUCCESS));
+            assert_eq!(buf.read_u64(4096 + 8 * i).unwrap(), 0xcd00 + i);
+        }
+        drop(stopped);
+        assert_eq!(peer.ask(&format!("PEEK {}", 16384 + 8 * 99), "PEEKED"), (0xcd00u64 + 99).to_string());
+    }
+}
+
+/// The peer's threads stopped (SIGSTOP) until dropped (SIGCONT).
+struct Stopped(libc::pid_t);
+
+impl Stopped {
+    fn new(peer: &Peer) -> Stopped {
+        let pid = peer.child.id() as libc::pid_t;
+        // SAFETY: a signal to our own child.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        // Stopped once /proc says so.
+        let end = Instant::now() + Duration::from_secs(5);
+        while !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap().contains(") T ") {
+            assert!(Instant::now() < end, "the peer did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
     }
 }
 
@@ -526,7 +584,7 @@ fn direct_access_keeps_the_responders_checks(path: Path) {
     assert_eq!(write(&l, &buf, peer.ro.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
     drop((peer, l));
 
-    // Another PD of the peer than its QP's: refused, first and second time.
+    // Another PD of the peer than its QP's: refused.
     let (peer, l, buf) = fresh();
     assert_eq!(write(&l, &buf, peer.other.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
     drop((peer, l));
@@ -534,16 +592,17 @@ fn direct_access_keeps_the_responders_checks(path: Path) {
     // Past the end of a region that was granted (after a write that was placed).
     let (peer, l, buf) = fresh();
     write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
-    write(&l, &buf, peer.mr.slice(8, 8).unwrap()).ok().unwrap();
+    placed_while_stopped(&peer, &l, &buf);
     let past = RemoteSlice::new(peer.mr.addr + peer.mr.len - 4, 8, peer.mr.rkey);
     assert_eq!(write(&l, &buf, past).status, WcStatus::REM_ACCESS_ERR);
     drop((peer, l));
 
-    // Deregistered after writes were placed: the next write is refused.
+    // Deregistered after writes were placed (proved: they complete with the peer
+    // stopped, on the same-host path): the next write is refused.
     let (mut peer, l, buf) = fresh();
     buf.write_u64(0, 77).unwrap();
     write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
-    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    placed_while_stopped(&peer, &l, &buf);
     assert_eq!(peer.ask("PEEK 0", "PEEKED"), "77");
     peer.ask("DEREG", "DEREGISTERED");
     assert_eq!(write(&l, &buf, peer.mr.slice(0, 8).unwrap()).status, WcStatus::REM_ACCESS_ERR);
@@ -552,9 +611,35 @@ fn direct_access_keeps_the_responders_checks(path: Path) {
     // The responder QP destroyed after writes were placed: nothing answers any more.
     let (mut peer, l, buf) = fresh();
     write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
-    write(&l, &buf, peer.mr.slice(0, 8).unwrap()).ok().unwrap();
+    placed_while_stopped(&peer, &l, &buf);
     peer.ask("DESTROY", "DESTROYED");
     assert_eq!(write(&l, &buf, peer.mr.slice(0, 8).unwrap()).status, WcStatus::RETRY_EXC_ERR);
+}
+
+/// On the same-host path: a write to the peer's MR completes with every thread of the
+/// peer stopped, so it was placed directly. The grant is asked for by the first access
+/// after the peer's QP serves the link, and taken a round trip later: a few writes go
+/// first, until one was placed (and at least three). Over TCP: a plain write.
+fn placed_while_stopped(peer: &Peer, l: &Local, buf: &MemoryRegion) {
+    let direct = same_host_path(l);
+    let before = rdmakit::soft::direct::direct_placements();
+    for i in 0..100 {
+        l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), peer.mr.slice(0, 8).unwrap())).unwrap();
+        wait(&l.cq).ok().unwrap();
+        if i >= 2 && (!direct || rdmakit::soft::direct::direct_placements() > before) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _stopped = direct.then(|| Stopped::new(peer));
+    l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), peer.mr.slice(0, 8).unwrap())).unwrap();
+    let wc = l.cq.wait(Some(Duration::from_secs(2))).expect("the write completes");
+    assert_eq!(wc.status, WcStatus::SUCCESS);
+}
+
+/// Whether `l` reaches its peer through the same-host path (rings and direct placement).
+fn same_host_path(l: &Local) -> bool {
+    l.same_host && std::env::var("RDMAKIT_TEST_PEER_WRAP").is_err()
 }
 
 fn send_waits_for_a_late_receive_across_processes(path: Path) {

@@ -39,7 +39,8 @@ enum Owner {
     File(crate::soft::direct::RegionFile),
 }
 
-// SAFETY: the buffer is plain heap memory owned by this value; its bytes are accessed only
+// SAFETY: the buffer is plain memory (heap, the caller's, or a memfd mapping a same-host
+// peer may also map) owned by this value or vouched for; its bytes are accessed only
 // through `shared_mem` (byte-wise atomic) or by the NIC, never through references, so
 // sharing and sending it across threads is sound.
 unsafe impl Send for HostBuffer {}

@@ -6,36 +6,49 @@
 //! region) and each hop wakes a thread of the other process: an 8-byte write round trip
 //! between two processes took about 15 µs against 0.2 µs in one. Here:
 //! - a region allocated by rdmakit for remote access ([`ProtectionDomain::alloc_mr`]) on a
-//!   soft device with the same-host path on lives in its own memfd (not the heap), followed
-//!   by a control page whose first word says whether the registration is alive;
-//! - a requester QP linked through rings asks its responder for a key it writes to or
-//!   reads from (`KeyRequest`, sent once per key); the responder's NIC checks the key as it
-//!   checks a request (it exists, it is a plain region of this memory, its PD is the QP's,
-//!   and its access flags and the QP's allow remote write or read), passes the memfd on the
-//!   authenticated link's Unix socket and answers with the region's range and the access
-//!   it grants (`KeyGrant`);
-//! - the requester checks the memfd (shared memory sealed against shrinking, of the size
-//!   the grant states, not one of its own) and maps it;
-//! - from then on a write or read of that key, when nothing the QP sent through the ring is
-//!   still unanswered (RC order), is checked against the grant (access, bounds), the
-//!   region's alive word and the responder QP's gate word (in the rings' control page,
-//!   closed when the responder QP leaves RTR/RTS or is destroyed), then copied, and
-//!   completes at once. Anything else goes through the ring as before, where the
-//!   responder answers it with the status a NIC gives.
+//!   soft device with the same-host path on lives in its own sealed memfd (not the heap),
+//!   and owns a slot of the process's *status file*, which holds the slot's registration
+//!   tag while the region is registered (0 after);
+//! - the status file's first word is the *life word*: the thread id of the wire's loop,
+//!   registered with the kernel as a robust futex of that thread, which the kernel marks
+//!   (`FUTEX_OWNER_DIED`) when the thread ends, as every thread does when its process dies
+//!   however it dies;
+//! - a requester QP linked through rings, once its responder opened the gate (in the
+//!   rings' control page: the responder knows direct placement, and its QP serves this
+//!   link), asks for a key it writes to or reads from (`KeyRequest`); the responder's NIC
+//!   checks the key as it checks a request (a plain region of this process in a memfd, of
+//!   the QP's PD, remote write or read allowed by both the region and the QP) and passes
+//!   the region's memfd (opened read-only when the grant is read-only) and a read-only
+//!   descriptor of its status file on the link's Unix socket, then answers with the range,
+//!   the access and the slot and tag (`KeyGrant`);
+//! - the requester checks both files (shared memory of tmpfs, sealed against shrinking, of
+//!   the stated size, not one of its own) and maps them: the region read-write only for a
+//!   write grant, the status file read-only;
+//! - from then on a plain write or read of that key, when nothing the QP sent through the
+//!   ring is still unanswered (RC order), is checked against the grant (access, bounds), the
+//!   gate, the life word and the region's slot (still its tag), then copied, and completes
+//!   at once. A grant whose slot no longer holds its tag is dropped (unmapped). Anything
+//!   else goes through the ring as before, where the responder answers with the status a
+//!   NIC gives.
 //!
-//! **What the grant costs in isolation.** A peer that was granted a key can write (or
-//! read) the region's pages until the region is deregistered, whatever its QP does: the
-//! gate and alive words are honoured by rdmakit, not enforced by the kernel. The grant
-//! goes only to the QP the region's PD and access flags admit, over a link whose peer
-//! proved it is the connected QP and runs as this user (who could already read and write
-//! this process's memory through `/proc`). After deregistration the region's pages are
-//! never used again by this process (each region has its own memfd, unmapped at the end):
-//! a late write lands in pages nobody reads.
+//! **What a grant costs in isolation.** A peer granted a key for writing can write the
+//! region's pages until the region is deregistered, whatever its QP does (the gate and the
+//! status words are honoured by rdmakit, not enforced by the kernel); a read-only grant
+//! cannot write them (its descriptor and mapping are read-only), and no grantee can write
+//! the status file. Grants go only to the QP the region's PD and access flags admit, over
+//! a link whose peer proved it is the connected QP and runs as this user (who could already
+//! read and write this process's memory through `/proc`). After deregistration the region's
+//! pages are never used again by this process (each region has its own memfd): a late
+//! write lands in pages nobody reads, which stay allocated while a peer maps them.
+//! There is a window between a requester's checks and its copy: a write racing the
+//! responder's death or deregistration may land after it, as a NIC's write in flight does.
 //!
-//! **Limits.** Each such region holds a descriptor; at most a quarter of the process's
-//! descriptor limit goes to them (the rest are heap-allocated as before, and take the
-//! rings). A link holds at most `MAX_GRANTS` (64) grants, and a device gives at most as
-//! many per connection.
+//! **Limits.** Each such region holds a descriptor and a mapping: at most a quarter of the
+//! process's descriptor limit, a quarter of `vm.max_map_count` and 65535 go to them (the
+//! rest are heap-allocated as before and use the rings). A link keeps at most
+//! `MAX_GRANTS` (64) grants and asks for at most two at a time; a device gives at most
+//! as many per connection over its life. After `fork` a child shares such a
+//! region's pages instead of getting a copy.
 //!
 //! [`ProtectionDomain::alloc_mr`]: crate::ProtectionDomain::alloc_mr
 
@@ -43,16 +56,31 @@ use std::io;
 use std::mem::size_of;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::types::AccessFlags;
 
-/// Bytes of a region file's control page (after the region's pages).
+/// Bytes of a page.
 pub(crate) const PAGE: usize = 4096;
 
-/// Grants one link keeps (distinct keys it maps).
+/// Grants one link keeps, and one served connection gives over its life.
 pub const MAX_GRANTS: usize = 64;
+
+/// Grants one link waits for at once (each brings two descriptors: see `shm`'s stash).
+const MAX_UNANSWERED: usize = 2;
+
+/// Region slots in a status file (slot 0 unused).
+const SLOTS: usize = 65536;
+
+/// Bytes of a status file: the life word's page, then one 8-byte word per slot.
+pub(crate) const STATUS_LEN: usize = PAGE + SLOTS * 8;
+
+/// Largest direct access the wire's loop makes itself when a grant or an answer lets a
+/// held request go; larger ones go to the timer thread, so that a bulk copy does not hold
+/// every other connection of the process.
+pub(crate) const LOOP_COPY_MAX: u32 = 16 * 1024;
 
 /// Writes and reads placed directly, process-wide (for tests and benchmarks that check the
 /// path was taken); not a stable API.
@@ -70,7 +98,8 @@ pub(crate) fn count_placement() {
 /// Region files alive in this process, against [`file_budget`].
 static FILES: AtomicUsize = AtomicUsize::new(0);
 
-/// A quarter of the soft descriptor limit: region files must not starve sockets and rings.
+/// How many region files this process may hold: each is a descriptor and a mapping, which
+/// must not starve the application, the sockets and the rings of either.
 fn file_budget() -> usize {
     static BUDGET: OnceLock<usize> = OnceLock::new();
     *BUDGET.get_or_init(|| {
@@ -79,12 +108,18 @@ fn file_budget() -> usize {
         if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut r) } != 0 {
             return 0;
         }
-        usize::try_from(r.rlim_cur / 4).unwrap_or(usize::MAX)
+        let fds = usize::try_from(r.rlim_cur / 4).unwrap_or(usize::MAX);
+        let maps = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(65530);
+        fds.min(maps / 4).min(SLOTS - 1)
     })
 }
 
-/// The (device, inode) of region files this process made: a peer handing one back as a
-/// grant must not get this process writing its own region through a second mapping.
+/// The (device, inode) of files this process made (region and status files): a peer
+/// handing one back as a grant must not get this process writing its own memory through a
+/// second mapping.
 static OURS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
 
 fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
@@ -98,81 +133,188 @@ fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
     Ok((st, id))
 }
 
-/// A region's memory in its own sealed memfd: `len` bytes mapped from offset 0, then the
-/// control page. Unmapped, its alive word cleared first, on drop.
+/// A sealed memfd of `len` bytes (sealed against shrinking and growing: a peer mapping it
+/// can never fault on pages cut from under it, nor can we), registered as ours.
+fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name; valid flags.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor, now owned.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let size = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: plain calls on a descriptor we own.
+    unsafe {
+        if libc::ftruncate(fd.as_raw_fd(), size) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let (_, id) = file_id(&fd)?;
+    OURS.lock().expect("our files").push(id);
+    Ok(fd)
+}
+
+/// A read-only descriptor of the file `fd` is open on (through `/proc/self/fd`): what a
+/// peer that may only read gets.
+fn reopen_read_only(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("no NUL");
+    // SAFETY: a NUL-terminated path; valid flags.
+    let ro = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if ro < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor, now owned.
+    Ok(unsafe { OwnedFd::from_raw_fd(ro) })
+}
+
+fn map_shared(fd: &OwnedFd, len: usize, writable: bool) -> io::Result<NonNull<u8>> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    // SAFETY: a fresh shared mapping chosen by the kernel; nothing else is at that address.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(NonNull::new(p.cast()).expect("mmap does not return null on success"))
+}
+
+// ---- this process's status file ----
+
+/// This process's status file, mapped for the rest of the process.
+struct Status {
+    /// Read-only descriptor, passed with every grant.
+    ro: OwnedFd,
+    base: NonNull<u8>,
+}
+
+// SAFETY: the mapping lives for the rest of the process and is reached only through
+// atomics; the descriptor is plain data.
+unsafe impl Send for Status {}
+// SAFETY: as above.
+unsafe impl Sync for Status {}
+
+static STATUS: OnceLock<Option<Status>> = OnceLock::new();
+
+/// The status file, made on first use; `None` without one (Miri, or the system refused).
+fn status() -> Option<&'static Status> {
+    STATUS
+        .get_or_init(|| {
+            if cfg!(miri) {
+                return None;
+            }
+            let make = || -> io::Result<Status> {
+                let fd = sealed_memfd(c"rdmakit-soft-status", STATUS_LEN)?;
+                let base = map_shared(&fd, STATUS_LEN, true)?;
+                Ok(Status { ro: reopen_read_only(&fd)?, base })
+            };
+            make()
+                .map_err(|e| tracing::debug!(error = %e, "soft NIC: no status file; no direct placement"))
+                .ok()
+        })
+        .as_ref()
+}
+
+impl Status {
+    /// The life word (the kernel's futex word: 32 bits).
+    fn life(&self) -> &AtomicU32 {
+        // SAFETY: the file's first word, mapped for good, 8-aligned.
+        unsafe { &*self.base.as_ptr().cast::<AtomicU32>() }
+    }
+
+    fn slot(&self, slot: u32) -> &AtomicU64 {
+        debug_assert!((1..SLOTS as u32).contains(&slot));
+        // SAFETY: within the mapping (slot < SLOTS), 8-aligned.
+        unsafe { &*self.base.as_ptr().add(PAGE + 8 * slot as usize).cast::<AtomicU64>() }
+    }
+}
+
+/// Free status slots and the next never used.
+struct Slots {
+    free: Vec<u32>,
+    next: u32,
+}
+
+static SLOT_TABLE: Mutex<Slots> = Mutex::new(Slots { free: Vec::new(), next: 1 });
+
+/// Registration tags: never 0, never reused, so a grant's slot taken again by another
+/// region does not pass for its own.
+static NEXT_TAG: AtomicU64 = AtomicU64::new(1);
+
+fn take_slot() -> Option<u32> {
+    let mut t = SLOT_TABLE.lock().expect("status slots");
+    if let Some(s) = t.free.pop() {
+        return Some(s);
+    }
+    let s = t.next;
+    if (s as usize) < SLOTS {
+        t.next += 1;
+        Some(s)
+    } else {
+        None
+    }
+}
+
+/// Whether a life word says its process lives: a thread id, and no `FUTEX_OWNER_DIED`.
+fn lives(w: u32) -> bool {
+    w & libc::FUTEX_TID_MASK != 0 && w & libc::FUTEX_OWNER_DIED == 0
+}
+
+// ---- region files ----
+
+/// A region's memory in its own sealed memfd (its `len` bytes rounded up to pages), with a
+/// slot of the status file holding its tag while registered. Unmapped, its slot cleared
+/// first, on drop.
 pub(crate) struct RegionFile {
     fd: OwnedFd,
     base: NonNull<u8>,
     map_len: usize,
     id: (u64, u64),
+    slot: u32,
+    tag: u64,
 }
 
 // SAFETY: the mapping is owned by this value; its bytes are reached only through raw
 // pointers with `shared_mem` copies or atomics (the region's rules), from any thread.
 unsafe impl Send for RegionFile {}
-// SAFETY: as above; `&RegionFile` exposes the pointer, the length and an atomic word.
+// SAFETY: as above; `&RegionFile` exposes the pointer, the length and atomic words.
 unsafe impl Sync for RegionFile {}
 
 impl RegionFile {
-    /// A file for a region of `len` bytes (the page after them is the control page), or
-    /// `None` when the budget is spent or the system refuses (the caller uses the heap).
+    /// A file for a region of `len` bytes, or `None` when the budget is spent or the system
+    /// refuses (the caller uses the heap).
     pub(crate) fn create(len: usize) -> Option<RegionFile> {
-        if cfg!(miri) {
-            return None;
-        }
-        let data = len.max(1).checked_next_multiple_of(PAGE)?;
-        let map_len = data.checked_add(PAGE)?;
+        let status = status()?;
+        let map_len = len.max(1).checked_next_multiple_of(PAGE)?;
         if FILES.fetch_add(1, Ordering::AcqRel) >= file_budget() {
             FILES.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        match Self::create_file(map_len) {
-            Ok(f) => Some(f),
+        let Some(slot) = take_slot() else {
+            FILES.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        };
+        let made = sealed_memfd(c"rdmakit-soft-region", map_len).and_then(|fd| {
+            let base = map_shared(&fd, map_len, true)?;
+            let (_, id) = file_id(&fd)?;
+            Ok((fd, base, id))
+        });
+        match made {
+            Ok((fd, base, id)) => {
+                let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed);
+                status.slot(slot).store(tag, Ordering::Release);
+                Some(RegionFile { fd, base, map_len, id, slot, tag })
+            }
             Err(e) => {
+                SLOT_TABLE.lock().expect("status slots").free.push(slot);
                 FILES.fetch_sub(1, Ordering::AcqRel);
                 tracing::debug!(error = %e, len, "soft NIC: no memfd for a region; heap memory, rings only");
                 None
             }
         }
-    }
-
-    fn create_file(map_len: usize) -> io::Result<RegionFile> {
-        // SAFETY: a NUL-terminated name; valid flags.
-        let fd = unsafe {
-            libc::memfd_create(c"rdmakit-soft-region".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor, now owned.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size =
-            libc::off_t::try_from(map_len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: plain calls on a descriptor we own.
-        unsafe {
-            if libc::ftruncate(fd.as_raw_fd(), size) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // Sealed against shrinking and growing: a peer mapping it can never fault
-            // (SIGBUS) on pages cut from under it, nor can we.
-            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        let base = map_shared(&fd, map_len)?;
-        let (_, id) = match file_id(&fd) {
-            Ok(s) => s,
-            Err(e) => {
-                // SAFETY: mapped just above with this length; nothing refers to it yet.
-                unsafe { libc::munmap(base.as_ptr().cast(), map_len) };
-                return Err(e);
-            }
-        };
-        OURS.lock().expect("region files").push(id);
-        let f = RegionFile { fd, base, map_len, id };
-        f.alive().store(1, Ordering::Release);
-        Ok(f)
     }
 
     /// The region's first byte (page-aligned; the file's pages are zero-filled).
@@ -184,63 +326,51 @@ impl RegionFile {
         self.map_len
     }
 
-    pub(crate) fn fd(&self) -> &OwnedFd {
-        &self.fd
+    /// The status slot and the tag it holds while the region is registered.
+    pub(crate) fn slot_tag(&self) -> (u32, u64) {
+        (self.slot, self.tag)
     }
 
-    /// The alive word: 1 while the region is registered.
-    fn alive(&self) -> &AtomicU64 {
-        // SAFETY: the control page is the mapping's last page, 8-aligned; peers change the
-        // word only as an atomic (a hostile one may, which only misleads its own writes).
-        unsafe { &*self.base.as_ptr().add(self.map_len - PAGE).cast::<AtomicU64>() }
+    /// A descriptor for a peer granted `access`: the file itself to write, read-only
+    /// otherwise.
+    pub(crate) fn fd_for(&self, access: AccessFlags) -> io::Result<OwnedFd> {
+        if access.contains(AccessFlags::REMOTE_WRITE) {
+            self.fd.try_clone()
+        } else {
+            reopen_read_only(&self.fd)
+        }
     }
 
     /// Tells every peer that mapped the region that it is gone (deregistration).
     pub(crate) fn revoke(&self) {
-        self.alive().store(0, Ordering::Release);
+        if let Some(st) = status() {
+            let _ = st.slot(self.slot).compare_exchange(self.tag, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
     }
 }
 
 impl Drop for RegionFile {
     fn drop(&mut self) {
         self.revoke();
-        // SAFETY: mapped by `create_file` with this length; the region owning this file is
-        // being dropped, so nothing of this process refers to the mapping any more.
+        // SAFETY: mapped by `create` with this length; the region owning this file is being
+        // dropped, so nothing of this process refers to the mapping any more.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
-        OURS.lock().expect("region files").retain(|&o| o != self.id);
+        OURS.lock().expect("our files").retain(|&o| o != self.id);
+        SLOT_TABLE.lock().expect("status slots").free.push(self.slot);
         FILES.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-fn map_shared(fd: &OwnedFd, len: usize) -> io::Result<NonNull<u8>> {
-    // SAFETY: a fresh shared mapping chosen by the kernel; nothing else is at that address.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(NonNull::new(p.cast()).expect("mmap does not return null on success"))
-}
-
-// ---- the life page: whether the responder's process is alive, without a system call ----
+// ---- the life word ----
 //
 // A write placed into a region of a process that has died would complete with success,
 // where a NIC gives `RETRY_EXC_ERR` (no ACK comes); the wire's loop notices the end of the
-// link only some time later. So each process that grants keys shares one page whose first
-// word holds the thread id of its wire loop, registered with the kernel as a robust futex
-// of that thread (`set_robust_list`): when the thread exits, as every thread does when its
-// process dies however it dies, the kernel sets `FUTEX_OWNER_DIED` in the word. A
-// requester reads the word before each direct access: one load of a line nobody writes.
-// The list the kernel walks at the thread's exit lives in this process's private memory
-// (only the word it names is shared), so a peer cannot steer it.
+// link only some time later. So the status file's first word holds the thread id of the
+// wire's loop, registered with the kernel as a robust futex of that thread
+// (`set_robust_list`). A requester reads the word before each direct access: one load of a
+// line nobody writes. The list the kernel walks at the thread's exit lives in this
+// process's private memory (only the word it names is shared, and read-only to peers), so
+// no peer can steer it.
 
 /// The kernel's robust futex list head (`struct robust_list_head`).
 #[repr(C)]
@@ -283,53 +413,272 @@ impl Robust {
 /// The wire's loop thread's list.
 static ROBUST: Robust = Robust::new();
 
-/// This process's life page (its memfd), once the wire's loop registered it.
-static LIFE: OnceLock<Option<OwnedFd>> = OnceLock::new();
+/// Whether the wire's loop thread watches the life word (then grants may be given).
+static WATCHED: AtomicBool = AtomicBool::new(false);
 
-/// Called by the wire's loop thread as it starts: creates the life page and registers its
-/// word as a robust futex of this thread. Without it (an error, or Miri) keys are not
-/// granted and everything goes through the rings.
+/// Called by the wire's loop thread as it starts: registers the life word as a robust
+/// futex of this thread. Without it (an error, or Miri) keys are not granted and
+/// everything goes through the rings.
 pub(crate) fn watch_loop_thread() {
-    LIFE.get_or_init(|| {
-        if cfg!(miri) {
-            return None;
-        }
-        match life_page() {
-            Ok(fd) => Some(fd),
-            Err(e) => {
-                tracing::debug!(error = %e, "soft NIC: no life page; same-host direct placement off");
-                None
-            }
-        }
-    });
+    let Some(st) = status() else { return };
+    if WATCHED.load(Ordering::Acquire) {
+        return;
+    }
+    // SAFETY: the status file is mapped for the rest of the process; one wire loop per
+    // process calls this, once (`WATCHED`), so `ROBUST` serves one thread.
+    match unsafe { watch_word(st.life(), &ROBUST) } {
+        Ok(()) => WATCHED.store(true, Ordering::Release),
+        Err(e) => tracing::debug!(error = %e, "soft NIC: no robust futex; no direct placement"),
+    }
 }
 
-fn life_page() -> io::Result<OwnedFd> {
-    // SAFETY: a NUL-terminated name; valid flags.
-    let fd = unsafe {
-        libc::memfd_create(c"rdmakit-soft-life".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
+/// This process's status file (read-only) to pass with a grant; `None`: no grants.
+pub(crate) fn status_fd() -> Option<&'static OwnedFd> {
+    WATCHED.load(Ordering::Acquire).then(|| status().map(|s| &s.ro)).flatten()
+}
+
+// ---- the requester's side ----
+
+/// A region of the peer, mapped here by a grant.
+struct Grant {
+    rkey: u32,
+    access: AccessFlags,
+    addr: u64,
+    len: u64,
+    base: NonNull<u8>,
+    map_len: usize,
+    slot: u32,
+    tag: u64,
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        // SAFETY: mapped by `GrantTable::insert` with this length; a grant is dropped only
+        // under the table's lock, which every copy through it holds.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
     }
-    // SAFETY: a fresh descriptor, now owned.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: plain calls on a descriptor we own.
-    unsafe {
-        if libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
-            return Err(io::Error::last_os_error());
-        }
+}
+
+/// The peer's status file, mapped here read-only.
+struct PeerStatus {
+    base: NonNull<u8>,
+}
+
+impl PeerStatus {
+    fn lives(&self) -> bool {
+        // SAFETY: the mapping (STATUS_LEN bytes) lives while `self` does; its first word,
+        // changed by the peer and the kernel only atomically.
+        lives(unsafe { &*self.base.as_ptr().cast::<AtomicU32>() }.load(Ordering::Acquire))
     }
-    // Mapped for the rest of the process: the kernel writes the word as the thread exits.
-    let word = map_shared(&fd, PAGE)?.as_ptr().cast::<AtomicU64>();
-    // SAFETY: the page stays mapped for the rest of the process; `LIFE`'s initialisation
-    // runs once, on this thread, so `ROBUST` is registered once.
-    unsafe { watch_word(word, &ROBUST)? };
-    Ok(fd)
+
+    fn slot(&self, slot: u32) -> u64 {
+        debug_assert!((1..SLOTS as u32).contains(&slot));
+        // SAFETY: within the mapping (checked slot), 8-aligned, changed only atomically.
+        unsafe { &*self.base.as_ptr().add(PAGE + 8 * slot as usize).cast::<AtomicU64>() }
+            .load(Ordering::Acquire)
+    }
+}
+
+impl Drop for PeerStatus {
+    fn drop(&mut self) {
+        // SAFETY: mapped by `GrantTable::insert` with this length; dropped under the table's
+        // lock, which every check through it holds.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), STATUS_LEN) };
+    }
+}
+
+/// What a requester link knows of its peer's keys: grants (mapped regions), the keys asked
+/// for (answered or not), and the peer's status file.
+#[derive(Default)]
+pub(crate) struct GrantTable {
+    grants: Vec<Grant>,
+    asked: Vec<Ask>,
+    status: Option<PeerStatus>,
+}
+
+// SAFETY: the grants' mappings are owned by the table and reached only under its lock
+// (`Mutex<GrantTable>`), through `shared_mem` copies and atomics.
+unsafe impl Send for GrantTable {}
+
+/// A key asked for.
+struct Ask {
+    rkey: u32,
+    /// When the ask went; accesses to the key wait for the answer until [`GRANT_WAIT`]
+    /// after it.
+    at: Instant,
+    answered: bool,
+}
+
+/// How long accesses to a key wait for the answer to the grant asked for it before they
+/// go through the ring (a peer that does not answer costs this, once per key).
+pub(crate) const GRANT_WAIT: Duration = Duration::from_millis(20);
+
+/// Why an access is not placed directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Miss {
+    /// No grant and none asked for: ask.
+    Ask,
+    /// Asked, not answered yet: wait until then for it.
+    Wait(Instant),
+    /// Through the ring (refused, no room for more grants, outside the grant, revoked).
+    Ring,
+}
+
+/// Where a direct access goes.
+pub(crate) struct Target {
+    pub ptr: *mut u8,
+}
+
+/// Checks a passed descriptor is shared memory (tmpfs: a hugetlbfs file could fault when
+/// its pool runs dry) of exactly `len` bytes sealed against shrinking (so a mapping of it
+/// can never fault), and not one of this process's own files.
+fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
+    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("a granted file {what}"));
+    // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but a memfd.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(bad("that may shrink"));
+    }
+    // SAFETY: zeroed `statfs` is valid; fstatfs writes into it.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fs` is a live local of the right type; `fd` is open.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &raw mut fs) } != 0 || fs.f_type != libc::TMPFS_MAGIC {
+        return Err(bad("not in shared memory"));
+    }
+    let (st, id) = file_id(fd)?;
+    if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != len as u64 {
+        return Err(bad("of another size"));
+    }
+    if OURS.lock().expect("our files").contains(&id) {
+        return Err(bad("of our own"));
+    }
+    Ok(())
+}
+
+impl GrantTable {
+    /// The local address of `addr..addr + len` of key `rkey` if a live grant allows
+    /// `need` there. A grant whose region is gone is dropped here (unmapped).
+    pub(crate) fn target(
+        &mut self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<Target, Miss> {
+        let Some(i) = self.grants.iter().position(|g| g.rkey == rkey) else {
+            let unanswered = self.asked.iter().filter(|a| !a.answered).count();
+            return Err(match self.asked.iter().find(|a| a.rkey == rkey) {
+                Some(a) if !a.answered && a.at.elapsed() < GRANT_WAIT => Miss::Wait(a.at + GRANT_WAIT),
+                Some(_) => Miss::Ring,
+                None if unanswered < MAX_UNANSWERED && self.grants.len() + unanswered < MAX_GRANTS => {
+                    Miss::Ask
+                }
+                None => Miss::Ring,
+            });
+        };
+        let Some(status) = &self.status else { return Err(Miss::Ring) };
+        if !status.lives() {
+            return Err(Miss::Ring);
+        }
+        let g = &self.grants[i];
+        if status.slot(g.slot) != g.tag {
+            // Deregistered: unmapped now (its pages may then be freed), asked again if it
+            // is ever used (and refused).
+            self.grants.swap_remove(i);
+            self.asked.retain(|a| a.rkey != rkey);
+            return Err(Miss::Ring);
+        }
+        if !g.access.contains(need) {
+            return Err(Miss::Ring);
+        }
+        let off = match addr.checked_sub(g.addr) {
+            Some(off) if off.checked_add(len).is_some_and(|end| end <= g.len) => off,
+            _ => return Err(Miss::Ring),
+        };
+        // `off + len <= g.len <= map_len`: inside the mapping.
+        Ok(Target { ptr: g.base.as_ptr().wrapping_add(off as usize) })
+    }
+
+    /// Records that `rkey` was asked for now; returns when accesses stop waiting for it.
+    /// Refusals remembered beyond twice the grant bound are forgotten, oldest first (a key
+    /// forgotten is asked again, and refused again).
+    pub(crate) fn asked(&mut self, rkey: u32) -> Instant {
+        let at = Instant::now();
+        if !self.asked.iter().any(|a| a.rkey == rkey) {
+            self.asked.push(Ask { rkey, at, answered: false });
+        }
+        if self.asked.len() > 2 * MAX_GRANTS
+            && let Some(i) =
+                self.asked.iter().position(|a| a.answered && !self.grants.iter().any(|g| g.rkey == a.rkey))
+        {
+            self.asked.remove(i);
+        }
+        at + GRANT_WAIT
+    }
+
+    /// Forgets an ask that could not be sent (asked again later).
+    pub(crate) fn unask(&mut self, rkey: u32) {
+        self.asked.retain(|a| a.rkey != rkey);
+    }
+
+    /// Takes the answer to the ask for `rkey`: a grant (`fd` the region's memfd, `status`
+    /// the peer's status file) is checked and mapped; anything else, or anything that does
+    /// not check out (a refusal, missing or bad files, no room to map them here), leaves the
+    /// key on the ring. `Err` says why it was not taken, for the log; nothing a peer sends
+    /// here ends the link.
+    pub(crate) fn insert(
+        &mut self,
+        grant: GrantMsg,
+        fd: Option<OwnedFd>,
+        status: Option<OwnedFd>,
+    ) -> io::Result<()> {
+        let GrantMsg { rkey, access, addr, len, map_len, slot, tag } = grant;
+        let Some(ask) = self.asked.iter_mut().find(|a| a.rkey == rkey && !a.answered) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant nobody asked for"));
+        };
+        // Answered, whatever comes of it.
+        ask.answered = true;
+        let access =
+            AccessFlags::from_bits_truncate(access) & (AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ);
+        if access.is_empty() {
+            return Ok(());
+        }
+        let (Some(fd), Some(status)) = (fd, status) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant without its files"));
+        };
+        let map = usize::try_from(map_len).ok().filter(|&m| {
+            m.is_multiple_of(PAGE)
+                && m > 0
+                && addr.checked_add(len).is_some()
+                && len <= m as u64
+                && isize::try_from(m).is_ok()
+        });
+        let (Some(map_len), true) = (map, (1..SLOTS as u32).contains(&slot) && tag != 0) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant of a bad size or slot"));
+        };
+        check_file(&fd, map_len)?;
+        if self.status.is_none() {
+            check_file(&status, STATUS_LEN)?;
+            self.status = Some(PeerStatus { base: map_shared(&status, STATUS_LEN, false)? });
+        }
+        let base = map_shared(&fd, map_len, access.contains(AccessFlags::REMOTE_WRITE))?;
+        // The descriptors are not needed once mapped.
+        drop((fd, status));
+        self.grants.push(Grant { rkey, access, addr, len, base, map_len, slot, tag });
+        Ok(())
+    }
+}
+
+/// The fields of a `KeyGrant` frame.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GrantMsg {
+    pub rkey: u32,
+    pub access: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub map_len: u64,
+    pub slot: u32,
+    pub tag: u64,
 }
 
 /// Writes this thread's id into `word` and registers it, through the list storage `r`,
@@ -340,12 +689,11 @@ fn life_page() -> io::Result<OwnedFd> {
 /// # Safety
 /// `word` must stay mapped (8-aligned, readable and writable) for the rest of the process,
 /// and `r` must be used for no other thread.
-unsafe fn watch_word(word: *const AtomicU64, r: &'static Robust) -> io::Result<()> {
+unsafe fn watch_word(word: *const AtomicU32, r: &'static Robust) -> io::Result<()> {
     // SAFETY: gettid(2) has no preconditions.
     let tid = unsafe { libc::gettid() } as u32;
-    // The futex word is 32 bits: the low half of the (little-endian) word.
     // SAFETY: valid per the contract.
-    unsafe { (*word).store(u64::from(tid), Ordering::Release) };
+    unsafe { (*word).store(tid, Ordering::Release) };
     let head = r.head.get();
     let node = r.node.get();
     // SAFETY: `r` is this thread's alone (the contract); the kernel reads it only after
@@ -363,221 +711,6 @@ unsafe fn watch_word(word: *const AtomicU64, r: &'static Robust) -> io::Result<(
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// This process's life page to pass with a grant; `None`: it has none (no grants).
-pub(crate) fn life_fd() -> Option<&'static OwnedFd> {
-    LIFE.get().and_then(Option::as_ref)
-}
-
-/// Whether the life word says its process lives: a thread id, and no `FUTEX_OWNER_DIED`.
-fn lives(word: u64) -> bool {
-    let w = word as u32;
-    w & libc::FUTEX_TID_MASK != 0 && w & libc::FUTEX_OWNER_DIED == 0
-}
-
-/// A region of the peer, mapped here by a grant.
-struct Grant {
-    rkey: u32,
-    access: AccessFlags,
-    addr: u64,
-    len: u64,
-    base: NonNull<u8>,
-    map_len: usize,
-}
-
-impl Drop for Grant {
-    fn drop(&mut self) {
-        // SAFETY: mapped by `GrantTable::insert` with this length; a grant is dropped only
-        // under the table's lock, which every copy through it holds.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
-    }
-}
-
-/// What a requester link knows of its peer's keys: grants (mapped regions), and the keys
-/// asked for and not answered or refused (asked once).
-#[derive(Default)]
-pub(crate) struct GrantTable {
-    grants: Vec<Grant>,
-    asked: Vec<Ask>,
-    /// The peer process's life page (see [`watch_loop_thread`]), with its first grant.
-    life: Option<LifePage>,
-}
-
-/// A key asked for.
-struct Ask {
-    rkey: u32,
-    /// When the ask went; accesses to the key wait for the answer until [`GRANT_WAIT`]
-    /// after it.
-    at: std::time::Instant,
-    answered: bool,
-}
-
-/// How long accesses to a key wait for the answer to the grant asked for it before they
-/// go through the ring (a peer that does not answer loses only this, once per key).
-pub(crate) const GRANT_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
-
-/// Why an access is not placed directly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Miss {
-    /// No grant and none asked for: ask.
-    Ask,
-    /// Asked, not answered yet: wait until then for it.
-    Wait(std::time::Instant),
-    /// Through the ring (refused, no room for more grants, outside the grant, revoked).
-    Ring,
-}
-
-/// A peer's life page, mapped here.
-struct LifePage {
-    base: NonNull<u8>,
-}
-
-impl LifePage {
-    fn lives(&self) -> bool {
-        // SAFETY: the page is mapped while `self` lives, 8-aligned; the peer (and the kernel
-        // at its end) change the word only atomically.
-        lives(unsafe { &*self.base.as_ptr().cast::<AtomicU64>() }.load(Ordering::Acquire))
-    }
-}
-
-impl Drop for LifePage {
-    fn drop(&mut self) {
-        // SAFETY: mapped by `GrantTable::insert` with this length; dropped under the table's
-        // lock, which every check through it holds.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), PAGE) };
-    }
-}
-
-/// Checks a passed descriptor is shared memory of exactly `len` bytes sealed against
-/// shrinking (so a mapping of it can never fault), and returns its identity.
-fn check_file(fd: &OwnedFd, len: usize) -> io::Result<(u64, u64)> {
-    // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but a memfd.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "a granted file that may shrink"));
-    }
-    let (st, id) = file_id(fd)?;
-    if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != len as u64 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "a granted file of another size"));
-    }
-    Ok(id)
-}
-
-// SAFETY: the grants' mappings are owned by the table and reached only under its lock
-// (`Mutex<GrantTable>`), through `shared_mem` copies and atomics.
-unsafe impl Send for GrantTable {}
-
-/// Where a direct access goes.
-pub(crate) struct Target {
-    pub ptr: *mut u8,
-}
-
-impl GrantTable {
-    /// The local address of `addr..addr + len` of key `rkey` if a live grant allows
-    /// `need` there.
-    pub(crate) fn target(&self, rkey: u32, addr: u64, len: u64, need: AccessFlags) -> Result<Target, Miss> {
-        let Some(g) = self.grants.iter().find(|g| g.rkey == rkey) else {
-            return Err(match self.asked.iter().find(|a| a.rkey == rkey) {
-                Some(a) if !a.answered && a.at.elapsed() < GRANT_WAIT => Miss::Wait(a.at + GRANT_WAIT),
-                Some(_) => Miss::Ring,
-                None if self.asked.len() < MAX_GRANTS => Miss::Ask,
-                None => Miss::Ring,
-            });
-        };
-        if !self.life.as_ref().is_some_and(LifePage::lives) {
-            return Err(Miss::Ring);
-        }
-        if !g.access.contains(need) {
-            return Err(Miss::Ring);
-        }
-        let off = match addr.checked_sub(g.addr) {
-            Some(off) if off.checked_add(len).is_some_and(|end| end <= g.len) => off,
-            _ => return Err(Miss::Ring),
-        };
-        // SAFETY: the control page is the mapping's last page, 8-aligned, mapped while the
-        // grant lives; the responder changes the word only atomically.
-        let alive = unsafe { &*g.base.as_ptr().add(g.map_len - PAGE).cast::<AtomicU64>() };
-        if alive.load(Ordering::Acquire) != 1 {
-            return Err(Miss::Ring);
-        }
-        // `off + len <= g.len <= map_len - PAGE`: inside the mapping.
-        Ok(Target { ptr: g.base.as_ptr().wrapping_add(off as usize) })
-    }
-
-    /// Records that `rkey` was asked for now; returns when accesses stop waiting for it.
-    pub(crate) fn asked(&mut self, rkey: u32) -> std::time::Instant {
-        let at = std::time::Instant::now();
-        if !self.asked.iter().any(|a| a.rkey == rkey) {
-            self.asked.push(Ask { rkey, at, answered: false });
-        }
-        at + GRANT_WAIT
-    }
-
-    /// Forgets an ask that could not be sent (asked again later).
-    pub(crate) fn unask(&mut self, rkey: u32) {
-        self.asked.retain(|a| a.rkey != rkey);
-    }
-
-    /// Takes a grant for `rkey` (whose memfd is `fd`, with the peer's life page `life`),
-    /// after checking the files match it; a refusal (`access` without remote write or
-    /// read) leaves the key on the rings. Err: the peer sent what no honest responder sends
-    /// (the link ends).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn insert(
-        &mut self,
-        rkey: u32,
-        access: u32,
-        addr: u64,
-        len: u64,
-        map_len: u64,
-        fd: Option<OwnedFd>,
-        life: Option<OwnedFd>,
-    ) -> io::Result<()> {
-        let Some(ask) = self.asked.iter_mut().find(|a| a.rkey == rkey && !a.answered) else {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant nobody asked for"));
-        };
-        // Answered, whatever comes of it: a refusal or a bad file leaves the key on the ring.
-        ask.answered = true;
-        let access =
-            AccessFlags::from_bits_truncate(access) & (AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ);
-        let Some(fd) = fd else {
-            return if access.is_empty() {
-                Ok(())
-            } else {
-                Err(io::Error::new(io::ErrorKind::InvalidData, "a grant without its memfd"))
-            };
-        };
-        if access.is_empty() {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "a memfd with a refusal"));
-        }
-        let map = usize::try_from(map_len).ok().filter(|&m| {
-            m.is_multiple_of(PAGE)
-                && m >= 2 * PAGE
-                && addr.checked_add(len).is_some()
-                && len <= (m - PAGE) as u64
-                && isize::try_from(m).is_ok()
-        });
-        let Some(map_len) = map else {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant of a bad size"));
-        };
-        let Some(life) = life else {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant without the peer's life page"));
-        };
-        let id = check_file(&fd, map_len)?;
-        if OURS.lock().expect("region files").contains(&id) {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant of one of our own regions"));
-        }
-        if self.life.is_none() {
-            check_file(&life, PAGE)?;
-            self.life = Some(LifePage { base: map_shared(&life, PAGE)? });
-        }
-        let base = map_shared(&fd, map_len)?;
-        // The descriptor is not needed once mapped.
-        drop(fd);
-        self.grants.push(Grant { rkey, access, addr, len, base, map_len });
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -607,107 +740,164 @@ mod tests {
     fn a_watched_word_says_when_its_thread_has_ended() {
         static R: Robust = Robust::new();
         let page = memfd(PAGE, true);
-        let base = map_shared(&page, PAGE).unwrap();
-        let word = base.as_ptr().cast::<AtomicU64>() as usize;
+        let base = map_shared(&page, PAGE, true).unwrap();
+        let word = base.as_ptr().cast::<AtomicU32>() as usize;
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let t = std::thread::spawn(move || {
             // SAFETY: the page is mapped for the rest of the test process (never unmapped);
             // `R` serves this thread only.
-            unsafe { watch_word(word as *const AtomicU64, &R).unwrap() };
+            unsafe { watch_word(word as *const AtomicU32, &R).unwrap() };
             rx.recv().unwrap();
         });
         // SAFETY: mapped above, never unmapped.
-        let w = unsafe { &*(word as *const AtomicU64) };
-        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let w = unsafe { &*(word as *const AtomicU32) };
+        let end = Instant::now() + Duration::from_secs(10);
         while w.load(Ordering::Acquire) == 0 {
-            assert!(std::time::Instant::now() < end);
+            assert!(Instant::now() < end);
             std::thread::yield_now();
         }
         assert!(lives(w.load(Ordering::Acquire)), "the thread runs");
         tx.send(()).unwrap();
         t.join().unwrap();
-        assert!(
-            !lives(w.load(Ordering::Acquire)),
-            "the kernel marked the word: {:#x}",
-            w.load(Ordering::Acquire)
-        );
+        let after = w.load(Ordering::Acquire);
+        assert!(!lives(after), "the kernel marked the word: {after:#x}");
     }
 
-    fn asked(t: &mut GrantTable, rkey: u32) {
-        t.asked(rkey);
+    fn msg(rkey: u32, access: AccessFlags, len: u64, map_len: usize) -> GrantMsg {
+        GrantMsg { rkey, access: access.bits(), addr: 0, len, map_len: map_len as u64, slot: 1, tag: 1 }
     }
 
-    /// What a hostile responder may send as a grant is checked before anything is mapped.
+    /// What a hostile responder may send as a grant is checked before anything is mapped;
+    /// none of it is taken.
     #[test]
-    fn bad_grants_are_refused() {
-        let life = || Some(memfd(PAGE, true));
-        let w = (AccessFlags::REMOTE_WRITE).bits();
+    fn bad_grants_are_not_taken() {
+        let status = || Some(memfd(STATUS_LEN, true));
+        let w = AccessFlags::REMOTE_WRITE;
         let mut t = GrantTable::default();
         // Not asked for.
-        assert!(t.insert(1, w, 0, 8, 2 * PAGE as u64, Some(memfd(2 * PAGE, true)), life()).is_err());
-        // A file that may shrink.
-        asked(&mut t, 2);
-        assert!(t.insert(2, w, 0, 8, 2 * PAGE as u64, Some(memfd(2 * PAGE, false)), life()).is_err());
-        // A file of another size than stated.
-        asked(&mut t, 3);
-        assert!(t.insert(3, w, 0, 8, 2 * PAGE as u64, Some(memfd(3 * PAGE, true)), life()).is_err());
-        // A range past the file's data pages.
-        asked(&mut t, 4);
-        assert!(
-            t.insert(4, w, 0, PAGE as u64 + 1, 2 * PAGE as u64, Some(memfd(2 * PAGE, true)), life()).is_err()
+        assert!(t.insert(msg(1, w, 8, PAGE), Some(memfd(PAGE, true)), status()).is_err());
+        let mut bad = |rkey: u32, m: GrantMsg, fd: Option<OwnedFd>, st: Option<OwnedFd>, why: &str| {
+            t.asked(rkey);
+            assert!(t.insert(m, fd, st).is_err(), "{why}");
+            assert_eq!(t.target(rkey, 0, 8, w).err(), Some(Miss::Ring), "{why}: the key stays on the ring");
+        };
+        bad(2, msg(2, w, 8, PAGE), Some(memfd(PAGE, false)), status(), "a file that may shrink");
+        bad(3, msg(3, w, 8, PAGE), Some(memfd(2 * PAGE, true)), status(), "another size than stated");
+        bad(4, msg(4, w, PAGE as u64 + 1, PAGE), Some(memfd(PAGE, true)), status(), "a range past the file");
+        bad(5, msg(5, w, 8, PAGE), None, status(), "no memfd");
+        bad(6, msg(6, w, 8, PAGE), Some(memfd(PAGE, true)), None, "no status file");
+        bad(
+            7,
+            msg(7, w, 8, PAGE),
+            Some(memfd(PAGE, true)),
+            Some(memfd(PAGE, true)),
+            "a status file too small",
         );
-        // A grant with no memfd, a refusal with one, a grant with no life page.
-        asked(&mut t, 5);
-        assert!(t.insert(5, w, 0, 8, 2 * PAGE as u64, None, life()).is_err());
-        asked(&mut t, 6);
-        assert!(t.insert(6, 0, 0, 8, 2 * PAGE as u64, Some(memfd(2 * PAGE, true)), life()).is_err());
-        asked(&mut t, 7);
-        assert!(t.insert(7, w, 0, 8, 2 * PAGE as u64, Some(memfd(2 * PAGE, true)), None).is_err());
+        bad(8, GrantMsg { slot: 0, ..msg(8, w, 8, PAGE) }, Some(memfd(PAGE, true)), status(), "slot 0");
+        bad(
+            9,
+            GrantMsg { slot: SLOTS as u32, ..msg(9, w, 8, PAGE) },
+            Some(memfd(PAGE, true)),
+            status(),
+            "a slot past the file",
+        );
         // One of our own regions handed back.
         let own = RegionFile::create(8).expect("a region file");
-        asked(&mut t, 8);
-        let dup = own.fd().try_clone().unwrap();
-        assert!(t.insert(8, w, 0, 8, own.map_len() as u64, Some(dup), life()).is_err());
+        let dup = own.fd.try_clone().unwrap();
+        bad(10, msg(10, w, 8, own.map_len()), Some(dup), status(), "our own region");
+        // A file of hugetlbfs (it may fault when its pool runs dry) is refused where the
+        // system has one; not shared memory of tmpfs either: a regular file.
+        let plain =
+            std::fs::File::create(std::env::temp_dir().join(format!("rdmakit-grant-{}", std::process::id())))
+                .unwrap();
+        plain.set_len(PAGE as u64).unwrap();
+        bad(11, msg(11, w, 8, PAGE), Some(OwnedFd::from(plain)), status(), "not shared memory");
+        let _ =
+            std::fs::remove_file(std::env::temp_dir().join(format!("rdmakit-grant-{}", std::process::id())));
         // A refusal is taken, once.
-        asked(&mut t, 9);
-        t.insert(9, 0, 0, 0, 0, None, None).unwrap();
-        assert!(t.insert(9, 0, 0, 0, 0, None, None).is_err());
-        assert_eq!(t.target(9, 0, 8, AccessFlags::REMOTE_WRITE).err(), Some(Miss::Ring));
-        assert!(t.grants.is_empty());
+        t.asked(12);
+        t.insert(GrantMsg { access: 0, ..msg(12, w, 0, 0) }, None, None).unwrap();
+        assert!(t.insert(GrantMsg { access: 0, ..msg(12, w, 0, 0) }, None, None).is_err());
+        assert_eq!(t.target(12, 0, 8, w).err(), Some(Miss::Ring));
+        assert!(t.grants.is_empty() && t.status.is_none());
     }
 
-    /// A good grant maps the region; accesses are checked against its access, bounds, the
-    /// alive word and the peer's life word.
+    /// A grant maps the region (read-only for a read grant); accesses are checked against
+    /// its access, bounds, the peer's life word and the region's slot, and a grant whose
+    /// slot no longer holds its tag is dropped.
     #[test]
     fn a_grant_is_checked_on_every_access() {
-        let region = RegionFile::create(100).expect("a region file");
-        // Pose as another process's region: forget it is ours.
-        OURS.lock().unwrap().retain(|&o| o != region.id);
-        let life = memfd(PAGE, true);
-        let life_base = map_shared(&life, PAGE).unwrap();
-        // SAFETY: mapped above, never unmapped in this test.
-        let life_word = unsafe { &*life_base.as_ptr().cast::<AtomicU64>() };
-        life_word.store(1234, Ordering::Release);
+        let region = memfd(PAGE, true);
+        let peer_status = memfd(STATUS_LEN, true);
+        let st = map_shared(&peer_status, STATUS_LEN, true).unwrap();
+        // SAFETY: mapped above (read-write, as the peer has it), unmapped at the end.
+        let (life, slot3) = unsafe {
+            (&*st.as_ptr().cast::<AtomicU32>(), &*st.as_ptr().add(PAGE + 8 * 3).cast::<AtomicU64>())
+        };
+        life.store(1234, Ordering::Release);
+        slot3.store(99, Ordering::Release);
         let mut t = GrantTable::default();
-        assert_eq!(t.target(7, 1000, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ask));
+        let r = AccessFlags::REMOTE_READ;
+        assert_eq!(t.target(7, 1000, 8, r).err(), Some(Miss::Ask));
         t.asked(7);
-        assert!(matches!(t.target(7, 1000, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Wait(_))));
-        let fd = region.fd().try_clone().unwrap();
-        let read = AccessFlags::REMOTE_READ.bits();
-        t.insert(7, read, 1000, 100, region.map_len() as u64, Some(fd), Some(life.try_clone().unwrap()))
+        assert!(matches!(t.target(7, 1000, 8, r).err(), Some(Miss::Wait(_))));
+        t.asked(8);
+        assert_eq!(t.target(9, 1000, 8, r).err(), Some(Miss::Ring), "two grants awaited at most");
+        let m = GrantMsg {
+            rkey: 7,
+            access: r.bits(),
+            addr: 1000,
+            len: 100,
+            map_len: PAGE as u64,
+            slot: 3,
+            tag: 99,
+        };
+        t.insert(m, Some(reopen_read_only(&region).unwrap()), Some(reopen_read_only(&peer_status).unwrap()))
             .unwrap();
-        assert!(t.target(7, 1000, 100, AccessFlags::REMOTE_READ).is_ok());
-        assert!(t.target(7, 1092, 8, AccessFlags::REMOTE_READ).is_ok());
-        assert_eq!(t.target(7, 1093, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ring), "past the end");
-        assert_eq!(t.target(7, 999, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ring), "before the start");
-        assert_eq!(t.target(7, u64::MAX, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ring), "wrapping");
+        assert!(t.target(7, 1000, 100, r).is_ok());
+        assert!(t.target(7, 1092, 8, r).is_ok());
+        assert_eq!(t.target(7, 1093, 8, r).err(), Some(Miss::Ring), "past the end");
+        assert_eq!(t.target(7, 999, 8, r).err(), Some(Miss::Ring), "before the start");
+        assert_eq!(t.target(7, u64::MAX, 8, r).err(), Some(Miss::Ring), "wrapping");
         assert_eq!(t.target(7, 1000, 8, AccessFlags::REMOTE_WRITE).err(), Some(Miss::Ring), "not granted");
-        life_word.store(1234 | libc::FUTEX_OWNER_DIED as u64, Ordering::Release);
-        assert_eq!(t.target(7, 1000, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ring), "peer died");
-        life_word.store(1234, Ordering::Release);
-        region.revoke();
-        assert_eq!(t.target(7, 1000, 8, AccessFlags::REMOTE_READ).err(), Some(Miss::Ring), "deregistered");
-        // SAFETY: mapped above; nothing refers to it any more.
-        unsafe { libc::munmap(life_base.as_ptr().cast(), PAGE) };
+        life.store(1234 | libc::FUTEX_OWNER_DIED, Ordering::Release);
+        assert_eq!(t.target(7, 1000, 8, r).err(), Some(Miss::Ring), "peer died");
+        life.store(1234, Ordering::Release);
+        assert!(t.target(7, 1000, 8, r).is_ok());
+        // The slot taken by another registration: this grant is gone for good.
+        slot3.store(100, Ordering::Release);
+        assert_eq!(t.target(7, 1000, 8, r).err(), Some(Miss::Ring), "deregistered");
+        slot3.store(99, Ordering::Release);
+        assert!(t.grants.is_empty(), "a dead grant is dropped");
+        assert_eq!(t.target(7, 1000, 8, r).err(), Some(Miss::Ask), "and asked again if used");
+        // A read grant's mapping cannot be written: its descriptor is read-only.
+        t.asked(7);
+        let rw = GrantMsg { access: (r | AccessFlags::REMOTE_WRITE).bits(), ..m };
+        assert!(
+            t.insert(
+                rw,
+                Some(reopen_read_only(&region).unwrap()),
+                Some(reopen_read_only(&peer_status).unwrap())
+            )
+            .is_err(),
+            "a write grant of a read-only descriptor cannot be mapped"
+        );
+        // SAFETY: mapped above; the references into it are not used after this.
+        unsafe { libc::munmap(st.as_ptr().cast(), STATUS_LEN) };
+    }
+
+    #[test]
+    fn region_files_hold_their_tag_while_registered() {
+        let f = RegionFile::create(100).expect("a region file");
+        let (slot, tag) = f.slot_tag();
+        let st = status().unwrap();
+        assert_eq!(st.slot(slot).load(Ordering::Acquire), tag);
+        f.revoke();
+        assert_eq!(st.slot(slot).load(Ordering::Acquire), 0);
+        // A read-only descriptor cannot be mapped for writing.
+        let ro = f.fd_for(AccessFlags::REMOTE_READ).unwrap();
+        assert!(map_shared(&ro, f.map_len(), true).is_err());
+        let g = RegionFile::create(100).expect("a region file");
+        assert_ne!(g.slot_tag().1, tag, "tags are never reused");
     }
 }

@@ -87,7 +87,8 @@ const RING_CTRL: usize = 256;
 /// The responder QP's gate (after both rings' words): 1 while the device's QP serves this
 /// connection, so that the requester may place accesses directly (`super::direct`).
 const GATE: usize = 2 * RING_CTRL;
-/// Descriptors a requester keeps waiting for their grant frames.
+/// Descriptors a requester keeps waiting for their grant frames (two per grant, at most
+/// two grants asked at once).
 const MAX_STASHED: usize = 4;
 
 /// Whether same-host peers use shared memory (unless `RDMAKIT_SOFT_SHM=0`).
@@ -578,14 +579,21 @@ impl ShmConn {
     }
 
     /// Keeps descriptors that came with doorbells for [`take_fd`](Self::take_fd), on a
-    /// requester's side only (a device's requester never sends one after its rings), and
-    /// at most [`MAX_STASHED`]: more, or a truncated batch, is a protocol error.
+    /// requester's side only: a device's requester never sends one after its rings, and
+    /// doing so ends its connection. On a requester's side a batch that does not fit
+    /// ([`MAX_STASHED`]: an honest responder sends at most two grants' at once) or came
+    /// truncated (this process is out of descriptors) is closed whole: the grants it was
+    /// for find no files and are not taken (the keys stay on the ring).
     fn stash(&mut self, fds: Vec<OwnedFd>, truncated: bool) {
         if fds.is_empty() && !truncated {
             return;
         }
-        if !self.requester || truncated || self.fds.len() + fds.len() > MAX_STASHED {
+        if !self.requester {
             self.bad_fds = true;
+            return;
+        }
+        if truncated || self.fds.len() + fds.len() > MAX_STASHED {
+            tracing::debug!(fds = fds.len(), truncated, "soft NIC: descriptors from a responder dropped");
             return;
         }
         self.fds.extend(fds);
@@ -663,7 +671,7 @@ struct Received {
     truncated: bool,
 }
 
-/// One non-blocking `recvmsg` into `buf`, with room for a few descriptors (a peer sending
+/// One non-blocking `recvmsg` into `buf`, with room for 20 descriptors (a peer sending
 /// more gets them closed, and `truncated` says so). A Unix stream socket never returns the
 /// descriptors of two sends in one call.
 fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
@@ -711,6 +719,17 @@ fn check_memfd(fd: &OwnedFd, max_ring: usize) -> io::Result<usize> {
     }
     if seals & libc::F_SEAL_SHRINK == 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "same-host peer's memfd may shrink"));
+    }
+    // Shared memory of tmpfs only: a sealed hugetlbfs file faults (SIGBUS) when its pool
+    // runs dry.
+    // SAFETY: zeroed `statfs` is valid; fstatfs writes into it.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fs` is a live local of the right type; `fd` is ours.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &raw mut fs) } != 0 || fs.f_type != libc::TMPFS_MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "same-host peer's memfd is not in shared memory",
+        ));
     }
     // SAFETY: fstat into a zeroed local.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };

@@ -824,6 +824,7 @@ impl EventLoop {
     fn run(mut self) {
         // SAFETY: gettid(2) has no preconditions.
         self.wire.exit.loop_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+        ON_WIRE.set(true);
         // Peers granted direct access learn from the kernel when this thread (and so the
         // process) ends.
         direct::watch_loop_thread();
@@ -1717,22 +1718,27 @@ impl EventLoop {
                                 c.dial = None;
                                 return false;
                             }
-                            Ok(Some(Got::Frame(Frame::KeyGrant { rkey, access, addr, len, map_len }))) => {
-                                // A link dialed again may have fallen back to TCP: a refusal
-                                // comes there, and a grant (with no memfd) ends the link.
-                                let (fd, life) = match &mut c.io.s {
+                            Ok(Some(Got::Frame(Frame::KeyGrant {
+                                rkey,
+                                access,
+                                addr,
+                                len,
+                                map_len,
+                                slot,
+                                tag,
+                            }))) => {
+                                // The files came before the frame. A link dialed again may
+                                // have fallen back to TCP, where a grant has none: it is
+                                // then refused here, as is any grant that does not check out
+                                // (the key stays on the ring; the link goes on).
+                                let (fd, status) = match &mut c.io.s {
                                     Conn::Shm(sc) if access != 0 => (sc.take_fd(), sc.take_fd()),
                                     _ => (None, None),
                                 };
-                                let taken = c
-                                    .shared
-                                    .grants
-                                    .lock()
-                                    .expect("grants")
-                                    .insert(rkey, access, addr, len, map_len, fd, life);
+                                let msg = direct::GrantMsg { rkey, access, addr, len, map_len, slot, tag };
+                                let taken = c.shared.grants.lock().expect("grants").insert(msg, fd, status);
                                 if let Err(e) = taken {
-                                    warn_limited!(error = %e, "soft NIC: bad key grant; link dropped");
-                                    return false;
+                                    warn_limited!(error = %e, "soft NIC: a key grant not taken; that key stays on the ring");
                                 }
                                 // Accesses waiting for the answer go now (directly or not).
                                 match c.qp.upgrade() {
@@ -1860,20 +1866,30 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
 /// doorbell socket first, or a refusal (over TCP, past the grant bound, a key the QP does
 /// not admit, or a socket that cannot take the descriptor now).
 fn grant(s: &mut ServedConn, rkey: u32) -> Frame {
-    let refused = Frame::KeyGrant { rkey, access: 0, addr: 0, len: 0, map_len: 0 };
+    let refused = Frame::KeyGrant { rkey, access: 0, addr: 0, len: 0, map_len: 0, slot: 0, tag: 0 };
     let Conn::Shm(sc) = &s.io.s else { return refused };
     if s.grants >= direct::MAX_GRANTS {
         return refused;
     }
     let Some(qp) = s.qp.upgrade() else { return refused };
-    let Some(life) = direct::life_fd() else { return refused };
+    let Some(status) = direct::status_fd() else { return refused };
     let Some((grant, fd)) = qp.grant(&s.requester, rkey) else { return refused };
-    if let Err(e) = sc.pass_grant(&fd, life) {
+    if let Err(e) = sc.pass_grant(&fd, status) {
         tracing::debug!(error = %e, "soft NIC: cannot pass a region's memfd; refused");
         return refused;
     }
     s.grants += 1;
     grant
+}
+
+thread_local! {
+    /// True on the wire's loop thread.
+    static ON_WIRE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this is the wire's loop thread (which must not make bulk copies for a QP).
+pub(crate) fn on_wire_thread() -> bool {
+    ON_WIRE.get()
 }
 
 /// Checks `p`'s complete Hello against the QP it names.
@@ -2142,16 +2158,15 @@ impl TcpLink {
         need: crate::AccessFlags,
         copy: Option<impl FnOnce(*mut u8)>,
     ) -> Result<(), Miss> {
-        if self.is_dead() {
+        // The gate: set up once the peer accepted our Hello, open while its QP serves this
+        // link. A responder that does not know direct placement never opens it, so it is
+        // never asked for a grant.
+        if self.is_dead() || !self.shared.direct.get().is_some_and(shm::Direct::responder_open) {
             return Err(Miss::Ring);
         }
         let mut grants = self.shared.grants.lock().expect("grants");
         match grants.target(rkey, addr, len, need) {
             Ok(t) => {
-                // The gate: set once the peer accepted our Hello, open while its QP serves.
-                if !self.shared.direct.get().is_some_and(shm::Direct::responder_open) {
-                    return Err(Miss::Ring);
-                }
                 if let Some(copy) = copy {
                     // Under the table's lock: the mapping stays while the copy runs.
                     copy(t.ptr);
@@ -2160,8 +2175,7 @@ impl TcpLink {
                 Ok(())
             }
             Err(Miss::Ask) => {
-                // Marked before it is sent: the grant may come back at once. Before the
-                // peer accepts our Hello the ask waits in the link's queue behind it.
+                // Marked before it is sent: the grant may come back at once.
                 let until = grants.asked(rkey);
                 drop(grants);
                 if self.send(Frame::KeyRequest { rkey }, None) {

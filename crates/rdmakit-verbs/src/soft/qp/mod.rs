@@ -673,6 +673,16 @@ impl SoftQp {
         if let Some(Link::Tcp(link)) = &sq.link
             && link.is_same_host()
         {
+            if sq.sent.is_empty()
+                && wr.len() > super::direct::LOOP_COPY_MAX
+                && super::tcp::on_wire_thread()
+                && Self::can_place(link, wr).is_ok()
+            {
+                // A bulk copy let go by an answer or a grant: made by the timer thread, not
+                // the wire's loop, which serves every connection of the process.
+                self.schedule(Instant::now());
+                return Step::Held;
+            }
             if sq.sent.is_empty() {
                 match self.place_direct(link, wr) {
                     Ok(()) => placed = Some(Outcome::Done(WcStatus::SUCCESS, wr.len())),
@@ -684,10 +694,16 @@ impl SoftQp {
                     }
                     Err(Miss::Ask | Miss::Ring) => {}
                 }
-            } else if matches!(Self::can_place(link, wr), Ok(()) | Err(Miss::Wait(_))) {
-                // Requests sent through the ring are unanswered: wait for them (their
+            } else if sq.sent.back().is_some_and(|s| Self::can_place_op(&s.p.view()))
+                && matches!(Self::can_place(link, wr), Ok(()) | Err(Miss::Wait(_)))
+            {
+                // Requests sent through the ring are unanswered, the last of them one that
+                // could have been placed (it went before the grant): wait for them (their
                 // answers run the queue again, as does the grant's) rather than follow them
-                // through the ring, which in a pipeline would keep it busy for good.
+                // through the ring, which in a pipeline of such requests would keep it busy
+                // for good. Behind a send, an atomic or a write with immediate (a stream
+                // mixing them), the request follows through the ring: waiting would cost a
+                // round trip each time.
                 return Step::Held;
             }
         }
@@ -1049,8 +1065,9 @@ impl Placement {
 enum Step {
     Completed,
     Blocked,
-    /// Waits in the queue, with no timer, for the requests sent before it to be answered:
-    /// it can then be placed directly (same-host), which must not overtake them.
+    /// Waits in the queue for what lets it be placed directly (same-host): the answers to
+    /// the requests sent before it (which it must not overtake), the grant asked for (or
+    /// its timer), or the timer thread (a bulk copy the wire's loop leaves to it).
     Held,
     Failed,
     /// Sent over TCP with this PSN; the response completes it.

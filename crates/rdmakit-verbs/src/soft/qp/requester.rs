@@ -76,6 +76,11 @@ impl SoftQp {
         })
     }
 
+    /// Whether `wr` is of a kind placed directly (a plain write or read of some bytes).
+    pub(super) fn can_place_op(wr: &RawSendWr<'_>) -> bool {
+        direct_need(wr).is_some()
+    }
+
     /// Whether [`place_direct`](Self::place_direct) could place `wr` once the requests
     /// before it are answered (`Ok`), or may after the grant it asks for now (`Wait`).
     pub(super) fn can_place(link: &TcpLink, wr: &RawSendWr<'_>) -> std::result::Result<(), Miss> {

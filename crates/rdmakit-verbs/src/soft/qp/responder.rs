@@ -67,7 +67,8 @@ impl SoftQp {
     }
 
     /// A grant of key `rkey` to a same-host requester `from` (see `super::super::direct`):
-    /// the `KeyGrant` frame and a copy of the region's memfd to pass before it. `None`
+    /// the `KeyGrant` frame and a descriptor of the region's memfd to pass before it
+    /// (read-only unless the grant allows remote writes). `None`
     /// (refused) unless the QP serves `from`, the key is a plain region of this process's
     /// memory in a memfd, of this QP's PD, and both its access flags and the QP's allow
     /// remote write or read; the grant carries what both allow.
@@ -85,13 +86,16 @@ impl SoftQp {
         if access.is_empty() {
             return None;
         }
-        let fd = file.fd().try_clone().ok()?;
+        let fd = file.fd_for(access).ok()?;
+        let (slot, tag) = file.slot_tag();
         let frame = Frame::KeyGrant {
             rkey,
             access: access.bits(),
             addr: entry.base,
             len: entry.len,
             map_len: file.map_len() as u64,
+            slot,
+            tag,
         };
         Some((frame, fd))
     }
