@@ -119,8 +119,8 @@ impl HostBuffer {
 
     /// A region in its own memfd, which the soft NIC may let a same-host requester map
     /// (`crate::soft::direct`); `None` when no file can be had (the caller uses the heap).
-    fn alloc_file(len: usize) -> Option<HostBuffer> {
-        let f = crate::soft::direct::RegionFile::create(len)?;
+    fn alloc_file(len: usize, peers_write: bool) -> Option<HostBuffer> {
+        let f = crate::soft::direct::RegionFile::create(len, peers_write)?;
         let ptr = NonNull::new(f.ptr()).expect("a mapping is not null");
         Some(HostBuffer { ptr, len, owner: Owner::File(f) })
     }
@@ -421,7 +421,8 @@ impl MemoryRegion {
         let shareable = access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)
             && pd.context().backend().soft().is_some_and(|d| d.config().same_host_shm)
             && crate::soft::shm::enabled();
-        let buf = match shareable.then(|| HostBuffer::alloc_file(len)).flatten() {
+        let peers_write = access.contains(AccessFlags::REMOTE_WRITE);
+        let buf = match shareable.then(|| HostBuffer::alloc_file(len, peers_write)).flatten() {
             Some(b) => b,
             None => HostBuffer::alloc(len)?,
         };

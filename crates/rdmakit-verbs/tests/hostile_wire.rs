@@ -1439,7 +1439,7 @@ fn a_request_posted_before_the_link_is_up_waits_for_it_not_for_the_transport_tim
 fn a_same_host_requester_asking_for_keys_gets_a_bounded_number_of_grants_of_its_own_keys() {
     // A requester with all the secrets asks for 100 grants of the one key its QP may use,
     // and for keys it has no right to: it gets at most `MAX_GRANTS` grants, each with one
-    // region memfd and the device's life page, and nothing for the other keys; the
+    // region memfd and the device's status file, and nothing for the other keys; the
     // victim holds no more descriptors after it.
     use rdmakit_verbs::soft::direct::MAX_GRANTS;
     use rdmakit_verbs::soft::shm::{CTRL, MIN_RING, send_fd};
@@ -1488,7 +1488,7 @@ fn a_same_host_requester_asking_for_keys_gets_a_bounded_number_of_grants_of_its_
     for (f, &rkey) in answers[1..].iter().zip(&keys).skip(100) {
         assert!(matches!(f, Frame::KeyGrant { rkey: r, access: 0, .. } if *r == rkey), "{f:?}");
     }
-    // The descriptors came on the socket: two per grant (region, life page).
+    // The descriptors came on the socket: two per grant (region, status file).
     let mut got = 0;
     let mut buf = [0u8; 1];
     loop {

@@ -23,7 +23,9 @@
 //!   the access and the slot and tag (`KeyGrant`);
 //! - the requester checks both files (shared memory of tmpfs, sealed against shrinking, of
 //!   the stated size, not one of its own) and maps them: the region read-write only for a
-//!   write grant, the status file read-only;
+//!   write grant, the status file read-only, after checking the region file is the one the
+//!   grant names (its inode: descriptors and frames are paired by their order on the socket
+//!   alone, and a link that ever drops a descriptor takes no more grants);
 //! - from then on a plain write or read of that key, when nothing the QP sent through the
 //!   ring is still unanswered (RC order), is checked against the grant (access, bounds), the
 //!   gate, the life word and the region's slot (still its tag), then copied, and completes
@@ -33,9 +35,12 @@
 //!
 //! **What a grant costs in isolation.** A peer granted a key for writing can write the
 //! region's pages until the region is deregistered, whatever its QP does (the gate and the
-//! status words are honoured by rdmakit, not enforced by the kernel); a read-only grant
-//! cannot write them (its descriptor and mapping are read-only), and no grantee can write
-//! the status file. Grants go only to the QP the region's PD and access flags admit, over
+//! status words are honoured by rdmakit, not enforced by the kernel). No peer can write the
+//! status file, nor a region registered without remote write: both are sealed against new
+//! writable mappings (`F_SEAL_FUTURE_WRITE`), whatever descriptor a peer reopens. A
+//! read-only grant of a region registered with remote write (the QP allows only reads) is
+//! passed and mapped read-only, but the peer could reopen it for writing: that limit is
+//! honoured by rdmakit, not enforced by the kernel. Grants go only to the QP the region's PD and access flags admit, over
 //! a link whose peer proved it is the connected QP and runs as this user (who could already
 //! read and write this process's memory through `/proc`). After deregistration the region's
 //! pages are never used again by this process (each region has its own memfd): a late
@@ -46,9 +51,11 @@
 //! **Limits.** Each such region holds a descriptor and a mapping: at most a quarter of the
 //! process's descriptor limit, a quarter of `vm.max_map_count` and 65535 go to them (the
 //! rest are heap-allocated as before and use the rings). A link keeps at most
-//! `MAX_GRANTS` (64) grants and asks for at most two at a time; a device gives at most
-//! as many per connection over its life. After `fork` a child shares such a
-//! region's pages instead of getting a copy.
+//! `MAX_GRANTS` (64) grants and asks for at most two at a time, and remembers up to 4096
+//! refused keys; a device gives at most 64 grants per connection over its life. Peers'
+//! files mapped here (grants, status files) share the region files' budget. After `fork`
+//! a child shares such a region's pages instead of getting a copy, and uses neither the
+//! status file nor direct placement (it is not the process that made them).
 //!
 //! [`ProtectionDomain::alloc_mr`]: crate::ProtectionDomain::alloc_mr
 
@@ -133,8 +140,8 @@ fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
     Ok((st, id))
 }
 
-/// A sealed memfd of `len` bytes (sealed against shrinking and growing: a peer mapping it
-/// can never fault on pages cut from under it, nor can we), registered as ours.
+/// A memfd of `len` bytes sealed against shrinking and growing (a peer mapping it can
+/// never fault on pages cut from under it, nor can we); [`seal_final`] ends its sealing.
 fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
     // SAFETY: a NUL-terminated name; valid flags.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -149,14 +156,28 @@ fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
         if libc::ftruncate(fd.as_raw_fd(), size) != 0 {
             return Err(io::Error::last_os_error());
         }
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
+        if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != 0 {
             return Err(io::Error::last_os_error());
         }
     }
-    let (_, id) = file_id(&fd)?;
-    OURS.lock().expect("our files").push(id);
     Ok(fd)
+}
+
+/// Seals `fd` for good, against any new writable mapping or write too when `read_only`
+/// (`F_SEAL_FUTURE_WRITE`: the mappings this process made already keep writing; no peer
+/// can get a writable one, whatever descriptor it reopens), and records it as ours.
+fn seal_final(fd: &OwnedFd, read_only: bool) -> io::Result<()> {
+    let mut seals = libc::F_SEAL_SEAL;
+    if read_only {
+        seals |= libc::F_SEAL_FUTURE_WRITE;
+    }
+    // SAFETY: fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let (_, id) = file_id(fd)?;
+    OURS.lock().expect("our files").push(id);
+    Ok(())
 }
 
 /// A read-only descriptor of the file `fd` is open on (through `/proc/self/fd`): what a
@@ -189,6 +210,9 @@ struct Status {
     /// Read-only descriptor, passed with every grant.
     ro: OwnedFd,
     base: NonNull<u8>,
+    /// The process that made it: a child after `fork` shares the mapping and must not use
+    /// it (its regions would write the parent's slots).
+    pid: u32,
 }
 
 // SAFETY: the mapping lives for the rest of the process and is reached only through
@@ -201,7 +225,7 @@ static STATUS: OnceLock<Option<Status>> = OnceLock::new();
 
 /// The status file, made on first use; `None` without one (Miri, or the system refused).
 fn status() -> Option<&'static Status> {
-    STATUS
+    let st = STATUS
         .get_or_init(|| {
             if cfg!(miri) {
                 return None;
@@ -209,13 +233,23 @@ fn status() -> Option<&'static Status> {
             let make = || -> io::Result<Status> {
                 let fd = sealed_memfd(c"rdmakit-soft-status", STATUS_LEN)?;
                 let base = map_shared(&fd, STATUS_LEN, true)?;
-                Ok(Status { ro: reopen_read_only(&fd)?, base })
+                // Written only through this mapping (and by the kernel at the loop
+                // thread's end): no peer can map it writable, whatever it reopens.
+                match seal_final(&fd, true).and_then(|()| reopen_read_only(&fd)) {
+                    Ok(ro) => Ok(Status { ro, base, pid: std::process::id() }),
+                    Err(e) => {
+                        // SAFETY: mapped just above; nothing refers to it yet.
+                        unsafe { libc::munmap(base.as_ptr().cast(), STATUS_LEN) };
+                        Err(e)
+                    }
+                }
             };
             make()
                 .map_err(|e| tracing::debug!(error = %e, "soft NIC: no status file; no direct placement"))
                 .ok()
         })
-        .as_ref()
+        .as_ref()?;
+    (st.pid == std::process::id()).then_some(st)
 }
 
 impl Status {
@@ -286,7 +320,9 @@ unsafe impl Sync for RegionFile {}
 impl RegionFile {
     /// A file for a region of `len` bytes, or `None` when the budget is spent or the system
     /// refuses (the caller uses the heap).
-    pub(crate) fn create(len: usize) -> Option<RegionFile> {
+    /// `peers_write`: whether the region takes remote writes; if not, its file is sealed so
+    /// that no peer can ever map it writable.
+    pub(crate) fn create(len: usize, peers_write: bool) -> Option<RegionFile> {
         let status = status()?;
         let map_len = len.max(1).checked_next_multiple_of(PAGE)?;
         if FILES.fetch_add(1, Ordering::AcqRel) >= file_budget() {
@@ -299,8 +335,17 @@ impl RegionFile {
         };
         let made = sealed_memfd(c"rdmakit-soft-region", map_len).and_then(|fd| {
             let base = map_shared(&fd, map_len, true)?;
-            let (_, id) = file_id(&fd)?;
-            Ok((fd, base, id))
+            match seal_final(&fd, !peers_write).and_then(|()| file_id(&fd)) {
+                Ok((_, id)) => Ok((fd, base, id)),
+                Err(e) => {
+                    // SAFETY: mapped just above; nothing refers to it yet.
+                    unsafe { libc::munmap(base.as_ptr().cast(), map_len) };
+                    if let Ok((_, id)) = file_id(&fd) {
+                        OURS.lock().expect("our files").retain(|&o| o != id);
+                    }
+                    Err(e)
+                }
+            }
         });
         match made {
             Ok((fd, base, id)) => {
@@ -329,6 +374,11 @@ impl RegionFile {
     /// The status slot and the tag it holds while the region is registered.
     pub(crate) fn slot_tag(&self) -> (u32, u64) {
         (self.slot, self.tag)
+    }
+
+    /// The file's inode (a grant names it, so that the requester checks what it maps).
+    pub(crate) fn ino(&self) -> u64 {
+        self.id.1
     }
 
     /// A descriptor for a peer granted `access`: the file itself to write, read-only
@@ -439,6 +489,23 @@ pub(crate) fn status_fd() -> Option<&'static OwnedFd> {
 
 // ---- the requester's side ----
 
+/// Mappings of peers' files (grants and status files) alive in this process, against the
+/// same budget as region files: many links must not exhaust `vm.max_map_count`.
+static MAPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// Takes one mapping from the budget; false when it is spent.
+fn take_mapping() -> bool {
+    if MAPPED.fetch_add(1, Ordering::AcqRel) >= file_budget() {
+        MAPPED.fetch_sub(1, Ordering::AcqRel);
+        return false;
+    }
+    true
+}
+
+/// The largest region a grant may map (a hostile peer's sparse file must not take the
+/// address space).
+const MAX_GRANT_MAP: u64 = 1 << 40;
+
 /// A region of the peer, mapped here by a grant.
 struct Grant {
     rkey: u32,
@@ -451,11 +518,18 @@ struct Grant {
     tag: u64,
 }
 
+// SAFETY: the mapping is owned by the grant; its bytes are reached only through
+// `shared_mem` copies, from any thread.
+unsafe impl Send for Grant {}
+// SAFETY: as above; `&Grant` exposes plain data and the mapping's address.
+unsafe impl Sync for Grant {}
+
 impl Drop for Grant {
     fn drop(&mut self) {
-        // SAFETY: mapped by `GrantTable::insert` with this length; a grant is dropped only
-        // under the table's lock, which every copy through it holds.
+        // SAFETY: mapped by `GrantTable::take` with this length; the last holder (the
+        // table, or a copy in progress through a `Target`) is gone.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
+        MAPPED.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -484,6 +558,7 @@ impl Drop for PeerStatus {
         // SAFETY: mapped by `GrantTable::insert` with this length; dropped under the table's
         // lock, which every check through it holds.
         unsafe { libc::munmap(self.base.as_ptr().cast(), STATUS_LEN) };
+        MAPPED.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -491,22 +566,27 @@ impl Drop for PeerStatus {
 /// for (answered or not), and the peer's status file.
 #[derive(Default)]
 pub(crate) struct GrantTable {
-    grants: Vec<Grant>,
+    grants: Vec<std::sync::Arc<Grant>>,
     asked: Vec<Ask>,
+    /// Keys refused (or whose grant was not taken), not asked for again; the oldest are
+    /// forgotten beyond [`MAX_REFUSED`].
+    refused: std::collections::VecDeque<u32>,
     status: Option<PeerStatus>,
 }
+
+/// Refused keys a link remembers.
+const MAX_REFUSED: usize = 4096;
 
 // SAFETY: the grants' mappings are owned by the table and reached only under its lock
 // (`Mutex<GrantTable>`), through `shared_mem` copies and atomics.
 unsafe impl Send for GrantTable {}
 
-/// A key asked for.
+/// A key asked for and not answered yet.
 struct Ask {
     rkey: u32,
     /// When the ask went; accesses to the key wait for the answer until [`GRANT_WAIT`]
     /// after it.
     at: Instant,
-    answered: bool,
 }
 
 /// How long accesses to a key wait for the answer to the grant asked for it before they
@@ -524,9 +604,11 @@ pub(crate) enum Miss {
     Ring,
 }
 
-/// Where a direct access goes.
+/// Where a direct access goes; holds the grant's mapping while the copy runs, outside
+/// the table's lock (which the wire's loop takes to add grants).
 pub(crate) struct Target {
     pub ptr: *mut u8,
+    _grant: std::sync::Arc<Grant>,
 }
 
 /// Checks a passed descriptor is shared memory (tmpfs: a hugetlbfs file could fault when
@@ -549,7 +631,7 @@ fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
     if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != len as u64 {
         return Err(bad("of another size"));
     }
-    if OURS.lock().expect("our files").contains(&id) {
+    if OURS.lock().expect("our files").contains(&id) || super::shm::is_ours(id) {
         return Err(bad("of our own"));
     }
     Ok(())
@@ -557,7 +639,8 @@ fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
 
 impl GrantTable {
     /// The local address of `addr..addr + len` of key `rkey` if a live grant allows
-    /// `need` there. A grant whose region is gone is dropped here (unmapped).
+    /// `need` there. A grant whose region is gone is dropped here (unmapped once no copy
+    /// runs through it).
     pub(crate) fn target(
         &mut self,
         rkey: u32,
@@ -566,10 +649,11 @@ impl GrantTable {
         need: AccessFlags,
     ) -> Result<Target, Miss> {
         let Some(i) = self.grants.iter().position(|g| g.rkey == rkey) else {
-            let unanswered = self.asked.iter().filter(|a| !a.answered).count();
+            let unanswered = self.asked.len();
             return Err(match self.asked.iter().find(|a| a.rkey == rkey) {
-                Some(a) if !a.answered && a.at.elapsed() < GRANT_WAIT => Miss::Wait(a.at + GRANT_WAIT),
+                Some(a) if a.at.elapsed() < GRANT_WAIT => Miss::Wait(a.at + GRANT_WAIT),
                 Some(_) => Miss::Ring,
+                None if self.refused.contains(&rkey) => Miss::Ring,
                 None if unanswered < MAX_UNANSWERED && self.grants.len() + unanswered < MAX_GRANTS => {
                     Miss::Ask
                 }
@@ -582,10 +666,9 @@ impl GrantTable {
         }
         let g = &self.grants[i];
         if status.slot(g.slot) != g.tag {
-            // Deregistered: unmapped now (its pages may then be freed), asked again if it
-            // is ever used (and refused).
+            // Deregistered: unmapped (its pages may then be freed), and asked for again if
+            // the key is ever used (and refused).
             self.grants.swap_remove(i);
-            self.asked.retain(|a| a.rkey != rkey);
             return Err(Miss::Ring);
         }
         if !g.access.contains(need) {
@@ -596,22 +679,14 @@ impl GrantTable {
             _ => return Err(Miss::Ring),
         };
         // `off + len <= g.len <= map_len`: inside the mapping.
-        Ok(Target { ptr: g.base.as_ptr().wrapping_add(off as usize) })
+        Ok(Target { ptr: g.base.as_ptr().wrapping_add(off as usize), _grant: g.clone() })
     }
 
     /// Records that `rkey` was asked for now; returns when accesses stop waiting for it.
-    /// Refusals remembered beyond twice the grant bound are forgotten, oldest first (a key
-    /// forgotten is asked again, and refused again).
     pub(crate) fn asked(&mut self, rkey: u32) -> Instant {
         let at = Instant::now();
         if !self.asked.iter().any(|a| a.rkey == rkey) {
-            self.asked.push(Ask { rkey, at, answered: false });
-        }
-        if self.asked.len() > 2 * MAX_GRANTS
-            && let Some(i) =
-                self.asked.iter().position(|a| a.answered && !self.grants.iter().any(|g| g.rkey == a.rkey))
-        {
-            self.asked.remove(i);
+            self.asked.push(Ask { rkey, at });
         }
         at + GRANT_WAIT
     }
@@ -619,6 +694,15 @@ impl GrantTable {
     /// Forgets an ask that could not be sent (asked again later).
     pub(crate) fn unask(&mut self, rkey: u32) {
         self.asked.retain(|a| a.rkey != rkey);
+    }
+
+    /// Remembers a key not to ask for again (the oldest forgotten beyond [`MAX_REFUSED`]:
+    /// asked again, and refused again).
+    fn refuse(&mut self, rkey: u32) {
+        if self.refused.len() >= MAX_REFUSED {
+            self.refused.pop_front();
+        }
+        self.refused.push_back(rkey);
     }
 
     /// Takes the answer to the ask for `rkey`: a grant (`fd` the region's memfd, `status`
@@ -632,16 +716,27 @@ impl GrantTable {
         fd: Option<OwnedFd>,
         status: Option<OwnedFd>,
     ) -> io::Result<()> {
-        let GrantMsg { rkey, access, addr, len, map_len, slot, tag } = grant;
-        let Some(ask) = self.asked.iter_mut().find(|a| a.rkey == rkey && !a.answered) else {
+        let rkey = grant.rkey;
+        let Some(i) = self.asked.iter().position(|a| a.rkey == rkey) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant nobody asked for"));
         };
         // Answered, whatever comes of it.
-        ask.answered = true;
+        self.asked.swap_remove(i);
+        let taken = self.take(grant, fd, status);
+        if !matches!(taken, Ok(true)) {
+            self.refuse(rkey);
+        }
+        taken.map(|_| ())
+    }
+
+    /// [`insert`](Self::insert) once the ask is answered: `Ok(true)` if the grant was
+    /// taken.
+    fn take(&mut self, grant: GrantMsg, fd: Option<OwnedFd>, status: Option<OwnedFd>) -> io::Result<bool> {
+        let GrantMsg { rkey, access, addr, len, map_len, slot, tag, ino } = grant;
         let access =
             AccessFlags::from_bits_truncate(access) & (AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ);
         if access.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let (Some(fd), Some(status)) = (fd, status) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant without its files"));
@@ -649,23 +744,47 @@ impl GrantTable {
         let map = usize::try_from(map_len).ok().filter(|&m| {
             m.is_multiple_of(PAGE)
                 && m > 0
+                && map_len <= MAX_GRANT_MAP
                 && addr.checked_add(len).is_some()
                 && len <= m as u64
-                && isize::try_from(m).is_ok()
         });
         let (Some(map_len), true) = (map, (1..SLOTS as u32).contains(&slot) && tag != 0) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant of a bad size or slot"));
         };
         check_file(&fd, map_len)?;
+        // The file is the region the grant names: the descriptors and the frame are paired
+        // by their order on the socket alone.
+        if file_id(&fd)?.0.st_ino != ino {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "a granted file that is not the region"));
+        }
+        let over = || io::Error::new(io::ErrorKind::OutOfMemory, "the budget of peers' mappings is spent");
         if self.status.is_none() {
             check_file(&status, STATUS_LEN)?;
-            self.status = Some(PeerStatus { base: map_shared(&status, STATUS_LEN, false)? });
+            if !take_mapping() {
+                return Err(over());
+            }
+            match map_shared(&status, STATUS_LEN, false) {
+                Ok(base) => self.status = Some(PeerStatus { base }),
+                Err(e) => {
+                    MAPPED.fetch_sub(1, Ordering::AcqRel);
+                    return Err(e);
+                }
+            }
         }
-        let base = map_shared(&fd, map_len, access.contains(AccessFlags::REMOTE_WRITE))?;
+        if !take_mapping() {
+            return Err(over());
+        }
+        let base = match map_shared(&fd, map_len, access.contains(AccessFlags::REMOTE_WRITE)) {
+            Ok(b) => b,
+            Err(e) => {
+                MAPPED.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
         // The descriptors are not needed once mapped.
         drop((fd, status));
-        self.grants.push(Grant { rkey, access, addr, len, base, map_len, slot, tag });
-        Ok(())
+        self.grants.push(std::sync::Arc::new(Grant { rkey, access, addr, len, base, map_len, slot, tag }));
+        Ok(true)
     }
 }
 
@@ -679,6 +798,8 @@ pub(crate) struct GrantMsg {
     pub map_len: u64,
     pub slot: u32,
     pub tag: u64,
+    /// The region file's inode.
+    pub ino: u64,
 }
 
 /// Writes this thread's id into `word` and registers it, through the list storage `r`,
@@ -763,8 +884,26 @@ mod tests {
         assert!(!lives(after), "the kernel marked the word: {after:#x}");
     }
 
+    fn ino(fd: &OwnedFd) -> u64 {
+        file_id(fd).unwrap().0.st_ino
+    }
+
     fn msg(rkey: u32, access: AccessFlags, len: u64, map_len: usize) -> GrantMsg {
-        GrantMsg { rkey, access: access.bits(), addr: 0, len, map_len: map_len as u64, slot: 1, tag: 1 }
+        GrantMsg {
+            rkey,
+            access: access.bits(),
+            addr: 0,
+            len,
+            map_len: map_len as u64,
+            slot: 1,
+            tag: 1,
+            ino: 0,
+        }
+    }
+
+    /// A grant message for `fd` (its inode).
+    fn msg_for(fd: &OwnedFd, rkey: u32, access: AccessFlags, len: u64, map_len: usize) -> GrantMsg {
+        GrantMsg { ino: ino(fd), ..msg(rkey, access, len, map_len) }
     }
 
     /// What a hostile responder may send as a grant is checked before anything is mapped;
@@ -781,40 +920,39 @@ mod tests {
             assert!(t.insert(m, fd, st).is_err(), "{why}");
             assert_eq!(t.target(rkey, 0, 8, w).err(), Some(Miss::Ring), "{why}: the key stays on the ring");
         };
-        bad(2, msg(2, w, 8, PAGE), Some(memfd(PAGE, false)), status(), "a file that may shrink");
-        bad(3, msg(3, w, 8, PAGE), Some(memfd(2 * PAGE, true)), status(), "another size than stated");
-        bad(4, msg(4, w, PAGE as u64 + 1, PAGE), Some(memfd(PAGE, true)), status(), "a range past the file");
+        let f = memfd(PAGE, false);
+        bad(2, msg_for(&f, 2, w, 8, PAGE), Some(f), status(), "a file that may shrink");
+        let f = memfd(2 * PAGE, true);
+        bad(3, msg_for(&f, 3, w, 8, PAGE), Some(f), status(), "another size than stated");
+        let f = memfd(PAGE, true);
+        bad(4, msg_for(&f, 4, w, PAGE as u64 + 1, PAGE), Some(f), status(), "a range past the file");
         bad(5, msg(5, w, 8, PAGE), None, status(), "no memfd");
-        bad(6, msg(6, w, 8, PAGE), Some(memfd(PAGE, true)), None, "no status file");
-        bad(
-            7,
-            msg(7, w, 8, PAGE),
-            Some(memfd(PAGE, true)),
-            Some(memfd(PAGE, true)),
-            "a status file too small",
-        );
-        bad(8, GrantMsg { slot: 0, ..msg(8, w, 8, PAGE) }, Some(memfd(PAGE, true)), status(), "slot 0");
-        bad(
-            9,
-            GrantMsg { slot: SLOTS as u32, ..msg(9, w, 8, PAGE) },
-            Some(memfd(PAGE, true)),
-            status(),
-            "a slot past the file",
-        );
+        let f = memfd(PAGE, true);
+        bad(6, msg_for(&f, 6, w, 8, PAGE), Some(f), None, "no status file");
+        let f = memfd(PAGE, true);
+        bad(7, msg_for(&f, 7, w, 8, PAGE), Some(f), Some(memfd(PAGE, true)), "a status file too small");
+        let f = memfd(PAGE, true);
+        bad(8, GrantMsg { slot: 0, ..msg_for(&f, 8, w, 8, PAGE) }, Some(f), status(), "slot 0");
+        let f = memfd(PAGE, true);
+        let past = GrantMsg { slot: SLOTS as u32, ..msg_for(&f, 9, w, 8, PAGE) };
+        bad(9, past, Some(f), status(), "a slot past the file");
+        // Another file than the one the grant names (out of step with its frame).
+        bad(13, msg(13, w, 8, PAGE), Some(memfd(PAGE, true)), status(), "not the region named");
         // One of our own regions handed back.
-        let own = RegionFile::create(8).expect("a region file");
+        let own = RegionFile::create(8, true).expect("a region file");
         let dup = own.fd.try_clone().unwrap();
-        bad(10, msg(10, w, 8, own.map_len()), Some(dup), status(), "our own region");
+        bad(10, msg_for(&dup, 10, w, 8, own.map_len()), Some(dup), status(), "our own region");
         // A file of hugetlbfs (it may fault when its pool runs dry) is refused where the
         // system has one; not shared memory of tmpfs either: a regular file.
         let plain =
             std::fs::File::create(std::env::temp_dir().join(format!("rdmakit-grant-{}", std::process::id())))
                 .unwrap();
         plain.set_len(PAGE as u64).unwrap();
-        bad(11, msg(11, w, 8, PAGE), Some(OwnedFd::from(plain)), status(), "not shared memory");
+        let plain = OwnedFd::from(plain);
+        bad(11, msg_for(&plain, 11, w, 8, PAGE), Some(plain), status(), "not shared memory");
         let _ =
             std::fs::remove_file(std::env::temp_dir().join(format!("rdmakit-grant-{}", std::process::id())));
-        // A refusal is taken, once.
+        // A refusal is taken, once, and the key not asked for again.
         t.asked(12);
         t.insert(GrantMsg { access: 0, ..msg(12, w, 0, 0) }, None, None).unwrap();
         assert!(t.insert(GrantMsg { access: 0, ..msg(12, w, 0, 0) }, None, None).is_err());
@@ -851,6 +989,7 @@ mod tests {
             map_len: PAGE as u64,
             slot: 3,
             tag: 99,
+            ino: ino(&region),
         };
         t.insert(m, Some(reopen_read_only(&region).unwrap()), Some(reopen_read_only(&peer_status).unwrap()))
             .unwrap();
@@ -886,9 +1025,46 @@ mod tests {
         unsafe { libc::munmap(st.as_ptr().cast(), STATUS_LEN) };
     }
 
+    /// What no peer can do whatever descriptor it holds: map the status file, or a region
+    /// that takes no remote writes, writable (sealed `F_SEAL_FUTURE_WRITE`; a reopen of the
+    /// read-only descriptor for writing is refused too).
+    #[test]
+    fn sealed_files_cannot_be_mapped_writable_by_anyone() {
+        let ro_region = RegionFile::create(100, false).expect("a region file");
+        let ro = ro_region.fd_for(AccessFlags::REMOTE_READ).unwrap();
+        let path =
+            |fd: &OwnedFd| std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        for (fd, len) in [(&ro, ro_region.map_len()), (&status().unwrap().ro, STATUS_LEN)] {
+            assert!(map_shared(fd, len, true).is_err(), "mapped writable through the read-only descriptor");
+            // SAFETY: a NUL-terminated path; valid flags.
+            let rw = unsafe { libc::open(path(fd).as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+            if rw >= 0 {
+                // SAFETY: a fresh descriptor, now owned.
+                let rw = unsafe { OwnedFd::from_raw_fd(rw) };
+                assert!(map_shared(&rw, len, true).is_err(), "mapped writable after a reopen");
+            }
+        }
+        // The owner's own mapping still writes.
+        let v = 7u64;
+        // SAFETY: the region's mapping, 8 bytes of it, written by its owner.
+        unsafe {
+            crate::shared_mem::copy(
+                crate::shared_mem::Src::Private((&raw const v).cast()),
+                crate::shared_mem::Dst::Shared(ro_region.ptr()),
+                8,
+            )
+        };
+        // A region that takes remote writes can be mapped writable by a grantee.
+        let rw_region = RegionFile::create(100, true).expect("a region file");
+        let fd = rw_region.fd_for(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ).unwrap();
+        let m = map_shared(&fd, rw_region.map_len(), true).unwrap();
+        // SAFETY: mapped just above.
+        unsafe { libc::munmap(m.as_ptr().cast(), rw_region.map_len()) };
+    }
+
     #[test]
     fn region_files_hold_their_tag_while_registered() {
-        let f = RegionFile::create(100).expect("a region file");
+        let f = RegionFile::create(100, true).expect("a region file");
         let (slot, tag) = f.slot_tag();
         let st = status().unwrap();
         assert_eq!(st.slot(slot).load(Ordering::Acquire), tag);
@@ -897,7 +1073,7 @@ mod tests {
         // A read-only descriptor cannot be mapped for writing.
         let ro = f.fd_for(AccessFlags::REMOTE_READ).unwrap();
         assert!(map_shared(&ro, f.map_len(), true).is_err());
-        let g = RegionFile::create(100).expect("a region file");
+        let g = RegionFile::create(100, true).expect("a region file");
         assert_ne!(g.slot_tag().1, tag, "tags are never reused");
     }
 }

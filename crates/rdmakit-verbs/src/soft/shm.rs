@@ -212,6 +212,8 @@ pub(crate) struct ShmConn {
     fds: std::collections::VecDeque<OwnedFd>,
     /// The peer passed descriptors it must not have.
     bad_fds: bool,
+    /// Descriptors were dropped (see `lose_fds`).
+    fds_lost: bool,
     /// The wire's loop looks at this ring on each of its turns until it sleeps, so a read
     /// that finds it empty does not ask the peer for a doorbell (see [`ShmConn::set_polled`]).
     polled: bool,
@@ -351,6 +353,7 @@ impl ShmConn {
             requester,
             fds: Default::default(),
             bad_fds: false,
+            fds_lost: false,
             polled: false,
         }
     }
@@ -592,11 +595,19 @@ impl ShmConn {
             self.bad_fds = true;
             return;
         }
-        if truncated || self.fds.len() + fds.len() > MAX_STASHED {
+        if self.fds_lost || truncated || self.fds.len() + fds.len() > MAX_STASHED {
             tracing::debug!(fds = fds.len(), truncated, "soft NIC: descriptors from a responder dropped");
+            self.lose_fds();
             return;
         }
         self.fds.extend(fds);
+    }
+
+    /// Descriptors were dropped: the pairing of those to come with their frames (by order
+    /// alone) is lost, so none is taken any more (the link's later grants are not taken).
+    fn lose_fds(&mut self) {
+        self.fds_lost = true;
+        self.fds.clear();
     }
 
     /// The next descriptor the peer passed (a grant's memfd, sent just before its frame):
@@ -604,7 +615,7 @@ impl ShmConn {
     /// such). `None` if it has not come, or the peer passed what it must not.
     pub(crate) fn take_fd(&mut self) -> Option<OwnedFd> {
         for _ in 0..16 {
-            if self.bad_fds {
+            if self.bad_fds || self.fds_lost {
                 return None;
             }
             if let Some(fd) = self.fds.pop_front() {
@@ -618,16 +629,18 @@ impl ShmConn {
                     return None;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return None,
+                Err(_) => break,
             }
         }
+        // Not there when it must be (it was sent before its frame): out of step for good.
+        self.lose_fds();
         None
     }
 
-    /// Sends a grant's memfd and this process's life page to the peer with one doorbell
+    /// Sends a grant's memfd and this process's status file to the peer with one doorbell
     /// byte, before the grant's frame.
-    pub(crate) fn pass_grant(&self, region: &OwnedFd, life: &OwnedFd) -> io::Result<()> {
-        send_fds(self.sock.as_raw_fd(), &[region.as_raw_fd(), life.as_raw_fd()])
+    pub(crate) fn pass_grant(&self, region: &OwnedFd, status: &OwnedFd) -> io::Result<()> {
+        send_fds(self.sock.as_raw_fd(), &[region.as_raw_fd(), status.as_raw_fd()])
     }
 
     /// The responder QP's gate in this connection's control page (device side).
@@ -676,14 +689,15 @@ struct Received {
 /// descriptors of two sends in one call.
 fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    const MAX_FDS: usize = 4;
-    let mut cbuf = [0u64; 8 + MAX_FDS];
+    // A header (16 bytes) and 20 descriptors.
+    const CBUF_WORDS: usize = 12;
+    let mut cbuf = [0u64; CBUF_WORDS];
     // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &raw mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = size_of::<[u64; 8 + MAX_FDS]>() as _;
+    msg.msg_controllen = size_of::<[u64; CBUF_WORDS]>() as _;
     // SAFETY: `msg` points at live locals and `buf` of the lengths it states;
     // MSG_CMSG_CLOEXEC: no descriptor leaks into children; MSG_DONTWAIT: never blocks.
     let n = unsafe { libc::recvmsg(sock, &raw mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
@@ -768,6 +782,11 @@ fn file_id(st: &libc::stat) -> (u64, u64) {
 
 fn ours(st: &libc::stat) -> bool {
     OURS.lock().expect("memfd registry").contains(&file_id(st))
+}
+
+/// Whether the file with identity `id` (device, inode) is one of this process's rings.
+pub(crate) fn is_ours(id: (u64, u64)) -> bool {
+    OURS.lock().expect("memfd registry").contains(&id)
 }
 
 /// Forgets a memfd of ours once its mapping is gone.

@@ -1726,6 +1726,7 @@ impl EventLoop {
                                 map_len,
                                 slot,
                                 tag,
+                                ino,
                             }))) => {
                                 // The files came before the frame. A link dialed again may
                                 // have fallen back to TCP, where a grant has none: it is
@@ -1735,14 +1736,17 @@ impl EventLoop {
                                     Conn::Shm(sc) if access != 0 => (sc.take_fd(), sc.take_fd()),
                                     _ => (None, None),
                                 };
-                                let msg = direct::GrantMsg { rkey, access, addr, len, map_len, slot, tag };
+                                let msg =
+                                    direct::GrantMsg { rkey, access, addr, len, map_len, slot, tag, ino };
                                 let taken = c.shared.grants.lock().expect("grants").insert(msg, fd, status);
                                 if let Err(e) = taken {
                                     warn_limited!(error = %e, "soft NIC: a key grant not taken; that key stays on the ring");
                                 }
-                                // Accesses waiting for the answer go now (directly or not).
+                                // Accesses waiting for the answer go now (directly or not),
+                                // run by the timer thread: the QP's lock may be held by a
+                                // thread making a bulk copy, which the loop must not wait for.
                                 match c.qp.upgrade() {
-                                    Some(qp) => qp.kick(),
+                                    Some(qp) => qp.kick_soon(),
                                     None => return false,
                                 }
                             }
@@ -1866,7 +1870,7 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
 /// doorbell socket first, or a refusal (over TCP, past the grant bound, a key the QP does
 /// not admit, or a socket that cannot take the descriptor now).
 fn grant(s: &mut ServedConn, rkey: u32) -> Frame {
-    let refused = Frame::KeyGrant { rkey, access: 0, addr: 0, len: 0, map_len: 0, slot: 0, tag: 0 };
+    let refused = Frame::KeyGrant { rkey, access: 0, addr: 0, len: 0, map_len: 0, slot: 0, tag: 0, ino: 0 };
     let Conn::Shm(sc) = &s.io.s else { return refused };
     if s.grants >= direct::MAX_GRANTS {
         return refused;
@@ -2167,8 +2171,10 @@ impl TcpLink {
         let mut grants = self.shared.grants.lock().expect("grants");
         match grants.target(rkey, addr, len, need) {
             Ok(t) => {
+                // Outside the table's lock (the wire's loop takes it to add grants); `t`
+                // keeps the mapping while the copy runs.
+                drop(grants);
                 if let Some(copy) = copy {
-                    // Under the table's lock: the mapping stays while the copy runs.
                     copy(t.ptr);
                     direct::count_placement();
                 }

@@ -1,6 +1,8 @@
 //! The soft NIC's timers: one background thread that wakes QPs whose head request is
-//! waiting for a retry (RNR NAK back-off, transport timeout), as an HCA's timers would.
-//! Everything else happens on the threads that post and poll.
+//! waiting for a retry (RNR NAK back-off, transport timeout), as an HCA's timers would, or
+//! for a same-host grant (its deadline, its answer, or a bulk direct copy the wire's loop
+//! leaves to this thread: `super::direct`). Everything else happens on the threads that
+//! post and poll.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

@@ -63,8 +63,9 @@ pub enum Frame {
     /// [`AccessFlags`](crate::AccessFlags)) is 0 for a refusal; otherwise the region's memfd
     /// (`map_len` bytes, the region's `len` bytes addressed from `addr` at offset 0) and the
     /// responder's status file came on the doorbell socket just before this frame; the
-    /// status file's word `slot` holds `tag` while the region is registered.
-    KeyGrant { rkey: u32, access: u32, addr: u64, len: u64, map_len: u64, slot: u32, tag: u64 },
+    /// status file's word `slot` holds `tag` while the region is registered; `ino` is the
+    /// region file's inode (the requester checks the descriptor it took is that file).
+    KeyGrant { rkey: u32, access: u32, addr: u64, len: u64, map_len: u64, slot: u32, tag: u64, ino: u64 },
 }
 
 /// Why bytes are not a valid frame.
@@ -240,9 +241,10 @@ pub fn decode_payload(k: u8, p: &[u8]) -> Result<Frame, WireError> {
             let (rkey, access) = (r.u32().ok_or_else(bad)?, r.u32().ok_or_else(bad)?);
             let (addr, len, map_len) =
                 (r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?);
-            let (slot, tag) = (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?);
+            let (slot, tag, ino) =
+                (r.u32().ok_or_else(bad)?, r.u64().ok_or_else(bad)?, r.u64().ok_or_else(bad)?);
             r.end().ok_or_else(bad)?;
-            Frame::KeyGrant { rkey, access, addr, len, map_len, slot, tag }
+            Frame::KeyGrant { rkey, access, addr, len, map_len, slot, tag, ino }
         }
         other => return Err(WireError::UnknownKind(other)),
     };
@@ -333,7 +335,7 @@ pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
             out.extend_from_slice(&rkey.to_le_bytes());
             kind::KEY_REQUEST
         }
-        Frame::KeyGrant { rkey, access, addr, len, map_len, slot, tag } => {
+        Frame::KeyGrant { rkey, access, addr, len, map_len, slot, tag, ino } => {
             out.extend_from_slice(&rkey.to_le_bytes());
             out.extend_from_slice(&access.to_le_bytes());
             out.extend_from_slice(&addr.to_le_bytes());
@@ -341,6 +343,7 @@ pub fn encode_split<'f>(f: &'f Frame, out: &mut Vec<u8>) -> &'f [u8] {
             out.extend_from_slice(&map_len.to_le_bytes());
             out.extend_from_slice(&slot.to_le_bytes());
             out.extend_from_slice(&tag.to_le_bytes());
+            out.extend_from_slice(&ino.to_le_bytes());
             kind::KEY_GRANT
         }
     };
@@ -364,7 +367,7 @@ pub fn check_length(k: u8, len: u32) -> Result<(), WireError> {
         kind::CMP_SWAP => 4 + 8 + 4 + 8 + 8,
         kind::RNR_NAK => 4,
         kind::KEY_REQUEST => 4,
-        kind::KEY_GRANT => 4 + 4 + 8 + 8 + 8 + 4 + 8,
+        kind::KEY_GRANT => 4 + 4 + 8 + 8 + 8 + 4 + 8 + 8,
         kind::WRITE | kind::SEND | kind::ACK => {
             let fixed = data_offset(k).expect("a data-carrying kind");
             return match len_us.checked_sub(fixed) {
@@ -477,7 +480,8 @@ mod tests {
                     len,
                     map_len,
                     slot,
-                    tag
+                    tag,
+                    ino: tag ^ 0x5a5a
                 }),
         ]
     }
@@ -535,7 +539,7 @@ mod tests {
             Frame::Ack { psn: 1, status: 10, data: vec![1, 2] },
             Frame::RnrNak { psn: u32::MAX },
             Frame::KeyRequest { rkey: 0xdead_beef },
-            Frame::KeyGrant { rkey: 1, access: 2, addr: 3, len: 4, map_len: 8192, slot: 5, tag: 6 },
+            Frame::KeyGrant { rkey: 1, access: 2, addr: 3, len: 4, map_len: 8192, slot: 5, tag: 6, ino: 7 },
         ];
         let mut buf = Vec::new();
         for f in &frames {

@@ -592,8 +592,14 @@ impl SoftQp {
         self.kick();
     }
 
+    /// Runs the send queue again soon, on the timer thread (from a thread that must not
+    /// wait for the send-queue lock).
+    pub(crate) fn kick_soon(&self) {
+        self.schedule(Instant::now());
+    }
+
     /// Runs the send queue again (after an event that may let its head go).
-    pub(crate) fn kick(&self) {
+    fn kick(&self) {
         let mut d = Deferred::default();
         {
             let mut sq = self.sq.lock().expect("sq lock");

@@ -96,6 +96,7 @@ impl SoftQp {
             map_len: file.map_len() as u64,
             slot,
             tag,
+            ino: file.ino(),
         };
         Some((frame, fd))
     }
