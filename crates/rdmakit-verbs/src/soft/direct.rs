@@ -571,6 +571,8 @@ pub(crate) struct GrantTable {
     /// Keys refused (or whose grant was not taken), not asked for again; the oldest are
     /// forgotten beyond [`MAX_REFUSED`].
     refused: std::collections::VecDeque<u32>,
+    /// The same keys, looked up on every access to a key without a grant.
+    refused_set: rustc_hash::FxHashSet<u32>,
     status: Option<PeerStatus>,
 }
 
@@ -653,7 +655,7 @@ impl GrantTable {
             return Err(match self.asked.iter().find(|a| a.rkey == rkey) {
                 Some(a) if a.at.elapsed() < GRANT_WAIT => Miss::Wait(a.at + GRANT_WAIT),
                 Some(_) => Miss::Ring,
-                None if self.refused.contains(&rkey) => Miss::Ring,
+                None if self.refused_set.contains(&rkey) => Miss::Ring,
                 None if unanswered < MAX_UNANSWERED && self.grants.len() + unanswered < MAX_GRANTS => {
                     Miss::Ask
                 }
@@ -699,8 +701,13 @@ impl GrantTable {
     /// Remembers a key not to ask for again (the oldest forgotten beyond [`MAX_REFUSED`]:
     /// asked again, and refused again).
     fn refuse(&mut self, rkey: u32) {
-        if self.refused.len() >= MAX_REFUSED {
-            self.refused.pop_front();
+        if !self.refused_set.insert(rkey) {
+            return;
+        }
+        if self.refused.len() >= MAX_REFUSED
+            && let Some(old) = self.refused.pop_front()
+        {
+            self.refused_set.remove(&old);
         }
         self.refused.push_back(rkey);
     }

@@ -2132,7 +2132,7 @@ impl TcpLink {
     /// Whether an access could be placed directly once what is before it is answered
     /// (`Ok`); asks for a grant of the key if none was asked for (`Wait` then).
     pub fn can_place(&self, rkey: u32, addr: u64, len: u64, need: crate::AccessFlags) -> Result<(), Miss> {
-        self.direct_access(rkey, addr, len, need, None::<fn(*mut u8)>)
+        self.direct_access(rkey, addr, len, need, None::<fn(*mut u8) -> bool>)
     }
 
     /// Places a write or read of `len` bytes at `addr` of key `rkey` directly (see
@@ -2149,7 +2149,7 @@ impl TcpLink {
         addr: u64,
         len: u64,
         need: crate::AccessFlags,
-        copy: impl FnOnce(*mut u8),
+        copy: impl FnOnce(*mut u8) -> bool,
     ) -> Result<(), Miss> {
         self.direct_access(rkey, addr, len, need, Some(copy))
     }
@@ -2160,7 +2160,7 @@ impl TcpLink {
         addr: u64,
         len: u64,
         need: crate::AccessFlags,
-        copy: Option<impl FnOnce(*mut u8)>,
+        copy: Option<impl FnOnce(*mut u8) -> bool>,
     ) -> Result<(), Miss> {
         // The gate: set up once the peer accepted our Hello, open while its QP serves this
         // link. A responder that does not know direct placement never opens it, so it is
@@ -2175,7 +2175,9 @@ impl TcpLink {
                 // keeps the mapping while the copy runs.
                 drop(grants);
                 if let Some(copy) = copy {
-                    copy(t.ptr);
+                    if !copy(t.ptr) {
+                        return Err(Miss::Ring);
+                    }
                     direct::count_placement();
                 }
                 Ok(())

@@ -60,8 +60,10 @@ impl SoftQp {
     pub(super) fn place_direct(&self, link: &TcpLink, wr: &RawSendWr<'_>) -> std::result::Result<(), Miss> {
         let Some(need) = direct_need(wr) else { return Err(Miss::Ring) };
         let len = wr.len();
-        let Ok(local) = self.resolve_local(wr) else { return Err(Miss::Ring) };
         link.place_direct(wr.rkey, wr.remote_addr, u64::from(len), need, |target| {
+            // The local buffer is resolved once a grant was found: an access left to the
+            // ring resolves it there, once.
+            let Ok(local) = self.resolve_local(wr) else { return false };
             // SAFETY: `target` is the checked range of a live grant's mapping, `len` bytes,
             // kept mapped while this runs; `local` is the checked local buffer (or inline
             // bytes) of `len` bytes, kept alive by `local.entry` or borrowed for this call.
@@ -73,6 +75,7 @@ impl SoftQp {
                     shared_mem::copy(Src::Shared(target), Dst::Shared(local.ptr), len as usize);
                 }
             }
+            true
         })
     }
 
