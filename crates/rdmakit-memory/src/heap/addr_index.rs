@@ -25,7 +25,9 @@ const NONE: u64 = u64::MAX;
 ///
 /// Every class above `n`'s holds only ranges of more than `n` bytes, so the lowest of them
 /// that fits is the lowest address in all those classes: the rest of `n`'s group and the
-/// groups above, a few dozen words in a row. In `n`'s own class, shorter ranges sit beside
+/// groups above. Bit masks of the non-empty classes of each group, and of the non-empty
+/// groups, let a lookup visit only those (a few, where ranges are few; at most one word per
+/// class of the group and per group). In `n`'s own class, shorter ranges sit beside
 /// longer ones: it is scanned in address order, up to the address the classes above offer
 /// (O(log n) everywhere else, but that scan is as long as the class has shorter ranges
 /// below the answer). An update touches one class, and the table only when it changes the
@@ -39,6 +41,22 @@ pub(super) struct AddrIndex {
     lowest: Box<[u64; GROUPS * GROUP]>,
     /// The lowest of each group's `lowest`.
     group_lowest: [u64; GROUPS],
+    /// Bit `c` of word `g` set iff class `g * GROUP + c` is non-empty.
+    classes: [u32; GROUPS],
+    /// Bit `g` set iff group `g` is non-empty.
+    groups: u32,
+}
+
+// The masks' widths.
+const _: () = assert!(GROUP == 32 && GROUPS <= 32);
+
+/// The set bits of `bits`, lowest first.
+fn bits_of(mut bits: u32) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let b = bits.trailing_zeros() as usize;
+        bits &= bits.wrapping_sub(1);
+        (b < 32).then_some(b)
+    })
 }
 
 impl AddrIndex {
@@ -47,7 +65,37 @@ impl AddrIndex {
             bins: vec![Bin::EMPTY; BINS],
             lowest: Box::new([NONE; GROUPS * GROUP]),
             group_lowest: [NONE; GROUPS],
+            classes: [0; GROUPS],
+            groups: 0,
         }
+    }
+
+    /// Sets class `b`'s lowest last address (or [`NONE`]) and its bit.
+    fn set_lowest(&mut self, b: usize, v: u64) {
+        self.lowest[b] = v;
+        let bit = 1 << (b % GROUP);
+        if v == NONE {
+            self.classes[b / GROUP] &= !bit;
+        } else {
+            self.classes[b / GROUP] |= bit;
+        }
+    }
+
+    /// Sets group `g`'s lowest last address (or [`NONE`]) and its bit.
+    fn set_group(&mut self, g: usize, v: u64) {
+        self.group_lowest[g] = v;
+        if v == NONE {
+            self.groups &= !(1 << g);
+        } else {
+            self.groups |= 1 << g;
+        }
+    }
+
+    /// The lowest of group `g`'s classes from `from` (a class of the group) on, and the
+    /// class holding it (`(NONE, 0)` if none).
+    fn group_min_from(&self, g: usize, from: usize) -> (u64, usize) {
+        let mask = self.classes[g] & (u32::MAX << (from % GROUP));
+        bits_of(mask).map(|c| (self.lowest[g * GROUP + c], g * GROUP + c)).min().unwrap_or((NONE, 0))
     }
 
     /// The lowest range of at least `n` bytes (`n > 0`), as `(slot, end, len)`.
@@ -75,9 +123,10 @@ impl AddrIndex {
     /// which is scanned (this serves statistics and error reports, not allocation).
     pub(super) fn largest(&self) -> u64 {
         // The highest non-empty group, then its highest non-empty class: two short scans.
-        let Some(g) = self.group_lowest.iter().rposition(|&v| v != NONE) else { return 0 };
-        let at = self.lowest[g * GROUP..][..GROUP].iter().rposition(|&v| v != NONE);
-        let b = g * GROUP + at.expect("a non-empty group has a non-empty class");
+        let Some(g) = self.groups.checked_ilog2() else { return 0 };
+        let g = g as usize;
+        let at = self.classes[g].checked_ilog2().expect("a non-empty group has a non-empty class");
+        let b = g * GROUP + at as usize;
         self.bins[b].iter().map(|e| e.len).max().expect("a non-empty class")
     }
 
@@ -86,9 +135,11 @@ impl AddrIndex {
         let b = bin_of(len);
         self.bins[b].insert(AddrEntry { end, len, slot });
         if end - 1 < self.lowest[b] {
-            self.lowest[b] = end - 1;
-            let g = &mut self.group_lowest[b / GROUP];
-            *g = (*g).min(end - 1);
+            self.set_lowest(b, end - 1);
+            let g = b / GROUP;
+            if end - 1 < self.group_lowest[g] {
+                self.set_group(g, end - 1);
+            }
         }
     }
 
@@ -97,24 +148,37 @@ impl AddrIndex {
         let b = bin_of(len);
         self.bins[b].remove(AddrEntry { end, len, slot });
         if end - 1 == self.lowest[b] {
-            self.lowest[b] = self.bins[b].first().map_or(NONE, |e| e.end - 1);
+            self.set_lowest(b, self.bins[b].first().map_or(NONE, |e| e.end - 1));
             let g = b / GROUP;
             if end - 1 == self.group_lowest[g] {
-                self.group_lowest[g] =
-                    self.lowest[g * GROUP..][..GROUP].iter().copied().min().unwrap_or(NONE);
+                self.set_group(g, self.group_min_from(g, 0).0);
             }
         }
     }
 
-    /// The range ending at `end` (slot `slot`) went from `old` to `new` bytes, its end (and
-    /// so its place in address order) unchanged: in place if its class is unchanged.
-    pub(super) fn resize(&mut self, slot: usize, end: u64, old: u64, new: u64) {
-        let (from, to) = (bin_of(old), bin_of(new));
-        if from == to {
-            self.bins[from].replace(AddrEntry { end, len: old, slot }, AddrEntry { end, len: new, slot });
-        } else {
-            self.remove(slot, end, old);
-            self.insert(slot, end, new);
+    /// The range in slot `slot` went from `(end, len)` `old` to `new`, with no other range
+    /// between its two ends, so that its place in address order is unchanged: in place if
+    /// its class is unchanged.
+    pub(super) fn replace(&mut self, slot: usize, old: (u64, u64), new: (u64, u64)) {
+        let ((old_end, old_len), (new_end, new_len)) = (old, new);
+        let b = bin_of(old_len);
+        if b != bin_of(new_len) {
+            self.remove(slot, old_end, old_len);
+            self.insert(slot, new_end, new_len);
+            return;
+        }
+        let (old_entry, new_entry) =
+            (AddrEntry { end: old_end, len: old_len, slot }, AddrEntry { end: new_end, len: new_len, slot });
+        self.bins[b].replace(old_entry, new_entry);
+        if old_end != new_end && self.lowest[b] == old_end - 1 {
+            // Still its class's lowest (its place is unchanged), at another address.
+            self.lowest[b] = new_end - 1; // still non-empty
+            let g = b / GROUP;
+            if new_end < old_end {
+                self.group_lowest[g] = self.group_lowest[g].min(new_end - 1);
+            } else if self.group_lowest[g] == old_end - 1 {
+                self.group_lowest[g] = self.group_min_from(g, 0).0;
+            }
         }
     }
 
@@ -125,22 +189,19 @@ impl AddrIndex {
         if g >= GROUPS {
             return (NONE, 0);
         }
-        // The rest of `from`'s group, then the groups above (plain minima of words, which
-        // vectorise; no two classes hold the same address, but several may hold none).
-        let rest = &self.lowest[from..(g + 1) * GROUP];
-        let here = rest.iter().copied().min().unwrap_or(NONE);
-        let above = self.group_lowest[g + 1..].iter().copied().min().unwrap_or(NONE);
-        if here == NONE && above == NONE {
-            return (NONE, 0);
+        // The rest of `from`'s group, then the groups above: only the non-empty ones (no
+        // two classes hold the same address).
+        let here = self.group_min_from(g, from);
+        let above = bits_of(self.groups & !(u32::MAX >> (31 - g)))
+            .map(|h| (self.group_lowest[h], h))
+            .min()
+            .unwrap_or((NONE, 0));
+        if here.0 <= above.0 {
+            return here;
         }
-        if here <= above {
-            return (here, from + rest.iter().position(|&x| x == here).expect("the minimum is there"));
-        }
-        let h = g
-            + 1
-            + self.group_lowest[g + 1..].iter().position(|&x| x == above).expect("the minimum is there");
-        let at = self.lowest[h * GROUP..][..GROUP].iter().position(|&x| x == above);
-        (above, h * GROUP + at.expect("a group's lowest is one of its classes'"))
+        let (v, h) = above;
+        let at = bits_of(self.classes[h]).find(|&c| self.lowest[h * GROUP + c] == v);
+        (v, h * GROUP + at.expect("a group's lowest is one of its classes'"))
     }
 
     /// Every `(end, len, slot)` in address order, after checking each entry's class and the
@@ -153,7 +214,15 @@ impl AddrIndex {
             out.extend(bin.iter().inspect(|e| assert_eq!(bin_of(e.len), b)).map(|e| (e.end, e.len, e.slot)));
         }
         assert!(self.lowest[BINS..].iter().all(|&v| v == NONE));
+        for b in 0..GROUPS * GROUP {
+            assert_eq!(
+                self.classes[b / GROUP] >> (b % GROUP) & 1 == 1,
+                self.lowest[b] != NONE,
+                "class {b}'s bit"
+            );
+        }
         for (g, &v) in self.group_lowest.iter().enumerate() {
+            assert_eq!(self.groups >> g & 1 == 1, v != NONE, "group {g}'s bit");
             assert_eq!(
                 v,
                 self.lowest[g * GROUP..][..GROUP].iter().copied().min().unwrap_or(NONE),
@@ -171,9 +240,10 @@ mod tests {
     use std::collections::BTreeMap;
 
     /// Against a plain map from end to `(len, slot)`, through thousands of random inserts,
-    /// removals and resizes (within a class and across classes): the same ranges, the table
-    /// exact, and `first_fit` the first entry in address order that fits, for every query,
-    /// including sizes in a class that also holds shorter ranges. (Too slow for Miri.)
+    /// removals, resizes and moves of a range's end past no other range (within a class and
+    /// across classes): the same ranges, the table exact, and `first_fit` the first entry in
+    /// address order that fits, for every query, including sizes in a class that also holds
+    /// shorter ranges. (Too slow for Miri.)
     #[test]
     #[cfg_attr(miri, ignore)]
     fn first_fit_matches_a_scan_in_address_order() {
@@ -206,10 +276,23 @@ mod tests {
                     reference.remove(&end);
                     free_slots.push(slot);
                 }
-                (Some((old, slot)), _) => {
+                (Some((old, slot)), 1) => {
                     let new = len(&mut rand);
-                    idx.resize(slot, end, old, new);
+                    idx.replace(slot, (end, old), (end, new));
                     reference.insert(end, (new, slot));
+                }
+                (Some((old, slot)), _) => {
+                    // Its end moves (as when a free extends the range before it), up or
+                    // down but past no other range, and its length changes.
+                    let new_end = (end + rand() % 64).saturating_sub(32).max(1);
+                    let (lo, hi) = (end.min(new_end), end.max(new_end));
+                    if reference.range(lo..=hi).count() > 1 {
+                        continue;
+                    }
+                    let new = len(&mut rand);
+                    idx.replace(slot, (end, old), (new_end, new));
+                    reference.remove(&end);
+                    reference.insert(new_end, (new, slot));
                 }
             }
             if step % 97 == 0 {
@@ -238,7 +321,7 @@ mod tests {
         idx.remove(1, 1 << 63, u64::MAX >> 1);
         assert_eq!(idx.first_fit(8), Some((0, u64::MAX, 16)));
         assert_eq!(idx.largest(), 16);
-        idx.resize(0, u64::MAX, 16, 8);
+        idx.replace(0, (u64::MAX, 16), (u64::MAX, 8));
         assert_eq!((idx.first_fit(9), idx.first_fit(8)), (None, Some((0, u64::MAX, 8))));
         assert_eq!(idx.entries(), [(u64::MAX, 8, 0)]);
 
@@ -248,7 +331,7 @@ mod tests {
         idx.insert(0, u64::MAX, u64::MAX);
         assert_eq!((bin_of(u64::MAX), bin_of(1 << 63)), (BINS - 1, BINS - 16));
         assert_eq!((idx.first_fit(u64::MAX), idx.largest()), (Some((0, u64::MAX, u64::MAX)), u64::MAX));
-        idx.resize(0, u64::MAX, u64::MAX, 1 << 63);
+        idx.replace(0, (u64::MAX, u64::MAX), (u64::MAX, 1 << 63));
         assert_eq!((idx.first_fit(u64::MAX), idx.first_fit(1 << 63)), (None, Some((0, u64::MAX, 1 << 63))));
         assert_eq!(idx.largest(), 1 << 63);
         idx.insert(1, 1 << 62, 8);

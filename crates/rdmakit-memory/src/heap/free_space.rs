@@ -76,9 +76,9 @@ pub(super) fn bin_of(len: u64) -> usize {
 }
 
 /// A size index entry: a free range of `len` bytes ending at `end`, in arena slot `slot`.
-/// Ordered by length, then address (ends of disjoint ranges are distinct, so the slot
-/// never decides).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// Ordered, and equal, by length then address ([`key`](Self::key)); ends of disjoint
+/// ranges are distinct, so two entries of one index never differ by their slot alone.
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Entry {
     len: u64,
     end: u64,
@@ -89,6 +89,32 @@ impl Entry {
     /// Below every entry of `len` bytes or more.
     const fn floor(len: u64) -> Entry {
         Entry { len, end: 0, slot: 0 }
+    }
+
+    /// Length and end as one number: the bins' searches compare it in one step, with no
+    /// branch on whether the lengths were equal.
+    fn key(&self) -> u128 {
+        u128::from(self.len) << 64 | u128::from(self.end)
+    }
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for Entry {}
+
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Entry {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key().cmp(&other.key())
     }
 }
 
@@ -174,6 +200,33 @@ impl<T: Ord + Copy> Bin<T> {
         }
     }
 
+    /// Replaces `old` by `new`, which may sort elsewhere: in a vector, the entries between
+    /// the two places shift by one (one move, where a removal and an insertion make two).
+    pub(super) fn reorder(&mut self, old: T, new: T) {
+        match self {
+            Bin::Few(v) => {
+                let found = v.binary_search(&old);
+                debug_assert!(found.is_ok(), "reordering an entry the bin does not hold");
+                let Ok(i) = found else { return };
+                // Where `new` goes among the others: `old` is at `i`, so search either side.
+                if new > old {
+                    let j = i + v[i + 1..].partition_point(|x| *x < new);
+                    v.copy_within(i + 1..=j, i);
+                    v[j] = new;
+                } else {
+                    let j = v[..i].partition_point(|x| *x < new);
+                    v.copy_within(j..i, j + 1);
+                    v[j] = new;
+                }
+            }
+            Bin::Many(set) => {
+                let found = set.remove(&old);
+                debug_assert!(found, "reordering an entry the bin does not hold");
+                set.insert(new);
+            }
+        }
+    }
+
     /// The entries in order.
     pub(super) fn iter(&self) -> impl Iterator<Item = T> + '_ {
         let (few, many) = match self {
@@ -247,6 +300,17 @@ impl SizeIndex {
             if self.occupied[b / 64] == 0 {
                 self.summary &= !(1 << (b / 64));
             }
+        }
+    }
+
+    /// The range of entry `old` is now `new` (same slot, `new.len > 0`): moved within its
+    /// bin if its class is unchanged.
+    fn replace(&mut self, old: Entry, new: Entry) {
+        if bin_of(old.len) == bin_of(new.len) {
+            self.bins[bin_of(new.len)].reorder(old, new);
+        } else {
+            self.remove(old);
+            self.insert(new);
         }
     }
 
@@ -382,10 +446,9 @@ impl FreeSpace {
             (Some(b), None) => {
                 // Extends the range before: its end, and so its key, moves to `end`.
                 let merged_start = self.arena[b].start;
-                self.index_remove(start - merged_start, start, b);
                 self.by_end.remove(&start);
                 self.by_end.insert(end, b);
-                self.index_insert(end - merged_start, end, b);
+                self.index_move(start - merged_start, start, b, end - merged_start, end);
             }
             (None, Some((after_end, a))) => {
                 self.arena[a].start = start;
@@ -464,16 +527,16 @@ impl FreeSpace {
     /// its slot is changed in place, and the address map touched only if it is used up.
     fn take_entry(&mut self, e: Entry, n: u64) -> Taken {
         let idx = self.by_size.as_mut().expect("taken through the size index");
-        idx.remove(e);
         let span = &mut self.arena[e.slot];
         let Span { start, seg } = *span;
         debug_assert_eq!(e.end - start, e.len, "size index and ranges agree");
         if n == e.len {
+            idx.remove(e);
             self.by_end.remove(&e.end);
             self.vacant.push(e.slot);
         } else {
             span.start = start + n;
-            idx.insert(Entry { len: e.len - n, ..e });
+            idx.replace(e, Entry { len: e.len - n, ..e });
         }
         self.bytes -= n;
         Taken { addr: start, seg }
@@ -529,12 +592,21 @@ impl FreeSpace {
     /// The range ending at `end` (slot `slot`) went from `old` to `new` bytes, its end
     /// unchanged.
     fn index_resize(&mut self, old: u64, end: u64, slot: usize, new: u64) {
+        self.index_move(old, end, slot, new, end);
+    }
+
+    /// The range in slot `slot`, `old_len` bytes ending at `old_end`, grew or shrank to
+    /// `new_len` bytes ending at `new_end`, with no other range between its two ends (so
+    /// its place in address order is unchanged).
+    fn index_move(&mut self, old_len: u64, old_end: u64, slot: usize, new_len: u64, new_end: u64) {
         if let Some(idx) = &mut self.by_size {
-            idx.remove(Entry { len: old, end, slot });
-            idx.insert(Entry { len: new, end, slot });
+            idx.replace(
+                Entry { len: old_len, end: old_end, slot },
+                Entry { len: new_len, end: new_end, slot },
+            );
         }
         if let Some(idx) = &mut self.by_addr {
-            idx.resize(slot, end, old, new);
+            idx.replace(slot, (old_end, old_len), (new_end, new_len));
         }
     }
 }
@@ -727,6 +799,29 @@ mod tests {
             assert_eq!(matches!(bin, Bin::Few(_)), left <= BIN_VEC / 2, "with {left} left");
         }
         assert!(bin.is_empty() && bin.first().is_none());
+    }
+
+    /// Moving an entry whose length changed, within a vector bin and within a set bin, to
+    /// either side and to both ends, keeps the bin in order with every other entry in it.
+    #[test]
+    fn reordering_an_entry_keeps_its_bin_sorted() {
+        for count in [1u64, 2, 5, BIN_VEC as u64 + 3] {
+            let entries: Vec<Entry> =
+                (0..count).map(|i| Entry { len: 100 + 10 * i, end: 8 * i, slot: i as usize }).collect();
+            for (k, &old) in entries.iter().enumerate() {
+                for len in [1, 99, 105, 100 + 10 * count, u64::MAX] {
+                    let mut bin = Bin::Few(Vec::new());
+                    entries.iter().for_each(|&e| bin.insert(e));
+                    assert_eq!(matches!(bin, Bin::Many(_)), count > BIN_VEC as u64);
+                    let new = Entry { len, ..old };
+                    bin.reorder(old, new);
+                    let mut want = entries.clone();
+                    want[k] = new;
+                    want.sort_unstable();
+                    assert_eq!(bin.entries(), want, "{count} entries, entry {k} to {len}");
+                }
+            }
+        }
     }
 
     /// A peer's frees can leave a great many ranges of one length: their bin is a B-tree

@@ -51,7 +51,8 @@
 //! walks from the cursor's range to the first that fits (usually the cursor's own, which
 //! it carves in place; O(n) at worst). First-fit asks the address index (the size index's
 //! classes, each in address order, with each class's and each group of 32 classes' lowest
-//! address): a few dozen words compared, then a scan of the requested size's own class up
+//! address, and masks of the non-empty ones): the non-empty classes of one group and the
+//! non-empty groups compared (at most a few dozen words), then a scan of the requested size's own class up
 //! to what the classes above offer. That scan passes the class's shorter ranges below the
 //! answer, so it is O(n) at worst too (the owner's frees decide what the ranges are: a peer
 //! can leave many ranges of one class just short of a size below a range that holds it).
