@@ -767,8 +767,9 @@ impl Drop for Inner {
     /// executed: like a socket's close, the end lingers until they have completed (a fence,
     /// then the QP kept alive until nothing is outstanding), for at most [`LINGER`]. On a
     /// tokio runtime that is a task of its own holding the QP, its CQ and connection, so a
-    /// peer that never answers cannot block the code dropping the pipe; elsewhere the
-    /// dropping thread waits.
+    /// peer that never answers cannot block the code dropping the pipe (in event mode it
+    /// sleeps on the CQ, in busy mode it polls as the pipe did); elsewhere the dropping
+    /// thread waits, sleeping between polls.
     fn drop(&mut self) {
         // Only an inline rwrite not yet followed by a completed signalled request; then a
         // fence, in the same critical section.
@@ -780,6 +781,7 @@ impl Drop for Inner {
             return;
         }
         let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
+        let mode = self.driver.mode();
         // The CQ is this pipe's alone (`Pipe::connect`): its completions can be discarded.
         let drained = move || {
             let mut wcs = [WorkCompletion::default(); 8];
@@ -789,18 +791,56 @@ impl Drop for Inner {
         let deadline = std::time::Instant::now() + LINGER;
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
+                let cq = self.driver.cq().clone();
                 rt.spawn(async move {
-                    while !drained() && std::time::Instant::now() < deadline {
-                        tokio::task::yield_now().await;
-                    }
+                    linger(drained, &cq, mode, deadline).await;
                     drop(conn);
                 });
             }
             Err(_) => {
-                while !drained() && std::time::Instant::now() < deadline {
-                    std::thread::yield_now();
+                // No runtime to wait on: the dropping thread sleeps between polls, a
+                // little longer each time (a NIC completes within microseconds; a peer
+                // that never answers then costs a few hundred wake-ups, not a core).
+                let mut pause = Duration::from_micros(10);
+                while !drained() {
+                    let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+                        break;
+                    };
+                    std::thread::sleep(pause.min(left));
+                    pause = (pause * 2).min(Duration::from_millis(5));
                 }
             }
+        }
+    }
+}
+
+/// A dropped end's linger on a runtime: until `drained` (which reaps `cq`) says nothing is
+/// outstanding, or `deadline`. In busy mode it polls between yields, as the pipe's own
+/// waits do; in event mode it sleeps on `cq`'s completions (the pipe's own waits need the
+/// runtime's timer there too), so that a peer that never answers costs no CPU.
+async fn linger(
+    mut drained: impl FnMut() -> bool,
+    cq: &CompletionQueue,
+    mode: PollMode,
+    deadline: std::time::Instant,
+) {
+    match mode {
+        PollMode::Busy => {
+            while !drained() && std::time::Instant::now() < deadline {
+                tokio::task::yield_now().await;
+            }
+        }
+        PollMode::Event => {
+            let wait = async {
+                // A completion is what can change `drained`'s answer; `next` takes one
+                // (discarded: the CQ is the pipe's alone) and `drained` the rest.
+                while !drained() {
+                    if cq.next().await.is_err() {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout_at(deadline.into(), wait).await;
         }
     }
 }
@@ -1245,6 +1285,41 @@ impl Drop for RecvGuard {
     fn drop(&mut self) {
         if !self.released {
             self.pipe.release(self.addr);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmakit_verbs::Context;
+
+    /// A dropped end whose requests never complete (a peer that never answers) lingers
+    /// without spinning in event mode: it looks again only when a completion arrives, so
+    /// here, with none, once; in busy mode it polls until the deadline.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_event_mode_linger_sleeps_until_its_deadline() {
+        let cq = Context::open_soft().create_cq(8).expect("cq");
+        for (mode, most) in [(PollMode::Event, 2), (PollMode::Busy, usize::MAX)] {
+            let mut looks = 0usize;
+            let start = std::time::Instant::now();
+            let deadline = start + Duration::from_millis(100);
+            linger(
+                || {
+                    looks += 1;
+                    false
+                },
+                &cq,
+                mode,
+                deadline,
+            )
+            .await;
+            assert!(start.elapsed() >= Duration::from_millis(100), "{mode:?}: ended before its deadline");
+            assert!(looks <= most, "{mode:?}: looked {looks} times");
+            assert!(looks >= 1, "{mode:?}: never looked");
+            if mode == PollMode::Busy {
+                assert!(looks > 100, "busy mode polls until the deadline: {looks} looks");
+            }
         }
     }
 }
