@@ -1,5 +1,7 @@
 //! The allocating side of a remote heap.
 
+use std::collections::VecDeque;
+
 use super::free_space::FreeSpace;
 use super::segments::SegmentTable;
 use super::wire::{AllocAck, FreeBatch};
@@ -35,10 +37,11 @@ pub struct HeapAllocator {
     free: FreeSpace,
     /// Next-fit's roving cursor: the end of the previous allocation.
     cursor: u64,
-    /// Immediate mode: blocks handed out and not yet acknowledged, by address (disjoint, so
-    /// a binary search finds a block, or the one a freed range would overlap). Each is an
-    /// allocation awaiting its round trip, so there are few.
-    pending: Vec<RemoteBlock>,
+    /// Immediate mode: blocks handed out and not yet acknowledged, in the order they were
+    /// (acknowledgements come back in that order over an RC connection, so the one
+    /// confirmed is the first, and an allocation or a confirmation moves nothing). Each is
+    /// an allocation awaiting its round trip, so there are few.
+    pending: VecDeque<RemoteBlock>,
     /// Sequence number of the next free batch to apply.
     next_batch: u64,
 }
@@ -51,7 +54,7 @@ impl HeapAllocator {
             segments: SegmentTable::default(),
             free: FreeSpace::new(config.policy().index_kind()),
             cursor: 0,
-            pending: Vec::new(),
+            pending: VecDeque::new(),
             next_batch: 0,
         }
     }
@@ -108,8 +111,7 @@ impl HeapAllocator {
         let block = RemoteBlock { addr: taken.addr, len: n, rkey, segment: taken.seg };
         self.cursor = block.end();
         if self.config.sync() == SyncMode::Immediate {
-            let i = self.pending.partition_point(|b| b.addr < block.addr);
-            self.pending.insert(i, block);
+            self.pending.push_back(block);
         }
         Ok(block)
     }
@@ -144,7 +146,7 @@ impl HeapAllocator {
             .filter(|&i| self.pending[i].len == ack.len)
             .ok_or(HeapError::NotPending { addr: ack.addr })?;
         self.apply_free_batch(&ack.freed)?;
-        Ok(self.pending.remove(i))
+        Ok(self.pending.remove(i).expect("found above"))
     }
 
     /// Immediate mode: gives back a pending block the owner **refused** (its
@@ -152,7 +154,7 @@ impl HeapAllocator {
     /// Never cancel a block whose notice may have been accepted.
     pub fn cancel(&mut self, addr: u64) -> Result<(), HeapError> {
         let i = self.pending_index(addr).ok_or(HeapError::NotPending { addr })?;
-        let block = self.pending.remove(i);
+        let block = self.pending.remove(i).expect("found above");
         self.free.insert(block.addr, block.end(), block.segment).expect("a pending block is not free");
         Ok(())
     }
@@ -162,9 +164,10 @@ impl HeapAllocator {
         self.pending_index(addr).is_some()
     }
 
-    /// The index in `pending` of the block at `addr`.
+    /// The index in `pending` of the block at `addr`: the first, usually (see `pending`);
+    /// else a scan of the few others.
     fn pending_index(&self, addr: u64) -> Option<usize> {
-        self.pending.binary_search_by_key(&addr, |b| b.addr).ok()
+        self.pending.iter().position(|b| b.addr == addr)
     }
 
     /// Number of blocks waiting for the owner's acknowledgement.
@@ -190,17 +193,22 @@ impl HeapAllocator {
             return Ok(());
         }
         let mask = self.config.align() - 1;
-        for r in batch.ranges() {
+        let ranges = batch.ranges();
+        for r in ranges {
             let end = r.addr + r.len; // FreeBatch guarantees no overflow
             if (r.addr | r.len) & mask != 0 || self.segments.find(r.addr, end).is_none() {
                 return Err(HeapError::InvalidBlock { addr: r.addr, len: r.len });
             }
-            // The lowest pending block ending after the range's start overlaps it if it
-            // begins before the range's end.
-            let first_after = self.pending.partition_point(|b| b.end() <= r.addr);
-            if let Some(b) = self.pending.get(first_after).filter(|b| b.addr < end) {
-                return Err(HeapError::NotPending { addr: b.addr });
-            }
+        }
+        // No range may free a pending block (the lowest overlapped is named). The ranges are
+        // sorted and disjoint (FreeBatch guarantees it): the first ending after a block's
+        // start overlaps it if it begins before the block's end.
+        let overlapped = self.pending.iter().filter(|b| {
+            let first_after = ranges.partition_point(|r| r.addr + r.len <= b.addr);
+            ranges.get(first_after).is_some_and(|r| r.addr < b.end())
+        });
+        if let Some(addr) = overlapped.map(|b| b.addr).min() {
+            return Err(HeapError::NotPending { addr });
         }
         for (i, r) in batch.ranges().iter().enumerate() {
             let (addr, end) = (r.addr, r.addr + r.len);

@@ -60,7 +60,10 @@
 //! fit: bins by size class, exact below 16 bytes and 16 per power of two above, with a
 //! bitmap of the non-empty ones; a lookup is a few bit operations and a search in one bin,
 //! O(log n) at worst) and carve it without searching the address map. Applying a free batch
-//! costs O(log n) per range, `register`, `rfree` and batching O(log m) per block.
+//! costs O(log n) per range, `register`, `rfree` and batching O(log m) per block. With p
+//! blocks pending (immediate mode), an acknowledgement in allocation order is found at
+//! once (out of order, in O(p)), and a batch of b ranges is checked against them in
+//! O(p log b).
 //! `benches/heap_alloc.rs` measures them under a realistic size mix.
 //!
 //! # Example
