@@ -99,11 +99,6 @@ impl<S: Controlled> Driver<S> {
         &self.cq
     }
 
-    /// How this driver waits.
-    pub(crate) fn mode(&self) -> PollMode {
-        self.mode
-    }
-
     /// Runs `f` on the state (never across an await).
     pub(crate) fn with<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());

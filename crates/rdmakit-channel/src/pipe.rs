@@ -765,11 +765,11 @@ const LINGER: Duration = Duration::from_secs(1);
 impl Drop for Inner {
     /// Inline rwrites resolve when posted, and destroying the QP would discard any not yet
     /// executed: like a socket's close, the end lingers until they have completed (a fence,
-    /// then the QP kept alive until nothing is outstanding), for at most [`LINGER`]. On a
-    /// tokio runtime that is a task of its own holding the QP, its CQ and connection, so a
-    /// peer that never answers cannot block the code dropping the pipe (in event mode it
-    /// sleeps on the CQ, in busy mode it polls as the pipe did); elsewhere the dropping
-    /// thread waits, sleeping between polls.
+    /// then the QP kept alive until nothing is outstanding), for at most [`LINGER`],
+    /// sleeping on the CQ's completion channel. On a tokio runtime that is a task of the
+    /// runtime's blocking pool holding the QP, its CQ and connection, so a peer that never
+    /// answers cannot block the code dropping the pipe (a runtime shut down meanwhile waits
+    /// for it, up to [`LINGER`]); elsewhere the dropping thread waits.
     fn drop(&mut self) {
         // Only an inline rwrite not yet followed by a completed signalled request; then a
         // fence, in the same critical section.
@@ -781,66 +781,58 @@ impl Drop for Inner {
             return;
         }
         let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
-        let mode = self.driver.mode();
         // The CQ is this pipe's alone (`Pipe::connect`): its completions can be discarded.
-        let drained = move || {
-            let mut wcs = [WorkCompletion::default(); 8];
-            while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
-            qp.outstanding().0 == 0
+        let drained = {
+            let cq = cq.clone();
+            move || {
+                let mut wcs = [WorkCompletion::default(); 8];
+                while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
+                qp.outstanding().0 == 0
+            }
         };
         let deadline = std::time::Instant::now() + LINGER;
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let cq = self.driver.cq().clone();
-                rt.spawn(async move {
-                    linger(drained, &cq, mode, deadline).await;
-                    drop(conn);
-                });
-            }
+            // The runtime's blocking pool, which every runtime has (no timer, no reactor
+            // needed): the task holds the QP, CQ and connection until it ends.
+            Ok(rt) => drop(rt.spawn_blocking(move || {
+                linger(drained, &cq, deadline);
+                drop(conn);
+            })),
             Err(_) => {
-                // No runtime to wait on: the dropping thread sleeps between polls, a
-                // little longer each time (a NIC completes within microseconds; a peer
-                // that never answers then costs a few hundred wake-ups, not a core).
-                let mut pause = Duration::from_micros(10);
-                while !drained() {
-                    let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
-                        break;
-                    };
-                    std::thread::sleep(pause.min(left));
-                    pause = (pause * 2).min(Duration::from_millis(5));
-                }
+                linger(drained, &cq, deadline);
             }
         }
     }
 }
 
-/// A dropped end's linger on a runtime: until `drained` (which reaps `cq`) says nothing is
-/// outstanding, or `deadline`. In busy mode it polls between yields, as the pipe's own
-/// waits do; in event mode it sleeps on `cq`'s completions (the pipe's own waits need the
-/// runtime's timer there too), so that a peer that never answers costs no CPU.
-async fn linger(
-    mut drained: impl FnMut() -> bool,
-    cq: &CompletionQueue,
-    mode: PollMode,
-    deadline: std::time::Instant,
-) {
-    match mode {
-        PollMode::Busy => {
-            while !drained() && std::time::Instant::now() < deadline {
-                tokio::task::yield_now().await;
-            }
+/// A dropped end's linger: until `drained` (which reaps `cq`) says nothing is outstanding,
+/// or `deadline`. It sleeps on `cq`'s completion channel, waking on a completion (taken and
+/// discarded; `drained` reaps the rest); if the channel fails, it polls with sleeps
+/// doubling from 10 µs to 5 ms. It never spins, whatever the pipe's poll mode: a drop needs
+/// no low latency, and a peer that never answers then costs no CPU. Returns how many times
+/// it asked `drained`.
+fn linger(mut drained: impl FnMut() -> bool, cq: &CompletionQueue, deadline: std::time::Instant) -> usize {
+    let mut looks = 0;
+    let mut channel = true;
+    let mut pause = Duration::from_micros(10);
+    loop {
+        looks += 1;
+        if drained() {
+            return looks;
         }
-        PollMode::Event => {
-            let wait = async {
-                // A completion is what can change `drained`'s answer; `next` takes one
-                // (discarded: the CQ is the pipe's alone) and `drained` the rest.
-                while !drained() {
-                    if cq.next().await.is_err() {
-                        break;
-                    }
+        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { return looks };
+        if channel {
+            match cq.wait(Some(left)) {
+                Ok(_) => {}
+                Err(rdmakit_verbs::Error::Timeout(_)) => return looks,
+                Err(e) => {
+                    tracing::debug!(error = %e, "a dropped pipe end's CQ cannot be waited on: polling");
+                    channel = false;
                 }
-            };
-            let _ = tokio::time::timeout_at(deadline.into(), wait).await;
+            }
+        } else {
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(Duration::from_millis(5));
         }
     }
 }
@@ -1294,32 +1286,52 @@ mod tests {
     use super::*;
     use rdmakit_verbs::Context;
 
-    /// A dropped end whose requests never complete (a peer that never answers) lingers
-    /// without spinning in event mode: it looks again only when a completion arrives, so
-    /// here, with none, once; in busy mode it polls until the deadline.
-    #[tokio::test(flavor = "current_thread")]
-    async fn an_event_mode_linger_sleeps_until_its_deadline() {
-        let cq = Context::open_soft().create_cq(8).expect("cq");
-        for (mode, most) in [(PollMode::Event, 2), (PollMode::Busy, usize::MAX)] {
-            let mut looks = 0usize;
-            let start = std::time::Instant::now();
-            let deadline = start + Duration::from_millis(100);
-            linger(
-                || {
-                    looks += 1;
-                    false
-                },
-                &cq,
-                mode,
-                deadline,
-            )
-            .await;
-            assert!(start.elapsed() >= Duration::from_millis(100), "{mode:?}: ended before its deadline");
-            assert!(looks <= most, "{mode:?}: looked {looks} times");
-            assert!(looks >= 1, "{mode:?}: never looked");
-            if mode == PollMode::Busy {
-                assert!(looks > 100, "busy mode polls until the deadline: {looks} looks");
+    /// A dropped end whose requests never complete (a peer that never answers) sleeps until
+    /// its deadline, looking once; one whose request completes later returns then, woken
+    /// by the completion, not by polling.
+    #[test]
+    fn a_linger_sleeps_until_a_completion_or_its_deadline() {
+        let ctx = Context::open_soft();
+        let cq = ctx.create_cq(8).expect("cq");
+        let start = std::time::Instant::now();
+        let looks = linger(|| false, &cq, start + Duration::from_millis(100));
+        assert!(start.elapsed() >= Duration::from_millis(100), "ended before its deadline");
+        assert!(looks <= 2, "looked {looks} times");
+
+        // A write completes 50 ms in: the linger ends then, long before its deadline.
+        let pd = ctx.alloc_pd().expect("pd");
+        let caps = rdmakit_verbs::QpCaps::default();
+        let (a, b) = (pd.create_qp(&cq, &cq, caps).expect("qp"), pd.create_qp(&cq, &cq, caps).expect("qp"));
+        let opts = rdmakit_verbs::ConnectOptions::default();
+        a.connect(&b.address().expect("address"), &opts).expect("connect");
+        b.connect(&a.address().expect("address"), &opts).expect("connect");
+        let (src, dst) = (
+            pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
+            pd.alloc_mr(8, AccessFlags::ALL_REMOTE).expect("mr"),
+        );
+        let posted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let poster = std::thread::spawn({
+            let (a, posted) = (a.clone(), posted.clone());
+            let wr = SendWr::write(src.local().expect("local"), dst.remote().slice(0, 8).expect("remote"));
+            move || {
+                std::thread::sleep(Duration::from_millis(50));
+                a.post_send(wr).expect("post");
+                posted.store(true, std::sync::atomic::Ordering::SeqCst);
             }
-        }
+        });
+        let start = std::time::Instant::now();
+        let mut wcs = [WorkCompletion::default(); 8];
+        let looks = linger(
+            || {
+                let done = posted.load(std::sync::atomic::Ordering::SeqCst);
+                while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
+                done && a.outstanding().0 == 0
+            },
+            &cq,
+            start + Duration::from_secs(5),
+        );
+        poster.join().expect("poster");
+        assert!(start.elapsed() < Duration::from_secs(2), "slept to its deadline: {:?}", start.elapsed());
+        assert!(looks <= 4, "looked {looks} times: it polled instead of sleeping on the channel");
     }
 }
