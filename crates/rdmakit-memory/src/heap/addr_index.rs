@@ -307,6 +307,69 @@ mod tests {
         }
     }
 
+    /// Moves of a range's end past no other range (what a free extending the range before
+    /// it does) keep the tables exact, through every branch of `replace`: across classes,
+    /// within a class, as its class's lowest, and as its group's lowest moving up (which
+    /// recomputes the group). Few ranges over a wide space, so that most moves pass no
+    /// other; each kind of move is counted. (Too slow for Miri.)
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn moves_of_a_ranges_end_keep_the_tables_exact() {
+        let mut idx = AddrIndex::new();
+        let mut reference: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for slot in 0..32 {
+            let (end, len) = (1 + rand() % (1 << 16), 1 + rand() % 120);
+            if reference.insert(end, (len, slot)).is_none() {
+                idx.insert(slot, end, len);
+            }
+        }
+        // [across classes, within a class, as its class's lowest, as its group's lowest
+        // moving up]
+        let mut seen = [0usize; 4];
+        for step in 0..20_000 {
+            let k = (rand() % reference.len() as u64) as usize;
+            let (&end, &(len, slot)) = reference.iter().nth(k).expect("k < len");
+            let d = 1 + rand() % 8;
+            let new_end = if rand() % 2 == 0 { end + d } else { end.saturating_sub(d).max(1) };
+            let (lo, hi) = (end.min(new_end), end.max(new_end));
+            if new_end == end || reference.range(lo..=hi).count() > 1 {
+                continue;
+            }
+            let new_len = if rand() % 4 == 0 { 1 + rand() % 120 } else { len.max(2) - 1 + rand() % 3 };
+            let b = bin_of(len);
+            let lowest = |same: &dyn Fn(u64) -> bool| {
+                reference.iter().filter(|(_, (l, _))| same(*l)).map(|(&e, _)| e).min()
+            };
+            if bin_of(new_len) != b {
+                seen[0] += 1;
+            } else {
+                seen[1] += 1;
+                if lowest(&|l| bin_of(l) == b) == Some(end) {
+                    seen[2] += 1;
+                }
+                if lowest(&|l| bin_of(l) / GROUP == b / GROUP) == Some(end) && new_end > end {
+                    seen[3] += 1;
+                }
+            }
+            idx.replace(slot, (end, len), (new_end, new_len));
+            reference.remove(&end);
+            reference.insert(new_end, (new_len, slot));
+            let want: Vec<_> = reference.iter().map(|(&e, &(l, s))| (e, l, s)).collect();
+            assert_eq!(idx.entries(), want, "step {step}");
+            let n = 1 + rand() % 128;
+            let first = reference.iter().find(|(_, (l, _))| *l >= n).map(|(&e, &(l, s))| (s, e, l));
+            assert_eq!(idx.first_fit(n), first, "step {step}, n {n}");
+        }
+        assert!(seen.iter().all(|&c| c > 100), "each kind of move, counted: {seen:?}");
+    }
+
     /// The edges: a range ending at the top of the address space, sizes in the highest
     /// classes (the last group, which is partial), and an empty index.
     #[test]

@@ -665,6 +665,13 @@ mod tests {
             for e in idx.bins.iter().flat_map(Bin::entries) {
                 assert_eq!(f.by_end.get(&e.end), Some(&e.slot));
             }
+            // The bitmap and its summary name exactly the non-empty bins.
+            for (b, bin) in idx.bins.iter().enumerate() {
+                assert_eq!(idx.occupied[b / 64] >> (b % 64) & 1 == 1, !bin.is_empty(), "bin {b}");
+            }
+            for (w, &word) in idx.occupied.iter().enumerate() {
+                assert_eq!(idx.summary >> w & 1 == 1, word != 0, "word {w}");
+            }
         }
     }
 
