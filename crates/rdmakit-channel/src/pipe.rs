@@ -1288,7 +1288,8 @@ mod tests {
 
     /// A dropped end whose requests never complete (a peer that never answers) sleeps until
     /// its deadline, looking once; one whose request completes later returns then, woken
-    /// by the completion, not by polling.
+    /// by the completion, not by polling. (What `drained` checks is what the drop checks:
+    /// the QP's outstanding requests, after reaping.)
     #[test]
     fn a_linger_sleeps_until_a_completion_or_its_deadline() {
         let ctx = Context::open_soft();
@@ -1298,40 +1299,41 @@ mod tests {
         assert!(start.elapsed() >= Duration::from_millis(100), "ended before its deadline");
         assert!(looks <= 2, "looked {looks} times");
 
-        // A write completes 50 ms in: the linger ends then, long before its deadline.
+        // A send waits for a receive the peer posts 50 ms in (the requester retries on
+        // "receiver not ready"): the linger ends at its completion, long before its deadline.
         let pd = ctx.alloc_pd().expect("pd");
         let caps = rdmakit_verbs::QpCaps::default();
         let (a, b) = (pd.create_qp(&cq, &cq, caps).expect("qp"), pd.create_qp(&cq, &cq, caps).expect("qp"));
-        let opts = rdmakit_verbs::ConnectOptions::default();
+        let opts = rdmakit_verbs::ConnectOptions::default(); // retries "not ready" for ever
         a.connect(&b.address().expect("address"), &opts).expect("connect");
         b.connect(&a.address().expect("address"), &opts).expect("connect");
         let (src, dst) = (
             pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
-            pd.alloc_mr(8, AccessFlags::ALL_REMOTE).expect("mr"),
+            pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
         );
-        let posted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        a.post_send(SendWr::send(src.local().expect("local"))).expect("post");
+        let start = std::time::Instant::now();
         let poster = std::thread::spawn({
-            let (a, posted) = (a.clone(), posted.clone());
-            let wr = SendWr::write(src.local().expect("local"), dst.remote().slice(0, 8).expect("remote"));
+            let recv = rdmakit_verbs::RecvWr::new(dst.local().expect("local"));
             move || {
                 std::thread::sleep(Duration::from_millis(50));
-                a.post_send(wr).expect("post");
-                posted.store(true, std::sync::atomic::Ordering::SeqCst);
+                b.post_recv(recv).expect("post_recv");
+                b
             }
         });
-        let start = std::time::Instant::now();
         let mut wcs = [WorkCompletion::default(); 8];
         let looks = linger(
             || {
-                let done = posted.load(std::sync::atomic::Ordering::SeqCst);
                 while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
-                done && a.outstanding().0 == 0
+                a.outstanding().0 == 0
             },
             &cq,
             start + Duration::from_secs(5),
         );
-        poster.join().expect("poster");
-        assert!(start.elapsed() < Duration::from_secs(2), "slept to its deadline: {:?}", start.elapsed());
+        let elapsed = start.elapsed();
+        drop(poster.join().expect("poster"));
+        assert!(elapsed >= Duration::from_millis(50), "ended before the send completed: {elapsed:?}");
+        assert!(elapsed < Duration::from_secs(2), "slept to its deadline: {elapsed:?}");
         assert!(looks <= 4, "looked {looks} times: it polled instead of sleeping on the channel");
     }
 }
