@@ -64,17 +64,16 @@ impl SoftQp {
             // The local buffer is resolved once a grant was found: an access left to the
             // ring resolves it there, once.
             let Ok(local) = self.resolve_local(wr) else { return false };
+            // Both sides are shared memory, copied byte-wise atomically, the last word last.
+            let (src, dst) = if need == AccessFlags::REMOTE_WRITE {
+                (local.src, Dst::Shared(target))
+            } else {
+                (Src::Shared(target), Dst::Shared(local.ptr))
+            };
             // SAFETY: `target` is the checked range of a live grant's mapping, `len` bytes,
             // kept mapped while this runs; `local` is the checked local buffer (or inline
             // bytes) of `len` bytes, kept alive by `local.entry` or borrowed for this call.
-            // Both are shared memory, copied byte-wise atomically, the last word last.
-            unsafe {
-                if need == AccessFlags::REMOTE_WRITE {
-                    shared_mem::copy(local.src, Dst::Shared(target), len as usize);
-                } else {
-                    shared_mem::copy(Src::Shared(target), Dst::Shared(local.ptr), len as usize);
-                }
-            }
+            unsafe { shared_mem::copy(src, dst, len as usize) };
             true
         })
     }
