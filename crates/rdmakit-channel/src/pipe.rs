@@ -781,43 +781,36 @@ impl Drop for Inner {
             return;
         }
         let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
-        // The CQ is this pipe's alone (`Pipe::connect`): its completions can be discarded.
-        let drained = {
-            let cq = cq.clone();
-            move || {
-                let mut wcs = [WorkCompletion::default(); 8];
-                while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
-                qp.outstanding().0 == 0
-            }
-        };
         let deadline = std::time::Instant::now() + LINGER;
         match tokio::runtime::Handle::try_current() {
             // The runtime's blocking pool, which every runtime has (no timer, no reactor
             // needed): the task holds the QP, CQ and connection until it ends.
             Ok(rt) => drop(rt.spawn_blocking(move || {
-                linger(drained, &cq, deadline);
+                linger(&qp, &cq, deadline);
                 drop(conn);
             })),
             Err(_) => {
-                linger(drained, &cq, deadline);
+                linger(&qp, &cq, deadline);
             }
         }
     }
 }
 
-/// A dropped end's linger: until `drained` (which reaps `cq`) says nothing is outstanding,
-/// or `deadline`. It sleeps on `cq`'s completion channel, waking on a completion (taken and
-/// discarded; `drained` reaps the rest); if the channel fails, it polls with sleeps
-/// doubling from 10 µs to 5 ms. It never spins, whatever the pipe's poll mode: a drop needs
-/// no low latency, and a peer that never answers then costs no CPU. Returns how many times
-/// it asked `drained`.
-fn linger(mut drained: impl FnMut() -> bool, cq: &CompletionQueue, deadline: std::time::Instant) -> usize {
+/// A dropped end's linger: until `qp` has nothing outstanding once `cq` is reaped (the CQ
+/// is the pipe's alone, `Pipe::connect`: its completions can be discarded), or `deadline`.
+/// It sleeps on `cq`'s completion channel, waking on a completion; if the channel fails, it
+/// polls with sleeps doubling from 10 µs to 5 ms. It never spins, whatever the pipe's poll
+/// mode: a drop needs no low latency, and a peer that never answers then costs no CPU.
+/// Returns how many times it looked.
+fn linger(qp: &QueuePair, cq: &CompletionQueue, deadline: std::time::Instant) -> usize {
     let mut looks = 0;
     let mut channel = true;
     let mut pause = Duration::from_micros(10);
+    let mut wcs = [WorkCompletion::default(); 8];
     loop {
         looks += 1;
-        if drained() {
+        while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
+        if qp.outstanding().0 == 0 {
             return looks;
         }
         let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { return looks };
@@ -1286,21 +1279,14 @@ mod tests {
     use super::*;
     use rdmakit_verbs::Context;
 
-    /// A dropped end whose requests never complete (a peer that never answers) sleeps until
-    /// its deadline, looking once; one whose request completes later returns then, woken
-    /// by the completion, not by polling. (What `drained` checks is what the drop checks:
-    /// the QP's outstanding requests, after reaping.)
+    /// A dropped end whose request never completes (a peer that never answers: here a send
+    /// the peer has no receive for, which the requester retries on "receiver not ready")
+    /// sleeps until its deadline, looking once; once the peer posts the receive 50 ms in,
+    /// the linger returns at the send's completion, woken by it, not by polling.
     #[test]
     fn a_linger_sleeps_until_a_completion_or_its_deadline() {
         let ctx = Context::open_soft();
         let cq = ctx.create_cq(8).expect("cq");
-        let start = std::time::Instant::now();
-        let looks = linger(|| false, &cq, start + Duration::from_millis(100));
-        assert!(start.elapsed() >= Duration::from_millis(100), "ended before its deadline");
-        assert!(looks <= 2, "looked {looks} times");
-
-        // A send waits for a receive the peer posts 50 ms in (the requester retries on
-        // "receiver not ready"): the linger ends at its completion, long before its deadline.
         let pd = ctx.alloc_pd().expect("pd");
         let caps = rdmakit_verbs::QpCaps::default();
         let (a, b) = (pd.create_qp(&cq, &cq, caps).expect("qp"), pd.create_qp(&cq, &cq, caps).expect("qp"));
@@ -1312,6 +1298,13 @@ mod tests {
             pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
         );
         a.post_send(SendWr::send(src.local().expect("local"))).expect("post");
+
+        let start = std::time::Instant::now();
+        let looks = linger(&a, &cq, start + Duration::from_millis(100));
+        assert!(start.elapsed() >= Duration::from_millis(100), "ended before its deadline");
+        assert!(looks <= 2, "looked {looks} times");
+        assert_eq!(a.outstanding().0, 1, "the send completed without a receive");
+
         let start = std::time::Instant::now();
         let poster = std::thread::spawn({
             let recv = rdmakit_verbs::RecvWr::new(dst.local().expect("local"));
@@ -1321,15 +1314,7 @@ mod tests {
                 b
             }
         });
-        let mut wcs = [WorkCompletion::default(); 8];
-        let looks = linger(
-            || {
-                while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
-                a.outstanding().0 == 0
-            },
-            &cq,
-            start + Duration::from_secs(5),
-        );
+        let looks = linger(&a, &cq, start + Duration::from_secs(5));
         let elapsed = start.elapsed();
         drop(poster.join().expect("poster"));
         assert!(elapsed >= Duration::from_millis(50), "ended before the send completed: {elapsed:?}");
