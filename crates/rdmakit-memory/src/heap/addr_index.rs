@@ -172,12 +172,12 @@ impl AddrIndex {
         self.bins[b].replace(old_entry, new_entry);
         if old_end != new_end && self.lowest[b] == old_end - 1 {
             // Still its class's lowest (its place is unchanged), at another address.
-            self.lowest[b] = new_end - 1; // still non-empty
+            self.set_lowest(b, new_end - 1);
             let g = b / GROUP;
             if new_end < old_end {
-                self.group_lowest[g] = self.group_lowest[g].min(new_end - 1);
+                self.set_group(g, self.group_lowest[g].min(new_end - 1));
             } else if self.group_lowest[g] == old_end - 1 {
-                self.group_lowest[g] = self.group_min_from(g, 0).0;
+                self.set_group(g, self.group_min_from(g, 0).0);
             }
         }
     }
@@ -236,6 +236,7 @@ impl AddrIndex {
 
 #[cfg(test)]
 mod tests {
+    use super::super::free_space::xorshift;
     use super::*;
     use std::collections::BTreeMap;
 
@@ -250,13 +251,7 @@ mod tests {
         let mut idx = AddrIndex::new();
         let mut reference: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
         let mut free_slots: Vec<usize> = (0..256).rev().collect();
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rand = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rand = xorshift(0x2545_f491_4f6c_dd1d);
         let len = |rand: &mut dyn FnMut() -> u64| match rand() % 4 {
             0 => 1 + rand() % (1 << 20),
             1 => 1024 + rand() % 64, // one class: shorter and longer ranges side by side
@@ -317,13 +312,7 @@ mod tests {
     fn moves_of_a_ranges_end_keep_the_tables_exact() {
         let mut idx = AddrIndex::new();
         let mut reference: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rand = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rand = xorshift(0x9e37_79b9_7f4a_7c15);
         for slot in 0..32 {
             let (end, len) = (1 + rand() % (1 << 16), 1 + rand() % 120);
             if reference.insert(end, (len, slot)).is_none() {
@@ -337,12 +326,13 @@ mod tests {
             let k = (rand() % reference.len() as u64) as usize;
             let (&end, &(len, slot)) = reference.iter().nth(k).expect("k < len");
             let d = 1 + rand() % 8;
-            let new_end = if rand() % 2 == 0 { end + d } else { end.saturating_sub(d).max(1) };
+            let new_end = if rand().is_multiple_of(2) { end + d } else { end.saturating_sub(d).max(1) };
             let (lo, hi) = (end.min(new_end), end.max(new_end));
             if new_end == end || reference.range(lo..=hi).count() > 1 {
                 continue;
             }
-            let new_len = if rand() % 4 == 0 { 1 + rand() % 120 } else { len.max(2) - 1 + rand() % 3 };
+            let new_len =
+                if rand().is_multiple_of(4) { 1 + rand() % 120 } else { len.max(2) - 1 + rand() % 3 };
             let b = bin_of(len);
             let lowest = |same: &dyn Fn(u64) -> bool| {
                 reference.iter().filter(|(_, (l, _))| same(*l)).map(|(&e, _)| e).min()

@@ -629,21 +629,22 @@ fn carve_first<'a>(
     None
 }
 
+/// A seeded xorshift generator (seed not 0) for the heap's randomised tests: fixed
+/// sequences, no dependency.
+#[cfg(test)]
+pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A seeded xorshift generator (seed not 0) for the randomised tests: fixed sequences, no
-    /// dependency.
-    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-        let mut x = seed;
-        move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        }
-    }
 
     const KINDS: [IndexKind; 3] = [IndexKind::None, IndexKind::Size, IndexKind::Address];
 

@@ -52,8 +52,8 @@
 //! it carves in place; O(n) at worst). First-fit asks the address index (the size index's
 //! classes, each in address order, with each class's and each group of 32 classes' lowest
 //! address, and masks of the non-empty ones): the non-empty classes of one group and the
-//! non-empty groups compared (at most a few dozen words), then a scan of the requested size's own class up
-//! to what the classes above offer. That scan passes the class's shorter ranges below the
+//! non-empty groups compared (at most a few dozen words), then a scan of the requested
+//! size's own class up to what the classes above offer. That scan passes the class's shorter ranges below the
 //! answer, so it is O(n) at worst too (the owner's frees decide what the ranges are: a peer
 //! can leave many ranges of one class just short of a size below a range that holds it).
 //! Best-fit and worst-fit find their range through the size index (a two-level segregated
