@@ -20,8 +20,9 @@
 //! peer's end, so a dead peer is noticed at once. A doorbell is sent only when the other
 //! side asked for one: its loop found the ring empty and does not poll it, or is about to
 //! sleep. A loop polls the rings of every connection that had a turn since it last slept
-//! (NAPI's way): under load their peers post without doorbells, and the loop looks at
-//! each ring once per turn instead of taking a byte from a socket per frame. Everything
+//! (NAPI's way), and on waking those it armed for its sleep: under load their peers post
+//! without doorbells, and the loop looks at each ring once per turn (one word of its
+//! control page, through a [`Probe`]) instead of taking a byte from a socket per frame. Everything
 //! read from the shared pages is copied into private memory before it is looked at, and
 //! the peer's ring counters are checked against the ring size on every use: a hostile peer
 //! can garble only its own frames, which are then refused.
@@ -223,6 +224,26 @@ impl Tx {
     /// Marks (or clears) output the loop holds that must go before any direct post.
     pub(crate) fn set_loop_pending(&mut self, pending: bool) {
         self.loop_pending = pending;
+    }
+}
+
+/// A look at the head of the ring a connection reads, kept apart from the connection: the
+/// wire's loop scans the rings it polls through these, one word each, without reaching
+/// each connection's state.
+pub(crate) struct Probe {
+    map: Arc<Map>,
+    rx: usize,
+    /// The connection's tail when the probe was last brought up to date: never ahead of it.
+    seen: u64,
+}
+
+impl Probe {
+    /// Whether the head moved from the tail last seen: the connection may have input (or a
+    /// head out of bounds, which its read reports). The connection's own reads since the
+    /// probe was last brought up to date make this true at worst once too often, never
+    /// false when there is input.
+    pub(crate) fn moved(&self) -> bool {
+        self.map.word(self.rx, HEAD).load(Ordering::Acquire) != self.seen
     }
 }
 
@@ -500,6 +521,20 @@ impl ShmConn {
 
     pub(crate) fn is_polled(&self) -> bool {
         self.polled
+    }
+
+    /// A probe of the ring this side reads ([`Probe`]).
+    pub(crate) fn probe(&self) -> Probe {
+        Probe { map: self.map.clone(), rx: self.rx, seen: self.rx_tail }
+    }
+
+    /// Whether `p` probes this connection's ring; if so, brings it up to date.
+    pub(crate) fn sync_probe(&self, p: &mut Probe) -> bool {
+        let ours = Arc::ptr_eq(&self.map, &p.map) && p.rx == self.rx;
+        if ours {
+            p.seen = self.rx_tail;
+        }
+        ours
     }
 
     /// Whether there is input to take (or a ring error to report, which a read then does).
@@ -1055,6 +1090,65 @@ mod tests {
         assert_eq!(resp.read(&mut buf).unwrap(), 1, "what was sent before the end is still read");
         assert_eq!(resp.read(&mut buf).unwrap(), 0, "then the end");
         assert_eq!(resp.write(b"z").unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    /// Doorbell bytes waiting on `c`'s socket (not taken).
+    fn bells(c: &ShmConn) -> isize {
+        let mut peek = [0u8; 16];
+        // SAFETY: reads into a local buffer, leaving the bytes in the socket.
+        unsafe {
+            libc::recv(c.sock.as_raw_fd(), peek.as_mut_ptr().cast(), 16, libc::MSG_DONTWAIT | libc::MSG_PEEK)
+        }
+    }
+
+    #[test]
+    fn a_probe_sees_every_publish_and_stays_quiet_otherwise() {
+        let (mut req, mut resp) = pair();
+        let mut other = pair().1;
+        let mut buf = [0u8; 64];
+        let mut p = resp.probe();
+        assert!(!p.moved(), "nothing published");
+        req.write(b"abc").unwrap();
+        assert!(p.moved(), "a publish moves the head");
+        // The connection reads on its own (a doorbell's turn): the probe is behind, which
+        // costs a look, never a miss.
+        assert_eq!(resp.read(&mut buf).unwrap(), 3);
+        assert!(p.moved());
+        assert!(resp.sync_probe(&mut p));
+        assert!(!p.moved(), "up to date, nothing new");
+        req.write(b"d").unwrap();
+        assert!(p.moved());
+        // A probe is of one connection's ring: another connection neither takes it nor
+        // changes it.
+        assert!(!other.sync_probe(&mut p));
+        assert!(p.moved());
+        assert_eq!(other.read(&mut buf).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(resp.read(&mut buf).unwrap(), 1);
+        assert!(resp.sync_probe(&mut p));
+        assert!(!p.moved());
+    }
+
+    #[test]
+    fn a_ring_disarmed_after_the_loops_sleep_takes_frames_without_doorbells() {
+        let (mut req, mut resp) = pair();
+        let mut buf = [0u8; 64];
+        // The loop arms the ring before it sleeps: the first frame rings.
+        resp.set_polled(true);
+        assert!(!resp.arm(), "empty");
+        req.write(b"a").unwrap();
+        assert_eq!(bells(&resp), 1);
+        // Woken, it polls the ring again (`resume_polling`): frames come without doorbells
+        // until it arms the ring for its next sleep.
+        resp.take_doorbells(false);
+        resp.disarm();
+        for _ in 0..10 {
+            req.write(b"b").unwrap();
+        }
+        assert_eq!(bells(&resp), -1, "no doorbell while the loop polls");
+        assert_eq!(resp.read(&mut buf).unwrap(), 11);
+        assert!(!resp.arm());
+        req.write(b"c").unwrap();
+        assert_eq!(bells(&resp), 1, "armed again: the next frame rings");
     }
 
     #[test]

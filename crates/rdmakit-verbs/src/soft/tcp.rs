@@ -82,6 +82,40 @@ fn answer_delay() -> Option<Duration> {
 /// Environment variable: the address soft devices listen on (`IP` or `IP:port`).
 pub const SOFT_ADDR_ENV: &str = "RDMAKIT_SOFT_ADDR";
 
+/// Environment variable: microseconds the wire's loop keeps polling after a turn that had
+/// work before it sleeps (default [`DEFAULT_SPIN`]: it sleeps at once; at most 10,000).
+///
+/// Spinning saves the loop's sleep and wake-up, and its peers' doorbells, when traffic
+/// comes in bursts and a core is free for it: applications that wait for completions in
+/// event mode across processes gain the most (`rdmakit-perf scaling`). It is off by
+/// default because it costs CPU time, and because on a machine with fewer free cores than
+/// spinning threads (applications busy-polling their CQs, both wire loops) every thread
+/// waits whole time slices for the others: on 2 cores the test of `rdmakit-perf limits`
+/// (busy-polling latency between two processes, among others) took 12 times as long with
+/// a 100 us spin.
+pub const SPIN_ENV: &str = "RDMAKIT_SOFT_SPIN_US";
+
+/// How long the wire's loop polls after work unless [`SPIN_ENV`] says otherwise: not at
+/// all.
+pub const DEFAULT_SPIN: Duration = Duration::ZERO;
+
+/// The spin [`SPIN_ENV`] asks for, read when the wire starts.
+fn spin_window() -> Duration {
+    spin_of(std::env::var(SPIN_ENV).ok().as_deref())
+}
+
+/// The spin a value of [`SPIN_ENV`] asks for (unset: the default).
+fn spin_of(value: Option<&str>) -> Duration {
+    let Some(v) = value else { return DEFAULT_SPIN };
+    match v.trim().parse::<u64>() {
+        Ok(us) => Duration::from_micros(us.min(10_000)),
+        Err(_) => {
+            tracing::warn!(value = %v, "soft NIC: {SPIN_ENV} is not a number of microseconds; using the default");
+            DEFAULT_SPIN
+        }
+    }
+}
+
 /// A connection's whole `Hello` must arrive within this time of the connection.
 pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
 /// A complete `Hello` naming a QP that exists but is not connected yet waits this long for
@@ -383,6 +417,9 @@ const PLACE_MIN: usize = 4096;
 const SHM_READ: usize = 4096;
 /// Reads per connection per turn of the loop before the others get theirs.
 const READS_PER_TURN: usize = 8;
+/// Sleeps of the loop after which a same-host ring with no input in any of them is no
+/// longer polled on waking: it waits for its doorbell again.
+const KEEP_POLLING: u8 = 4;
 /// How often the loop checks deadlines (Hello, frame and send timeouts, gone QPs/devices).
 const SWEEP: Duration = Duration::from_millis(100);
 /// How often a complete Hello waiting for its QP asks again.
@@ -541,6 +578,9 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         polled: Vec::new(),
         listed: Vec::new(),
         polled_input: false,
+        slept: Vec::new(),
+        quiet: Vec::new(),
+        spin: spin_window(),
         rbuf: vec![0; READ_BUF],
         scratch: Vec::new(),
     };
@@ -811,11 +851,18 @@ struct EventLoop {
     redials: Vec<Redial>,
     /// Same-host connections whose rings the loop looks at on every turn until it sleeps
     /// (their peers post without doorbells meanwhile; see [`ShmConn::set_polled`]).
-    polled: Vec<usize>,
+    polled: Vec<(usize, shm::Probe)>,
     /// By slab index: in `polled` (an index is listed once, whoever holds its slot now).
     listed: Vec<bool>,
     /// The last look at the polled rings found input: no sleeping yet.
     polled_input: bool,
+    /// Polled rings armed for the loop's sleep, polled again when it wakes
+    /// ([`resume_polling`](Self::resume_polling)).
+    slept: Vec<usize>,
+    /// By slab index: the loop's sleeps since a polled ring last had input (saturating).
+    quiet: Vec<u8>,
+    /// How long the loop polls after a turn with work before it sleeps ([`SPIN_ENV`]).
+    spin: Duration,
     rbuf: Vec<u8>,
     scratch: Vec<u8>,
 }
@@ -832,6 +879,9 @@ impl EventLoop {
         let mut next_sweep = Instant::now() + SWEEP;
         let mut next_auth = Instant::now() + AUTH_RETRY;
         let mut next_idle = Instant::now() + IDLE_CHECK;
+        // Until then the loop polls instead of sleeping (its last turn with work, plus the
+        // spin window).
+        let mut spin_until = Instant::now();
         loop {
             let now = Instant::now();
             let mut until = next_sweep.min(next_auth);
@@ -845,16 +895,29 @@ impl EventLoop {
                     until = until.min(p);
                 }
             }
-            self.wire.asleep.store(true, Ordering::SeqCst);
+            // With a spin window ([`SPIN_ENV`]), work is taken to come soon after work (a
+            // peer answering, the application posting its next request): polling a while
+            // longer (yielding the core between looks) saves the sleep and wake-up, and the
+            // doorbells the armed rings would cost their producers.
+            let spinning = now < spin_until;
+            if !spinning {
+                self.wire.asleep.store(true, Ordering::SeqCst);
+            }
             let work = !self.again.is_empty() || std::mem::take(&mut self.polled_input) || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
                 !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
                     || inbox.auth
             };
+            let work = work
+                || (spinning && {
+                    std::thread::yield_now();
+                    true
+                });
             let work = work || self.arm_polled();
             let timeout = if work { Duration::ZERO } else { until.saturating_duration_since(now) };
             let polled = self.poll.poll(&mut events, Some(timeout));
             self.wire.asleep.store(false, Ordering::SeqCst);
+            self.resume_polling();
             if let Err(e) = polled {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     warn_limited!(error = %e, "soft NIC: the wire's poll failed");
@@ -874,10 +937,14 @@ impl EventLoop {
                 self.on_event(i, false, false, false);
             }
             self.poll_rings();
+            let worked = !events.is_empty() || self.polled_input || !self.again.is_empty();
             if self.wire.exit.wanted.swap(false, Ordering::SeqCst) {
                 self.flush_for_exit();
             }
             let now = Instant::now();
+            if worked {
+                spin_until = now + self.spin;
+            }
             self.resume_listeners(now);
             self.redial_due(now);
             if now >= next_auth {
@@ -940,6 +1007,7 @@ impl EventLoop {
                 c.shared.fail();
             }
         }
+        self.unlist(i);
         self.free.push(i);
     }
 
@@ -1011,6 +1079,7 @@ impl EventLoop {
             Some(mut dial) if now + dial.backoff < dial.until && !c.shared.closed.load(Ordering::Acquire) => {
                 c.io.s.deregister(self.poll.registry());
                 c.io.s.end();
+                self.unlist(i);
                 self.free.push(i);
                 let at = now + dial.backoff;
                 dial.backoff = (dial.backoff * 2).min(REDIAL_MAX);
@@ -1144,11 +1213,23 @@ impl EventLoop {
             c.set_polled(true);
             if self.listed.len() <= i {
                 self.listed.resize(i + 1, false);
+                self.quiet.resize(i + 1, 0);
             }
-            if !self.listed[i] {
-                self.listed[i] = true;
-                self.polled.push(i);
+            if self.listed[i] {
+                // Listed for a connection that held the slot before (see `unlist`).
+                self.polled.retain(|(x, _)| *x != i);
             }
+            self.listed[i] = true;
+            self.polled.push((i, c.probe()));
+            self.quiet[i] = 0;
+        }
+    }
+
+    /// Slot `i` ends: its ring is polled no more.
+    fn unlist(&mut self, i: usize) {
+        if self.listed.get(i).copied().unwrap_or(false) {
+            self.listed[i] = false;
+            self.polled.retain(|(x, _)| *x != i);
         }
     }
 
@@ -1156,7 +1237,11 @@ impl EventLoop {
     /// now: a served connection held back by answers its peer has not taken does not (it
     /// waits for the doorbell of the peer making room), or the loop would spin on it.
     fn rings(&mut self, i: usize) -> Option<(&mut ShmConn, bool)> {
-        match self.slab.get_mut(i)? {
+        Self::rings_in(&mut self.slab, i)
+    }
+
+    fn rings_in(slab: &mut [Option<Entry>], i: usize) -> Option<(&mut ShmConn, bool)> {
+        match slab.get_mut(i)? {
             Some(Entry::Served(ServedConn { io: Io { s: Conn::Shm(c), out_bytes, .. }, .. })) => {
                 Some((c, *out_bytes <= OUT_HIGH))
             }
@@ -1165,25 +1250,43 @@ impl EventLoop {
         }
     }
 
-    /// Looks at every polled ring and gives a turn to those with input.
+    /// Looks at every polled ring and gives a turn to those with input. A ring whose head
+    /// has not moved costs one word of its control page ([`shm::Probe`]): with many
+    /// connections polled, the scan is most of what the loop does between turns.
     fn poll_rings(&mut self) {
         let mut j = 0;
         while j < self.polled.len() {
-            let i = self.polled[j];
-            match self.rings(i).map(|(c, takes)| (c.is_polled(), takes && c.has_input())) {
-                Some((true, input)) => {
-                    j += 1;
-                    if input {
-                        self.polled_input = true;
-                        self.ring_turn(i);
-                    }
+            if !self.polled[j].1.moved() {
+                j += 1;
+                continue;
+            }
+            let i = self.polled[j].0;
+            let input = match Self::rings_in(&mut self.slab, i) {
+                Some((c, takes)) if c.is_polled() && c.sync_probe(&mut self.polled[j].1) => {
+                    takes && c.has_input()
                 }
                 // Ended (or its slot taken by a connection not polled): forgotten.
                 _ => {
                     self.listed[i] = false;
                     self.polled.swap_remove(j);
+                    continue;
+                }
+            };
+            if input {
+                self.polled_input = true;
+                self.quiet[i] = 0;
+                self.ring_turn(i);
+                // The turn may have ended the connection (`unlist` took its entry out,
+                // and the entries after it moved down: the one at `j` is not scanned yet).
+                if self.polled.get(j).is_none_or(|e| e.0 != i) {
+                    continue;
+                }
+                // Its reads moved the tail.
+                if let Some((c, _)) = Self::rings_in(&mut self.slab, i) {
+                    c.sync_probe(&mut self.polled[j].1);
                 }
             }
+            j += 1;
         }
     }
 
@@ -1209,7 +1312,7 @@ impl EventLoop {
     fn arm_polled(&mut self) -> bool {
         let mut input = false;
         for j in 0..self.polled.len() {
-            let i = self.polled[j];
+            let i = self.polled[j].0;
             if let Some((c, takes)) = self.rings(i)
                 && c.is_polled()
             {
@@ -1217,7 +1320,7 @@ impl EventLoop {
             }
         }
         for j in 0..self.polled.len() {
-            let i = self.polled[j];
+            let i = self.polled[j].0;
             // Only rings of this list: a slot taken since by a connection not polled has
             // its own doorbell request, which must stand.
             if let Some((c, _)) = self.rings(i)
@@ -1231,11 +1334,43 @@ impl EventLoop {
             }
         }
         if !input {
-            for i in self.polled.drain(..) {
+            for (i, _) in self.polled.drain(..) {
                 self.listed[i] = false;
+                let q = &mut self.quiet[i];
+                *q = q.saturating_add(1);
+                if *q <= KEEP_POLLING {
+                    self.slept.push(i);
+                }
             }
         }
         input
+    }
+
+    /// After the loop's sleep, however it ended: the rings it armed go back to being
+    /// polled (disarmed), unless they stayed quiet for [`KEEP_POLLING`] sleeps. Under load
+    /// a wake-up is the first of a wave (the peer posts to many connections at once); left
+    /// armed, every ring would cost its producer a doorbell (a system call) and this loop
+    /// a poll event and a read, per connection. Disarmed, they post without one and the
+    /// loop looks at each ring once per turn, as it does until it sleeps again (and arms
+    /// them first: a producer that saw the disarm posted where the loop looks).
+    fn resume_polling(&mut self) {
+        let mut slept = std::mem::take(&mut self.slept);
+        for &i in &slept {
+            // Nothing changed the slab during the sleep: `i` is the ring armed for it.
+            if let Some((c, _)) = self.rings(i)
+                && !c.is_polled()
+            {
+                c.disarm();
+                c.set_polled(true);
+                let probe = c.probe();
+                if !self.listed[i] {
+                    self.listed[i] = true;
+                    self.polled.push((i, probe));
+                }
+            }
+        }
+        slept.clear();
+        self.slept = slept;
     }
 
     // ---- the listener and unauthenticated connections ----
@@ -2682,6 +2817,16 @@ fn both_readers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_spin_window_is_read_in_microseconds_and_bounded() {
+        assert_eq!(spin_of(None), Duration::ZERO, "off unless asked for");
+        assert_eq!(spin_of(Some("0")), Duration::ZERO);
+        assert_eq!(spin_of(Some(" 250 ")), Duration::from_micros(250));
+        assert_eq!(spin_of(Some("99999999")), Duration::from_millis(10));
+        assert_eq!(spin_of(Some("fast")), DEFAULT_SPIN);
+        assert_eq!(spin_of(Some("-5")), DEFAULT_SPIN);
+    }
 
     fn bytes(frames: &[Frame]) -> Vec<u8> {
         let mut b = Vec::new();
