@@ -66,9 +66,11 @@ section "rdmakit against this machine's limits (memcpy, same-host rings, TCP loo
 section "MEMIC atomics, the UCX talk's table" soft "$perf" memic-atomics
 section "Cross-GVMI export costs, the UMR mkey pool talk's table" soft "$perf" xgvmi-export
 section "Connections between two processes: threads, memory and rate against the pair count" soft \
-    "$perf" scaling --pairs 1,4,16,64,256,1024
+    "$perf" scaling --pairs 1,4,16,64,256,1024 --runs 3
+section "The same with the wire loops spinning 100 us after work before they sleep" soft \
+    env RDMAKIT_SOFT_SPIN_US=100 "$perf" scaling --pairs 1,4,16,64,256,1024 --runs 3
 section "The same over the TCP wire (the same-host path off)" soft \
-    env RDMAKIT_SOFT_SHM=0 "$perf" scaling --pairs 1,4,16,64,256,1024
+    env RDMAKIT_SOFT_SHM=0 "$perf" scaling --pairs 1,4,16,64,256,1024 --runs 3
 section "Idle connections between two processes: memory per QP pair" soft \
     "$perf" scaling --idle --pairs 1,256,1024
 section "rpipe: rwrite PUT_W_SYNC vs 2PUT, rread, allocation policies through pipes, the rmalloc/rpipe paper's tables" soft \

@@ -28,6 +28,10 @@ pub struct ScalingArgs {
     /// Seconds of sending per pair count.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
+    /// Runs per pair count (a new pair of processes each): the row is the run with the
+    /// median rate, and the spread of the rates is printed beside it.
+    #[arg(long, default_value_t = 1)]
+    runs: u32,
     /// Connect the QPs (each end's link and served stream up) but send nothing: the memory
     /// of idle connections.
     #[arg(long)]
@@ -257,23 +261,44 @@ pub fn main(a: &ScalingArgs) -> Result<()> {
     if !(a.seconds > 0.0 && a.seconds <= 3600.0) {
         return Err(bad("--seconds: more than 0, at most 3600"));
     }
+    if !(1..=101).contains(&a.runs) {
+        return Err(bad("--runs: 1 to 101"));
+    }
     if a.idle {
         println!(
             "soft NIC across two processes: N connected QP pairs, idle (nothing sent); per pair: RSS growth from the first row"
         );
     } else {
         println!(
-            "soft NIC across two processes: N pipe pairs, 8-byte rwrite on every pipe (one in flight each), {} s per row",
-            a.seconds
+            "soft NIC across two processes: N pipe pairs, 8-byte rwrite on every pipe (one in flight each), {} s per run, {}",
+            a.seconds,
+            if a.runs == 1 {
+                "1 run per row".to_owned()
+            } else {
+                format!("median of {} runs per row", a.runs)
+            }
         );
     }
     println!(
-        "{:>6} {:>12} {:>10} {:>12} {:>10} {:>12} {:>14}",
-        "pairs", "msgs/s", "threads", "RSS MiB", "peer thr", "peer RSS MiB", "KiB/pair"
+        "{:>6} {:>12} {:>10} {:>12} {:>10} {:>12} {:>14} {:>20}",
+        "pairs",
+        "msgs/s",
+        "threads",
+        "RSS MiB",
+        "peer thr",
+        "peer RSS MiB",
+        "KiB/pair",
+        "runs' msgs/s min-max"
     );
     let mut first: Option<(u32, u64)> = None;
     for &n in &a.pairs {
-        let (rate, (t, r), (pt, pr)) = measure(n, a.seconds, a.idle)?;
+        let mut runs = (0..a.runs).map(|_| measure(n, a.seconds, a.idle)).collect::<Result<Vec<_>>>()?;
+        runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let spread = match (runs.first(), runs.last()) {
+            (Some(lo), Some(hi)) if a.runs > 1 => format!("{:.0}-{:.0}", lo.0, hi.0),
+            _ => "-".into(),
+        };
+        let (rate, (t, r), (pt, pr)) = runs[runs.len() / 2];
         // Both processes' growth over the first row's, per extra pair (a pair is one
         // connected QP in each process: a link and a served stream each).
         let per_pair = match first {
@@ -284,7 +309,7 @@ pub fn main(a: &ScalingArgs) -> Result<()> {
         };
         first.get_or_insert((n, r + pr));
         println!(
-            "{n:>6} {rate:>12.0} {t:>10} {:>12.1} {pt:>10} {:>12.1} {per_pair:>14}",
+            "{n:>6} {rate:>12.0} {t:>10} {:>12.1} {pt:>10} {:>12.1} {per_pair:>14} {spread:>20}",
             r as f64 / 1024.0,
             pr as f64 / 1024.0
         );
