@@ -22,7 +22,9 @@ struct Span {
 /// a block from the front of a range (what every policy does) then changes only its slot
 /// (the end, and so the map, stay as they are): best-fit and worst-fit find the range in
 /// the size index and carve it without searching the address map at all; only a range
-/// used up or freed touches the map. Next-fit walks the map in address order; first-fit
+/// used up or freed touches the map. Next-fit walks the map in address order from its
+/// cursor, unless the range its last take left behind starts at the cursor (as it does
+/// between frees): it takes from that one, found without a search; first-fit
 /// asks the address index ([`AddrIndex`]): size classes in address order under a
 /// two-level table of their lowest addresses.
 #[derive(Clone, Debug)]
@@ -37,6 +39,11 @@ pub(crate) struct FreeSpace {
     by_size: Option<SizeIndex>,
     by_addr: Option<AddrIndex>,
     bytes: u64,
+    /// The range next-fit last carved from and left non-empty, as (end, slot), until any
+    /// other change of the ranges: it starts where that allocation ended, so when the next
+    /// one starts there too (the allocator's cursor), it is the first range the search
+    /// would look at, found without a search of the map.
+    hint: Option<(u64, usize)>,
 }
 
 /// Which index a [`FreeSpace`] keeps beside its address map, for the policy it serves.
@@ -378,6 +385,7 @@ impl FreeSpace {
             by_size: (kind == IndexKind::Size).then(SizeIndex::new),
             by_addr: (kind == IndexKind::Address).then(AddrIndex::new),
             bytes: 0,
+            hint: None,
         }
     }
 
@@ -414,6 +422,7 @@ impl FreeSpace {
     /// is returned.
     pub(crate) fn insert(&mut self, start: u64, end: u64, seg: u32) -> Result<(), u64> {
         debug_assert!(start < end);
+        self.hint = None;
         // One lookup finds both neighbours: the range ending at `start` (if any), then the
         // first range ending after `start`, which overlaps if it begins before `end` and
         // is the neighbour after if it begins at `end`.
@@ -466,6 +475,7 @@ impl FreeSpace {
     /// Takes `start..end` out again; it lies inside one free range. Undoes an
     /// [`insert`](Self::insert) exactly, since ranges are kept maximal.
     pub(crate) fn remove(&mut self, start: u64, end: u64) {
+        self.hint = None;
         let (&e, &slot) = self.by_end.range((Excluded(start), Unbounded)).next().expect("inside a range");
         let Span { start: s, seg } = self.arena[slot];
         debug_assert!(s <= start && end <= e);
@@ -488,13 +498,31 @@ impl FreeSpace {
     /// Next-fit: the first range from the one containing or following `cursor`, in address
     /// order, wrapping around, that holds `n` bytes; `n` is taken from its front.
     pub(crate) fn take_next_fit(&mut self, n: u64, cursor: u64) -> Option<Taken> {
-        let hit = carve_first(&mut self.arena, self.by_end.range((Excluded(cursor), Unbounded)), n)
-            .or_else(|| carve_first(&mut self.arena, self.by_end.range(..=cursor), n))?;
-        Some(self.carved(hit, n))
+        let hinted = self.hint.take().and_then(|(end, slot)| {
+            // Ranges are disjoint: one starting at the cursor is the first ending after it.
+            let span = &mut self.arena[slot];
+            (span.start == cursor && end - span.start >= n).then(|| {
+                let hit = (span.start, end, span.seg, slot);
+                span.start += n;
+                hit
+            })
+        });
+        let hit = match hinted {
+            Some(hit) => hit,
+            None => carve_first(&mut self.arena, self.by_end.range((Excluded(cursor), Unbounded)), n)
+                .or_else(|| carve_first(&mut self.arena, self.by_end.range(..=cursor), n))?,
+        };
+        let (start, end, _, slot) = hit;
+        let taken = self.carved(hit, n);
+        if start + n < end {
+            self.hint = Some((end, slot));
+        }
+        Some(taken)
     }
 
     /// First-fit: the lowest range that holds `n` bytes. Needs the address index.
     pub(crate) fn take_first_fit(&mut self, n: u64) -> Option<Taken> {
+        self.hint = None;
         let idx = self.by_addr.as_ref().expect("first-fit needs the address index");
         let (slot, end, len) = idx.first_fit(n)?;
         let span = &mut self.arena[slot];
@@ -507,6 +535,7 @@ impl FreeSpace {
     /// Best-fit: the smallest range that holds `n` bytes, the lowest among equals.
     /// Needs the size index.
     pub(crate) fn take_best_fit(&mut self, n: u64) -> Option<Taken> {
+        self.hint = None;
         let idx = self.by_size.as_ref().expect("best-fit needs the size index");
         let e = idx.best(n)?;
         Some(self.take_entry(e, n))
@@ -515,6 +544,7 @@ impl FreeSpace {
     /// Worst-fit: the largest range, the lowest among equals, if it holds `n` bytes.
     /// Needs the size index.
     pub(crate) fn take_worst_fit(&mut self, n: u64) -> Option<Taken> {
+        self.hint = None;
         let idx = self.by_size.as_ref().expect("worst-fit needs the size index");
         let e = idx.largest()?;
         if e.len < n {
@@ -946,6 +976,51 @@ mod tests {
             assert_eq!(f.largest(), largest, "step {step}");
         }
         assert!(f.ranges() > 50, "the test fragmented the space: {} ranges", f.ranges());
+    }
+
+    /// Next-fit takes against a plain list of ranges, over thousands of random takes and
+    /// frees: the first range from the cursor on (wrapping around) that fits is chosen,
+    /// whether it is the range the last take left behind (found through the hint), a range
+    /// a free has just changed, or one found after the cursor moved elsewhere.
+    #[test]
+    #[cfg_attr(miri, ignore = "10,000 steps; the unit tests cover each path under Miri")]
+    fn next_fit_takes_the_first_fitting_range_from_the_cursor() {
+        let mut rand = xorshift(0x0e47_0000_5eed);
+        let mut f = FreeSpace::new(IndexKind::None);
+        f.insert(0, 1 << 16, 0).expect("disjoint");
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        let mut cursor = 0u64;
+        let mut hinted = 0usize;
+        for step in 0..10_000 {
+            if used.len() > 200 || (!used.is_empty() && rand().is_multiple_of(4)) {
+                let (a, b) = used.swap_remove((rand() % used.len() as u64) as usize);
+                f.insert(a, b, 0).expect("a used block is not free");
+            } else {
+                if rand().is_multiple_of(16) {
+                    // The allocator's cursor is only ever a block's end, but any address
+                    // must give the same choice as the list's.
+                    cursor = rand() % (1 << 16);
+                }
+                let n = 8 * if rand().is_multiple_of(8) { 1 + rand() % 256 } else { 1 + rand() % 4 };
+                let list: Vec<(u64, u64, u32)> = f.iter().collect();
+                let want = list
+                    .iter()
+                    .filter(|(_, b, _)| *b > cursor)
+                    .chain(list.iter().filter(|(_, b, _)| *b <= cursor))
+                    .find(|(a, b, _)| b - a >= n)
+                    .map(|r| r.0);
+                hinted += usize::from(f.hint.is_some_and(|(_, slot)| f.arena[slot].start == cursor));
+                let got = f.take_next_fit(n, cursor);
+                assert_eq!(got.map(|t| t.addr), want, "step {step}, n {n}, cursor {cursor}");
+                if let Some(t) = got {
+                    used.push((t.addr, t.addr + n));
+                    cursor = t.addr + n;
+                }
+            }
+            assert_eq!(f.bytes(), f.iter().map(|(a, b, _)| b - a).sum::<u64>(), "step {step}");
+        }
+        assert!(hinted > 1000, "takes through the hint: {hinted}");
+        assert!(f.ranges() > 20, "the test fragmented the space: {} ranges", f.ranges());
     }
 
     #[test]
