@@ -549,7 +549,8 @@ fn wire() -> std::io::Result<&'static Wire> {
         .map_err(|e| std::io::Error::other(format!("soft NIC wire: {e}")))
 }
 
-fn start_wire() -> std::io::Result<&'static Wire> {
+/// A poll and the wire whose waker it watches.
+fn new_wire() -> std::io::Result<(Poll, &'static Wire)> {
     let poll = Poll::new()?;
     let waker = Waker::new(poll.registry(), WAKER)?;
     // Lives as long as the process: links and listeners of any device may reach it.
@@ -559,6 +560,11 @@ fn start_wire() -> std::io::Result<&'static Wire> {
         asleep: AtomicBool::new(false),
         exit: ExitFlush::default(),
     }));
+    Ok((poll, wire))
+}
+
+fn start_wire() -> std::io::Result<&'static Wire> {
+    let (poll, wire) = new_wire()?;
     #[cfg(not(miri))]
     // SAFETY: registers a function taking and returning nothing, which only reads statics
     // and never unwinds; atexit(3) has no other precondition.
@@ -567,23 +573,7 @@ fn start_wire() -> std::io::Result<&'static Wire> {
             tracing::debug!("soft NIC: atexit failed; answers owed at exit may be lost");
         }
     }
-    let lp = EventLoop {
-        poll,
-        wire,
-        slab: Vec::new(),
-        free: Vec::new(),
-        listeners: Vec::new(),
-        again: Vec::new(),
-        redials: Vec::new(),
-        polled: Vec::new(),
-        listed: Vec::new(),
-        polled_input: false,
-        slept: Vec::new(),
-        quiet: Vec::new(),
-        spin: spin_window(),
-        rbuf: vec![0; READ_BUF],
-        scratch: Vec::new(),
-    };
+    let lp = EventLoop::new(poll, wire, spin_window());
     std::thread::Builder::new().name("rdmakit-soft-wire".into()).spawn(move || lp.run())?;
     Ok(wire)
 }
@@ -868,6 +858,26 @@ struct EventLoop {
 }
 
 impl EventLoop {
+    fn new(poll: Poll, wire: &'static Wire, spin: Duration) -> EventLoop {
+        EventLoop {
+            poll,
+            wire,
+            slab: Vec::new(),
+            free: Vec::new(),
+            listeners: Vec::new(),
+            again: Vec::new(),
+            redials: Vec::new(),
+            polled: Vec::new(),
+            listed: Vec::new(),
+            polled_input: false,
+            slept: Vec::new(),
+            quiet: Vec::new(),
+            spin,
+            rbuf: vec![0; READ_BUF],
+            scratch: Vec::new(),
+        }
+    }
+
     fn run(mut self) {
         // SAFETY: gettid(2) has no preconditions.
         self.wire.exit.loop_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
@@ -903,7 +913,8 @@ impl EventLoop {
             if !spinning {
                 self.wire.asleep.store(true, Ordering::SeqCst);
             }
-            let work = !self.again.is_empty() || std::mem::take(&mut self.polled_input) || {
+            let polled_input = std::mem::take(&mut self.polled_input);
+            let work = !self.again.is_empty() || polled_input || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
                 !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
                     || inbox.auth
@@ -933,11 +944,14 @@ impl EventLoop {
                 self.on_event(ev.token().0, ev.is_readable() || hup, ev.is_writable(), hup);
             }
             self.take_inbox();
-            for i in std::mem::take(&mut self.again) {
+            let again = std::mem::take(&mut self.again);
+            // Inbox work (a post queued for the loop) counts, as events and ring input do.
+            let mut worked = !events.is_empty() || !again.is_empty();
+            for i in again {
                 self.on_event(i, false, false, false);
             }
             self.poll_rings();
-            let worked = !events.is_empty() || self.polled_input || !self.again.is_empty();
+            worked |= self.polled_input || !self.again.is_empty();
             if self.wire.exit.wanted.swap(false, Ordering::SeqCst) {
                 self.flush_for_exit();
             }
@@ -1207,22 +1221,27 @@ impl EventLoop {
     /// A same-host connection that just had a turn is polled from now until the loop
     /// sleeps: more is likely to come soon, and looking costs less than a doorbell.
     fn start_polling(&mut self, i: usize, conn: &mut Conn) {
-        if let Conn::Shm(c) = conn
-            && !c.is_polled()
-        {
-            c.set_polled(true);
-            if self.listed.len() <= i {
-                self.listed.resize(i + 1, false);
-                self.quiet.resize(i + 1, 0);
+        let Conn::Shm(c) = conn else { return };
+        if c.is_polled() {
+            // Polled already (since the loop woke, say), and its turn came from a doorbell
+            // sent just before: that is input, and the ring is not quiet.
+            if self.listed.get(i).copied().unwrap_or(false) {
+                self.quiet[i] = 0;
             }
-            if self.listed[i] {
-                // Listed for a connection that held the slot before (see `unlist`).
-                self.polled.retain(|(x, _)| *x != i);
-            }
-            self.listed[i] = true;
-            self.polled.push((i, c.probe()));
-            self.quiet[i] = 0;
+            return;
         }
+        c.set_polled(true);
+        if self.listed.len() <= i {
+            self.listed.resize(i + 1, false);
+            self.quiet.resize(i + 1, 0);
+        }
+        if self.listed[i] {
+            // Listed for a connection that held the slot before (see `unlist`).
+            self.polled.retain(|(x, _)| *x != i);
+        }
+        self.listed[i] = true;
+        self.polled.push((i, c.probe()));
+        self.quiet[i] = 0;
     }
 
     /// Slot `i` ends: its ring is polled no more.
@@ -2104,6 +2123,21 @@ struct LinkShared {
 }
 
 impl LinkShared {
+    /// A link's shared state, holding at most `cap` queued frames.
+    fn new(cap: usize) -> LinkShared {
+        LinkShared {
+            queue: Mutex::new(VecDeque::new()),
+            cap,
+            dead: AtomicBool::new(false),
+            accepted_at: OnceLock::new(),
+            closed: AtomicBool::new(false),
+            flagged: AtomicBool::new(false),
+            token: AtomicUsize::new(usize::MAX),
+            direct: OnceLock::new(),
+            grants: Mutex::new(GrantTable::default()),
+        }
+    }
+
     fn fail(&self) {
         self.dead.store(true, Ordering::Release);
         // Outstanding requests now time out (RETRY_EXC_ERR) on the QP's transport budget.
@@ -2136,17 +2170,7 @@ impl TcpLink {
         queue: usize,
     ) -> TcpLink {
         let (same_host, ring) = (qp.device.config().same_host_shm, qp.device.config().same_host_ring);
-        let shared = Arc::new(LinkShared {
-            queue: Mutex::new(VecDeque::new()),
-            cap: queue,
-            dead: AtomicBool::new(false),
-            accepted_at: OnceLock::new(),
-            closed: AtomicBool::new(false),
-            flagged: AtomicBool::new(false),
-            token: AtomicUsize::new(usize::MAX),
-            direct: OnceLock::new(),
-            grants: Mutex::new(GrantTable::default()),
-        });
+        let shared = Arc::new(LinkShared::new(queue));
         let wire = match wire() {
             Ok(w) => w,
             Err(e) => {
@@ -2817,6 +2841,110 @@ fn both_readers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event loop of the test's own (not the process's wire) with one same-host link on
+    /// it, and the device's end of its rings, which produces into the ring the link reads.
+    #[cfg(not(miri))]
+    fn add_link(lp: &mut EventLoop) -> (usize, ShmConn) {
+        let (mine, peer) = shm::test_pair();
+        let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
+        let c = LinkConn { io, shared: Arc::new(LinkShared::new(16)), qp: Weak::new(), dial: None };
+        (lp.insert(Entry::Link(c)), peer)
+    }
+
+    #[cfg(not(miri))]
+    fn test_loop() -> EventLoop {
+        let (poll, wire) = new_wire().unwrap();
+        EventLoop::new(poll, wire, Duration::ZERO)
+    }
+
+    /// The rings of link `i`.
+    #[cfg(not(miri))]
+    fn ring(lp: &mut EventLoop, i: usize) -> &mut ShmConn {
+        lp.rings(i).expect("a same-host link").0
+    }
+
+    /// What the loop does after a turn of link `i` (a doorbell's, say).
+    #[cfg(not(miri))]
+    fn had_a_turn(lp: &mut EventLoop, i: usize) {
+        let mut e = lp.slab[i].take().expect("on the loop");
+        if let Entry::Link(c) = &mut e {
+            lp.start_polling(i, &mut c.io.s);
+        }
+        lp.slab[i] = Some(e);
+    }
+
+    #[test]
+    #[cfg(not(miri))]
+    fn rings_armed_for_a_sleep_are_polled_again_on_waking_until_they_stay_quiet() {
+        let mut lp = test_loop();
+        let (i, mut peer) = add_link(&mut lp);
+        let frame = [0u8; 8];
+        let mut buf = [0u8; 256];
+        had_a_turn(&mut lp, i);
+        // The loop is about to sleep: the ring asks for a doorbell, and the first frame rings.
+        assert!(!lp.arm_polled(), "no input yet");
+        peer.write(&frame).unwrap();
+        assert_eq!(ring(&mut lp, i).bells_waiting(), 1);
+        ring(&mut lp, i).take_doorbells(false);
+        // Woken: the ring is polled again, disarmed. What follows comes without doorbells,
+        // and the loop's scan sees it.
+        lp.resume_polling();
+        assert!(ring(&mut lp, i).is_polled());
+        assert_eq!(lp.polled.len(), 1);
+        for _ in 0..10 {
+            peer.write(&frame).unwrap();
+        }
+        assert_eq!(ring(&mut lp, i).bells_waiting(), -1, "no doorbell while the ring is polled");
+        assert!(lp.polled[0].1.moved(), "the scan's probe sees the frames");
+        assert_eq!(ring(&mut lp, i).read(&mut buf).unwrap(), 88);
+        // The doorbell's turn counted as input, though the ring was polled already.
+        had_a_turn(&mut lp, i);
+        // Sleeps with no input: after KEEP_POLLING of them the ring is left armed on waking,
+        // and its next frame rings.
+        let keep = usize::from(KEEP_POLLING);
+        for sleep in 1..=keep + 1 {
+            assert!(!lp.arm_polled());
+            lp.resume_polling();
+            assert_eq!(ring(&mut lp, i).is_polled(), sleep <= keep, "after quiet sleep {sleep}");
+        }
+        assert!(lp.polled.is_empty());
+        peer.write(&frame).unwrap();
+        assert_eq!(ring(&mut lp, i).bells_waiting(), 1, "quiet: the doorbell is back");
+    }
+
+    /// Links whose rings bring garbage end in the scan's own turns: the entries after an
+    /// ended one (the list closes up over it) are scanned all the same, and nothing ended
+    /// stays listed.
+    #[test]
+    #[cfg(not(miri))]
+    fn links_ending_in_the_scan_leave_no_entry_and_skip_none() {
+        let mut lp = test_loop();
+        let mut peers = Vec::new();
+        for _ in 0..4 {
+            let (i, peer) = add_link(&mut lp);
+            had_a_turn(&mut lp, i);
+            peers.push((i, peer));
+        }
+        assert_eq!(lp.polled.len(), 4);
+        // Not a frame: a response of an unknown kind ends the link.
+        for (_, peer) in &mut peers {
+            peer.write(&[0xff; 64]).unwrap();
+        }
+        lp.poll_rings();
+        assert!(lp.polled.is_empty(), "left listed: {:?}", lp.polled.iter().map(|e| e.0).collect::<Vec<_>>());
+        for (i, _) in &peers {
+            assert!(lp.slab[*i].is_none(), "link {i} ended");
+            assert!(!lp.listed[*i]);
+        }
+        // A new link in an ended one's slot is listed afresh, with its own probe.
+        let (j, mut peer) = add_link(&mut lp);
+        assert!(peers.iter().any(|(i, _)| *i == j), "the slot is reused");
+        had_a_turn(&mut lp, j);
+        assert_eq!(lp.polled.len(), 1);
+        peer.write(&[0u8; 8]).unwrap();
+        assert!(lp.polled[0].1.moved());
+    }
 
     #[test]
     fn the_spin_window_is_read_in_microseconds_and_bounded() {
