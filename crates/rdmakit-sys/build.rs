@@ -226,6 +226,35 @@ fn find_rdma_core() -> Result<RdmaCore, String> {
     }
 }
 
+/// Where installing what is missing shows: the directories pkg-config searches for `.pc`
+/// files, and the usual library directories (libclang, pkg-config's own binary's libraries).
+/// A directory's time stamp changes when a file is added to it, so watching those that exist
+/// reruns this script after an install, where otherwise a plain rebuild would keep the
+/// build without rdma-core it made first. Paths that do not exist are left out: cargo would
+/// rerun the script, and rebuild everything above it, on every build.
+fn install_dirs() -> Vec<PathBuf> {
+    let pkg_config = env::var_os("PKG_CONFIG").unwrap_or_else(|| "pkg-config".into());
+    let default_path = std::process::Command::new(&pkg_config)
+        .args(["--variable", "pc_path", "pkg-config"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let from_env = ["PKG_CONFIG_PATH", "PKG_CONFIG_LIBDIR"].map(|v| env::var(v).unwrap_or_default());
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    let listed = default_path.split(':').chain(from_env.iter().flat_map(|v| v.split(':')));
+    let usual =
+        ["/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/bin"];
+    for d in listed.chain(usual) {
+        let d = PathBuf::from(d);
+        if !d.as_os_str().is_empty() && d.is_dir() && !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    dirs
+}
+
 fn first_line(s: &str) -> &str {
     s.lines().find(|l| !l.trim().is_empty()).unwrap_or(s).trim()
 }
@@ -286,7 +315,7 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed={}", header.display());
     println!("cargo::rerun-if-changed=src/layout.c");
-    for var in ["RDMAKIT_SYS_VERBS", "LIBCLANG_PATH", "PKG_CONFIG_PATH", "PKG_CONFIG"] {
+    for var in ["RDMAKIT_SYS_VERBS", "LIBCLANG_PATH", "PKG_CONFIG_PATH", "PKG_CONFIG_LIBDIR", "PKG_CONFIG"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
 
@@ -306,6 +335,9 @@ fn main() {
                     "cargo::warning=rdmakit-sys: {why}; building without the rdma-core provider \
                      (the software NIC still works); rebuild after installing them"
                 );
+                for d in install_dirs() {
+                    println!("cargo::rerun-if-changed={}", d.display());
+                }
             }
             println!("cargo::metadata=verbs=0");
             println!("cargo::metadata=missing={why}");
