@@ -22,7 +22,7 @@
 //! sleep. A loop polls the rings of every connection that had a turn since it last slept
 //! (NAPI's way), and on waking those it armed for its sleep: under load their peers post
 //! without doorbells, and the loop looks at each ring once per turn (one word of its
-//! control page, through a [`Probe`]) instead of taking a byte from a socket per frame. Everything
+//! control page, through a `Probe`) instead of taking a byte from a socket per frame. Everything
 //! read from the shared pages is copied into private memory before it is looked at, and
 //! the peer's ring counters are checked against the ring size on every use: a hostile peer
 //! can garble only its own frames, which are then refused.
