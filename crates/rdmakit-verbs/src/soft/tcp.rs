@@ -821,6 +821,15 @@ struct LinkConn {
     dial: Option<Dial>,
 }
 
+/// A slab slot's standing in the loop's polling of same-host rings.
+#[derive(Clone, Copy, Default)]
+struct SlotPolling {
+    /// In `polled` (a slot is listed once, whoever holds it now).
+    listed: bool,
+    /// The loop's sleeps since its ring last had input (saturating).
+    quiet: u8,
+}
+
 enum Entry {
     Listener(Lst),
     Pending(Pending),
@@ -842,15 +851,13 @@ struct EventLoop {
     /// Same-host connections whose rings the loop looks at on every turn until it sleeps
     /// (their peers post without doorbells meanwhile; see [`ShmConn::set_polled`]).
     polled: Vec<(usize, shm::Probe)>,
-    /// By slab index: in `polled` (an index is listed once, whoever holds its slot now).
-    listed: Vec<bool>,
+    /// By slab index: the slot's standing in the polling ([`SlotPolling`]).
+    slots: Vec<SlotPolling>,
     /// The last look at the polled rings found input: no sleeping yet.
     polled_input: bool,
     /// Polled rings armed for the loop's sleep, polled again when it wakes
     /// ([`resume_polling`](Self::resume_polling)).
     slept: Vec<usize>,
-    /// By slab index: the loop's sleeps since a polled ring last had input (saturating).
-    quiet: Vec<u8>,
     /// How long the loop polls after a turn with work before it sleeps ([`SPIN_ENV`]).
     spin: Duration,
     rbuf: Vec<u8>,
@@ -868,10 +875,9 @@ impl EventLoop {
             again: Vec::new(),
             redials: Vec::new(),
             polled: Vec::new(),
-            listed: Vec::new(),
+            slots: Vec::new(),
             polled_input: false,
             slept: Vec::new(),
-            quiet: Vec::new(),
             spin,
             rbuf: vec![0; READ_BUF],
             scratch: Vec::new(),
@@ -1225,29 +1231,31 @@ impl EventLoop {
         if c.is_polled() {
             // Polled already (since the loop woke, say), and its turn came from a doorbell
             // sent just before: that is input, and the ring is not quiet.
-            if self.listed.get(i).copied().unwrap_or(false) {
-                self.quiet[i] = 0;
+            if let Some(slot) = self.slots.get_mut(i)
+                && slot.listed
+            {
+                slot.quiet = 0;
             }
             return;
         }
         c.set_polled(true);
-        if self.listed.len() <= i {
-            self.listed.resize(i + 1, false);
-            self.quiet.resize(i + 1, 0);
+        if self.slots.len() <= i {
+            self.slots.resize(i + 1, SlotPolling::default());
         }
-        if self.listed[i] {
+        if self.slots[i].listed {
             // Listed for a connection that held the slot before (see `unlist`).
             self.polled.retain(|(x, _)| *x != i);
         }
-        self.listed[i] = true;
+        self.slots[i] = SlotPolling { listed: true, quiet: 0 };
         self.polled.push((i, c.probe()));
-        self.quiet[i] = 0;
     }
 
     /// Slot `i` ends: its ring is polled no more.
     fn unlist(&mut self, i: usize) {
-        if self.listed.get(i).copied().unwrap_or(false) {
-            self.listed[i] = false;
+        if let Some(slot) = self.slots.get_mut(i)
+            && slot.listed
+        {
+            slot.listed = false;
             self.polled.retain(|(x, _)| *x != i);
         }
     }
@@ -1286,14 +1294,14 @@ impl EventLoop {
                 }
                 // Ended (or its slot taken by a connection not polled): forgotten.
                 _ => {
-                    self.listed[i] = false;
+                    self.slots[i].listed = false;
                     self.polled.swap_remove(j);
                     continue;
                 }
             };
             if input {
                 self.polled_input = true;
-                self.quiet[i] = 0;
+                self.slots[i].quiet = 0;
                 self.ring_turn(i);
                 // The turn may have ended the connection (`unlist` took its entry out,
                 // and the entries after it moved down: the one at `j` is not scanned yet).
@@ -1354,8 +1362,8 @@ impl EventLoop {
         }
         if !input {
             for (i, _) in self.polled.drain(..) {
-                self.listed[i] = false;
-                let q = &mut self.quiet[i];
+                self.slots[i].listed = false;
+                let q = &mut self.slots[i].quiet;
                 *q = q.saturating_add(1);
                 if *q <= KEEP_POLLING {
                     self.slept.push(i);
@@ -1382,8 +1390,8 @@ impl EventLoop {
                 c.disarm();
                 c.set_polled(true);
                 let probe = c.probe();
-                if !self.listed[i] {
-                    self.listed[i] = true;
+                if !self.slots[i].listed {
+                    self.slots[i].listed = true;
                     self.polled.push((i, probe));
                 }
             }
@@ -2935,7 +2943,7 @@ mod tests {
         assert!(lp.polled.is_empty(), "left listed: {:?}", lp.polled.iter().map(|e| e.0).collect::<Vec<_>>());
         for (i, _) in &peers {
             assert!(lp.slab[*i].is_none(), "link {i} ended");
-            assert!(!lp.listed[*i]);
+            assert!(!lp.slots[*i].listed);
         }
         // A new link in an ended one's slot is listed afresh, with its own probe.
         let (j, mut peer) = add_link(&mut lp);
