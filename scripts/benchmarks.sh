@@ -4,12 +4,18 @@
 #
 #   scripts/benchmarks.sh            the soft NIC's tables (about 5 minutes), then the rxe
 #                                    comparison with perftest (scripts/perftest-compare.sh in
-#                                    the VM, about 15 minutes more)
+#                                    the VM, about 15 minutes more), the Rust peers' table
+#                                    (about 13 minutes) and the seeds on rxe
 #   RDMAKIT_BENCH_RXE=0 ...          skip the rxe part (its sections then say so): the
 #                                    perftest comparison and the rpipe and CkDirect seeds in the VM
 #   RDMAKIT_BENCH_CRITERION=0 ...    skip the criterion groups
 #   RDMAKIT_BENCH_RXE_FROM=FILE ...  put the output of an earlier scripts/perftest-compare.sh
 #                                    run (saved in FILE) in the rxe section instead of a new run
+#   RDMAKIT_BENCH_PEERS=0 ...        skip the Rust peers' table (scripts/peers-compare.sh: it
+#                                    builds the ibverbs, sideway and async-rdma crates, about 3
+#                                    minutes, then runs in the VM, about 10 minutes)
+#   RDMAKIT_BENCH_PEERS_FROM=FILE    put the output of an earlier scripts/peers-compare.sh run
+#                                    (saved in FILE) in that section instead of a new run
 #
 # Labels: "soft" figures are the software NIC (CPU copies, no hardware); "rxe" figures are
 # rdma-core on Soft-RoCE inside a TCG-emulated VM (real verbs, slow in absolute terms: only
@@ -149,6 +155,27 @@ elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     rxe_plot
 else
     printf '## perftest against rdmakit-perf on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
+fi
+# rdmakit against the Rust crates a user would pick instead (issue: "against the Rust peers"),
+# on the same rxe device: built outside the main workspace (peers/), so the default build never
+# pulls them in.
+peers_title="rdmakit against the Rust RDMA crates (ibverbs, sideway, async-rdma) on rdma-core (rxe)"
+if [ -n "${RDMAKIT_BENCH_PEERS_FROM:-}" ]; then
+    {
+        echo "## $peers_title"
+        echo
+        echo "\`scripts/peers-compare.sh\` — an earlier run's output (file dated $(date -u -r "$RDMAKIT_BENCH_PEERS_FROM" '+%Y-%m-%d %H:%M UTC'))"
+        echo
+        echo '```'
+        cat "$RDMAKIT_BENCH_PEERS_FROM"
+        echo '```'
+        echo
+    } >>"$tmp"
+elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ] && [ "${RDMAKIT_BENCH_PEERS:-1}" != 0 ]; then
+    section "rdmakit against the Rust RDMA crates (ibverbs, sideway, async-rdma) on rdma-core" rxe \
+        scripts/peers-compare.sh
+else
+    printf '## %s\n\nNot run this time (RDMAKIT_BENCH_RXE=0 or RDMAKIT_BENCH_PEERS=0).\n\n' "$peers_title" >>"$tmp"
 fi
 # The seeds' tables that run on rdma-core (pipes, put handles; MEMIC and cross-GVMI need
 # mlx5 device memory and keys, which rxe lacks), in the VM, smaller than the soft runs: every
