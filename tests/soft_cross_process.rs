@@ -616,21 +616,28 @@ fn direct_access_keeps_the_responders_checks(path: Path) {
     assert_eq!(write(&l, &buf, peer.mr.slice(0, 8).unwrap()).status, WcStatus::RETRY_EXC_ERR);
 }
 
-/// On the same-host path: a write to the peer's MR completes with every thread of the
-/// peer stopped, so it was placed directly. The grant is asked for by the first access
-/// after the peer's QP serves the link, and taken a round trip later: a few writes go
-/// first, until one was placed (and at least three). Over TCP: a plain write.
-fn placed_while_stopped(peer: &Peer, l: &Local, buf: &MemoryRegion) {
+/// Writes 8 bytes of `buf` to the peer's MR until one was placed directly, on the
+/// same-host path (and at least three): the grant is asked for by the first access after
+/// the peer's QP serves the link, and taken a round trip later. Over TCP: three plain
+/// writes. Returns whether the path places directly.
+fn until_placed_directly(peer: &Peer, l: &Local, buf: &MemoryRegion) -> bool {
     let direct = same_host_path(l);
     let before = rdmakit::soft::direct::direct_placements();
     for i in 0..100 {
         l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), peer.mr.slice(0, 8).unwrap())).unwrap();
         wait(&l.cq).ok().unwrap();
         if i >= 2 && (!direct || rdmakit::soft::direct::direct_placements() > before) {
-            break;
+            return direct;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    panic!("no write was placed directly in 100 tries");
+}
+
+/// On the same-host path: a write to the peer's MR completes with every thread of the
+/// peer stopped, so it was placed directly. Over TCP: a plain write.
+fn placed_while_stopped(peer: &Peer, l: &Local, buf: &MemoryRegion) {
+    let direct = until_placed_directly(peer, l, buf);
     let _stopped = direct.then(|| Stopped::new(peer));
     l.qp.post_send(SendWr::write(buf.slice(0, 8).unwrap(), peer.mr.slice(0, 8).unwrap())).unwrap();
     let wc = l.cq.wait(Some(Duration::from_secs(2))).expect("the write completes");
@@ -704,6 +711,11 @@ fn against_an_exiting_peer(path: Path, exit_env: &str, wr: impl FnOnce(LocalSlic
     );
 }
 
+/// A write to a killed peer fails as a NIC's does (no ACK comes: `RETRY_EXC_ERR`), within
+/// the transport's budget. On the same-host path the requester holds a grant of the peer's
+/// MR when the peer dies (it maps the region): the write must not be placed into the dead
+/// process's pages with success. (The link's end drops the grants; the peer's life word,
+/// tested against the kernel in `soft::direct`, covers the moment before the loop sees it.)
 fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {
     let mut peer = spawn_peer(0, path);
     let l = local(path);
@@ -713,6 +725,7 @@ fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {
     let t = peer.mr.slice(0, 1 << 16).unwrap();
     l.qp.post_send(SendWr::write(buf.local().unwrap(), t)).unwrap();
     wait(&l.cq).ok().unwrap();
+    until_placed_directly(&peer, &l, &buf);
 
     peer.child.kill().unwrap();
     peer.child.wait().unwrap();
@@ -722,6 +735,7 @@ fn killed_peer_gives_retry_exceeded_within_the_budget(path: Path) {
     }
     let first = wait(&l.cq);
     let took = start.elapsed();
+    // Placed directly, it would have completed at once, with success.
     assert_eq!((first.wr_id, first.status), (0, WcStatus::RETRY_EXC_ERR));
     for i in 1..4 {
         let wc = wait(&l.cq);

@@ -967,6 +967,77 @@ mod tests {
         assert!(t.grants.is_empty() && t.status.is_none());
     }
 
+    /// The list storage of the forked child of the life-word test (its own copy).
+    static CHILD_ROBUST: Robust = Robust::new();
+
+    /// The life word across processes, against the kernel: a word in memory shared with a
+    /// child process, watched by the child's thread as the wire's loop watches its own,
+    /// says "alive" (the child's thread id) while the child runs, and the kernel marks it
+    /// (`FUTEX_OWNER_DIED`) when the child is killed with SIGKILL, which gives it no chance
+    /// to say anything. This is what a requester reads before each direct access. (The
+    /// cross-process suite cannot catch the life word at work: its requester's loop sees
+    /// the link's socket end as soon as the peer dies, and drops the grants.)
+    #[test]
+    fn the_kernel_marks_a_killed_processs_life_word() {
+        // SAFETY: a fresh anonymous shared mapping of one page; unmapped at the end.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        let word = page.cast::<AtomicU32>();
+        // SAFETY: fork(2); the child runs only async-signal-safe code (a store, two system
+        // calls, pause) and never returns from this block.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: `word` stays mapped for the child's life; `CHILD_ROBUST` is used by
+            // this thread only (the child's one thread).
+            if unsafe { watch_word(word, &CHILD_ROBUST) }.is_err() {
+                // SAFETY: ends the child at once, without running the parent's destructors.
+                unsafe { libc::_exit(1) };
+            }
+            loop {
+                // SAFETY: waits for a signal (the SIGKILL).
+                unsafe { libc::pause() };
+            }
+        }
+        // SAFETY: the mapping lives until the munmap below; the child and the kernel change
+        // the word only atomically.
+        let w = unsafe { &*word };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while w.load(Ordering::Acquire) == 0 && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        // The child's one thread's id is its pid.
+        let alive = w.load(Ordering::Acquire);
+        let mut status = 0;
+        // SAFETY: kill(2) and waitpid(2) on our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+        }
+        let dead = w.load(Ordering::Acquire);
+        // SAFETY: mapped above, no reference to it is used after this.
+        unsafe { libc::munmap(page, PAGE) };
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL,
+            "child status {status:#x}"
+        );
+        assert_eq!(alive, pid as u32, "the watched word holds the child's thread id");
+        assert!(lives(alive));
+        // The kernel keeps only the waiters bit (none here), clears the id and sets
+        // FUTEX_OWNER_DIED (`handle_futex_death`).
+        assert_eq!(dead, libc::FUTEX_OWNER_DIED, "the kernel marked the word");
+        assert!(!lives(dead));
+    }
+
     /// A grant maps the region (read-only for a read grant); accesses are checked against
     /// its access, bounds, the peer's life word and the region's slot, and a grant whose
     /// slot no longer holds its tag is dropped.
