@@ -62,9 +62,10 @@ section() { # section TITLE LABEL COMMAND...
     echo "- **rxe**: rdma-core over Soft-RoCE in a QEMU guest under software emulation (TCG);"
     echo "  real verbs, but every instruction is emulated, so only ratios measured side by side in"
     echo "  one run mean something. Latency there is bimodal from one run to the next, for perftest"
-    echo "  and rdmakit alike: 8-byte write latency read about 11 us or 17-23 us (in 12"
-    echo "  alternating pairs of runs, perftest was in the slow mode 5 times and rdmakit 6 times),"
-    echo "  so a median of 5 runs can land in either mode; the t_min rows are steadier."
+    echo "  and rdmakit alike: 8-byte write latency read about 11 us or 15-24 us (in 12"
+    echo "  alternating pairs of runs, perftest was in the slow mode 6 times, once in between at"
+    echo "  12.8 us, and rdmakit 6 times), so a median of 5 runs can land in either mode; the"
+    echo "  t_min rows are steadier."
     echo "- Nothing in this file ran on an RDMA NIC; the seeds' figures printed beside ours came"
     echo "  from ConnectX-6 and BlueField hardware."
     echo
