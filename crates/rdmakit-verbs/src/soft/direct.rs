@@ -970,8 +970,8 @@ mod tests {
     /// The list storage of the forked child of the life-word test (its own copy).
     static CHILD_ROBUST: Robust = Robust::new();
 
-    /// The life word across processes, against the kernel: a word in memory shared with a
-    /// child process, watched by the child's thread as the wire's loop watches its own,
+    /// The life word across processes, against the kernel: the first word of a status file
+    /// shared with a child process, watched by the child's thread as the wire's loop watches its own,
     /// says "alive" (the child's thread id) while the child runs, and the kernel marks it
     /// (`FUTEX_OWNER_DIED`) when the child is killed with SIGKILL, which gives it no chance
     /// to say anything. This is what a requester reads before each direct access. (The
@@ -979,19 +979,10 @@ mod tests {
     /// the link's socket end as soon as the peer dies, and drops the grants.)
     #[test]
     fn the_kernel_marks_a_killed_processs_life_word() {
-        // SAFETY: a fresh anonymous shared mapping of one page; unmapped at the end.
-        let page = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(page, libc::MAP_FAILED);
-        let word = page.cast::<AtomicU32>();
+        // A status file as a process makes its own: the life word is its first word.
+        let status_file = memfd(STATUS_LEN, true);
+        let st = map_shared(&status_file, STATUS_LEN, true).unwrap();
+        let word = st.as_ptr().cast::<AtomicU32>();
         // SAFETY: fork(2); the child runs only async-signal-safe code (a store, two system
         // calls, pause) and never returns from this block.
         let pid = unsafe { libc::fork() };
@@ -1025,7 +1016,7 @@ mod tests {
         }
         let dead = w.load(Ordering::Acquire);
         // SAFETY: mapped above, no reference to it is used after this.
-        unsafe { libc::munmap(page, PAGE) };
+        unsafe { libc::munmap(st.as_ptr().cast(), STATUS_LEN) };
         assert!(
             libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL,
             "child status {status:#x}"
