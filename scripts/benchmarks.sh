@@ -62,10 +62,10 @@ section() { # section TITLE LABEL COMMAND...
     echo "- **rxe**: rdma-core over Soft-RoCE in a QEMU guest under software emulation (TCG);"
     echo "  real verbs, but every instruction is emulated, so only ratios measured side by side in"
     echo "  one run mean something. Latency there is bimodal from one run to the next, for perftest"
-    echo "  and rdmakit alike: 8-byte write latency read about 11 us or 15-24 us (in 12"
-    echo "  alternating pairs of runs, perftest was in the slow mode 6 times, once in between at"
-    echo "  12.8 us, and rdmakit 6 times), so a median of 5 runs can land in either mode; the"
-    echo "  t_min rows are steadier."
+    echo "  and rdmakit alike (measured on 2026-11-26: 8-byte write latency read about 11 us or"
+    echo "  15-24 us; in 12 alternating pairs of runs, perftest was in the slow mode 6 times, once"
+    echo "  in between at 12.8 us, and rdmakit 6 times), so a median of 5 runs can land in either"
+    echo "  mode; the t_min rows are steadier."
     echo "- Nothing in this file ran on an RDMA NIC; the seeds' figures printed beside ours came"
     echo "  from ConnectX-6 and BlueField hardware."
     echo
@@ -128,17 +128,22 @@ rxe_plot() { # the comparison's size-sweep plot, when its run drew one, into doc
         printf '![perftest against rdmakit-perf over message size](docs/perftest-compare.svg)\n\n' >>"$tmp"
     fi
 }
-if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
+earlier_run() { # earlier_run TITLE LABEL COMMAND FILE: a section from FILE, an earlier run's output
+    local title=$1 label=$2 cmd=$3 file=$4
     {
-        echo "## perftest against rdmakit-perf on rdma-core (rxe)"
+        echo "## $title ($label)"
         echo
-        echo "\`scripts/perftest-compare.sh\` — an earlier run's output (file dated $(date -u -r "$RDMAKIT_BENCH_RXE_FROM" '+%Y-%m-%d %H:%M UTC'))"
+        echo "\`$cmd\` — an earlier run's output (file dated $(date -u -r "$file" '+%Y-%m-%d %H:%M UTC'))"
         echo
         echo '```'
-        cat "$RDMAKIT_BENCH_RXE_FROM"
+        cat "$file"
         echo '```'
         echo
     } >>"$tmp"
+}
+rxe_title="perftest against rdmakit-perf on rdma-core"
+if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
+    earlier_run "$rxe_title" rxe scripts/perftest-compare.sh "$RDMAKIT_BENCH_RXE_FROM"
     # The plot is drawn again from FILE's own sweep rows: one left in target/ may be another
     # run's.
     mkdir -p target/perftest-compare
@@ -155,31 +160,21 @@ if [ -n "${RDMAKIT_BENCH_RXE_FROM:-}" ]; then
     rxe_plot
 elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ]; then
     rm -f target/perftest-compare/perftest-compare.svg # an older run's plot must not pass for this one's
-    section "perftest against rdmakit-perf on rdma-core" rxe scripts/perftest-compare.sh
+    section "$rxe_title" rxe scripts/perftest-compare.sh
     rxe_plot
 else
-    printf '## perftest against rdmakit-perf on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
+    printf '## %s (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' "$rxe_title" >>"$tmp"
 fi
 # rdmakit against the Rust crates a user would pick instead (issue: "against the Rust peers"),
 # on the same rxe device: built outside the main workspace (peers/), so the default build never
 # pulls them in.
-peers_title="rdmakit against the Rust RDMA crates (ibverbs, sideway, async-rdma) on rdma-core (rxe)"
+peers_title="rdmakit against the Rust RDMA crates (ibverbs, sideway, async-rdma) on rdma-core"
 if [ -n "${RDMAKIT_BENCH_PEERS_FROM:-}" ]; then
-    {
-        echo "## $peers_title"
-        echo
-        echo "\`scripts/peers-compare.sh\` — an earlier run's output (file dated $(date -u -r "$RDMAKIT_BENCH_PEERS_FROM" '+%Y-%m-%d %H:%M UTC'))"
-        echo
-        echo '```'
-        cat "$RDMAKIT_BENCH_PEERS_FROM"
-        echo '```'
-        echo
-    } >>"$tmp"
+    earlier_run "$peers_title" rxe scripts/peers-compare.sh "$RDMAKIT_BENCH_PEERS_FROM"
 elif [ "${RDMAKIT_BENCH_RXE:-1}" != 0 ] && [ "${RDMAKIT_BENCH_PEERS:-1}" != 0 ]; then
-    section "rdmakit against the Rust RDMA crates (ibverbs, sideway, async-rdma) on rdma-core" rxe \
-        scripts/peers-compare.sh
+    section "$peers_title" rxe scripts/peers-compare.sh
 else
-    printf '## %s\n\nNot run this time (RDMAKIT_BENCH_RXE=0 or RDMAKIT_BENCH_PEERS=0).\n\n' "$peers_title" >>"$tmp"
+    printf '## %s (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0 or RDMAKIT_BENCH_PEERS=0).\n\n' "$peers_title" >>"$tmp"
 fi
 # The seeds' tables that run on rdma-core (pipes, put handles; MEMIC and cross-GVMI need
 # mlx5 device memory and keys, which rxe lacks), in the VM, smaller than the soft runs: every

@@ -114,15 +114,15 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
     # of one run) moves both medians alike instead of skewing the ratio.
     # A latency row also keeps each run's t_min (perftest's column 3) for its t_min row (see
     # the header).
-    local p r i pl rl ps=() rs=() pm=() rm=()
+    local p r i pl rl ps=() rs=() pmins=() rmins=()
     for i in $(seq "$runs"); do
         pl=$(perftest "$tool" "$@") || true
         rl=$(rdmakit "$test" "$@") || true
         ps+=("$(awk -v c="$col" '{print $c}' <<<"$pl")")
         rs+=("$(json "$key" "$rl")")
         if [ "$kind" = lat ]; then
-            pm+=("$(awk '{print $3}' <<<"$pl")")
-            rm+=("$(json t_min "$rl")")
+            pmins+=("$(awk '{print $3}' <<<"$pl")")
+            rmins+=("$(json t_min "$rl")")
         fi
     done
     p=$(printf '%s\n' "${ps[@]}" | median)
@@ -130,7 +130,7 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
     row "$name" "$unit" "$p" "$r" "$kind"
     last=("$tool" "$test" "$p" "$r")
     if [ "$kind" = lat ] && [ "$tmin" = 1 ]; then
-        row "  t_min" "$unit" "$(printf '%s\n' "${pm[@]}" | median)" "$(printf '%s\n' "${rm[@]}" | median)" min
+        row "  t_min" "$unit" "$(printf '%s\n' "${pmins[@]}" | median)" "$(printf '%s\n' "${rmins[@]}" | median)" min
     fi
 }
 
