@@ -983,8 +983,14 @@ mod tests {
         let status_file = memfd(STATUS_LEN, true);
         let st = map_shared(&status_file, STATUS_LEN, true).unwrap();
         let word = st.as_ptr().cast::<AtomicU32>();
-        // SAFETY: fork(2); the child runs only async-signal-safe code (a store, two system
-        // calls, pause) and never returns from this block.
+        // The child says it is registered in an unused word of the life word's page: the
+        // life word itself is written before `set_robust_list`, and a child killed between
+        // the two leaves it unmarked (a race of this test, not of the wire's loop, which
+        // grants nothing before its registration returned).
+        // SAFETY: 8 bytes into the mapping's first page, 4-aligned.
+        let registered = unsafe { st.as_ptr().add(8) }.cast::<AtomicU32>();
+        // SAFETY: fork(2); the child runs only async-signal-safe code (two stores, two
+        // system calls, pause) and never returns from this block.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
         if pid == 0 {
@@ -994,6 +1000,8 @@ mod tests {
                 // SAFETY: ends the child at once, without running the parent's destructors.
                 unsafe { libc::_exit(1) };
             }
+            // SAFETY: mapped for the child's life; an atomic in shared memory.
+            unsafe { (*registered).store(1, Ordering::Release) };
             loop {
                 // SAFETY: waits for a signal (the SIGKILL).
                 unsafe { libc::pause() };
@@ -1001,9 +1009,9 @@ mod tests {
         }
         // SAFETY: the mapping lives until the munmap below; the child and the kernel change
         // the word only atomically.
-        let w = unsafe { &*word };
+        let (w, ready) = unsafe { (&*word, &*registered) };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while w.load(Ordering::Acquire) == 0 && std::time::Instant::now() < deadline {
+        while ready.load(Ordering::Acquire) == 0 && std::time::Instant::now() < deadline {
             std::thread::yield_now();
         }
         // The child's one thread's id is its pid.
