@@ -59,6 +59,7 @@ pub mod control;
 mod driver;
 mod error;
 pub mod heap;
+mod linger;
 pub mod listener;
 pub mod pipe;
 pub mod put;

@@ -502,8 +502,9 @@ impl Pipe {
     /// posted, without waiting for its completion. Like a socket's `write`, an `Ok` then
     /// means "handed to the NIC", not "delivered": a transport failure of that write (the
     /// peer gone) breaks the pipe, and the next operation reports it; [`flush`](Self::flush)
-    /// waits for delivery, and a dropped end lingers (up to a second, in a task of its own
-    /// on a tokio runtime) until its inline rwrites have completed. A longer message
+    /// waits for delivery, and a dropped end lingers (up to a second; on a tokio runtime in
+    /// one blocking task shared by every end dropped meanwhile) until its inline rwrites
+    /// have completed. A longer message
     /// resolves when its write has completed.
     pub async fn rwrite(&self, src: LocalSlice) -> BufResult<(), LocalSlice> {
         let r = self.rwrite_inner(&src).await;
@@ -759,17 +760,13 @@ impl Pipe {
     }
 }
 
-/// Longest a dropped pipe end lingers for its inline rwrites to complete.
-const LINGER: Duration = Duration::from_secs(1);
-
 impl Drop for Inner {
     /// Inline rwrites resolve when posted, and destroying the QP would discard any not yet
     /// executed: like a socket's close, the end lingers until they have completed (a fence,
-    /// then the QP kept alive until nothing is outstanding), for at most [`LINGER`],
-    /// sleeping on the CQ's completion channel. On a tokio runtime that is a task of the
-    /// runtime's blocking pool holding the QP, its CQ and connection, so a peer that never
-    /// answers cannot block the code dropping the pipe (a runtime shut down meanwhile waits
-    /// for it, up to [`LINGER`]); elsewhere the dropping thread waits.
+    /// then the QP kept alive until nothing is outstanding), for at most
+    /// [`LINGER`](crate::linger::LINGER), so a peer that never answers cannot block the code
+    /// dropping the pipe: on a tokio runtime, in one task of its blocking pool shared by
+    /// every end dropped meanwhile ([`crate::linger`]); elsewhere the dropping thread waits.
     fn drop(&mut self) {
         // Only an inline rwrite not yet followed by a completed signalled request; then a
         // fence, in the same critical section.
@@ -780,53 +777,12 @@ impl Drop for Inner {
         if !fenced {
             return;
         }
-        let (qp, cq, conn) = (self.qp.clone(), self.driver.cq().clone(), self._conn.take());
-        let deadline = std::time::Instant::now() + LINGER;
-        match tokio::runtime::Handle::try_current() {
-            // The runtime's blocking pool, which every runtime has (no timer, no reactor
-            // needed): the task holds the QP, CQ and connection until it ends.
-            Ok(rt) => drop(rt.spawn_blocking(move || {
-                linger(&qp, &cq, deadline);
-                drop(conn);
-            })),
-            Err(_) => {
-                linger(&qp, &cq, deadline);
-            }
-        }
-    }
-}
-
-/// A dropped end's linger: until `qp` has nothing outstanding once `cq` is reaped (the CQ
-/// is the pipe's alone, `Pipe::connect`: its completions can be discarded), or `deadline`.
-/// It sleeps on `cq`'s completion channel, waking on a completion; if the channel fails, it
-/// polls with sleeps doubling from 10 µs to 5 ms. It never spins, whatever the pipe's poll
-/// mode: a drop needs no low latency, and a peer that never answers then costs no CPU.
-/// Returns how many times it looked.
-fn linger(qp: &QueuePair, cq: &CompletionQueue, deadline: std::time::Instant) -> usize {
-    let mut looks = 0;
-    let mut channel = true;
-    let mut pause = Duration::from_micros(10);
-    let mut wcs = [WorkCompletion::default(); 8];
-    loop {
-        looks += 1;
-        while matches!(cq.poll(&mut wcs), Ok(n) if n > 0) {}
-        if qp.outstanding().0 == 0 {
-            return looks;
-        }
-        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { return looks };
-        if channel {
-            match cq.wait(Some(left)) {
-                Ok(_) => {}
-                Err(rdmakit_verbs::Error::Timeout(_)) => return looks,
-                Err(e) => {
-                    tracing::debug!(error = %e, "a dropped pipe end's CQ cannot be waited on: polling");
-                    channel = false;
-                }
-            }
-        } else {
-            std::thread::sleep(pause.min(left));
-            pause = (pause * 2).min(Duration::from_millis(5));
-        }
+        crate::linger::linger(crate::linger::Remains {
+            qp: self.qp.clone(),
+            cq: self.driver.cq().clone(),
+            _conn: self._conn.take(),
+            deadline: std::time::Instant::now() + crate::linger::LINGER,
+        });
     }
 }
 
@@ -1271,54 +1227,5 @@ impl Drop for RecvGuard {
         if !self.released {
             self.pipe.release(self.addr);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rdmakit_verbs::Context;
-
-    /// A dropped end whose request never completes (a peer that never answers: here a send
-    /// the peer has no receive for, which the requester retries on "receiver not ready")
-    /// sleeps until its deadline, looking once; once the peer posts the receive 50 ms in,
-    /// the linger returns at the send's completion, woken by it, not by polling.
-    #[test]
-    fn a_linger_sleeps_until_a_completion_or_its_deadline() {
-        let ctx = Context::open_soft();
-        let cq = ctx.create_cq(8).expect("cq");
-        let pd = ctx.alloc_pd().expect("pd");
-        let caps = rdmakit_verbs::QpCaps::default();
-        let (a, b) = (pd.create_qp(&cq, &cq, caps).expect("qp"), pd.create_qp(&cq, &cq, caps).expect("qp"));
-        let opts = rdmakit_verbs::ConnectOptions::default(); // retries "not ready" for ever
-        a.connect(&b.address().expect("address"), &opts).expect("connect");
-        b.connect(&a.address().expect("address"), &opts).expect("connect");
-        let (src, dst) = (
-            pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
-            pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).expect("mr"),
-        );
-        a.post_send(SendWr::send(src.local().expect("local"))).expect("post");
-
-        let start = std::time::Instant::now();
-        let looks = linger(&a, &cq, start + Duration::from_millis(100));
-        assert!(start.elapsed() >= Duration::from_millis(100), "ended before its deadline");
-        assert!(looks <= 2, "looked {looks} times");
-        assert_eq!(a.outstanding().0, 1, "the send completed without a receive");
-
-        let start = std::time::Instant::now();
-        let poster = std::thread::spawn({
-            let recv = rdmakit_verbs::RecvWr::new(dst.local().expect("local"));
-            move || {
-                std::thread::sleep(Duration::from_millis(50));
-                b.post_recv(recv).expect("post_recv");
-                b
-            }
-        });
-        let looks = linger(&a, &cq, start + Duration::from_secs(5));
-        let elapsed = start.elapsed();
-        drop(poster.join().expect("poster"));
-        assert!(elapsed >= Duration::from_millis(50), "ended before the send completed: {elapsed:?}");
-        assert!(elapsed < Duration::from_secs(2), "slept to its deadline: {elapsed:?}");
-        assert!(looks <= 4, "looked {looks} times: it polled instead of sleeping on the channel");
     }
 }

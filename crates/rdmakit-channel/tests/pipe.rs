@@ -127,7 +127,7 @@ async fn small_rwrites_go_inline_and_resolve_once_posted() {
         r.expect("inline rwrite");
         assert!(qp.outstanding().0 > 0, "{notify:?}: the inline rwrite was waited for");
         drop(a);
-        // The linger is a task of its own on this runtime: give it a moment.
+        // The linger runs in the runtime's blocking pool: give it a moment.
         for _ in 0..500 {
             if qp.outstanding().0 == 0 {
                 break;
