@@ -60,6 +60,7 @@ pub(crate) mod cq;
 #[doc(hidden)]
 pub mod direct;
 pub(crate) mod dm;
+pub(crate) mod flags;
 pub(crate) mod mr;
 pub(crate) mod qp;
 /// The soft NIC's same-host rings. Public for the hostile-peer tests; not a stable API.

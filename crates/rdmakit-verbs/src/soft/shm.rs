@@ -26,6 +26,11 @@
 //! read from the shared pages is copied into private memory before it is looked at, and
 //! the peer's ring counters are checked against the ring size on every use: a hostile peer
 //! can garble only its own frames, which are then refused.
+//! With the rings the requester passes a ready-flag page, one per pair of processes
+//! (`super::flags`): a producer also sets its connection's bit there, and a loop reads the
+//! page's set words instead of looking at each ring, and says it sleeps once per page, so
+//! that one doorbell wakes it for all of the pair's connections. A ring without a page
+//! (or whose bit another connection holds) is polled and armed on its own, as above.
 //! Plain writes and reads to regions the responder granted skip the rings altogether: the
 //! requester maps the region and places them itself (`super::direct`); the rings carry the
 //! grants and everything else.
@@ -41,6 +46,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use mio::net::UnixStream;
 
+use super::flags::{self, Flag};
 use super::qp::Placement;
 use crate::shared_mem::{self, Dst, Src};
 
@@ -88,6 +94,9 @@ const RING_CTRL: usize = 256;
 /// The responder QP's gate (after both rings' words): 1 while the device's QP serves this
 /// connection, so that the requester may place accesses directly (`super::direct`).
 const GATE: usize = 2 * RING_CTRL;
+/// The connection's bit in the ready-flag page passed with the rings, plus one (0: none),
+/// written by the requester before it passes them (`super::flags`).
+const FLAG_BIT: usize = GATE + 64;
 /// Descriptors a requester keeps waiting for their grant frames (two per grant, at most
 /// two grants asked at once).
 const MAX_STASHED: usize = 4;
@@ -125,6 +134,8 @@ pub(crate) struct Map {
     ring: usize,
     /// The memfd's identity when this process made it for one of its links (see `OURS`).
     own: Option<(u64, u64)>,
+    /// The connection's bit in the ready-flag page of its two processes, if it has one.
+    flag: Option<Flag>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; it is only reached through raw
@@ -155,6 +166,7 @@ impl Map {
             base: NonNull::new(p.cast()).expect("mmap does not return null on success"),
             ring,
             own: None,
+            flag: None,
         })
     }
 
@@ -164,6 +176,12 @@ impl Map {
         // SAFETY: within the control page, 8-aligned (the mapping is page-aligned); an
         // `AtomicU64` may be changed by others at any time, which is what the peer does.
         unsafe { &*self.base.as_ptr().add(ring * RING_CTRL + at).cast::<AtomicU64>() }
+    }
+
+    /// The word of the flag page's bit (see [`FLAG_BIT`]).
+    fn flag_bit(&self) -> &AtomicU64 {
+        // SAFETY: within the control page, 8-aligned; peers change it only as an atomic.
+        unsafe { &*self.base.as_ptr().add(FLAG_BIT).cast::<AtomicU64>() }
     }
 
     /// The gate word (see [`GATE`]).
@@ -334,18 +352,21 @@ unsafe fn copy_in(map: &Map, ring: usize, head: u64, src: Src, n: usize) {
     }
 }
 
-/// Publishes `head` to the consumer, ringing `bell` if it said it waits.
+/// Publishes `head` to the consumer, ringing `bell` if it said it waits: in the flag page
+/// (its loop sleeps), or in the ring's own word (it does not poll this ring).
 fn publish(map: &Map, ring: usize, head: u64, bell: RawFd) {
     map.word(ring, HEAD).store(head, Ordering::Release);
     fence(Ordering::SeqCst);
-    if map.word(ring, CONSUMER_WAITS).swap(0, Ordering::SeqCst) != 0 {
+    let rang = map.flag.as_ref().is_some_and(|f| f.raise(ring, bell));
+    let waits = map.word(ring, CONSUMER_WAITS);
+    if waits.load(Ordering::Relaxed) != 0 && waits.swap(0, Ordering::SeqCst) != 0 && !rang {
         ring_bell(bell);
     }
 }
 
 /// Rings a doorbell. A full socket already holds doorbells the peer has not taken, so it
 /// will look anyway; a closed one is noticed by the loop as its end.
-fn ring_bell(sock: RawFd) {
+pub(crate) fn ring_bell(sock: RawFd) {
     let b = 1u8;
     // SAFETY: one byte from a local; MSG_DONTWAIT: never blocks; MSG_NOSIGNAL: a closed
     // peer is an error, not SIGPIPE.
@@ -523,6 +544,16 @@ impl ShmConn {
         self.polled
     }
 
+    /// This connection's bit in the ready-flag page of its two processes, if it has one.
+    pub(crate) fn flag(&self) -> Option<&Flag> {
+        self.map.flag.as_ref()
+    }
+
+    /// The ring this side reads (`0`: requests, `1`: responses), as the flag page names it.
+    pub(crate) fn rx_ring(&self) -> usize {
+        self.rx
+    }
+
     /// A probe of the ring this side reads ([`Probe`]).
     pub(crate) fn probe(&self) -> Probe {
         Probe { map: self.map.clone(), rx: self.rx, seen: self.rx_tail }
@@ -686,30 +717,39 @@ impl ShmConn {
 }
 
 /// Takes the memfd a same-host requester passes with its first byte on `sock` (accepted by
-/// a device), checks it and maps it. `WouldBlock`: not here yet. Any other error: the
-/// connection is to be dropped.
+/// a device), checks it and maps it, with the ready-flag page that may come with it (see
+/// [`flags`]). `WouldBlock`: not here yet. Any other error: the connection is to be dropped.
 pub(crate) fn accept_rings(sock: &UnixStream, max_ring: usize) -> io::Result<Map> {
-    let fd = recv_fd(sock)?;
+    let mut fds = recv_fds(sock)?.into_iter();
+    let fd = fds.next().expect("at least one descriptor");
     let ring = check_memfd(&fd, max_ring)?;
     // The descriptor itself is not needed once mapped.
-    Map::new(&fd, ring)
+    let mut map = Map::new(&fd, ring)?;
+    if let Some(page) = fds.next() {
+        // The requester wrote its bit before passing the rings; copied once, checked.
+        let bit = map.flag_bit().load(Ordering::Acquire);
+        let bit = bit.checked_sub(1).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "same-host peer passed a flag page but no bit")
+        })?;
+        map.flag = Some(flags::accept(page, bit)?);
+    }
+    Ok(map)
 }
 
-/// Receives one byte carrying exactly one descriptor.
-fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
+/// Receives one byte carrying the rings' memfd and, optionally, a flag page's.
+fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     let mut byte = [0u8; 1];
     let got = recv_with_fds(sock.as_raw_fd(), &mut byte)?;
     if got.bytes == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "same-host peer closed before its memfd"));
     }
-    let mut fds = got.fds;
-    if got.truncated || fds.len() != 1 {
+    if got.truncated || !matches!(got.fds.len(), 1 | 2) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("same-host peer passed {} descriptors, not one memfd", fds.len()),
+            format!("same-host peer passed {} descriptors, not one memfd (and a flag page)", got.fds.len()),
         ));
     }
-    Ok(fds.pop().expect("one descriptor"))
+    Ok(got.fds)
 }
 
 /// What one `recvmsg` gave: bytes, the descriptors that came with them (now ours), and
@@ -980,7 +1020,19 @@ pub(crate) fn connect(gid: &[u8; 16], hello: &[u8], ring: usize) -> Option<ShmCo
         if conn.write(hello)? != hello.len() {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        send_fd(conn.sock.as_raw_fd(), &fd)
+        // A bit in the flag page of this pair of processes, written where the device reads
+        // it. Only now: raised for the Hello, it could ring (the device's loop sleeping on
+        // the page), and a doorbell before the descriptors would be taken for them.
+        let map = Arc::get_mut(&mut conn.map).expect("a new connection's rings are not shared yet");
+        let page = flags::for_peer(owner).map(|(flag, page_fd)| {
+            map.flag_bit().store(u64::from(flag.bit()) + 1, Ordering::Release);
+            map.flag = Some(flag);
+            page_fd
+        });
+        match page {
+            Some(p) => send_fds(conn.sock.as_raw_fd(), &[fd.as_raw_fd(), p]),
+            None => send_fd(conn.sock.as_raw_fd(), &fd),
+        }
     };
     match attach(&mut conn) {
         Ok(()) => Some(conn),
@@ -1007,8 +1059,25 @@ pub(crate) fn test_pair() -> (ShmConn, ShmConn) {
     (req, resp)
 }
 
+/// As [`test_pair`], with both ends' rings flagged in one page made for the device process
+/// `pid` (a pid no device of the test has: the page is the test's own), at the bit given
+/// out next.
+#[cfg(all(test, not(miri)))]
+pub(crate) fn test_pair_flagged(pid: u32) -> (ShmConn, ShmConn) {
+    let (mut req, mut resp) = test_pair();
+    let (flag, _) = flags::for_peer(pid).expect("a flag page");
+    Arc::get_mut(&mut resp.map).expect("unshared").flag = Some(flag.twin());
+    Arc::get_mut(&mut req.map).expect("unshared").flag = Some(flag);
+    (req, resp)
+}
+
 #[cfg(all(test, not(miri)))]
 impl ShmConn {
+    /// Flags this end's rings (before the connection is shared).
+    pub(crate) fn set_flag_for_test(&mut self, flag: Flag) {
+        Arc::get_mut(&mut self.map).expect("unshared").flag = Some(flag);
+    }
+
     /// Doorbell bytes waiting on this side's socket (not taken); -1 for none.
     pub(crate) fn bells_waiting(&self) -> isize {
         let mut peek = [0u8; 16];
@@ -1128,6 +1197,38 @@ mod tests {
         assert_eq!(resp.read(&mut buf).unwrap(), 1);
         assert!(resp.sync_probe(&mut p));
         assert!(!p.moved());
+    }
+
+    /// A requester connecting while the device's loop sleeps on their flag page: the Hello
+    /// it writes must not ring before the rings' descriptors are passed, or the device
+    /// takes the doorbell's byte for the one carrying them and drops the connection (the
+    /// cross-process test with 300 QPs lost one this way).
+    #[test]
+    fn a_new_connection_passes_its_descriptors_first_even_to_a_sleeping_loop() {
+        if !enabled() {
+            return;
+        }
+        // A device "of" this process: a GID naming its pid, a listener on its name.
+        let mut gid = [0u8; 16];
+        gid[8..12].copy_from_slice(&std::process::id().to_be_bytes());
+        gid[15] = 0x5a;
+        let listener = bind(&gid).unwrap();
+        // The page this process would pass to that device, its requests' consumer asleep.
+        let (held, _) = flags::for_peer(std::process::id()).unwrap();
+        assert!(!held.page().sleep(REQUESTS, 128));
+        let conn = connect(&gid, b"hello frame", MIN_RING).expect("same-host connection");
+        let flag = conn.flag().expect("flagged");
+        assert!(Arc::ptr_eq(flag.page(), held.page()));
+        let (sock, _) = listener.accept().unwrap();
+        let fds = recv_fds(&sock).expect("the first byte carries the descriptors");
+        assert_eq!(fds.len(), 2, "rings and flag page");
+        // Published after: the page's bit now rings the sleeping loop.
+        let mut conn = conn;
+        conn.write(b"more").unwrap();
+        let mut b = [0u8; 8];
+        // SAFETY: reads into a local buffer.
+        let n = unsafe { libc::recv(sock.as_raw_fd(), b.as_mut_ptr().cast(), 8, libc::MSG_DONTWAIT) };
+        assert_eq!(n, 1, "one doorbell");
     }
 
     #[test]

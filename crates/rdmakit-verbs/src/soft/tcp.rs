@@ -57,6 +57,7 @@ use std::time::{Duration, Instant};
 
 use super::SoftDevice;
 use super::direct::{self, GrantTable, Miss};
+use super::flags::FlagPage;
 use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
@@ -418,7 +419,8 @@ const SHM_READ: usize = 4096;
 /// Reads per connection per turn of the loop before the others get theirs.
 const READS_PER_TURN: usize = 8;
 /// Sleeps of the loop after which a same-host ring with no input in any of them is no
-/// longer polled on waking: it waits for its doorbell again.
+/// longer polled on waking: it waits for its doorbell again. Only for rings the loop polls
+/// on their own: those with a bit in a flag page (`super::flags`) are never polled.
 ///
 /// The trade: a ring kept polled costs a look per turn of the loop and two stores per sleep
 /// (armed, then disarmed); one dropped costs its producer a doorbell (a system call, and a
@@ -838,6 +840,29 @@ struct SlotPolling {
     listed: bool,
     /// The loop's sleeps since its ring last had input (saturating).
     quiet: u8,
+    /// The connection's bit in a flag page the loop reads ([`FlagScan`]): its ring is
+    /// never polled nor armed on its own.
+    flag: Option<FlagOwner>,
+}
+
+/// Where a connection's bit is: the page (by its address), the ring, the bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FlagOwner {
+    page: usize,
+    ring: usize,
+    bit: u32,
+}
+
+/// The loop's reading of one ready-flag page, for the ring it consumes there
+/// (`super::flags`): the connections whose bits it owns.
+struct FlagScan {
+    page: Arc<FlagPage>,
+    ring: usize,
+    /// By bit: the slab index of the connection it names, plus one (0: none).
+    owners: Vec<u32>,
+    /// Words of bits to read: up to the highest bit owned.
+    words: usize,
+    live: usize,
 }
 
 enum Entry {
@@ -868,6 +893,10 @@ struct EventLoop {
     /// Polled rings armed for the loop's sleep, polled again when it wakes
     /// ([`resume_polling`](Self::resume_polling)).
     slept: Vec<usize>,
+    /// The flag pages whose bits name connections on this loop.
+    scans: Vec<FlagScan>,
+    /// The connections the last read of the flag pages named (kept for its allocation).
+    flag_turns: Vec<usize>,
     /// How long the loop polls after a turn with work before it sleeps ([`SPIN_ENV`]).
     spin: Duration,
     rbuf: Vec<u8>,
@@ -888,6 +917,8 @@ impl EventLoop {
             slots: Vec::new(),
             polled_input: false,
             slept: Vec::new(),
+            scans: Vec::new(),
+            flag_turns: Vec::new(),
             spin,
             rbuf: vec![0; READ_BUF],
             scratch: Vec::new(),
@@ -967,6 +998,7 @@ impl EventLoop {
                 self.on_event(i, false, false, false);
             }
             self.poll_rings();
+            self.poll_flags();
             worked |= self.polled_input || !self.again.is_empty();
             if self.wire.exit.wanted.swap(false, Ordering::SeqCst) {
                 self.flush_for_exit();
@@ -1098,6 +1130,7 @@ impl EventLoop {
             self.remove(i, e);
             return;
         }
+        self.watch_flag(i);
         self.again.push(i);
     }
 
@@ -1238,6 +1271,9 @@ impl EventLoop {
     /// sleeps: more is likely to come soon, and looking costs less than a doorbell.
     fn start_polling(&mut self, i: usize, conn: &mut Conn) {
         let Conn::Shm(c) = conn else { return };
+        if self.slots.get(i).is_some_and(|s| s.flag.is_some()) {
+            return; // its flag bit stands for polling
+        }
         if c.is_polled() {
             // Polled already (since the loop woke, say), and its turn came from a doorbell
             // sent just before: that is input, and the ring is not quiet.
@@ -1256,18 +1292,106 @@ impl EventLoop {
             // Listed for a connection that held the slot before (see `unlist`).
             self.polled.retain(|(x, _)| *x != i);
         }
-        self.slots[i] = SlotPolling { listed: true, quiet: 0 };
+        self.slots[i] = SlotPolling { listed: true, quiet: 0, flag: None };
         self.polled.push((i, c.probe()));
     }
 
-    /// Slot `i` ends: its ring is polled no more.
+    /// Slot `i` ends: its ring is polled no more, and its flag bit names nothing.
     fn unlist(&mut self, i: usize) {
-        if let Some(slot) = self.slots.get_mut(i)
-            && slot.listed
-        {
+        let Some(slot) = self.slots.get_mut(i) else { return };
+        if slot.listed {
             slot.listed = false;
             self.polled.retain(|(x, _)| *x != i);
         }
+        if let Some(o) = slot.flag.take()
+            && let Some(k) =
+                self.scans.iter().position(|s| Arc::as_ptr(&s.page) as usize == o.page && s.ring == o.ring)
+        {
+            let scan = &mut self.scans[k];
+            if let Some(owner) = scan.owners.get_mut(o.bit as usize)
+                && *owner as usize == i + 1
+            {
+                *owner = 0;
+                scan.live -= 1;
+            }
+            if scan.live == 0 {
+                self.scans.swap_remove(k);
+            }
+        }
+    }
+
+    /// Connection `i` (just placed in the slab) has a bit in a flag page: the loop reads
+    /// that page and gives it a turn when its bit is set, instead of polling its ring. A bit
+    /// another connection of the page holds (one ending while its bit was given again, or
+    /// a peer naming one bit twice) is not taken: that ring is polled as without a page.
+    fn watch_flag(&mut self, i: usize) {
+        let Some((c, _)) = self.rings(i) else { return };
+        let Some(f) = c.flag() else { return };
+        let (page, bit, ring) = (f.page().clone(), f.bit(), c.rx_ring());
+        let k = match self.scans.iter().position(|s| Arc::ptr_eq(&s.page, &page) && s.ring == ring) {
+            Some(k) => k,
+            None => {
+                self.scans.push(FlagScan { page: page.clone(), ring, owners: Vec::new(), words: 0, live: 0 });
+                self.scans.len() - 1
+            }
+        };
+        let scan = &mut self.scans[k];
+        let b = bit as usize;
+        if scan.owners.len() <= b {
+            scan.owners.resize(b + 1, 0);
+        }
+        if scan.owners[b] != 0 {
+            if scan.live == 0 {
+                self.scans.swap_remove(k);
+            }
+            return;
+        }
+        scan.owners[b] = u32::try_from(i + 1).expect("slab index fits a u32");
+        scan.live += 1;
+        scan.words = scan.words.max(b / 64 + 1);
+        if self.slots.len() <= i {
+            self.slots.resize(i + 1, SlotPolling::default());
+        }
+        self.unlist(i);
+        self.slots[i].flag = Some(FlagOwner { page: Arc::as_ptr(&page) as usize, ring, bit });
+        if let Some((c, _)) = self.rings(i) {
+            // Its reads never ask for the ring's own doorbell: the page's stands for it.
+            c.set_polled(true);
+        }
+    }
+
+    /// Reads the flag pages and gives a turn to each connection named there with input.
+    fn poll_flags(&mut self) {
+        let mut turns = std::mem::take(&mut self.flag_turns);
+        for s in &self.scans {
+            for k in 0..s.words {
+                let mut bits = s.page.take(s.ring, k);
+                while bits != 0 {
+                    let b = k * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if let Some(&o) = s.owners.get(b)
+                        && o != 0
+                    {
+                        turns.push(o as usize - 1);
+                    }
+                }
+            }
+        }
+        if !turns.is_empty() {
+            FlagPage::took();
+        }
+        for &i in &turns {
+            let input = match Self::rings_in(&mut self.slab, i) {
+                Some((c, takes)) => takes && c.has_input(),
+                None => false,
+            };
+            if input {
+                self.polled_input = true;
+                self.ring_turn(i);
+            }
+        }
+        turns.clear();
+        self.flag_turns = turns;
     }
 
     /// The rings of entry `i`, if it is a same-host connection, and whether it takes input
@@ -1347,7 +1471,11 @@ impl EventLoop {
     /// Before sleeping: every polled ring asks for a doorbell again. True if input came
     /// meanwhile (the loop then stays awake and goes on polling).
     fn arm_polled(&mut self) -> bool {
+        // The flag pages first: one word each says the loop sleeps.
         let mut input = false;
+        for s in &self.scans {
+            input |= s.page.sleep(s.ring, s.words);
+        }
         for j in 0..self.polled.len() {
             let i = self.polled[j].0;
             if let Some((c, takes)) = self.rings(i)
@@ -1391,6 +1519,9 @@ impl EventLoop {
     /// loop looks at each ring once per turn, as it does until it sleeps again (and arms
     /// them first: a producer that saw the disarm posted where the loop looks).
     fn resume_polling(&mut self) {
+        for s in &self.scans {
+            s.page.wake(s.ring);
+        }
         let mut slept = std::mem::take(&mut self.slept);
         for &i in &slept {
             // Nothing changed the slab during the sleep: `i` is the ring armed for it.
@@ -1644,6 +1775,7 @@ impl EventLoop {
             let e = self.slab[i].take().expect("just set");
             return self.remove(i, e);
         }
+        self.watch_flag(i);
         // Requests pipelined behind the Hello may already be in the socket.
         self.again.push(i);
     }
@@ -2929,6 +3061,78 @@ mod tests {
         assert!(lp.polled.is_empty());
         peer.write(&frame).unwrap();
         assert_eq!(ring(&mut lp, i).bells_waiting(), 1, "quiet: the doorbell is back");
+    }
+
+    /// A link flagged in a page (see `super::flags`), watched as the loop watches a new link.
+    #[cfg(not(miri))]
+    fn add_flagged_link(lp: &mut EventLoop, pair: (ShmConn, ShmConn)) -> (usize, ShmConn) {
+        let (mine, peer) = pair;
+        let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
+        let c = LinkConn { io, shared: Arc::new(LinkShared::new(16)), qp: Weak::new(), dial: None };
+        let i = lp.insert(Entry::Link(c));
+        lp.watch_flag(i);
+        (i, peer)
+    }
+
+    #[test]
+    #[cfg(not(miri))]
+    fn flagged_rings_take_turns_from_their_bits_and_a_sleep_costs_one_doorbell() {
+        // A pid no device of this test has: the page is the test's own.
+        const PID: u32 = u32::MAX - 7;
+        let mut lp = test_loop();
+        let (i, mut pi) = add_flagged_link(&mut lp, shm::test_pair_flagged(PID));
+        let (j, mut pj) = add_flagged_link(&mut lp, shm::test_pair_flagged(PID));
+        assert_eq!(lp.scans.len(), 1, "one page for both");
+        assert_eq!(lp.scans[0].live, 2);
+        // A doorbell's turn does not list a flagged ring for polling.
+        had_a_turn(&mut lp, i);
+        assert!(lp.polled.is_empty());
+        assert!(ring(&mut lp, i).is_polled(), "its reads never ask for the ring's own doorbell");
+        // Awake: frames come without doorbells, and no bit means no turn.
+        let garbage = [0xffu8; 16];
+        lp.poll_flags();
+        assert!(!lp.polled_input, "nothing set, no turn");
+        pi.write(&garbage).unwrap();
+        assert_eq!(ring(&mut lp, i).bells_waiting(), -1);
+        // The bit gives the link its turn: it reads the garbage and ends; the other stays.
+        lp.poll_flags();
+        assert!(std::mem::take(&mut lp.polled_input));
+        assert!(lp.slab[i].is_none(), "link i had its turn");
+        assert!(lp.slab[j].is_some());
+        assert_eq!(lp.scans[0].live, 1, "an ended link's bit names nothing");
+        // Asleep: the first frame rings, once for the page; the loop stays awake for it.
+        assert!(!lp.arm_polled(), "no input: the loop may sleep");
+        pj.write(&garbage).unwrap();
+        assert_eq!(ring(&mut lp, j).bells_waiting(), 1);
+        pj.write(&garbage).unwrap();
+        assert_eq!(ring(&mut lp, j).bells_waiting(), 1, "one doorbell per sleep");
+        lp.resume_polling();
+        assert!(lp.arm_polled(), "a set bit keeps the loop awake");
+        lp.resume_polling();
+        lp.poll_flags();
+        assert!(lp.slab[j].is_none(), "link j had its turn");
+        assert!(lp.scans.is_empty(), "no page left to read");
+        drop((pi, pj));
+    }
+
+    #[test]
+    #[cfg(not(miri))]
+    fn a_bit_taken_twice_leaves_the_second_ring_polled_on_its_own() {
+        const PID: u32 = u32::MAX - 8;
+        let mut lp = test_loop();
+        let (a, pa) = shm::test_pair_flagged(PID);
+        // A second connection naming the same bit of the same page (a peer doing so, or a
+        // bit given again while the device still serves its old connection).
+        let (mut b, mut pb) = shm::test_pair();
+        b.set_flag_for_test(a.flag().unwrap().twin());
+        pb.set_flag_for_test(a.flag().unwrap().twin());
+        let (i, _pi) = add_flagged_link(&mut lp, (a, pa));
+        let (j, _pb) = add_flagged_link(&mut lp, (b, pb));
+        assert!(lp.slots[i].flag.is_some());
+        assert!(lp.slots.get(j).is_none_or(|s| s.flag.is_none()), "not taken twice");
+        assert!(!ring(&mut lp, j).is_polled(), "its reads ask for the ring's own doorbell");
+        had_a_turn(&mut lp, j);
+        assert_eq!(lp.polled.len(), 1, "polled as a ring without a page");
     }
 
     /// Links whose rings bring garbage end in the scan's own turns: the entries after an
