@@ -129,7 +129,7 @@ fn file_budget() -> usize {
 /// second mapping.
 static OURS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
 
-fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
+pub(crate) fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
     // SAFETY: zeroed `stat` is valid; fstat writes into it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a live local of the right type; `fd` is open.
@@ -142,7 +142,7 @@ fn file_id(fd: &OwnedFd) -> io::Result<(libc::stat, (u64, u64))> {
 
 /// A memfd of `len` bytes sealed against shrinking and growing (a peer mapping it can
 /// never fault on pages cut from under it, nor can we); [`seal_final`] ends its sealing.
-fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
     // SAFETY: a NUL-terminated name; valid flags.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
@@ -617,7 +617,19 @@ pub(crate) struct Target {
 /// its pool runs dry) of exactly `len` bytes sealed against shrinking (so a mapping of it
 /// can never fault), and not one of this process's own files.
 fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
-    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("a granted file {what}"));
+    let id = check_sealed(fd, len, "a granted file")?;
+    if OURS.lock().expect("our files").contains(&id) || super::shm::is_ours(id) {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "a granted file of our own"));
+    }
+    Ok(())
+}
+
+/// Checks a descriptor a peer passed is shared memory (tmpfs: a hugetlbfs file could fault
+/// when its pool runs dry) of exactly `len` bytes sealed against shrinking (so a mapping of
+/// it can never fault); returns its identity (device, inode). The error says which check
+/// failed, after `what` (what the descriptor was passed as).
+pub(crate) fn check_sealed(fd: &OwnedFd, len: usize, what: &str) -> io::Result<(u64, u64)> {
+    let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what} {why}"));
     // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but a memfd.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
@@ -633,10 +645,7 @@ fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
     if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != len as u64 {
         return Err(bad("of another size"));
     }
-    if OURS.lock().expect("our files").contains(&id) || super::shm::is_ours(id) {
-        return Err(bad("of our own"));
-    }
-    Ok(())
+    Ok(id)
 }
 
 impl GrantTable {

@@ -22,7 +22,7 @@
 //! delay or hurry only connections it is the other end of.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex, Weak};
@@ -85,16 +85,6 @@ fn map_page(fd: &OwnedFd) -> io::Result<NonNull<u8>> {
         return Err(io::Error::last_os_error());
     }
     Ok(NonNull::new(p.cast()).expect("mmap does not return null on success"))
-}
-
-fn file_id(fd: &OwnedFd) -> io::Result<(FileId, libc::stat)> {
-    // SAFETY: fstat into a zeroed local of the right type.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; `fd` is ours.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(((st.st_dev, st.st_ino), st))
 }
 
 impl FlagPage {
@@ -242,29 +232,14 @@ pub(crate) fn for_peer(pid: u32) -> Option<(Flag, RawFd)> {
 }
 
 fn new_page(pid: u32) -> io::Result<FlagPage> {
-    // SAFETY: a NUL-terminated name; the flags are valid.
-    let fd = unsafe {
-        libc::memfd_create(c"rdmakit-soft-flags".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-    };
-    if fd < 0 {
+    let fd = super::direct::sealed_memfd(c"rdmakit-soft-flags", PAGE)?;
+    // SAFETY: fcntl on a descriptor we own: no more seals (a peer adding one cannot bar
+    // this process's writes).
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SEAL) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: a fresh descriptor, now owned.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: plain calls on a descriptor we own.
-    unsafe {
-        if libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) != 0
-            || libc::fcntl(
-                fd.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            ) != 0
-        {
-            return Err(io::Error::last_os_error());
-        }
-    }
     let base = map_page(&fd)?;
-    let (id, _) = file_id(&fd)?;
+    let (_, id) = super::direct::file_id(&fd)?;
     Ok(FlagPage { base, id, made: Some(Made { fd, pid, used: Mutex::new(vec![0; WORDS]) }) })
 }
 
@@ -280,21 +255,7 @@ pub(crate) fn accept(fd: OwnedFd, bit: u64) -> io::Result<Flag> {
     let bad =
         |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("same-host peer's flag page {what}"));
     let bit = u32::try_from(bit).ok().filter(|&b| b < BITS).ok_or_else(|| bad("bit is out of range"))?;
-    // SAFETY: fcntl on a descriptor we own; F_GET_SEALS fails on anything but shared memory.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err(bad("is not a memfd sealed against shrinking"));
-    }
-    // SAFETY: zeroed `statfs` is valid; fstatfs writes into it.
-    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `fs` is a live local of the right type; `fd` is ours.
-    if unsafe { libc::fstatfs(fd.as_raw_fd(), &raw mut fs) } != 0 || fs.f_type != libc::TMPFS_MAGIC {
-        return Err(bad("is not in shared memory"));
-    }
-    let (id, st) = file_id(&fd)?;
-    if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size != PAGE as libc::off_t {
-        return Err(bad("has a bad size"));
-    }
+    let id = super::direct::check_sealed(&fd, PAGE, "same-host peer's flag page")?;
     if is_made(id) {
         return Err(bad("is one of this process's own"));
     }
@@ -312,6 +273,7 @@ pub(crate) fn accept(fd: OwnedFd, bit: u64) -> io::Result<Flag> {
 #[cfg(not(miri))]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     fn pair() -> (std::os::unix::net::UnixStream, std::os::unix::net::UnixStream) {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
@@ -386,12 +348,12 @@ mod tests {
             }
         };
         let e = |r: io::Result<Flag>| r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e(accept(memfd(4096, false), 0)).contains("sealed"));
-        assert!(e(accept(memfd(8192, true), 0)).contains("bad size"));
+        assert!(e(accept(memfd(4096, false), 0)).contains("may shrink"));
+        assert!(e(accept(memfd(8192, true), 0)).contains("another size"));
         assert!(e(accept(memfd(4096, true), u64::from(BITS))).contains("out of range"));
         assert!(e(accept(memfd(4096, true), u64::MAX)).contains("out of range"));
         let (x, _y) = pair();
-        assert!(e(accept(OwnedFd::from(x), 0)).contains("sealed"));
+        assert!(e(accept(OwnedFd::from(x), 0)).contains("may shrink"));
         // A good one, passed twice (two connections): mapped once.
         let good = memfd(4096, true);
         let again = good.try_clone().unwrap();
