@@ -63,28 +63,10 @@ unsafe impl Sync for FlagPage {}
 
 impl Drop for FlagPage {
     fn drop(&mut self) {
-        // SAFETY: mapped by `map_page` with this length; no reference into it outlives
+        // SAFETY: mapped (`direct::map_shared`) with this length; no reference into it outlives
         // `self` (every user holds the `Arc`).
         unsafe { libc::munmap(self.base.as_ptr().cast(), PAGE) };
     }
-}
-
-fn map_page(fd: &OwnedFd) -> io::Result<NonNull<u8>> {
-    // SAFETY: a fresh mapping chosen by the kernel; nothing else is at that address.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            PAGE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(NonNull::new(p.cast()).expect("mmap does not return null on success"))
 }
 
 impl FlagPage {
@@ -116,11 +98,11 @@ impl FlagPage {
     }
 
     /// The consumer of `ring` is about to sleep: producers ring from now on. Then whether a
-    /// bit is set among the first `words` (input came meanwhile; the loop stays awake).
-    pub(crate) fn sleep(&self, ring: usize, words: usize) -> bool {
+    /// bit is set in one of `words` (input came meanwhile; the loop stays awake).
+    pub(crate) fn sleep(&self, ring: usize, words: &[usize]) -> bool {
         self.sleep_word(ring).store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        (0..words.min(WORDS)).any(|k| self.bits(ring, k).load(Ordering::Relaxed) != 0)
+        words.iter().any(|&k| k < WORDS && self.bits(ring, k).load(Ordering::Relaxed) != 0)
     }
 
     /// The consumer of `ring` is awake again (producers need not ring).
@@ -154,7 +136,13 @@ impl Flag {
     /// The same bit of the same page, for the other end of a test's connection.
     #[cfg(test)]
     pub(crate) fn twin(&self) -> Flag {
-        Flag { page: self.page.clone(), bit: self.bit, given: false }
+        self.at(self.bit)
+    }
+
+    /// Bit `bit` of the same page, for a test's connection (not given out: never freed).
+    #[cfg(test)]
+    pub(crate) fn at(&self, bit: u32) -> Flag {
+        Flag { page: self.page.clone(), bit, given: false }
     }
 
     /// After a publish into `ring` (the head stored, then a sequentially consistent fence):
@@ -203,32 +191,37 @@ type FileId = (u64, u64);
 pub(crate) fn for_peer(pid: u32) -> Option<(Flag, RawFd)> {
     let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
     made.retain(|w| w.strong_count() > 0);
-    for w in made.iter() {
-        let Some(page) = w.upgrade() else { continue };
-        let Some(m) = page.made.as_ref().filter(|m| m.pid == pid) else { continue };
-        let bit = {
-            let mut used = m.used.lock().unwrap_or_else(|e| e.into_inner());
-            let Some((k, word)) = used.iter_mut().enumerate().find(|(_, w)| **w != u64::MAX) else {
-                continue;
-            };
-            let b = word.trailing_ones();
-            *word |= 1 << b;
-            k as u32 * 64 + b
-        };
-        let fd = m.fd.as_raw_fd();
-        return Some((Flag { page, bit, given: true }, fd));
-    }
-    let page = match new_page(pid) {
-        Ok(p) => Arc::new(p),
-        Err(e) => {
-            tracing::debug!(error = %e, "soft NIC: no ready-flag page; same-host rings go without");
-            return None;
-        }
+    let mut pages =
+        made.iter().filter_map(Weak::upgrade).filter(|p| p.made.as_ref().is_some_and(|m| m.pid == pid));
+    let found = pages.find_map(|p| p.made.as_ref().and_then(Made::take_bit).map(|bit| (p.clone(), bit)));
+    let (page, bit) = match found {
+        Some(f) => f,
+        None => match new_page(pid) {
+            Ok(p) => {
+                let p = Arc::new(p);
+                made.push(Arc::downgrade(&p));
+                let bit = p.made.as_ref().and_then(Made::take_bit).expect("a new page has free bits");
+                (p, bit)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "soft NIC: no ready-flag page; same-host rings go without");
+                return None;
+            }
+        },
     };
-    made.push(Arc::downgrade(&page));
-    let fd = page.made.as_ref().expect("made here").fd.as_raw_fd();
-    page.made.as_ref().expect("made here").used.lock().unwrap_or_else(|e| e.into_inner())[0] = 1;
-    Some((Flag { page, bit: 0, given: true }, fd))
+    let fd = page.made.as_ref().expect("a page this process made").fd.as_raw_fd();
+    Some((Flag { page, bit, given: true }, fd))
+}
+
+impl Made {
+    /// The lowest free bit, now taken.
+    fn take_bit(&self) -> Option<u32> {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let (k, word) = used.iter_mut().enumerate().find(|(_, w)| **w != u64::MAX)?;
+        let b = word.trailing_ones();
+        *word |= 1 << b;
+        Some(k as u32 * 64 + b)
+    }
 }
 
 fn new_page(pid: u32) -> io::Result<FlagPage> {
@@ -238,7 +231,7 @@ fn new_page(pid: u32) -> io::Result<FlagPage> {
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SEAL) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let base = map_page(&fd)?;
+    let base = super::direct::map_shared(&fd, PAGE, true)?;
     let (_, id) = super::direct::file_id(&fd)?;
     Ok(FlagPage { base, id, made: Some(Made { fd, pid, used: Mutex::new(vec![0; WORDS]) }) })
 }
@@ -264,7 +257,7 @@ pub(crate) fn accept(fd: OwnedFd, bit: u64) -> io::Result<Flag> {
     if let Some(page) = taken.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade()) {
         return Ok(Flag { page, bit, given: false });
     }
-    let page = Arc::new(FlagPage { base: map_page(&fd)?, id, made: None });
+    let page = Arc::new(FlagPage { base: super::direct::map_shared(&fd, PAGE, true)?, id, made: None });
     taken.push((id, Arc::downgrade(&page)));
     Ok(Flag { page, bit, given: false })
 }
@@ -274,6 +267,10 @@ pub(crate) fn accept(fd: OwnedFd, bit: u64) -> io::Result<Flag> {
 mod tests {
     use super::*;
     use std::os::fd::FromRawFd;
+
+    fn all_words() -> Vec<usize> {
+        (0..WORDS).collect()
+    }
 
     fn pair() -> (std::os::unix::net::UnixStream, std::os::unix::net::UnixStream) {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
@@ -311,13 +308,13 @@ mod tests {
         assert_eq!(got, (1 << (f1.bit() % 64)) | (1 << (f2.bit() % 64)));
         assert_eq!(page.take(REQ, k), 0, "taken once");
         // Sleeping: the first producer rings, the second does not.
-        assert!(!page.sleep(REQ, WORDS), "nothing set");
+        assert!(!page.sleep(REQ, &all_words()), "nothing set");
         assert!(f1.raise(REQ, tx.as_raw_fd()));
         assert!(!f2.raise(REQ, tx.as_raw_fd()));
         assert_eq!(bells(&rx), 1);
         // Input came before the sleep: the consumer sees it and stays awake.
         page.wake(REQ);
-        assert!(page.sleep(REQ, WORDS));
+        assert!(page.sleep(REQ, &all_words()));
         page.wake(REQ);
         // The other direction has its own bits.
         assert_eq!(page.take(1, k), 0);

@@ -1215,7 +1215,7 @@ mod tests {
         let listener = bind(&gid).unwrap();
         // The page this process would pass to that device, its requests' consumer asleep.
         let (held, _) = flags::for_peer(std::process::id()).unwrap();
-        assert!(!held.page().sleep(REQUESTS, 128));
+        assert!(!held.page().sleep(REQUESTS, &(0..128).collect::<Vec<_>>()));
         let conn = connect(&gid, b"hello frame", MIN_RING).expect("same-host connection");
         let flag = conn.flag().expect("flagged");
         assert!(Arc::ptr_eq(flag.page(), held.page()));

@@ -860,8 +860,9 @@ struct FlagScan {
     ring: usize,
     /// By bit: the slab index of the connection it names, plus one (0: none).
     owners: Vec<u32>,
-    /// Words of bits to read: up to the highest bit owned.
-    words: usize,
+    /// The words of bits to read: those holding an owned bit, in order. Only those: a peer
+    /// naming a high bit must not make every turn read the whole page.
+    words: Vec<usize>,
     live: usize,
 }
 
@@ -1313,6 +1314,11 @@ impl EventLoop {
             {
                 *owner = 0;
                 scan.live -= 1;
+                let w = o.bit as usize / 64;
+                let word = &scan.owners[w * 64..scan.owners.len().min(w * 64 + 64)];
+                if word.iter().all(|&x| x == 0) {
+                    scan.words.retain(|&x| x != w);
+                }
             }
             if scan.live == 0 {
                 self.scans.swap_remove(k);
@@ -1331,7 +1337,13 @@ impl EventLoop {
         let k = match self.scans.iter().position(|s| Arc::ptr_eq(&s.page, &page) && s.ring == ring) {
             Some(k) => k,
             None => {
-                self.scans.push(FlagScan { page: page.clone(), ring, owners: Vec::new(), words: 0, live: 0 });
+                self.scans.push(FlagScan {
+                    page: page.clone(),
+                    ring,
+                    owners: Vec::new(),
+                    words: Vec::new(),
+                    live: 0,
+                });
                 self.scans.len() - 1
             }
         };
@@ -1341,14 +1353,13 @@ impl EventLoop {
             scan.owners.resize(b + 1, 0);
         }
         if scan.owners[b] != 0 {
-            if scan.live == 0 {
-                self.scans.swap_remove(k);
-            }
-            return;
+            return; // (an owner: the scan is live, it stays)
         }
         scan.owners[b] = u32::try_from(i + 1).expect("slab index fits a u32");
         scan.live += 1;
-        scan.words = scan.words.max(b / 64 + 1);
+        if let Err(at) = scan.words.binary_search(&(b / 64)) {
+            scan.words.insert(at, b / 64);
+        }
         if self.slots.len() <= i {
             self.slots.resize(i + 1, SlotPolling::default());
         }
@@ -1364,7 +1375,7 @@ impl EventLoop {
     fn poll_flags(&mut self) {
         let mut turns = std::mem::take(&mut self.flag_turns);
         for s in &self.scans {
-            for k in 0..s.words {
+            for &k in &s.words {
                 let mut bits = s.page.take(s.ring, k);
                 while bits != 0 {
                     let b = k * 64 + bits.trailing_zeros() as usize;
@@ -1474,7 +1485,7 @@ impl EventLoop {
         // The flag pages first: one word each says the loop sleeps.
         let mut input = false;
         for s in &self.scans {
-            input |= s.page.sleep(s.ring, s.words);
+            input |= s.page.sleep(s.ring, &s.words);
         }
         for j in 0..self.polled.len() {
             let i = self.polled[j].0;
@@ -3074,6 +3085,15 @@ mod tests {
         (i, peer)
     }
 
+    /// A pair of rings flagged at `bit` of `first`'s page (not given out by the page).
+    #[cfg(not(miri))]
+    fn pair_at(first: &ShmConn, bit: u32) -> (ShmConn, ShmConn) {
+        let (mut b, mut pb) = shm::test_pair();
+        b.set_flag_for_test(first.flag().unwrap().at(bit));
+        pb.set_flag_for_test(first.flag().unwrap().at(bit));
+        (b, pb)
+    }
+
     #[test]
     #[cfg(not(miri))]
     fn flagged_rings_take_turns_from_their_bits_and_a_sleep_costs_one_doorbell() {
@@ -3115,6 +3135,29 @@ mod tests {
         drop((pi, pj));
     }
 
+    /// A peer naming the page's last bit: the loop reads that word only, not the 127 below
+    /// it, on every turn and before every sleep; and forgets it when the connection ends.
+    #[test]
+    #[cfg(not(miri))]
+    fn the_loop_reads_only_the_words_of_bits_it_owns() {
+        const PID: u32 = u32::MAX - 9;
+        let mut lp = test_loop();
+        let (a, pa) = shm::test_pair_flagged(PID);
+        let high = super::super::flags::BITS - 1;
+        let (b, pb) = pair_at(&a, high);
+        let low = a.flag().unwrap().bit() as usize / 64;
+        let (i, _pa) = add_flagged_link(&mut lp, (a, pa));
+        let (j, _pb) = add_flagged_link(&mut lp, (b, pb));
+        assert_eq!(lp.scans.len(), 1);
+        assert_eq!(lp.scans[0].words, vec![low, high as usize / 64]);
+        let e = lp.slab[j].take().unwrap();
+        lp.remove(j, e);
+        assert_eq!(lp.scans[0].words, vec![low], "the high word is read no more");
+        let e = lp.slab[i].take().unwrap();
+        lp.remove(i, e);
+        assert!(lp.scans.is_empty());
+    }
+
     #[test]
     #[cfg(not(miri))]
     fn a_bit_taken_twice_leaves_the_second_ring_polled_on_its_own() {
@@ -3123,9 +3166,7 @@ mod tests {
         let (a, pa) = shm::test_pair_flagged(PID);
         // A second connection naming the same bit of the same page (a peer doing so, or a
         // bit given again while the device still serves its old connection).
-        let (mut b, mut pb) = shm::test_pair();
-        b.set_flag_for_test(a.flag().unwrap().twin());
-        pb.set_flag_for_test(a.flag().unwrap().twin());
+        let (b, pb) = pair_at(&a, a.flag().unwrap().bit());
         let (i, _pi) = add_flagged_link(&mut lp, (a, pa));
         let (j, _pb) = add_flagged_link(&mut lp, (b, pb));
         assert!(lp.slots[i].flag.is_some());
