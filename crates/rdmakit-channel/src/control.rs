@@ -683,6 +683,13 @@ impl ControlSlots {
         &self.qp
     }
 
+    /// Whether `n` more requests may be posted without polling the CQ first: they leave
+    /// half the send queue free for what the completions not yet reaped still hold (a
+    /// snapshot of the in-flight count, exact when this thread alone posts and polls).
+    pub fn room_for(&self, n: usize) -> bool {
+        self.qp.outstanding_sends() + n <= self.qp.caps().max_send_wr as usize / 2
+    }
+
     /// The keep-alive interval.
     pub fn keepalive_interval(&self) -> Duration {
         self.cfg.keepalive

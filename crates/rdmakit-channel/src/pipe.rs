@@ -541,8 +541,10 @@ impl Pipe {
             if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
                 return inner.ask_for_credit(st); // wait for the reader to take notifications
             }
-            if len <= inner.inline_max && !inner.send_queue_has_room() {
-                return None; // inline writes are reaped lazily: let completions retire them
+            if len <= inner.inline_max && !st.ctl.room_for(2) {
+                // Inline rwrites retire lazily (one in every few is signalled): a writer
+                // that only posts them waits for completions instead of filling the queue.
+                return None;
             }
             let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
                 Ok(b) => b,
@@ -787,14 +789,6 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    /// Whether the send queue has room for an inline rwrite: at most half of it in use.
-    /// Inline rwrites retire lazily (one in every few is signalled), so a writer that only
-    /// posts them waits here for completions instead of filling the queue.
-    fn send_queue_has_room(&self) -> bool {
-        let sends = self.qp.outstanding_sends();
-        sends + 2 <= self.qp.caps().max_send_wr as usize / 2
-    }
-
     async fn wait<R>(&self, post_or_done: impl FnMut(&mut State) -> Option<Result<R>>) -> Result<R> {
         self.driver.wait(|st, wc| self.on_wc(st, wc), post_or_done).await
     }

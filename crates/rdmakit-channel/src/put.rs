@@ -491,20 +491,39 @@ impl PutEndpoint {
     /// makes it return [`ChannelError::Broken`] within the bound of [`crate::control`].
     pub fn ready_poll(&self) -> Result<usize> {
         let inner = &self.inner;
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        // The first queued handle is looked at in the same critical section as the
-        // completions (one lock on the fast path), the others one lock each. When that
-        // already says nothing will fire, the watch (see below) is kept there too.
-        let (queued, mut job, watched) = inner.driver.progress_then(on_wc, |st| {
-            st.check()?;
-            let queued = st.queued.len();
-            let job = if queued > 0 { inner.take_job(st)? } else { None };
-            let watched = job.is_none() && queued <= 1;
-            if watched {
-                Inner::watch_locked(st)?;
+        // A put that has landed is seen in memory, not in the CQ: the first queued handle is
+        // looked at without a CQ poll first (the driver still polls once every few such
+        // steps), and only when it has not landed does the poll below run.
+        let landed = inner.driver.try_unpolled(|st| {
+            if let Err(e) = st.check() {
+                return Some(Err(e));
             }
-            Ok::<_, ChannelError>((queued, job, watched))
-        })??;
+            let queued = st.queued.len();
+            match inner.take_job(st) {
+                Ok(Some(job)) => Some(Ok((queued, Some(job), false))),
+                Ok(None) => None,
+                Err(e) => Some(Err(e)),
+            }
+        });
+        let (queued, mut job, watched) = match landed {
+            Some(r) => r?,
+            None => {
+                let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+                // The first queued handle is looked at in the same critical section as
+                // the completions, the others one lock each. When that already says
+                // nothing will fire, the watch (see below) is kept there too.
+                inner.driver.progress_then(on_wc, |st| {
+                    st.check()?;
+                    let queued = st.queued.len();
+                    let job = if queued > 0 { inner.take_job(st)? } else { None };
+                    let watched = job.is_none() && queued <= 1;
+                    if watched {
+                        Inner::watch_locked(st)?;
+                    }
+                    Ok::<_, ChannelError>((queued, job, watched))
+                })??
+            }
+        };
         let mut fired = 0;
         for i in 0..queued {
             if i > 0 {
@@ -804,46 +823,58 @@ impl SendHandle {
     /// until the write completes, but its bytes are read by the NIC some time after `put`
     /// returns: rewrite it only once [`is_ready`](Self::is_ready) (the receiver has seen and
     /// consumed the put, so the write has been placed), or the put may carry the new bytes.
+    ///
+    /// A put does not poll the CQ first while the send queue has room: a write that failed
+    /// (refused by the receiver's NIC, a connection gone) is reported by a later call on the
+    /// endpoint, at most a few calls later, as [`ChannelError::Broken`].
     pub fn put(&self) -> Result<()> {
         let inner = &self.ep.inner;
+        // Nobody waits for a put's completions (they are signalled now and then, to retire
+        // requests from the send queue): a put with room in the queue is posted without a
+        // CQ poll first, as an inline rwrite is, and the driver polls at least once every
+        // few such steps.
+        if let Some(r) = inner.driver.try_unpolled(|st| self.post_put(st, false)) {
+            return r;
+        }
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        let r = inner.driver.progress_then(on_wc, |st| -> Result<()> {
-            st.check()?;
-            let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
-            if let Some(sentinel) = e.desc.sentinel {
-                // CkDirect's put: one write, the payload's last word flags it.
-                if e.src.region().read_u64(e.last_word)? == sentinel {
-                    return Err(ChannelError::Invalid(
-                        "the payload ends with the handle's initial value, so the receiver would never see it",
-                    ));
-                }
-                let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
-                st.ctl.post_lazy(data)?;
-                if let Some(e) = st.send[self.id as usize].as_mut() {
-                    e.puts += 1;
-                }
-                return Ok(());
-            }
-            let ready = count_for(inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?, Some(e.epoch));
-            if ready < e.puts {
-                return Err(ChannelError::Busy);
-            }
-            let seq = word(e.epoch, e.puts + 1).to_le_bytes();
-            let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
-            let seq_dst = e.desc.seq.slice(0, 8)?;
-            // One doorbell for both, data first. Nobody waits for their completions (the
-            // receiver's ready word says the data was placed), so they are signalled only
-            // now and then, to retire them from the send queue.
-            st.ctl.post_two_lazy(data, SendWr::write_inline(&seq, seq_dst))?;
-            if let Some(e) = st.send[self.id as usize].as_mut() {
-                e.puts += 1;
-            }
-            Ok(())
-        })?;
+        // After a poll the put always decides (`Busy` at worst).
+        let r = inner
+            .driver
+            .progress_then(on_wc, |st| self.post_put(st, true).unwrap_or(Err(ChannelError::Busy)))?;
         if matches!(r, Err(ChannelError::Busy)) {
             inner.watch()?; // blocked: the caller retries
         }
         r
+    }
+
+    /// Posts the put, or says why not. Unless `polled` (the CQ was polled just before),
+    /// `None` when the put should wait for a poll: the send queue has less room than the
+    /// unpolled steps may take, or the receiver has not consumed the previous put (which
+    /// the polled attempt reports as [`ChannelError::Busy`]).
+    fn post_put(&self, st: &mut State, polled: bool) -> Option<Result<()>> {
+        if let Err(e) = st.check() {
+            return Some(Err(e));
+        }
+        let Some(e) = st.send[self.id as usize].as_mut() else {
+            return Some(Err(ChannelError::Invalid("deassociated handle")));
+        };
+        // Requests the put posts: CkDirect's one write, or the data and its sequence word.
+        let wrs = if e.desc.sentinel.is_some() { 1 } else { 2 };
+        if !polled && !st.ctl.room_for(wrs) {
+            return None;
+        }
+        let posted = match e.desc.sentinel {
+            Some(sentinel) => post_sentinel_put(e, &mut st.ctl, sentinel),
+            None => post_sequenced_put(e, &mut st.ctl, &self.ep.inner.ready_words, self.id),
+        };
+        match posted {
+            Err(ChannelError::Busy) if !polled => None,
+            Ok(()) => {
+                e.puts += 1;
+                Some(Ok(()))
+            }
+            Err(err) => Some(Err(err)),
+        }
     }
 
     /// Puts done so far.
@@ -880,6 +911,36 @@ impl SendHandle {
         }
         Ok(())
     }
+}
+
+/// CkDirect's put: one write, the payload's last word flags it.
+fn post_sentinel_put(e: &SendEntry, ctl: &mut ControlSlots, sentinel: u64) -> Result<()> {
+    if e.src.region().read_u64(e.last_word)? == sentinel {
+        return Err(ChannelError::Invalid(
+            "the payload ends with the handle's initial value, so the receiver would never see it",
+        ));
+    }
+    ctl.post_lazy(SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?))
+}
+
+/// The default put: [`ChannelError::Busy`] until the receiver has consumed the previous
+/// one (its ready word), then the data and the sequence word that announces it.
+fn post_sequenced_put(
+    e: &SendEntry,
+    ctl: &mut ControlSlots,
+    ready_words: &MemoryRegion,
+    id: u32,
+) -> Result<()> {
+    let ready = count_for(ready_words.load_u64_acquire(u64::from(id) * 8)?, Some(e.epoch));
+    if ready < e.puts {
+        return Err(ChannelError::Busy);
+    }
+    let seq = word(e.epoch, e.puts + 1).to_le_bytes();
+    let data = SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?);
+    let seq_dst = e.desc.seq.slice(0, 8)?;
+    // One doorbell for both, data first. Nobody waits for their completions (the
+    // receiver's ready word says the data was placed).
+    ctl.post_two_lazy(data, SendWr::write_inline(&seq, seq_dst))
 }
 
 impl Drop for SendHandle {

@@ -702,3 +702,62 @@ fn sentinel_puts_over_the_wire_are_seen_only_once_whole() {
         h.ready_mark().unwrap();
     }
 }
+
+/// A sentinel put is posted without a CQ poll first (nobody waits for its completion):
+/// thousands of them in a row, with nothing else called between, on a send queue of 8,
+/// never find it full: a put that would take it past half polls first.
+#[test]
+fn sentinel_puts_in_a_row_never_fill_a_shallow_send_queue() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
+    let caps = QpCaps::default().with_max_send_wr(8).with_max_recv_wr(64).with_max_inline_data(64);
+    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let (ea, eb) = (
+        PutEndpoint::new(qa.clone(), ca, PollMode::Busy).unwrap(),
+        PutEndpoint::new(qb, cb, PollMode::Busy).unwrap(),
+    );
+    let rb = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let sa = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let hb = eb.create_handle_with(&rb, |_| {}, u64::MAX, Detection::Sentinel).unwrap();
+    let to_b = ea.assoc_local_buffer(&hb.desc().unwrap(), sa.local().unwrap()).unwrap();
+    let mut most = 0;
+    for it in 0..2000u64 {
+        sa.write_u64(56, it).unwrap();
+        to_b.put().unwrap();
+        most = most.max(qa.outstanding_sends());
+    }
+    assert!(most <= 4, "unpolled puts kept at most half the send queue: {most}");
+    assert_eq!(rb.read_u64(56).unwrap(), 1999);
+    assert_eq!(to_b.puts(), 2000);
+}
+
+/// A put whose write fails (the receiver's buffer is gone) is reported by a later put
+/// within the few steps the driver takes without polling the CQ: puts do not go on
+/// succeeding into a broken connection.
+#[test]
+fn a_failed_unpolled_put_is_reported_within_a_few_puts() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let rb = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let sa = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let hb = receiver.create_handle_with(&rb, |_| {}, u64::MAX, Detection::Sentinel).unwrap();
+    let to_b = sender.assoc_local_buffer(&hb.desc().unwrap(), sa.local().unwrap()).unwrap();
+    for _ in 0..40 {
+        to_b.put().unwrap();
+    }
+    // The region is deregistered: the next write is refused by the receiver's NIC.
+    drop(hb);
+    drop(rb);
+    let mut ok = 0;
+    let err = loop {
+        match to_b.put() {
+            Ok(()) => ok += 1,
+            Err(e) => break e,
+        }
+        assert!(ok <= 17, "puts kept succeeding after the failed one");
+    };
+    assert!(matches!(err, ChannelError::Broken { .. }), "{err}");
+}
