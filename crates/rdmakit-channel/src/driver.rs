@@ -169,11 +169,14 @@ impl<S: Controlled> Driver<S> {
         if self.unpolled.load(Ordering::Relaxed) >= UNPOLLED_MAX {
             return None;
         }
-        let r = self.with(step);
-        if r.is_some() {
-            self.unpolled.fetch_add(1, Ordering::Relaxed);
-        }
-        r
+        self.with(|st| {
+            let r = step(st);
+            if r.is_some() {
+                // Under the lock, as every other write of the count: no atomic add needed.
+                self.unpolled.store(self.unpolled.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            }
+            r
+        })
     }
 
     /// Sends a keep-alive if one is due (see [`ControlSlots::tick`]).
