@@ -137,22 +137,27 @@ fn many_iterations_many_sizes_with_checksums() {
     }
 }
 
+/// Two connected put endpoints on the soft NIC whose QPs have send queues of `depth`, and
+/// the first one's QP.
+fn shallow_endpoints(depth: u32) -> (ProtectionDomain, QueuePair, PutEndpoint, PutEndpoint) {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
+    let caps = QpCaps::default().with_max_send_wr(depth).with_max_recv_wr(64).with_max_inline_data(64);
+    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let ea = PutEndpoint::new(qa.clone(), ca, PollMode::Busy).unwrap();
+    let eb = PutEndpoint::new(qb, cb, PollMode::Busy).unwrap();
+    (pd, qa, ea, eb)
+}
+
 /// Puts and ready marks are signalled only now and then (nobody waits for their
 /// completions): on a send queue of 16, thousands of round trips never fill it, because a
 /// signalled one retires those before it.
 #[test]
 fn a_shallow_send_queue_never_fills_with_unsignalled_puts() {
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
-    let caps = QpCaps::default().with_max_send_wr(16).with_max_recv_wr(64).with_max_inline_data(64);
-    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
-    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
-    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
-    let (ea, eb) = (
-        PutEndpoint::new(qa, ca, PollMode::Busy).unwrap(),
-        PutEndpoint::new(qb, cb, PollMode::Busy).unwrap(),
-    );
+    let (pd, _, ea, eb) = shallow_endpoints(16);
     let (ra, rb) = (
         pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap(),
         pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap(),
@@ -708,17 +713,7 @@ fn sentinel_puts_over_the_wire_are_seen_only_once_whole() {
 /// never find it full: a put that would take it past half polls first.
 #[test]
 fn sentinel_puts_in_a_row_never_fill_a_shallow_send_queue() {
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
-    let caps = QpCaps::default().with_max_send_wr(8).with_max_recv_wr(64).with_max_inline_data(64);
-    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
-    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
-    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
-    let (ea, eb) = (
-        PutEndpoint::new(qa.clone(), ca, PollMode::Busy).unwrap(),
-        PutEndpoint::new(qb, cb, PollMode::Busy).unwrap(),
-    );
+    let (pd, qa, ea, eb) = shallow_endpoints(8);
     let rb = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
     let sa = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     let hb = eb.create_handle_with(&rb, |_| {}, u64::MAX, Detection::Sentinel).unwrap();
