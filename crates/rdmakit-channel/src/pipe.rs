@@ -631,10 +631,12 @@ impl Pipe {
         };
         let (seg, addr, len) = match inner.config.notify {
             NotifyMode::WriteImm => inner.wait(take).await?,
-            // The mailbox is memory: poll it, whatever the CQ mode.
-            NotifyMode::Flag => {
-                inner.driver.wait_mode(PollMode::Busy, |st, wc| inner.on_wc(st, wc), take).await?
-            }
+            // The mailbox is memory: poll it, whatever the CQ mode. A message already there
+            // needs no CQ poll first (the driver still polls once every few such steps).
+            NotifyMode::Flag => match inner.driver.try_unpolled(|st| inner.next_landed(st)) {
+                Some(r) => r?,
+                None => inner.driver.wait_mode(PollMode::Busy, |st, wc| inner.on_wc(st, wc), take).await?,
+            },
         };
         Ok(RecvGuard { pipe: self.inner.clone(), seg, addr, len, released: false })
     }
