@@ -491,37 +491,25 @@ impl PutEndpoint {
     /// makes it return [`ChannelError::Broken`] within the bound of [`crate::control`].
     pub fn ready_poll(&self) -> Result<usize> {
         let inner = &self.inner;
-        // A put that has landed is seen in memory, not in the CQ: the first queued handle is
-        // looked at without a CQ poll first (the driver still polls once every few such
-        // steps), and only when it has not landed does the poll below run.
-        let landed = inner.driver.try_unpolled(|st| {
-            if let Err(e) = st.check() {
-                return Some(Err(e));
-            }
+        // The first queued handle is looked at in the same critical section as any poll
+        // (the others one lock each); when that already says nothing will fire, the watch
+        // (see below) is kept there too. A landed put is seen in memory, not in the CQ: the
+        // step runs without a CQ poll first, and the driver polls once every few such steps.
+        let step = |st: &mut State| -> Result<(usize, Option<Job>, bool)> {
+            st.check()?;
             let queued = st.queued.len();
-            match inner.take_job(st) {
-                Ok(Some(job)) => Some(Ok((queued, Some(job), false))),
-                Ok(None) => None,
-                Err(e) => Some(Err(e)),
+            let job = if queued > 0 { inner.take_job(st)? } else { None };
+            let watched = job.is_none() && queued <= 1;
+            if watched {
+                Inner::watch_locked(st)?;
             }
-        });
-        let (queued, mut job, watched) = match landed {
+            Ok((queued, job, watched))
+        };
+        let (queued, mut job, watched) = match inner.driver.try_unpolled(|st| Some(step(st))) {
             Some(r) => r?,
             None => {
                 let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-                // The first queued handle is looked at in the same critical section as
-                // the completions, the others one lock each. When that already says
-                // nothing will fire, the watch (see below) is kept there too.
-                inner.driver.progress_then(on_wc, |st| {
-                    st.check()?;
-                    let queued = st.queued.len();
-                    let job = if queued > 0 { inner.take_job(st)? } else { None };
-                    let watched = job.is_none() && queued <= 1;
-                    if watched {
-                        Inner::watch_locked(st)?;
-                    }
-                    Ok::<_, ChannelError>((queued, job, watched))
-                })??
+                inner.driver.progress_then(on_wc, step)??
             }
         };
         let mut fired = 0;
@@ -830,50 +818,45 @@ impl SendHandle {
     pub fn put(&self) -> Result<()> {
         let inner = &self.ep.inner;
         // Nobody waits for a put's completions (they are signalled now and then, to retire
-        // requests from the send queue): a put with room in the queue is posted without a
-        // CQ poll first, as an inline rwrite is, and the driver polls at least once every
-        // few such steps.
-        if let Some(r) = inner.driver.try_unpolled(|st| self.post_put(st, false)) {
+        // requests from the send queue): with room in the queue, a put is decided without a
+        // CQ poll first, as an inline rwrite is, and the driver polls once every few such
+        // steps.
+        if let Some(r) = inner.driver.try_unpolled(|st| self.has_room(st).then(|| self.post_put(st))) {
             return r;
         }
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        // After a poll the put always decides (`Busy` at worst).
-        let r = inner
-            .driver
-            .progress_then(on_wc, |st| self.post_put(st, true).unwrap_or(Err(ChannelError::Busy)))?;
-        if matches!(r, Err(ChannelError::Busy)) {
-            inner.watch()?; // blocked: the caller retries
-        }
-        r
+        inner.driver.progress_then(on_wc, |st| self.post_put(st))?
     }
 
-    /// Posts the put, or says why not. Unless `polled` (the CQ was polled just before),
-    /// `None` when the put should wait for a poll: the send queue has less room than the
-    /// unpolled steps may take, or the receiver has not consumed the previous put (which
-    /// the polled attempt reports as [`ChannelError::Busy`]).
-    fn post_put(&self, st: &mut State, polled: bool) -> Option<Result<()>> {
-        if let Err(e) = st.check() {
-            return Some(Err(e));
+    /// Whether the send queue has room for this put's requests (CkDirect's one write, or
+    /// the data and its sequence word) without a poll first. A deassociated handle says yes:
+    /// the put reports it.
+    fn has_room(&self, st: &State) -> bool {
+        match st.send[self.id as usize].as_ref() {
+            Some(e) => st.ctl.room_for(if e.desc.sentinel.is_some() { 1 } else { 2 }),
+            None => true,
         }
-        let Some(e) = st.send[self.id as usize].as_mut() else {
-            return Some(Err(ChannelError::Invalid("deassociated handle")));
-        };
-        // Requests the put posts: CkDirect's one write, or the data and its sequence word.
-        let wrs = if e.desc.sentinel.is_some() { 1 } else { 2 };
-        if !polled && !st.ctl.room_for(wrs) {
-            return None;
-        }
+    }
+
+    /// Posts the put, or says why not: [`ChannelError::Busy`] (the connection watched, the
+    /// caller retries) while the receiver has not consumed the previous one.
+    fn post_put(&self, st: &mut State) -> Result<()> {
+        st.check()?;
+        let e = st.send[self.id as usize].as_mut().ok_or(ChannelError::Invalid("deassociated handle"))?;
         let posted = match e.desc.sentinel {
             Some(sentinel) => post_sentinel_put(e, &mut st.ctl, sentinel),
             None => post_sequenced_put(e, &mut st.ctl, &self.ep.inner.ready_words, self.id),
         };
         match posted {
-            Err(ChannelError::Busy) if !polled => None,
             Ok(()) => {
                 e.puts += 1;
-                Some(Ok(()))
+                Ok(())
             }
-            Err(err) => Some(Err(err)),
+            Err(ChannelError::Busy) => {
+                Inner::watch_locked(st)?; // blocked: the caller retries
+                Err(ChannelError::Busy)
+            }
+            Err(err) => Err(err),
         }
     }
 
@@ -888,26 +871,26 @@ impl SendHandle {
     /// application's iteration boundaries order its puts): always true while associated.
     pub fn is_ready(&self) -> Result<bool> {
         let inner = &self.ep.inner;
-        let ready_now = |st: &mut State| -> Result<bool> {
+        // The ready word is in memory: the answer needs no CQ poll first (as a put's post),
+        // and the driver polls once every few such steps. A no keeps the connection watched.
+        let step = |st: &mut State| -> Result<bool> {
             st.check()?;
             let w = inner.ready_words.load_u64_acquire(u64::from(self.id) * 8)?;
-            Ok(st.send[self.id as usize]
+            let ready = st.send[self.id as usize]
                 .as_ref()
-                .is_some_and(|e| e.desc.sentinel.is_some() || count_for(w, Some(e.epoch)) >= e.puts))
+                .is_some_and(|e| e.desc.sentinel.is_some() || count_for(w, Some(e.epoch)) >= e.puts);
+            if !ready {
+                Inner::watch_locked(st)?; // the caller waits for it
+            }
+            Ok(ready)
         };
-        // The ready word is in memory: a yes needs no CQ poll first (as a put's post).
-        let unpolled = inner.driver.try_unpolled(|st| match ready_now(st) {
-            Ok(false) => None,
-            r => Some(r),
-        });
-        if let Some(r) = unpolled {
-            return r;
-        }
-        let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        let ready = inner.driver.progress_then(on_wc, ready_now)??;
-        if !ready {
-            inner.watch()?; // the caller waits for it
-        }
+        let ready = match inner.driver.try_unpolled(|st| Some(step(st))) {
+            Some(r) => r?,
+            None => {
+                let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
+                inner.driver.progress_then(on_wc, step)??
+            }
+        };
         Ok(ready)
     }
 
