@@ -690,6 +690,12 @@ impl ControlSlots {
         self.qp.outstanding_sends() + n <= self.qp.caps().max_send_wr as usize / 2
     }
 
+    /// Whether `n` more requests fit in the send queue at all (after a poll: what is still
+    /// outstanding then really is).
+    pub fn fits(&self, n: usize) -> bool {
+        self.qp.outstanding_sends() + n <= self.qp.caps().max_send_wr as usize
+    }
+
     /// The keep-alive interval.
     pub fn keepalive_interval(&self) -> Duration {
         self.cfg.keepalive

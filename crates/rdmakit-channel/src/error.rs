@@ -40,8 +40,9 @@ pub enum ChannelError {
         /// The limit.
         limit: u64,
     },
-    /// A put handle already has a transaction the receiver has not marked ready.
-    #[error("put handle busy: the receiver has not consumed the previous put")]
+    /// A put handle already has a transaction the receiver has not marked ready, or the
+    /// send queue has no room for the put now: retry.
+    #[error("put handle busy: the receiver has not consumed the previous put, or the send queue is full")]
     Busy,
     /// The handle or pipe end has no such role (a put from a receiver-side handle, say).
     #[error("invalid use: {0}")]

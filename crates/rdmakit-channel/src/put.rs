@@ -270,6 +270,9 @@ struct RecvEntry {
     epoch: Option<u32>,
     /// This handle's incarnation of its slot (slots are reused after `destroy`).
     incarnation: u64,
+    /// Marked done while the send queue had no room for the ready signal: it waits in
+    /// [`State::deferred_marks`] and goes out as soon as there is room.
+    mark_deferred: bool,
 }
 
 impl RecvEntry {
@@ -305,6 +308,9 @@ struct State {
     send: Vec<Option<SendEntry>>,
     /// The poll queue: handles awaiting a put (CkDirect's ready queue).
     queued: VecDeque<u32>,
+    /// Handles whose ready signal waits for room in the send queue, in marking order (at
+    /// most one entry per handle: its sender is `Busy` until the signal lands).
+    deferred_marks: VecDeque<u32>,
     /// The epoch of the next association this endpoint makes as a sender (never 0).
     next_epoch: u32,
     /// The incarnation of the next receive handle.
@@ -366,6 +372,7 @@ impl PutEndpoint {
                     recv: Vec::new(),
                     send: Vec::new(),
                     queued: VecDeque::new(),
+                    deferred_marks: VecDeque::new(),
                     next_epoch: 1,
                     next_incarnation: 0,
                 },
@@ -426,6 +433,7 @@ impl PutEndpoint {
                 sender_ready: None,
                 epoch: None,
                 incarnation: st.next_incarnation,
+                mark_deferred: false,
             };
             st.next_incarnation += 1;
             if id == st.recv.len() {
@@ -592,7 +600,11 @@ impl Inner {
     }
 
     fn on_wc(&self, st: &mut State, wc: &WorkCompletion) {
-        let m = match st.ctl.on_wc(wc) {
+        let event = st.ctl.on_wc(wc);
+        if !st.deferred_marks.is_empty() {
+            st.post_deferred_marks(); // a completion may have made room
+        }
+        let m = match event {
             Some(Event::Message(m)) => m,
             None => return,
             Some(Event::Malformed(e)) => {
@@ -616,6 +628,8 @@ impl Inner {
                 e.epoch = Some(epoch);
                 e.seen = 0;
                 e.consumed = 0;
+                // The new association counts from zero: an old one's signal is not owed.
+                e.mark_deferred = false;
             }
             Message::Deassoc { handle, epoch } => {
                 // Only the current association's: a late one must not end a newer one.
@@ -646,16 +660,46 @@ impl State {
         // CkDirect's sentinel (what detects the next put of a sentinel handle; for
         // compatibility otherwise), written before the sender may put again.
         e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
-        if e.detection == Detection::Sentinel {
-            // Nobody to tell: the application's iteration boundaries order the next put.
-        } else if let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) {
-            let v = word(epoch, e.seen).to_le_bytes();
-            // Nobody waits for its completion (RC reports a failure all the same).
-            self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?))?;
-        }
-        // (No sender associated: it deassociated after its put; nobody to tell.)
         e.consumed = e.seen;
-        Ok(())
+        if e.detection == Detection::Sentinel || e.sender_ready.is_none() {
+            // Nobody to tell: a sentinel handle's application orders the next put by its
+            // iteration boundaries, and a sender that deassociated after its put is gone.
+            return Ok(());
+        }
+        // The ready signal. Earlier deferred ones go first, and with no room (a send queue
+        // that control messages or other handles' signals keep full) it waits its turn:
+        // marking done never fails for want of room.
+        if self.deferred_marks.is_empty() && self.ctl.room_for(1) {
+            return self.post_mark(id);
+        }
+        e.mark_deferred = true;
+        self.deferred_marks.push_back(id);
+        self.post_deferred_marks();
+        self.check()
+    }
+
+    /// Posts handle `id`'s ready signal: its sender's ready word gets the count of puts
+    /// marked done, in the current association's epoch. Nobody waits for its completion
+    /// (it is signalled now and then; RC reports a failure all the same).
+    fn post_mark(&mut self, id: u32) -> Result<()> {
+        let Some(e) = self.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        e.mark_deferred = false;
+        let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) else { return Ok(()) };
+        let v = word(epoch, e.consumed).to_le_bytes();
+        self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?))
+    }
+
+    /// Posts the deferred ready signals, in order, while the send queue has room. A handle
+    /// destroyed or associated anew meanwhile has nothing owed (its flag was cleared).
+    fn post_deferred_marks(&mut self) {
+        while self.ctl.room_for(1) {
+            let Some(id) = self.deferred_marks.pop_front() else { return };
+            let owed = self.recv.get(id as usize).and_then(Option::as_ref).is_some_and(|e| e.mark_deferred);
+            if owed && let Err(e) = self.post_mark(id) {
+                self.ctl.fail(format!("posting a ready signal failed: {e}"));
+                return;
+            }
+        }
     }
 
     /// `ready_poll_q` under the lock.
@@ -695,9 +739,14 @@ impl RecvHandle {
     /// expected (a put landing meanwhile is detected then).
     ///
     /// Writes `initial_value` into the buffer's last 8 bytes first (CkDirect's sentinel),
-    /// then signals the sender. Nothing to mark (a fresh handle, a second call, a put that
-    /// landed but was not seen yet) makes it a no-op that touches neither the buffer nor the
-    /// sender: the next put may already be there.
+    /// then signals the sender. With the send queue more than half full (many handles
+    /// marked in a row, say), the signal waits in the endpoint and goes out, in marking
+    /// order, as completions make room: this endpoint's next CQ poll (`ready_poll`,
+    /// `next_put`, any call that polls) posts it.
+    ///
+    /// Nothing to mark (a fresh handle, a second call, a put that landed but was not seen
+    /// yet) makes it a no-op that touches neither the buffer nor the sender: the next put
+    /// may already be there.
     pub fn ready_mark(&self) -> Result<()> {
         // No CQ poll: marking needs no completion applied first (a put can only have been
         // seen once its association was; a late one is told apart by its epoch), and
@@ -805,7 +854,10 @@ impl Drop for RecvHandle {
 impl SendHandle {
     /// `CkDirect_put`: puts the associated buffer into the receiver's: one RDMA write, then
     /// the sequence word. Returns once posted; [`ChannelError::Busy`] if the receiver has not
-    /// marked the previous put done ([`RecvHandle::ready_mark`] or [`RecvHandle::ready`]).
+    /// marked the previous put done ([`RecvHandle::ready_mark`] or [`RecvHandle::ready`]),
+    /// or if the send queue has no room for it even after a CQ poll (control messages, such
+    /// as the associations of many handles made at once, or this endpoint's ready signals,
+    /// keep it full for now). Either way the caller retries; nothing was posted.
     ///
     /// The send buffer stays registered (this handle and the QP's in-flight table hold it)
     /// until the write completes, but its bytes are read by the NIC some time after `put`
@@ -824,18 +876,25 @@ impl SendHandle {
         if let Some(r) = inner.driver.try_unpolled(|st| self.has_room(st).then(|| self.post_put(st))) {
             return r;
         }
+        // Polled: completions retire requests (and post what waited behind them). A queue
+        // still too full for the put's requests means control messages or ready signals
+        // fill it for now: `Busy`, as for an unconsumed put, and the caller retries.
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
-        inner.driver.progress_then(on_wc, |st| self.post_put(st))?
+        inner.driver.progress_then(on_wc, |st| {
+            if st.send[self.id as usize].as_ref().is_none_or(|e| st.ctl.fits(requests(e))) {
+                return self.post_put(st);
+            }
+            st.check()?;
+            Inner::watch_locked(st)?;
+            Err(ChannelError::Busy)
+        })?
     }
 
     /// Whether the send queue has room for this put's requests (CkDirect's one write, or
     /// the data and its sequence word) without a poll first. A deassociated handle says yes:
     /// the put reports it.
     fn has_room(&self, st: &State) -> bool {
-        match st.send[self.id as usize].as_ref() {
-            Some(e) => st.ctl.room_for(if e.desc.sentinel.is_some() { 1 } else { 2 }),
-            None => true,
-        }
+        st.send[self.id as usize].as_ref().is_none_or(|e| st.ctl.room_for(requests(e)))
     }
 
     /// Posts the put, or says why not: [`ChannelError::Busy`] (the connection watched, the
@@ -865,7 +924,8 @@ impl SendHandle {
         self.ep.inner.driver.with(|st| st.send[self.id as usize].as_ref().map_or(0, |e| e.puts))
     }
 
-    /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`).
+    /// Whether the receiver has consumed every put so far (a `put` would not be `Busy`,
+    /// unless the send queue is full).
     ///
     /// A [`Detection::Sentinel`] handle tracks nothing (its `put` is never `Busy`; the
     /// application's iteration boundaries order its puts): always true while associated.
@@ -917,6 +977,12 @@ fn post_sentinel_put(e: &SendEntry, ctl: &mut ControlSlots, sentinel: u64) -> Re
 
 /// The default put: [`ChannelError::Busy`] until the receiver has consumed the previous
 /// one (its ready word), then the data and the sequence word that announces it.
+/// Send-queue requests a put of `e` posts: CkDirect's one write, or the data and its
+/// sequence word.
+fn requests(e: &SendEntry) -> usize {
+    if e.desc.sentinel.is_some() { 1 } else { 2 }
+}
+
 fn post_sequenced_put(
     e: &SendEntry,
     ctl: &mut ControlSlots,

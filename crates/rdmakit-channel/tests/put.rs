@@ -756,3 +756,80 @@ fn a_failed_unpolled_put_is_reported_within_a_few_puts() {
     };
     assert!(matches!(err, ChannelError::Broken { .. }), "{err}");
 }
+
+/// Handles of one test below: `faces` receive handles on `eb`, each associated with a
+/// sender on `ea` over one shared source buffer, all queued for polling.
+#[allow(clippy::type_complexity)]
+fn many_faces(
+    pd: &ProtectionDomain,
+    ea: &PutEndpoint,
+    eb: &PutEndpoint,
+    faces: usize,
+) -> (Vec<MemoryRegion>, MemoryRegion, Vec<RecvHandle>, Vec<SendHandle>) {
+    let rbs: Vec<_> = (0..faces).map(|_| pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap()).collect();
+    let sa = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let hbs: Vec<_> = rbs.iter().map(|rb| eb.create_handle(rb, |_| {}, 0).unwrap()).collect();
+    let tos = hbs
+        .iter()
+        .map(|hb| ea.assoc_local_buffer(&hb.desc().unwrap(), sa.local().unwrap()).unwrap())
+        .collect();
+    for hb in &hbs {
+        hb.ready_poll_q().unwrap();
+    }
+    (rbs, sa, hbs, tos)
+}
+
+/// Puts until one is posted: `Busy` (the receiver's mark not there yet, or no room in the
+/// send queue) is retried, with both endpoints making progress meanwhile (as both sides of
+/// an application would); anything else fails the test.
+fn put_until_posted(to: &SendHandle, ep: &PutEndpoint, peer: &PutEndpoint, what: &str) -> usize {
+    let start = std::time::Instant::now();
+    let mut busy = 0;
+    while let Err(e) = to.put() {
+        assert!(matches!(e, ChannelError::Busy), "{what}: {e}");
+        busy += 1;
+        ep.progress().unwrap();
+        peer.progress().unwrap(); // takes the control messages in, posts deferred marks
+        assert!(start.elapsed() < Duration::from_secs(10), "{what}: the sender stayed busy");
+    }
+    busy
+}
+
+/// Associating many handles at once queues their control messages behind a full send
+/// queue; a put meanwhile must be `Busy` (retry), not fail with the queue full.
+#[test]
+fn a_put_behind_a_full_send_queue_is_busy_not_an_error() {
+    let (pd, qa, ea, eb) = shallow_endpoints(8);
+    let (rbs, sa, _hbs, tos) = many_faces(&pd, &ea, &eb, 40);
+    assert_eq!(qa.outstanding_sends(), 8, "the associations fill the send queue");
+    sa.write_u64(0, 7).unwrap();
+    for to in &tos {
+        put_until_posted(to, &ea, &eb, "first put");
+    }
+    spin_poll(&eb, rbs.len());
+    assert!(rbs.iter().all(|rb| rb.read_u64(0).unwrap() == 7));
+}
+
+/// A receiver that marks many handles done in a row (a halo exchange with more faces than
+/// its send queue is deep) posts one ready signal per handle, nobody polling the CQ in
+/// between: the marks must wait for room, never fail with a full send queue, and every
+/// sender must get its signal.
+#[test]
+fn many_ready_marks_in_a_row_never_fill_a_shallow_send_queue() {
+    let (pd, _, ea, eb) = shallow_endpoints(8);
+    let (rbs, sa, hbs, tos) = many_faces(&pd, &ea, &eb, 40);
+    for round in 0..50u64 {
+        sa.write_u64(0, round).unwrap();
+        for to in &tos {
+            put_until_posted(to, &ea, &eb, &format!("round {round}"));
+        }
+        spin_poll(&eb, rbs.len());
+        for (hb, rb) in hbs.iter().zip(&rbs) {
+            assert_eq!(rb.read_u64(0).unwrap(), round);
+            hb.ready().unwrap();
+        }
+    }
+    for to in &tos {
+        assert_eq!(to.puts(), 50);
+    }
+}
