@@ -431,6 +431,12 @@ impl HeapEndpoint {
         let sync = self.allocator(heap)?.config().sync();
         let dst = block.region().slice(offset, src.len())?;
         self.ctl.check()?;
+        // The send queue may be full of answers to the peer's requests (they wait in the
+        // backlog behind it): wait for completions to make room, within the time-out.
+        let deadline = Instant::now() + self.timeout;
+        while !self.ctl.fits(1) {
+            self.progress_until(deadline)?;
+        }
         self.ctl.post_unsignaled(SendWr::write(src, dst))?;
         match sync {
             SyncMode::Deferred => self.ctl.send(&Message::HeapSync(AllocNotice::new(heap, *block).into()))?,

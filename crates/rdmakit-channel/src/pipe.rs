@@ -541,9 +541,17 @@ impl Pipe {
             if st.notes_sent - st.peer_consumed >= u64::from(peer.slots) {
                 return inner.ask_for_credit(st); // wait for the reader to take notifications
             }
-            if len <= inner.inline_max && !st.ctl.room_for(2) {
+            // The requests of this rwrite: the data (with immediate), or the data and its
+            // mailbox note.
+            let requests = if peer.notify == NotifyMode::Flag { 2 } else { 1 };
+            if len <= inner.inline_max && !st.ctl.room_for(requests) {
                 // Inline rwrites retire lazily (one in every few is signalled): a writer
                 // that only posts them waits for completions instead of filling the queue.
+                return None;
+            }
+            if !st.ctl.fits(requests) {
+                // More rwrites in flight than the QP's send queue holds (the application's
+                // QP may be shallower than the pipe's slots): wait for completions.
                 return None;
             }
             let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
@@ -726,6 +734,9 @@ impl Pipe {
             .wait(|st| {
                 if let Err(e) = st.check() {
                     return Some(Err(e));
+                }
+                if !st.ctl.fits(1) {
+                    return None; // the send queue is full: wait for completions
                 }
                 let p = st.published_in.pop_front()?;
                 let len = p.remote.len;

@@ -3,7 +3,7 @@
 //! synchronisation modes, and a peer that goes away.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rdmakit_channel::ChannelError;
@@ -421,4 +421,89 @@ fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
     });
     // rdmakit-channel's GROW_ROUNDS: enough for a consumer still freeing, and a bound.
     assert_eq!(grows, 16, "growth requests sent before giving up");
+}
+
+/// A peer that sends a burst of requests fills this endpoint's send queue with answers (its
+/// QP is the application's, shallower than the burst): a `write` right after must wait for
+/// room, not fail with a full send queue.
+#[test]
+fn a_write_behind_a_send_queue_full_of_answers_waits_for_room() {
+    const BURST: u64 = 40;
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let caps = QpCaps::default().with_max_inline_data(64).with_max_send_wr(8).with_max_recv_wr(128);
+    let a = pd.create_qp(&ca, &ca, caps).unwrap();
+    let raw = pd.create_qp(&cb, &cb, QpCaps::default().with_max_inline_data(64)).unwrap();
+    a.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
+    raw.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut ep = HeapEndpoint::new(a, ca, OwnerLimits::default(), T).unwrap();
+    let heap = HeapId(5);
+    let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
+    let (stop, answers) = (AtomicBool::new(false), AtomicU64::new(0));
+    /// Stops the peer however the test's thread leaves the scope.
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        // The peer: grants this endpoint's heap, then asks it to host BURST heaps at once.
+        s.spawn(|| {
+            let slots = pd.alloc_mr(64 * 16384, AccessFlags::LOCAL_WRITE).unwrap();
+            for i in 0..64 {
+                raw.post_recv(RecvWr::new(slots.slice(i * 16384, 16384).unwrap()).wr_id(i)).unwrap();
+            }
+            while !stop.load(Ordering::Relaxed) {
+                let Some(wc) = cb.poll_one().unwrap() else { continue };
+                let wc = wc.ok().unwrap();
+                if wc.opcode != WcOpcode::RECV {
+                    continue; // our own sends
+                }
+                let mut bytes = vec![0u8; wc.byte_len as usize];
+                slots.read_at(wc.wr_id * 16384, &mut bytes).unwrap();
+                raw.post_recv(RecvWr::new(slots.slice(wc.wr_id * 16384, 16384).unwrap()).wr_id(wc.wr_id))
+                    .unwrap();
+                match Message::decode(&bytes).unwrap() {
+                    Message::HeapCreate { .. } => {
+                        let grant = Message::HeapGrant { heap, segment: segment.remote() };
+                        let mut burst = vec![grant];
+                        burst.extend((0..BURST).map(|h| Message::HeapCreate {
+                            config: HeapConfig::new(HeapId(100 + h as u32), AllocPolicy::NextFit),
+                            len: 4096,
+                        }));
+                        for m in burst {
+                            raw.post_send(SendWr::send_inline(&m.encode())).unwrap();
+                        }
+                    }
+                    Message::HeapGrant { .. } | Message::HeapRefuse { .. } => {
+                        answers.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {} // keep-alives and notices
+                }
+            }
+        });
+        let _stop = Stop(&stop);
+        ep.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
+        // Takes the burst in and answers it: more answers than the send queue holds, most
+        // of them waiting in the backlog.
+        let start = Instant::now();
+        while ep.owner_stats(HeapId(100 + BURST as u32 - 1)).is_err()
+            && answers.load(Ordering::Relaxed) < BURST
+        {
+            ep.poll_messages().unwrap();
+            assert!(start.elapsed() < T, "the burst was not answered");
+        }
+        let block = ep.rmalloc(heap, 64).unwrap();
+        let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write_u64(0, 0x5eed).unwrap();
+        ep.write(heap, &block, 0, src.local().unwrap()).unwrap();
+        let start = Instant::now();
+        while answers.load(Ordering::Relaxed) < BURST {
+            ep.poll_messages().unwrap();
+            assert!(start.elapsed() < T, "answers lost: {} of {BURST}", answers.load(Ordering::Relaxed));
+        }
+    });
+    assert_eq!(segment.read_u64(0).unwrap(), 0x5eed);
 }

@@ -160,3 +160,75 @@ async fn cross_process_echo_write_imm_then_peer_dies() {
 async fn cross_process_echo_flag_then_peer_dies() {
     echo_then_kill("flag", 300).await;
 }
+
+/// A pipe whose QP's send queue is shallower than its notification slots (the
+/// application chose the QP): more rwrites in flight than the queue holds must wait for
+/// room, never break the pipe with a full send queue. Across processes, so completions
+/// come late, from the peer's NIC, as on hardware.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_rwrites_in_flight_than_the_send_queue_holds() {
+    many_rwrites_on_a_shallow_send_queue("imm").await;
+    many_rwrites_on_a_shallow_send_queue("flag").await;
+}
+
+async fn many_rwrites_on_a_shallow_send_queue(mode: &str) {
+    const WRITES: usize = 48;
+    const LEN: usize = 4096; // above the inline limit: each waits for its completion
+    let (_peer, addr) = spawn_peer(mode);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let mut opts = cm_options();
+    opts.caps.max_send_wr = 8;
+    let conn = tokio::task::spawn_blocking({
+        let pd = pd.clone();
+        move || connect(&pd, addr, &opts, b"").unwrap()
+    })
+    .await
+    .unwrap();
+    let pipe = Pipe::from_connection(conn, pipe_config(mode)).await.unwrap();
+    let reader = tokio::spawn({
+        let pipe = pipe.clone();
+        async move {
+            let mut sums = Vec::with_capacity(WRITES);
+            for _ in 0..WRITES {
+                let g = pipe.recv_timeout(Duration::from_secs(20)).await.expect("echo");
+                sums.push(checksum(&g.to_vec().unwrap()));
+            }
+            sums.sort_unstable();
+            sums
+        }
+    });
+    let srcs: Vec<_> = (0..WRITES)
+        .map(|i| {
+            let mr = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+            mr.write_at(0, &payload(i, LEN)).unwrap();
+            mr
+        })
+        .collect();
+    let writes = srcs.iter().map(|s| pipe.rwrite(s.local().unwrap()));
+    for (r, _) in join_all(writes).await {
+        r.unwrap_or_else(|e| panic!("{mode}: rwrite: {e}"));
+    }
+    let mut expect: Vec<_> = (0..WRITES).map(|i| checksum(&payload(i, LEN))).collect();
+    expect.sort_unstable();
+    assert_eq!(reader.await.unwrap(), expect, "echoes differ from what was sent");
+}
+
+/// Polls every future to completion, together (a join without a futures dependency).
+async fn join_all<F: std::future::Future>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut fs: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("ready")).collect()
+}
