@@ -544,14 +544,16 @@ impl Pipe {
             // The requests of this rwrite: the data (with immediate), or the data and its
             // mailbox note.
             let requests = if peer.notify == NotifyMode::Flag { 2 } else { 1 };
-            if len <= inner.inline_max && !st.ctl.room_for(requests) {
+            let room = if len <= inner.inline_max {
                 // Inline rwrites retire lazily (one in every few is signalled): a writer
                 // that only posts them waits for completions instead of filling the queue.
-                return None;
-            }
-            if !st.ctl.fits(requests) {
+                st.ctl.room_for(requests)
+            } else {
                 // More rwrites in flight than the QP's send queue holds (the application's
-                // QP may be shallower than the pipe's slots): wait for completions.
+                // QP may be shallower than the pipe's slots) wait for completions too.
+                st.ctl.fits(requests)
+            };
+            if !room {
                 return None;
             }
             let block = match st.alloc.as_mut().expect("set with the hello").alloc(len) {
