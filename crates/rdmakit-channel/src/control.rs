@@ -73,8 +73,8 @@ use std::time::{Duration, Instant};
 
 use rdmakit_memory::heap::{AllocPolicy, FreeBatch, HeapConfig, HeapId, HeapMessage, SyncMode, WireError};
 use rdmakit_verbs::{
-    AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, RemoteSlice, SendWr, WcOpcode, WcStatus,
-    WorkCompletion,
+    AccessFlags, CompletionQueue, MemoryRegion, QueuePair, RecvWr, RemoteRegion, RemoteSlice, SendWr,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 
 use crate::error::{ChannelError, Result};
@@ -85,6 +85,10 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Most requests [`ControlSlots::post_lazy`] posts unsignalled in a row.
 const MAX_UNSIGNALED_RUN: u32 = 16;
+
+/// The shallowest send queue a channel takes: requests posted without a CQ poll first keep
+/// within half of it, and a pipe's flag-mode rwrite and a sequenced put post two at once.
+pub const MIN_SEND_WR: u32 = 4;
 
 /// Bytes per pipe mailbox slot: `offset u64, len u64, seq u64`.
 pub(crate) const MAILBOX_SLOT: u64 = 24;
@@ -627,6 +631,14 @@ impl std::fmt::Debug for ControlSlots {
 impl ControlSlots {
     /// Allocates the slot region (and send buffers) on `qp`'s PD and posts every slot.
     pub fn new(qp: QueuePair, cfg: ControlConfig) -> Result<ControlSlots> {
+        let send_wr = qp.caps().max_send_wr;
+        if send_wr < MIN_SEND_WR {
+            return Err(ChannelError::QueueTooSmall {
+                what: "send queue (max_send_wr; half of it for requests posted without a poll)",
+                needed: u64::from(MIN_SEND_WR),
+                got: u64::from(send_wr),
+            });
+        }
         if qp.caps().max_recv_wr < cfg.slots {
             return Err(ChannelError::Invalid("the QP's max_recv_wr is below the control slots"));
         }
@@ -681,6 +693,22 @@ impl ControlSlots {
     /// The QP.
     pub fn qp(&self) -> &QueuePair {
         &self.qp
+    }
+
+    /// Checks that `cq`, which takes every completion of this channel's QP, can hold them
+    /// all at once: a signalled request per send-queue entry and a completed receive per
+    /// control slot. A smaller one could overrun (a burst of associations, say, before the
+    /// next poll), which breaks the endpoint for good.
+    pub fn check_cq(&self, cq: &CompletionQueue) -> Result<()> {
+        let needed = u64::from(self.qp.caps().max_send_wr) + u64::from(self.cfg.slots);
+        if u64::from(cq.capacity()) < needed {
+            return Err(ChannelError::QueueTooSmall {
+                what: "completion queue (the QP's max_send_wr plus the endpoint's receive slots)",
+                needed,
+                got: u64::from(cq.capacity()),
+            });
+        }
+        Ok(())
     }
 
     /// Whether `n` more requests may be posted without polling the CQ first: they leave

@@ -44,6 +44,17 @@ pub enum ChannelError {
     /// send queue has no room for the put now: retry.
     #[error("put handle busy: the receiver has not consumed the previous put, or the send queue is full")]
     Busy,
+    /// The queue pair or completion queue handed to an endpoint is too small for it: a
+    /// completion queue that could overrun, or a send queue too shallow to make progress.
+    #[error("{what}: at least {needed} needed, {got} given")]
+    QueueTooSmall {
+        /// Which queue, and what it must hold.
+        what: &'static str,
+        /// The least it must hold.
+        needed: u64,
+        /// What it holds.
+        got: u64,
+    },
     /// The handle or pipe end has no such role (a put from a receiver-side handle, say).
     #[error("invalid use: {0}")]
     Invalid(&'static str),

@@ -52,7 +52,7 @@
 //!
 //! let ctx = Context::open_soft();
 //! let pd = ctx.alloc_pd()?;
-//! let (cw, cr) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
+//! let (cw, cr) = (ctx.create_cq(256)?, ctx.create_cq(256)?);
 //! let (w, r) = (pd.create_qp(&cw, &cw, QpCaps::default())?, pd.create_qp(&cr, &cr, QpCaps::default())?);
 //! w.connect(&r.address()?, &ConnectOptions::default())?;
 //! r.connect(&w.address()?, &ConnectOptions::default())?;
@@ -306,12 +306,15 @@ pub struct HeapEndpoint {
 impl HeapEndpoint {
     /// One side of the pair over `qp` (connected, with an unlimited RNR retry budget
     /// preferably, `max_recv_wr >= RECV_SLOTS`), whose send and receive completions both go
-    /// to `cq`. Posts the receive buffers. `timeout` bounds every wait for the peer.
+    /// to `cq`, which must hold `max_send_wr + RECV_SLOTS` completions (refused with
+    /// [`ChannelError::QueueTooSmall`] otherwise). Posts the receive buffers. `timeout`
+    /// bounds every wait for the peer.
     pub fn new(qp: QueuePair, cq: CompletionQueue, limits: OwnerLimits, timeout: Duration) -> Result<Self> {
         let pd = qp.pd().clone();
         let config =
             ControlConfig { send_slots: RECV_SLOTS, ..ControlConfig::new(RECV_SLOTS, SLOT_LEN, 4096) };
         let ctl = ControlSlots::new(qp, config)?;
+        ctl.check_cq(&cq)?;
         Ok(HeapEndpoint {
             ctl,
             cq,

@@ -325,15 +325,19 @@ impl std::fmt::Debug for Pipe {
 }
 
 impl Pipe {
-    /// Makes a pipe end of `qp` (connected RC, `max_inline_data >= 64`), whose send and
-    /// receive completions go to `cq` and nothing else's, and exchanges rings with the peer
-    /// end (which must call this too).
+    /// Makes a pipe end of `qp` (connected RC, `max_inline_data >= 64`, `max_recv_wr >=
+    /// 128`, `max_send_wr >= 4`), whose send and receive completions go to `cq` and nothing
+    /// else's, and exchanges rings with the peer end (which must call this too).
+    ///
+    /// `cq` must hold every completion the pipe can have outstanding, `max_send_wr + 128`
+    /// (its receive slots), or it could overrun: a smaller one is refused with
+    /// [`ChannelError::QueueTooSmall`], as is a shallower send queue.
     pub async fn connect(qp: QueuePair, cq: CompletionQueue, config: PipeConfig) -> Result<Pipe> {
         Self::connect_inner(qp, cq, config, None).await
     }
 
     /// A pipe end over an established connection (`rdmakit_verbs::cm`), kept open by the
-    /// pipe. The connection's QP must have `max_inline_data >= 64`.
+    /// pipe. The connection's QP and CQ must be sized as for [`connect`](Self::connect).
     pub async fn from_connection(conn: Connection, config: PipeConfig) -> Result<Pipe> {
         let (qp, cq) = (conn.qp().clone(), conn.cq().clone());
         Self::connect_inner(qp, cq, config, Some(conn)).await
@@ -381,6 +385,7 @@ impl Pipe {
         let qp_inline = qp.caps().max_inline_data;
         let ctl =
             ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
+        ctl.check_cq(&cq)?;
         let ring = match config.ring_len {
             0 => None,
             n => Some(pd.alloc_mr(

@@ -94,7 +94,7 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 //! let ctx = Context::open_soft();
 //! let pd = ctx.alloc_pd()?;
-//! let (ca, cb) = (ctx.create_cq(64)?, ctx.create_cq(64)?);
+//! let (ca, cb) = (ctx.create_cq(256)?, ctx.create_cq(256)?);
 //! let (qa, qb) = (pd.create_qp(&ca, &ca, QpCaps::default())?, pd.create_qp(&cb, &cb, QpCaps::default())?);
 //! qa.connect(&qb.address()?, &ConnectOptions::default())?;
 //! qb.connect(&qa.address()?, &ConnectOptions::default())?;
@@ -350,8 +350,10 @@ pub struct SendHandle {
 }
 
 impl PutEndpoint {
-    /// An endpoint over `qp` (connected RC, `max_inline_data >= 64`), whose completions
-    /// go to `cq` only.
+    /// An endpoint over `qp` (connected RC, `max_inline_data >= 64`, `max_send_wr >= 4`),
+    /// whose completions go to `cq` only. `cq` must hold `max_send_wr + 32` completions (the
+    /// send queue and the endpoint's receive slots), or it could overrun when many handles
+    /// are associated at once: a smaller one is refused with [`ChannelError::QueueTooSmall`].
     pub fn new(qp: QueuePair, cq: CompletionQueue, poll: PollMode) -> Result<PutEndpoint> {
         if qp.caps().max_inline_data < MSG_LEN {
             return Err(ChannelError::Invalid("put endpoints need max_inline_data >= 64"));
@@ -361,6 +363,7 @@ impl PutEndpoint {
         let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
         let ctl =
             ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * MAX_HANDLES as usize))?;
+        ctl.check_cq(&cq)?;
         let inner = Arc::new(Inner {
             seq_words: pd.alloc_mr(words, remote)?,
             ready_words: pd.alloc_mr(words, remote)?,

@@ -522,3 +522,18 @@ fn a_writer_waiting_long_for_credit_says_so_once() {
     let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
     assert_eq!(text.matches("Pipe::return_credits").count(), 1, "log: {text}");
 }
+
+/// A send queue too shallow for a pipe to make progress (a flag-mode rwrite posts two
+/// requests, within half the queue) is refused up front, not left to hang.
+#[tokio::test]
+async fn a_send_queue_too_shallow_for_a_pipe_is_refused() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let caps = QpCaps::default().with_max_send_wr(3).with_max_recv_wr(136).with_max_inline_data(64);
+    let cq = ctx.create_cq(1024).unwrap();
+    let qp = pd.create_qp(&cq, &cq, caps).unwrap();
+    match Pipe::connect(qp, cq, PipeConfig::default()).await {
+        Err(ChannelError::QueueTooSmall { needed: 4, got: 3, .. }) => {}
+        other => panic!("a send queue of 3: {:?}", other.map(|_| ())),
+    }
+}

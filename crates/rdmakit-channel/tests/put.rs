@@ -833,3 +833,40 @@ fn many_ready_marks_in_a_row_never_fill_a_shallow_send_queue() {
         assert_eq!(to.puts(), 50);
     }
 }
+
+/// A CQ smaller than the QP's send queue plus the endpoint's receive slots could overrun
+/// (a burst of associations, each a signalled control message, before the next poll), which
+/// would break the endpoint for good: it is refused up front. One just large enough takes a
+/// hundred associations at once.
+#[test]
+fn a_completion_queue_that_could_overrun_is_refused() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let endpoints = |cqe: u32| {
+        let (ca, cb) = (ctx.create_cq(cqe).unwrap(), ctx.create_cq(cqe).unwrap());
+        let (qa, qb) = (
+            pd.create_qp(&ca, &ca, QpCaps::default()).unwrap(),
+            pd.create_qp(&cb, &cb, QpCaps::default()).unwrap(),
+        );
+        qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+        qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+        (PutEndpoint::new(qa, ca, PollMode::Busy), PutEndpoint::new(qb, cb, PollMode::Busy))
+    };
+    let (tx, _) = endpoints(64);
+    match tx {
+        Err(ChannelError::QueueTooSmall { needed, got, .. }) => assert_eq!((needed, got), (160, 64)),
+        other => panic!("a 64-entry CQ under a 128-deep send queue: {:?}", other.map(|_| ())),
+    }
+    let (tx, rx) = endpoints(160);
+    let (tx, rx) = (tx.unwrap(), rx.unwrap());
+    let rbs: Vec<_> = (0..100).map(|_| pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap()).collect();
+    let hs: Vec<_> = rbs.iter().map(|rb| rx.create_handle(rb, |_| {}, 0).unwrap()).collect();
+    let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let tos: Vec<_> =
+        hs.iter().map(|h| tx.assoc_local_buffer(&h.desc().unwrap(), src.local().unwrap()).unwrap()).collect();
+    for _ in 0..1000 {
+        rx.progress().unwrap();
+        tx.progress().unwrap();
+    }
+    put_until_posted(&tos[0], &tx, &rx, "after a hundred associations");
+}
