@@ -381,13 +381,10 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         (_, true) => 8,
         (Some(s), _) => s,
         (None, _) if o.all => rig::MAX_SIZE,
-        (None, _) => {
-            if bw {
-                65536
-            } else {
-                2
-            }
-        }
+        (None, _) if bw => 65536,
+        // A put handle's buffer ends with an 8-byte word (CkDirect's sentinel).
+        (None, _) if test == Test::PutLat => 8,
+        (None, _) => 2,
     };
     if size == 0 || size > rig::MAX_SIZE {
         return Err(bad(format!("--size must be 1..={}", rig::MAX_SIZE)));
@@ -396,6 +393,9 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         return Err(bad(
             "--sentinel is for put-lat at one size that is a multiple of 8 (the sentinel is the last word)",
         ));
+    }
+    if test == Test::PutLat && size < 8 {
+        return Err(bad("put-lat moves at least 8 bytes: a put handle's buffer ends with an 8-byte word"));
     }
     let iters = o.iters.unwrap_or(if bw { 5000 } else { 1000 });
     if iters < 5 {

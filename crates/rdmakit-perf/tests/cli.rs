@@ -121,6 +121,12 @@ fn bad_arguments_are_errors_not_panics() {
         assert!(!out.status.success(), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("--sentinel"), "{args:?}");
     }
+    let out = Command::new(BIN).args(["put-lat", "-s", "4"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 8 bytes"));
+    // Without --size, put-lat moves 8 bytes (perftest's latency default, 2, is too small).
+    let out = Command::new(BIN).args(["put-lat", "-n", "20", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = Command::new(BIN).args(["read-lat", "--provider", "nope"]).output().unwrap();
     assert!(!out.status.success());
     let out = Command::new(BIN).args(["read-lat", "--connect", "127.0.0.1:1", "-n", "1"]).output().unwrap();
