@@ -740,6 +740,12 @@ impl ControlSlots {
         self.posted == self.done && self.backlog.is_empty()
     }
 
+    /// Whether a message can be sent now: posted, or queued in the backlog (which is not
+    /// full). A message that cannot is the caller's to keep and send later.
+    pub fn can_send(&self) -> bool {
+        self.backlog.len() < self.cfg.backlog
+    }
+
     /// Signalled requests completed so far (tickets at or below are done).
     pub fn done(&self) -> u64 {
         self.done

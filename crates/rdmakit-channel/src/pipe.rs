@@ -99,6 +99,12 @@ pub(crate) const MSG_LEN: u32 = 64;
 /// Most publications from the peer waiting for an `rread`, and read-done answers waiting
 /// for their `publish`: beyond, the peer is flooding.
 const MAX_QUEUED: usize = 1024;
+
+/// Control messages a pipe end may queue behind a full send queue: its own publications
+/// (up to [`MAX_QUEUED`]), its answers to the peer's (as many), and room for credits and
+/// ring growth. Messages owed beyond it (credits, answers, a growth answer) wait in the
+/// state, coalesced, and go out as completions drain the backlog: none is dropped.
+const CONTROL_BACKLOG: usize = 2 * MAX_QUEUED + 4 * RECV_SLOTS as usize;
 /// Most bytes of a ring, all segments: an immediate names a block by its offset / 8 in 32 bits.
 const MAX_RING: u64 = 8 << 32;
 /// The longest message an rwrite copies into its request (inline) instead of having the
@@ -283,6 +289,14 @@ struct State {
     /// Signalled requests posted before the latest inline rwrite ([`ControlSlots::posted`]):
     /// it has completed once [`ControlSlots::done`] passes this.
     inline_mark: Option<u64>,
+    // ---- messages owed to the peer, kept while the control channel is full
+    /// Credits (released blocks, notification slots) to return.
+    credits_owed: bool,
+    /// Answers to the peer's publications (id, read or refused), bounded by the
+    /// publications taken in.
+    answers_owed: VecDeque<(u64, bool)>,
+    /// The answer to the peer's growth request of this many bytes.
+    grow_owed: Option<u64>,
 }
 
 impl State {
@@ -383,8 +397,7 @@ impl Pipe {
         }
         let pd = qp.pd().clone();
         let qp_inline = qp.caps().max_inline_data;
-        let ctl =
-            ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, 4 * RECV_SLOTS as usize))?;
+        let ctl = ControlSlots::new(qp.clone(), ControlConfig::new(RECV_SLOTS, MSG_LEN, CONTROL_BACKLOG))?;
         ctl.check_cq(&cq)?;
         let ring = match config.ring_len {
             0 => None,
@@ -430,6 +443,9 @@ impl Pipe {
             publishing: std::collections::HashMap::new(),
             read_done: Vec::new(),
             inline_mark: None,
+            credits_owed: false,
+            answers_owed: VecDeque::new(),
+            grow_owed: None,
         };
         let inner = Arc::new(Inner {
             qp,
@@ -602,6 +618,7 @@ impl Pipe {
                 }
                 match ticket {
                     Some(t) => (st.ctl.done() >= t).then_some(Ok(())),
+                    None if !st.ctl.can_send() => None, // the fence waits for room
                     None => match st.ctl.fence() {
                         Ok(t) => {
                             ticket = Some(t);
@@ -677,21 +694,32 @@ impl Pipe {
         }
         let remote = src.region().remote().slice(src.offset(), src.len())?;
         let inner = &self.inner;
-        let id = inner.driver.with(|st| -> Result<u64> {
-            st.check()?;
-            if st.publishing.len() >= MAX_QUEUED {
-                return Err(ChannelError::TooLarge {
-                    what: "publications awaiting the peer",
-                    len: st.publishing.len() as u64 + 1,
-                    limit: MAX_QUEUED as u64,
-                });
-            }
-            let id = st.next_pub;
-            st.next_pub += 1;
-            st.ctl.send(&Message::Published { id, remote })?;
-            st.publishing.insert(id, Publishing { src: src.clone(), abandoned: false });
-            Ok(id)
-        })?;
+        // Published in one step with its message; with the control channel full (a peer that
+        // takes no messages in for a while), the step waits for room.
+        let id = inner
+            .wait(|st| {
+                if let Err(e) = st.check() {
+                    return Some(Err(e));
+                }
+                if st.publishing.len() >= MAX_QUEUED {
+                    return Some(Err(ChannelError::TooLarge {
+                        what: "publications awaiting the peer",
+                        len: st.publishing.len() as u64 + 1,
+                        limit: MAX_QUEUED as u64,
+                    }));
+                }
+                if !st.ctl.can_send() {
+                    return None;
+                }
+                let id = st.next_pub;
+                if let Err(e) = st.ctl.send(&Message::Published { id, remote }) {
+                    return Some(Err(e));
+                }
+                st.next_pub += 1;
+                st.publishing.insert(id, Publishing { src: src.clone(), abandoned: false });
+                Some(Ok(id))
+            })
+            .await?;
         // Dropped before the answer: the publication stays alive, marked abandoned.
         struct Abandon<'a>(&'a Inner, u64, bool);
         impl Drop for Abandon<'_> {
@@ -748,9 +776,7 @@ impl Pipe {
                 let p = st.published_in.pop_front()?;
                 let len = p.remote.len;
                 if len > dst.len() {
-                    if let Err(e) = st.ctl.send(&Message::ReadDone { id: p.id, ok: false }) {
-                        return Some(Err(e));
-                    }
+                    Inner::answer_read(st, p.id, false);
                     return Some(Err(ChannelError::TooLarge {
                         what: "publication",
                         len: u64::from(len),
@@ -948,7 +974,7 @@ impl Inner {
     /// No room in the peer's ring: asks the reader once to grow it (it returns its frees
     /// first), then waits for the answer.
     fn ask_to_grow<R>(&self, st: &mut State, len: u64) -> Option<Result<R>> {
-        if !st.grow_sent {
+        if !st.grow_sent && st.ctl.can_send() {
             st.grow_sent = true;
             if let Err(e) = st.ctl.send(&Message::HeapGrow { heap: HEAP, len }) {
                 return Some(Err(e));
@@ -965,6 +991,10 @@ impl Inner {
         };
         if owner.pending_free_blocks() > 0 {
             self.flush_credits(st);
+            if st.credits_owed || !st.ctl.can_send() {
+                st.grow_owed = Some(len); // answered after the frees, once there is room
+                return Ok(());
+            }
             return st.ctl.send(&Message::HeapFreed { heap: HEAP }).map_err(|e| e.to_string());
         }
         let budget = self.config.max_ring_len.saturating_sub(st.ring_bytes);
@@ -989,7 +1019,7 @@ impl Inner {
     /// Still waiting after [`CREDIT_WAIT_WARNING`], it says so once (a reader that is alive
     /// but never runs, as with both ends driven from one task, holds its releases back).
     fn ask_for_credit<R>(&self, st: &mut State) -> Option<Result<R>> {
-        if !st.need_sent {
+        if !st.need_sent && st.ctl.can_send() {
             st.need_sent = true;
             st.need_since = Some(std::time::Instant::now());
             if let Err(e) = st.ctl.send(&Message::NeedCredit) {
@@ -1030,9 +1060,14 @@ impl Inner {
             if owner.pending_free_blocks() == 0 {
                 return;
             }
+            if !st.ctl.can_send() {
+                // The frees stay with the owner, taken once there is room: never lost.
+                st.credits_owed = true;
+                return;
+            }
             let batch = owner.take_free_batch(1);
             if let Err(e) = st.ctl.send(&Message::Credit { consumed: st.consumed, batch: Some(batch) }) {
-                tracing::warn!(error = %e, "pipe: returning credit failed");
+                st.ctl.fail(format!("returning credit failed: {e}"));
                 return;
             }
         }
@@ -1062,9 +1097,64 @@ impl Inner {
                 break;
             }
             st.reads.pop_front();
-            if let Err(e) = st.ctl.send(&Message::ReadDone { id, ok: true }) {
-                tracing::warn!(error = %e, "pipe: answering a publication failed");
+            Inner::answer_read(st, id, true);
+        }
+        // Completions drain the backlog: what is owed goes out now.
+        if st.credits_owed || st.grow_owed.is_some() || !st.answers_owed.is_empty() {
+            self.pay_owed(st);
+        }
+    }
+
+    /// Answers the peer's publication `id` (read, or refused), now or, with the control
+    /// channel full, once it has room, in order.
+    fn answer_read(st: &mut State, id: u64, ok: bool) {
+        if st.answers_owed.is_empty() && st.ctl.can_send() {
+            if let Err(e) = st.ctl.send(&Message::ReadDone { id, ok }) {
+                st.ctl.fail(format!("answering a publication failed: {e}"));
             }
+        } else if st.answers_owed.len() >= MAX_QUEUED {
+            // The backlog holds MAX_QUEUED answers already, and as many more wait here: the
+            // peer takes none of them in, yet publishes on.
+            st.ctl.fail("the peer takes no answers to its publications in".into());
+        } else {
+            st.answers_owed.push_back((id, ok));
+        }
+    }
+
+    /// Sends what the control channel had no room for, in turn, while it has room.
+    fn pay_owed(&self, st: &mut State) {
+        while st.ctl.can_send() {
+            let Some((id, ok)) = st.answers_owed.pop_front() else { break };
+            if let Err(e) = st.ctl.send(&Message::ReadDone { id, ok }) {
+                st.ctl.fail(format!("answering a publication failed: {e}"));
+                return;
+            }
+        }
+        if st.credits_owed && st.ctl.can_send() {
+            st.credits_owed = false;
+            self.return_all_credits(st);
+        }
+        if let Some(len) = st.grow_owed
+            && st.ctl.can_send()
+            && !st.credits_owed
+        {
+            st.grow_owed = None;
+            if let Err(e) = self.on_grow(st, len) {
+                st.ctl.fail(e);
+            }
+        }
+    }
+
+    /// Returns every released block and the notification slots taken so far, now (as a
+    /// blocked writer's `NeedCredit` asks): the frees in batches, or a credit of the
+    /// notification slots alone when nothing was freed.
+    fn return_all_credits(&self, st: &mut State) {
+        if st.owner.as_ref().is_some_and(|o| o.pending_free_blocks() > 0) {
+            self.flush_credits(st);
+        } else if !st.ctl.can_send() {
+            st.credits_owed = true;
+        } else if let Err(e) = st.ctl.send(&Message::Credit { consumed: st.consumed, batch: None }) {
+            st.ctl.fail(format!("returning credit failed: {e}"));
         }
     }
 
@@ -1112,16 +1202,19 @@ impl Inner {
             Message::NeedCredit => {
                 // The writer is blocked: return everything freed, even below the batch size,
                 // and the notification slots taken so far.
-                if st.owner.as_ref().is_some_and(|o| o.pending_free_blocks() > 0) {
-                    self.flush_credits(st);
-                    Ok(())
-                } else {
-                    // Notification slots only: a credit without a free batch.
-                    let m = Message::Credit { consumed: st.consumed, batch: None };
-                    st.ctl.send(&m).map_err(|e| e.to_string())
-                }
+                self.return_all_credits(st);
+                Ok(())
             }
-            Message::HeapGrow { heap: HEAP, len } => self.on_grow(st, len),
+            Message::HeapGrow { heap: HEAP, len } => {
+                if st.grow_owed.is_some() {
+                    return Err("a growth request before the answer to the last".into());
+                }
+                if !st.ctl.can_send() {
+                    st.grow_owed = Some(len); // answered once there is room
+                    return Ok(());
+                }
+                self.on_grow(st, len)
+            }
             Message::HeapGrant { heap: HEAP, segment } => {
                 if !std::mem::take(&mut st.grow_sent) {
                     return Err("a ring segment nobody asked for".into());

@@ -537,3 +537,76 @@ async fn a_send_queue_too_shallow_for_a_pipe_is_refused() {
         other => panic!("a send queue of 3: {:?}", other.map(|_| ())),
     }
 }
+
+/// Polls a future once (its synchronous part runs) and drops it.
+fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(r) => Some(r),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// A burst of publications (within the 1024 a pipe allows) fills the control channel while
+/// the peer is busy and takes no messages in. The credits this end returns meanwhile must
+/// not be lost (its ring would leak for good, and the peer's next rwrite wait forever), and
+/// every publication must be taken, none refused for want of room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_returned_while_the_control_channel_is_full_are_not_lost() {
+    const BURST: usize = 1000;
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (a, b) =
+        Pipe::pair(&pd, PipeConfig::default().with_ring_len(4096), PipeConfig::default()).await.unwrap();
+    // b fills a's ring: 16 × 256 bytes, all held by a's application.
+    let src = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    for _ in 0..16 {
+        b.rwrite(src.local().unwrap()).await.0.unwrap();
+    }
+    let mut guards = Vec::new();
+    for _ in 0..16 {
+        guards.push(a.recv_timeout(Duration::from_secs(5)).await.unwrap());
+    }
+    // a publishes while b runs nothing: each publication's message is handed to the control
+    // channel in the first poll of its future, which is then dropped (the publication
+    // stays, abandoned).
+    let data = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).unwrap();
+    for i in 0..BURST {
+        if let Some((r, _)) = poll_once(a.publish(data.slice(0, 8).unwrap())) {
+            panic!("publication {i} ended at once: {r:?}");
+        }
+    }
+    // a's application releases b's messages: the credits meet a full control channel.
+    drop(guards);
+    // b runs again: it takes the publications in, and writes into a's ring once more.
+    let reader = tokio::spawn({
+        let a = a.clone();
+        async move { a.recv_timeout(Duration::from_secs(10)).await.map(|g| g.len()) }
+    });
+    let r = tokio::time::timeout(Duration::from_secs(10), b.rwrite(src.local().unwrap())).await;
+    assert!(matches!(r, Ok((Ok(()), _))), "b's rwrite into a's released ring: {:?}", r.map(|x| x.0));
+    assert_eq!(reader.await.unwrap().unwrap(), 256);
+    // Every publication reaches b, and each read is answered. a's application drives its
+    // end meanwhile (a pipe makes progress in the calls on it; b's answers need a to take
+    // them in, or they hold b's send queue, and b's reads behind them).
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let publisher = tokio::spawn({
+        let (a, done) = (a.clone(), done.clone());
+        async move {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                a.flush().await?;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Ok::<(), ChannelError>(())
+        }
+    });
+    let dst = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..BURST {
+        let (r, _) = tokio::time::timeout(Duration::from_secs(10), b.rread(dst.local().unwrap()))
+            .await
+            .unwrap_or_else(|_| panic!("publication {i} never arrived"));
+        assert_eq!(r.unwrap(), 8);
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    publisher.await.unwrap().expect("a's end");
+}

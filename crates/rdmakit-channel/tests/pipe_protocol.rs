@@ -302,3 +302,80 @@ async fn an_unasked_ring_segment_is_a_protocol_error() {
     assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
     assert_eq!(pipe.peer_ring_len(), 0);
 }
+
+/// A writer that asks for credit again and again while it takes none of the answers in
+/// (its receives run out, so the reader's answers wait behind receiver-not-ready) fills
+/// the reader's control channel. The reader must neither fail nor lose what it owes: once
+/// the writer reads again, the block its application released comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_credit_requests_neither_breaks_the_reader_nor_loses_its_frees() {
+    const ASKS: usize = 4000; // more than the send queue and the backlog hold
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    let (ring, _, _) = pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"rawbytes").unwrap();
+    raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
+    let g = pipe.recv_timeout(Duration::from_secs(5)).await.unwrap();
+    // The flood: the raw writer's 64 receives are not reposted, so the answers pile up.
+    let ask = Message::NeedCredit.encode();
+    let (mut asked, mut taken) = (0, Vec::new());
+    let start = std::time::Instant::now();
+    while asked < ASKS {
+        assert!(start.elapsed() < Duration::from_secs(20), "the flood stalled at {asked}");
+        while let Some(wc) = raw.cq.poll_one().unwrap() {
+            if wc.opcode == WcOpcode::RECV {
+                taken.push(wc.wr_id); // an answer, left in its receive buffer
+            }
+        }
+        if raw.qp.outstanding_sends() < 200 {
+            send(&raw, &ask);
+            asked += 1;
+        } else {
+            // The reader takes the requests in when its application calls it.
+            let _ = pipe.recv_timeout(Duration::from_millis(1)).await;
+        }
+    }
+    for _ in 0..50 {
+        let _ = pipe.recv_timeout(Duration::from_millis(1)).await;
+    }
+    // The application releases the message: its block is owed to the writer.
+    drop(g);
+    pipe.return_credits().expect("a flood of requests does not break the reader");
+    assert!(taken.len() <= 64, "only the writer's 64 receives were there to take answers");
+    // The writer reads again (its receives posted anew): among the answers, the free
+    // batch with the block.
+    for &slot in &taken {
+        raw.qp.post_recv(RecvWr::new(raw.rx.slice(slot * 64, 64).unwrap()).wr_id(slot)).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut freed = false;
+    let (mut got, mut last) = (0, None);
+    while !freed {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the released block never came back; {got} answers, last {last:?}"
+        );
+        match raw.cq.poll_one().unwrap() {
+            Some(wc) if wc.opcode == WcOpcode::RECV => {
+                let mut m = vec![0u8; wc.byte_len as usize];
+                raw.rx.read_at(wc.wr_id * 64, &mut m).unwrap();
+                raw.qp
+                    .post_recv(RecvWr::new(raw.rx.slice(wc.wr_id * 64, 64).unwrap()).wr_id(wc.wr_id))
+                    .unwrap();
+                got += 1;
+                last = Some(Message::decode(&m).unwrap());
+                if let Message::Credit { batch: Some(b), .. } = Message::decode(&m).unwrap() {
+                    freed = b.ranges().iter().any(|r| r.addr == ring.addr && r.len >= 8);
+                }
+            }
+            Some(_) => {}
+            None => {
+                let _ = pipe.recv_timeout(Duration::from_millis(1)).await;
+            }
+        }
+    }
+}
