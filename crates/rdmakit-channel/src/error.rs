@@ -61,6 +61,18 @@ pub enum ChannelError {
     /// A wait ran out of time.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),
+    /// The operation was handed to the NIC, but its completion was not seen within the
+    /// time-out (a peer busy elsewhere, taking no messages in): it will still take effect
+    /// when the peer gets to it, so it must not be repeated.
+    #[error(
+        "{what} posted, but not confirmed within {after:?}: it takes effect when the peer gets to it; do not repeat it"
+    )]
+    Unconfirmed {
+        /// What was posted.
+        what: &'static str,
+        /// How long this side waited.
+        after: std::time::Duration,
+    },
 }
 
 impl ChannelError {

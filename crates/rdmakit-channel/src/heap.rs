@@ -430,6 +430,13 @@ impl HeapEndpoint {
     /// is there (deferred: the block's notice; immediate: `Ready`), then waits until the
     /// notice is sent, so `src` may be reused on return. The whole block is handed over
     /// whatever part was written.
+    ///
+    /// An owner that takes no messages in for longer than the endpoint's time-out leaves
+    /// the notice unconfirmed: [`ChannelError::Unconfirmed`]. The write and its notice are
+    /// posted then, and the block lands when the owner gets to it; writing it again would
+    /// be a second notice for one block (a protocol error). Leave `src` unchanged until a
+    /// later `write` or [`flush_frees`](Self::flush_frees) returns `Ok`: each waits for
+    /// every earlier request to complete, so the NIC has read `src` by then.
     pub fn write(&mut self, heap: HeapId, block: &RemoteBlock, offset: u64, src: LocalSlice) -> Result<()> {
         let sync = self.allocator(heap)?.config().sync();
         let dst = block.region().slice(offset, src.len())?;
@@ -445,7 +452,10 @@ impl HeapEndpoint {
             SyncMode::Deferred => self.ctl.send(&Message::HeapSync(AllocNotice::new(heap, *block).into()))?,
             SyncMode::Immediate => self.ctl.send(&Message::HeapReady { heap, addr: block.addr })?,
         }
-        self.drain_sends()
+        self.drain_sends().map_err(|e| match e {
+            ChannelError::Timeout(after) => ChannelError::Unconfirmed { what: "heap write", after },
+            e => e,
+        })
     }
 
     /// rmem: a local view of `block`, which this side allocated in the peer's heap `heap`

@@ -507,3 +507,46 @@ fn a_write_behind_a_send_queue_full_of_answers_waits_for_room() {
     });
     assert_eq!(segment.read_u64(0).unwrap(), 0x5eed);
 }
+
+/// An owner busy elsewhere for longer than the writer's time-out: the write that times
+/// out was posted all the same and lands when the owner gets to it, so it is reported as
+/// unconfirmed (not to be repeated), not as a plain time-out.
+#[test]
+fn a_write_the_owner_does_not_confirm_in_time_is_unconfirmed_and_lands() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (cw, cr) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let (w, r) = (
+        pd.create_qp(&cw, &cw, QpCaps::default()).unwrap(),
+        pd.create_qp(&cr, &cr, QpCaps::default()).unwrap(),
+    );
+    w.connect(&r.address().unwrap(), &ConnectOptions::default()).unwrap();
+    r.connect(&w.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let t = Duration::from_millis(300);
+    let mut writer = HeapEndpoint::new(w, cw, OwnerLimits::default(), t).unwrap();
+    let mut owner = HeapEndpoint::new(r, cr, OwnerLimits::default(), t).unwrap();
+    let heap = HeapId(1);
+    create(&mut writer, &mut owner, HeapConfig::new(heap, AllocPolicy::NextFit), 1 << 20);
+    // The owner is busy now: the writer writes until a write is not confirmed (its
+    // notices fill the owner's receive slots).
+    let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut ok = 0;
+    let err = loop {
+        let b = writer.rmalloc(heap, 64).unwrap();
+        match writer.write(heap, &b, 0, src.local().unwrap()) {
+            Ok(()) => ok += 1,
+            Err(e) => break e,
+        }
+        assert!(ok < 10_000, "the owner's receive slots never ran out");
+    };
+    assert!(matches!(err, ChannelError::Unconfirmed { .. }), "{err}");
+    // The owner comes back: every block, the unconfirmed write's too, lands once.
+    let mut landed = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(1) {
+        if let Ok(Some(_)) = owner.try_recv_block(heap) {
+            landed += 1;
+        }
+    }
+    assert_eq!(landed, ok + 1, "the unconfirmed write landed, once");
+}
