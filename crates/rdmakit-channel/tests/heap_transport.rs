@@ -365,6 +365,42 @@ fn rmem_views_stage_blocks_before_rwrite() {
     assert!(a.rmem(heap, &forged).is_err());
 }
 
+/// A raw peer's receive slots, for fake endpoints that speak the control protocol by hand.
+struct RawInbox<'a> {
+    qp: &'a QueuePair,
+    slots: MemoryRegion,
+}
+
+impl<'a> RawInbox<'a> {
+    const SLOT: u64 = 16384;
+
+    /// `n` receives posted on `qp`.
+    fn new(pd: &ProtectionDomain, qp: &'a QueuePair, n: u64) -> Self {
+        let slots = pd.alloc_mr((n * Self::SLOT) as usize, AccessFlags::LOCAL_WRITE).unwrap();
+        let inbox = RawInbox { qp, slots };
+        (0..n).for_each(|i| inbox.repost(i));
+        inbox
+    }
+
+    fn repost(&self, slot: u64) {
+        let buf = self.slots.slice(slot * Self::SLOT, Self::SLOT as u32).unwrap();
+        self.qp.post_recv(RecvWr::new(buf).wr_id(slot)).unwrap();
+    }
+
+    /// The next control message from `cq` (its slot reposted), or `None` for nothing or a
+    /// completion of the peer's own sends.
+    fn next(&self, cq: &CompletionQueue) -> Option<Message> {
+        let wc = cq.poll_one().unwrap()?.ok().unwrap();
+        if wc.opcode != WcOpcode::RECV {
+            return None;
+        }
+        let mut bytes = vec![0u8; wc.byte_len as usize];
+        self.slots.read_at(wc.wr_id * Self::SLOT, &mut bytes).unwrap();
+        self.repost(wc.wr_id);
+        Some(Message::decode(&bytes).unwrap())
+    }
+}
+
 /// A hostile (or broken) owner that answers every growth request with `HeapFreed` ("the
 /// frees I just sent may suffice, try again") but never frees anything: `rmalloc` gives up
 /// after a bounded number of rounds with a protocol error, instead of asking forever.
@@ -385,22 +421,11 @@ fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
         // `HeapFreed` and nothing else.
         let owner = s.spawn(|| {
             let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
-            let slots = pd.alloc_mr(8 * 16384, AccessFlags::LOCAL_WRITE).unwrap();
-            for i in 0..8 {
-                raw.post_recv(RecvWr::new(slots.slice(i * 16384, 16384).unwrap()).wr_id(i)).unwrap();
-            }
+            let inbox = RawInbox::new(&pd, &raw, 8);
             let mut grows = 0;
             while !stop.load(Ordering::Relaxed) {
-                let Some(wc) = cb.poll_one().unwrap() else { continue };
-                let wc = wc.ok().unwrap();
-                if wc.opcode != WcOpcode::RECV {
-                    continue; // our own sends
-                }
-                let mut bytes = vec![0u8; wc.byte_len as usize];
-                slots.read_at(wc.wr_id * 16384, &mut bytes).unwrap();
-                raw.post_recv(RecvWr::new(slots.slice(wc.wr_id * 16384, 16384).unwrap()).wr_id(wc.wr_id))
-                    .unwrap();
-                let reply = match Message::decode(&bytes).unwrap() {
+                let Some(m) = inbox.next(&cb) else { continue };
+                let reply = match m {
                     Message::HeapCreate { .. } => Message::HeapGrant { heap, segment: segment.remote() },
                     Message::HeapGrow { .. } => {
                         grows += 1;
@@ -451,21 +476,10 @@ fn a_write_behind_a_send_queue_full_of_answers_waits_for_room() {
     std::thread::scope(|s| {
         // The peer: grants this endpoint's heap, then asks it to host BURST heaps at once.
         s.spawn(|| {
-            let slots = pd.alloc_mr(64 * 16384, AccessFlags::LOCAL_WRITE).unwrap();
-            for i in 0..64 {
-                raw.post_recv(RecvWr::new(slots.slice(i * 16384, 16384).unwrap()).wr_id(i)).unwrap();
-            }
+            let inbox = RawInbox::new(&pd, &raw, 64);
             while !stop.load(Ordering::Relaxed) {
-                let Some(wc) = cb.poll_one().unwrap() else { continue };
-                let wc = wc.ok().unwrap();
-                if wc.opcode != WcOpcode::RECV {
-                    continue; // our own sends
-                }
-                let mut bytes = vec![0u8; wc.byte_len as usize];
-                slots.read_at(wc.wr_id * 16384, &mut bytes).unwrap();
-                raw.post_recv(RecvWr::new(slots.slice(wc.wr_id * 16384, 16384).unwrap()).wr_id(wc.wr_id))
-                    .unwrap();
-                match Message::decode(&bytes).unwrap() {
+                let Some(m) = inbox.next(&cb) else { continue };
+                match m {
                     Message::HeapCreate { .. } => {
                         let grant = Message::HeapGrant { heap, segment: segment.remote() };
                         let mut burst = vec![grant];

@@ -11,11 +11,11 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use rdmakit_channel::*;
-use rdmakit_verbs::cm::{Listener, connect};
+use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
 
 mod common;
-use common::cm_options;
+use common::{cm_options, join_all};
 
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
@@ -96,29 +96,37 @@ fn spawn_peer(mode: &str) -> (Peer, SocketAddr) {
     (Peer(child, out), addr)
 }
 
+/// A pipe end of `mode` connected to the peer process at `addr` with `opts`.
+async fn client_pipe(pd: &ProtectionDomain, addr: SocketAddr, opts: CmOptions, mode: &str) -> Pipe {
+    let conn = tokio::task::spawn_blocking({
+        let pd = pd.clone();
+        move || connect(&pd, addr, &opts, b"").unwrap()
+    })
+    .await
+    .unwrap();
+    Pipe::from_connection(conn, pipe_config(mode)).await.unwrap()
+}
+
+/// Takes `n` echoes from `pipe` in a task of its own: their lengths and checksums, in order.
+fn read_echoes(pipe: &Pipe, n: usize) -> tokio::task::JoinHandle<Vec<(usize, u64)>> {
+    let pipe = pipe.clone();
+    tokio::spawn(async move {
+        let mut sums = Vec::with_capacity(n);
+        for _ in 0..n {
+            let g = pipe.recv_timeout(Duration::from_secs(20)).await.expect("echo");
+            sums.push((g.len(), checksum(&g.to_vec().unwrap())));
+        }
+        sums
+    })
+}
+
 /// Echo `n` messages of many sizes through the peer process and check them, then kill the
 /// peer and check that the pipe reports it.
 async fn echo_then_kill(mode: &str, n: usize) {
     let (mut peer, addr) = spawn_peer(mode);
     let pd = Context::open_soft().alloc_pd().unwrap();
-    let conn = tokio::task::spawn_blocking({
-        let pd = pd.clone();
-        move || connect(&pd, addr, &cm_options(), b"").unwrap()
-    })
-    .await
-    .unwrap();
-    let pipe = Pipe::from_connection(conn, pipe_config(mode)).await.unwrap();
-    let reader = tokio::spawn({
-        let pipe = pipe.clone();
-        async move {
-            let mut sums = Vec::with_capacity(n);
-            for _ in 0..n {
-                let g = pipe.recv_timeout(Duration::from_secs(20)).await.expect("echo");
-                sums.push((g.len(), checksum(&g.to_vec().unwrap())));
-            }
-            sums
-        }
-    });
+    let pipe = client_pipe(&pd, addr, cm_options(), mode).await;
+    let reader = read_echoes(&pipe, n);
     let src = pd.alloc_mr(MAX, AccessFlags::LOCAL_WRITE).unwrap();
     let mut expect = Vec::with_capacity(n);
     for i in 0..n {
@@ -178,25 +186,8 @@ async fn many_rwrites_on_a_shallow_send_queue(mode: &str) {
     let pd = Context::open_soft().alloc_pd().unwrap();
     let mut opts = cm_options();
     opts.caps.max_send_wr = 8;
-    let conn = tokio::task::spawn_blocking({
-        let pd = pd.clone();
-        move || connect(&pd, addr, &opts, b"").unwrap()
-    })
-    .await
-    .unwrap();
-    let pipe = Pipe::from_connection(conn, pipe_config(mode)).await.unwrap();
-    let reader = tokio::spawn({
-        let pipe = pipe.clone();
-        async move {
-            let mut sums = Vec::with_capacity(WRITES);
-            for _ in 0..WRITES {
-                let g = pipe.recv_timeout(Duration::from_secs(20)).await.expect("echo");
-                sums.push(checksum(&g.to_vec().unwrap()));
-            }
-            sums.sort_unstable();
-            sums
-        }
-    });
+    let pipe = client_pipe(&pd, addr, opts, mode).await;
+    let reader = read_echoes(&pipe, WRITES);
     let srcs: Vec<_> = (0..WRITES)
         .map(|i| {
             let mr = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
@@ -208,27 +199,9 @@ async fn many_rwrites_on_a_shallow_send_queue(mode: &str) {
     for (r, _) in join_all(writes).await {
         r.unwrap_or_else(|e| panic!("{mode}: rwrite: {e}"));
     }
-    let mut expect: Vec<_> = (0..WRITES).map(|i| checksum(&payload(i, LEN))).collect();
+    let mut expect: Vec<_> = (0..WRITES).map(|i| (LEN, checksum(&payload(i, LEN)))).collect();
     expect.sort_unstable();
-    assert_eq!(reader.await.unwrap(), expect, "echoes differ from what was sent");
-}
-
-/// Polls every future to completion, together (a join without a futures dependency).
-async fn join_all<F: std::future::Future>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut fs: Vec<_> = fs.into_iter().map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
-    })
-    .await;
-    out.into_iter().map(|o| o.expect("ready")).collect()
+    let mut echoes = reader.await.unwrap();
+    echoes.sort_unstable(); // the writes were in flight together: echoed in any order
+    assert_eq!(echoes, expect, "echoes differ from what was sent");
 }

@@ -70,6 +70,21 @@ fn raw_hello(mailbox: &MemoryRegion) -> Vec<u8> {
     .encode()
 }
 
+/// A write-with-immediate pipe end connected to a raw writer, which has written one
+/// 8-byte message (`rawbytes`) at the start of the pipe's ring. Returns the ring too.
+async fn pipe_with_a_raw_writer() -> (Raw, Pipe, RemoteRegion) {
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    let (ring, _, _) = pipe_hello(&raw).await;
+    send(&raw, &raw_hello(&mailbox));
+    let pipe = connecting.await.unwrap().unwrap();
+    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"rawbytes").unwrap();
+    raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
+    (raw, pipe, ring)
+}
+
 fn send(raw: &Raw, m: &[u8]) {
     raw.qp.post_send(SendWr::send_inline(m)).unwrap();
 }
@@ -142,15 +157,7 @@ async fn a_write_announcing_a_block_outside_the_ring_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_valid_raw_write_with_imm_is_received() {
     // The control case for the test above: the same write at offset 0 is a message.
-    let (qa, ca, raw) = setup();
-    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
-    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
-    let (ring, _, _) = pipe_hello(&raw).await;
-    send(&raw, &raw_hello(&mailbox));
-    let pipe = connecting.await.unwrap().unwrap();
-    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
-    src.write_at(0, b"rawbytes").unwrap();
-    raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
+    let (_raw, pipe, _) = pipe_with_a_raw_writer().await;
     let g = pipe.recv_timeout(Duration::from_secs(5)).await.unwrap();
     assert_eq!(g.to_vec().unwrap(), b"rawbytes");
 }
@@ -310,15 +317,7 @@ async fn an_unasked_ring_segment_is_a_protocol_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_credit_requests_neither_breaks_the_reader_nor_loses_its_frees() {
     const ASKS: usize = 4000; // more than the send queue and the backlog hold
-    let (qa, ca, raw) = setup();
-    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
-    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
-    let (ring, _, _) = pipe_hello(&raw).await;
-    send(&raw, &raw_hello(&mailbox));
-    let pipe = connecting.await.unwrap().unwrap();
-    let src = raw.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
-    src.write_at(0, b"rawbytes").unwrap();
-    raw.qp.post_send(SendWr::write(src.local().unwrap(), ring.slice(0, 8).unwrap()).with_imm(0)).unwrap();
+    let (raw, pipe, ring) = pipe_with_a_raw_writer().await;
     let g = pipe.recv_timeout(Duration::from_secs(5)).await.unwrap();
     // The flood: the raw writer's 64 receives are not reposted, so the answers pile up.
     let ask = Message::NeedCredit.encode();
