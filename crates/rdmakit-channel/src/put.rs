@@ -664,16 +664,21 @@ impl State {
         // compatibility otherwise), written before the sender may put again.
         e.buf.write_u64(e.buf.len() as u64 - 8, e.initial_value)?;
         e.consumed = e.seen;
-        if e.detection == Detection::Sentinel || e.sender_ready.is_none() {
-            // Nobody to tell: a sentinel handle's application orders the next put by its
-            // iteration boundaries, and a sender that deassociated after its put is gone.
+        let (Some(target), Some(epoch)) = (e.sender_ready, e.epoch) else {
+            // Nobody to tell: the sender deassociated after its put.
+            return Ok(());
+        };
+        if e.detection == Detection::Sentinel {
+            // Nobody to tell: the application's iteration boundaries order the next put.
             return Ok(());
         }
         // The ready signal. Earlier deferred ones go first, and with no room (a send queue
         // that control messages or other handles' signals keep full) it waits its turn:
         // marking done never fails for want of room.
         if self.deferred_marks.is_empty() && self.ctl.room_for(1) {
-            return self.post_mark(id);
+            let v = word(epoch, e.consumed).to_le_bytes();
+            // Nobody waits for its completion (RC reports a failure all the same).
+            return self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?));
         }
         e.mark_deferred = true;
         self.deferred_marks.push_back(id);
@@ -681,9 +686,8 @@ impl State {
         self.check()
     }
 
-    /// Posts handle `id`'s ready signal: its sender's ready word gets the count of puts
-    /// marked done, in the current association's epoch. Nobody waits for its completion
-    /// (it is signalled now and then; RC reports a failure all the same).
+    /// Posts handle `id`'s deferred ready signal: its sender's ready word gets the count of
+    /// puts marked done, in the current association's epoch.
     fn post_mark(&mut self, id: u32) -> Result<()> {
         let Some(e) = self.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         e.mark_deferred = false;
