@@ -610,3 +610,48 @@ async fn credits_returned_while_the_control_channel_is_full_are_not_lost() {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     publisher.await.unwrap().expect("a's end");
 }
+
+/// A read behind a send queue that the pipe's own control messages fill (its peer takes
+/// none in for a while; the application's QP holds 8 requests): `rread` waits for room,
+/// not failing with a full send queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rread_behind_a_full_send_queue_waits_for_room() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let caps = QpCaps::default().with_max_send_wr(8).with_max_recv_wr(136).with_max_inline_data(64);
+    let (ca, cb) = (ctx.create_cq(256).unwrap(), ctx.create_cq(256).unwrap());
+    let (qa, qb) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let cfg = PipeConfig::default();
+    let (a, b) = tokio::try_join!(Pipe::connect(qa.clone(), ca, cfg), Pipe::connect(qb, cb, cfg)).unwrap();
+    let data = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).unwrap();
+    data.write_at(0, b"readable").unwrap();
+    // b publishes once; then a publishes more than b's receive slots hold while b runs
+    // nothing, so a's send queue fills with messages b has no receive for.
+    assert!(poll_once(b.publish(data.slice(0, 8).unwrap())).is_none());
+    for i in 0..160 {
+        assert!(poll_once(a.publish(data.slice(0, 8).unwrap())).is_none(), "publication {i}");
+    }
+    assert_eq!(qa.outstanding_sends(), 8, "a's send queue is full");
+    // a reads b's publication while its queue is full; b's application runs meanwhile.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peer = tokio::spawn({
+        let (b, done) = (b.clone(), done.clone());
+        async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                b.flush().await?;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Ok::<(), ChannelError>(())
+        }
+    });
+    let dst = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let (r, dst) =
+        tokio::time::timeout(Duration::from_secs(10), a.rread(dst.local().unwrap())).await.unwrap();
+    assert_eq!(r.expect("rread behind a full send queue"), 8);
+    assert_eq!(dst.region().to_vec().unwrap(), b"readable");
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    peer.await.unwrap().unwrap();
+}
