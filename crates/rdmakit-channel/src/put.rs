@@ -270,8 +270,9 @@ struct RecvEntry {
     epoch: Option<u32>,
     /// This handle's incarnation of its slot (slots are reused after `destroy`).
     incarnation: u64,
-    /// Marked done while the send queue had no room for the ready signal: it waits in
-    /// [`State::deferred_marks`] and goes out as soon as there is room.
+    /// In [`State::deferred_marks`]: a ready signal waits for room in the send queue. When
+    /// it goes out it carries the handle's state then (its association, the puts marked
+    /// done), so one entry per handle is enough, whatever happens meanwhile.
     mark_deferred: bool,
 }
 
@@ -308,8 +309,9 @@ struct State {
     send: Vec<Option<SendEntry>>,
     /// The poll queue: handles awaiting a put (CkDirect's ready queue).
     queued: VecDeque<u32>,
-    /// Handles whose ready signal waits for room in the send queue, in marking order (at
-    /// most one entry per handle: its sender is `Busy` until the signal lands).
+    /// Handles whose ready signal waits for room in the send queue, in marking order (one
+    /// entry per handle, however often it is marked or associated meanwhile; a slot
+    /// destroyed and created again may leave one stale entry, skipped).
     deferred_marks: VecDeque<u32>,
     /// The epoch of the next association this endpoint makes as a sender (never 0).
     next_epoch: u32,
@@ -631,8 +633,6 @@ impl Inner {
                 e.epoch = Some(epoch);
                 e.seen = 0;
                 e.consumed = 0;
-                // The new association counts from zero: an old one's signal is not owed.
-                e.mark_deferred = false;
             }
             Message::Deassoc { handle, epoch } => {
                 // Only the current association's: a late one must not end a newer one.
@@ -680,14 +680,17 @@ impl State {
             // Nobody waits for its completion (RC reports a failure all the same).
             return self.ctl.post_lazy(SendWr::write_inline(&v, target.slice(0, 8)?));
         }
-        e.mark_deferred = true;
-        self.deferred_marks.push_back(id);
+        if !std::mem::replace(&mut e.mark_deferred, true) {
+            self.deferred_marks.push_back(id);
+        }
         self.post_deferred_marks();
         self.check()
     }
 
     /// Posts handle `id`'s deferred ready signal: its sender's ready word gets the count of
-    /// puts marked done, in the current association's epoch.
+    /// puts marked done, in the current association's epoch (a signal for an association
+    /// made after the marking says zero, what that sender starts from; RC keeps it ahead
+    /// of any later one).
     fn post_mark(&mut self, id: u32) -> Result<()> {
         let Some(e) = self.recv.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         e.mark_deferred = false;
@@ -697,7 +700,8 @@ impl State {
     }
 
     /// Posts the deferred ready signals, in order, while the send queue has room. A handle
-    /// destroyed or associated anew meanwhile has nothing owed (its flag was cleared).
+    /// destroyed meanwhile has nothing owed (its slot is empty, or a new handle's without
+    /// the flag).
     fn post_deferred_marks(&mut self) {
         while self.ctl.room_for(1) {
             let Some(id) = self.deferred_marks.pop_front() else { return };
@@ -880,7 +884,10 @@ impl SendHandle {
         // requests from the send queue): with room in the queue, a put is decided without a
         // CQ poll first, as an inline rwrite is, and the driver polls once every few such
         // steps.
-        if let Some(r) = inner.driver.try_unpolled(|st| self.has_room(st).then(|| self.post_put(st))) {
+        if let Some(r) = inner
+            .driver
+            .try_unpolled(|st| self.has_room(st, ControlSlots::room_for).then(|| self.post_put(st)))
+        {
             return r;
         }
         // Polled: completions retire requests (and post what waited behind them). A queue
@@ -888,20 +895,19 @@ impl SendHandle {
         // fill it for now: `Busy`, as for an unconsumed put, and the caller retries.
         let on_wc = &mut |st: &mut State, wc: &WorkCompletion| inner.on_wc(st, wc);
         inner.driver.progress_then(on_wc, |st| {
-            if st.send[self.id as usize].as_ref().is_none_or(|e| st.ctl.fits(requests(e))) {
+            if self.has_room(st, ControlSlots::fits) {
                 return self.post_put(st);
             }
-            st.check()?;
             Inner::watch_locked(st)?;
             Err(ChannelError::Busy)
         })?
     }
 
-    /// Whether the send queue has room for this put's requests (CkDirect's one write, or
-    /// the data and its sequence word) without a poll first. A deassociated handle says yes:
-    /// the put reports it.
-    fn has_room(&self, st: &State) -> bool {
-        st.send[self.id as usize].as_ref().is_none_or(|e| st.ctl.room_for(requests(e)))
+    /// Whether the send queue has room for this put's requests by `rule`
+    /// ([`ControlSlots::room_for`] without a poll first, [`ControlSlots::fits`] after one).
+    /// A deassociated handle says yes: the put reports it.
+    fn has_room(&self, st: &State, rule: fn(&ControlSlots, usize) -> bool) -> bool {
+        st.send[self.id as usize].as_ref().is_none_or(|e| rule(&st.ctl, requests(e)))
     }
 
     /// Posts the put, or says why not: [`ChannelError::Busy`] (the connection watched, the
@@ -982,14 +988,14 @@ fn post_sentinel_put(e: &SendEntry, ctl: &mut ControlSlots, sentinel: u64) -> Re
     ctl.post_lazy(SendWr::write(e.src.clone(), e.desc.buf.slice(0, e.src.len())?))
 }
 
-/// The default put: [`ChannelError::Busy`] until the receiver has consumed the previous
-/// one (its ready word), then the data and the sequence word that announces it.
 /// Send-queue requests a put of `e` posts: CkDirect's one write, or the data and its
 /// sequence word.
 fn requests(e: &SendEntry) -> usize {
     if e.desc.sentinel.is_some() { 1 } else { 2 }
 }
 
+/// The default put: [`ChannelError::Busy`] until the receiver has consumed the previous
+/// one (its ready word), then the data and the sequence word that announces it.
 fn post_sequenced_put(
     e: &SendEntry,
     ctl: &mut ControlSlots,
