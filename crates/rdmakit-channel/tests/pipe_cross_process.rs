@@ -15,7 +15,7 @@ use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
 
 mod common;
-use common::{cm_options, join_all};
+use common::cm_options;
 
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
@@ -195,9 +195,14 @@ async fn many_rwrites_on_a_shallow_send_queue(mode: &str) {
             mr
         })
         .collect();
-    let writes = srcs.iter().map(|s| pipe.rwrite(s.local().unwrap()));
-    for (r, _) in join_all(writes).await {
-        r.unwrap_or_else(|e| panic!("{mode}: rwrite: {e}"));
+    // Every rwrite in flight at once, each in a task of its own.
+    let mut writes = tokio::task::JoinSet::new();
+    for s in srcs {
+        let pipe = pipe.clone();
+        writes.spawn(async move { pipe.rwrite(s.local().unwrap()).await.0 });
+    }
+    while let Some(r) = writes.join_next().await {
+        r.unwrap().unwrap_or_else(|e| panic!("{mode}: rwrite: {e}"));
     }
     let mut expect: Vec<_> = (0..WRITES).map(|i| (LEN, checksum(&payload(i, LEN)))).collect();
     expect.sort_unstable();

@@ -53,23 +53,3 @@ pub fn heap_endpoints(
     let ((a, ca), (b, cb)) = qp_pair(pd, QpCaps::default());
     (HeapEndpoint::new(a, ca, limits, timeout).unwrap(), HeapEndpoint::new(b, cb, limits, timeout).unwrap())
 }
-
-/// Polls every future to completion, together (a join without a futures dependency).
-pub async fn join_all<F: std::future::Future>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut fs: Vec<_> = fs.into_iter().map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
-    })
-    .await;
-    out.into_iter().map(|o| o.expect("ready")).collect()
-}
