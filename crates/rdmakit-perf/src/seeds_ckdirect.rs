@@ -8,8 +8,11 @@
 //! - Jacobi halo: the slides' Jacobi 3D shape in 2-D: `ranks` slabs of `rows` x `cols`
 //!   doubles, each iteration every slab sends its top and bottom rows (faces of `cols`
 //!   doubles) to its neighbours' ghost rows, then relaxes (5-point stencil). Timed per
-//!   iteration with put handles (CkDirect's split scheme, as `examples/halo_exchange.rs`)
-//!   against the same exchange over send/recv; both give bit-identical grids (checked).
+//!   iteration with put handles (CkDirect's split scheme, as `examples/halo_exchange.rs`),
+//!   by default detection and by CkDirect's sentinel, against the same exchange over
+//!   send/recv; all three give bit-identical grids (checked). The sentinel's one
+//!   transaction per handle is kept by the exchange itself: a slab's next face is put only
+//!   after every ghost of the iteration was taken, so the previous put was consumed.
 //!
 //! The slides' figures are charts (BG/P "Surveyor", and the InfiniBand cluster "Abe" at
 //! NCSA); their text gives no numbers, so the seed rows name the shape of the result only:
@@ -394,7 +397,41 @@ fn jacobi<H: Halo>(
     Ok((time, slabs.into_iter().map(|s| s.u).collect()))
 }
 
-/// One row of the Jacobi table: face bytes, put handles' and send/recv's times per iteration.
+/// One row of the Jacobi table: the face's bytes and each transport's times per iteration.
+#[derive(Clone, Copy, Debug)]
+pub struct HaloRow {
+    /// Bytes of a face (a row of doubles).
+    pub face: u32,
+    /// Put handles, default detection (sequence word and ready signal).
+    pub put: IterTime,
+    /// Put handles, CkDirect's sentinel (one write per face).
+    pub put_sentinel: IterTime,
+    /// Send/recv.
+    pub send_recv: IterTime,
+}
+
+/// The links of one halo exchange: `ranks - 1` put-handle links detecting puts as
+/// `detection` says (and their QP pairs, kept alive).
+type PutLinks = (Vec<(PutEnd, PutEnd)>, Vec<(Side, Side)>);
+
+fn put_links(
+    ctx: &Context,
+    copts: &ConnectOptions,
+    ranks: usize,
+    len: u32,
+    detection: Detection,
+) -> Result<PutLinks> {
+    let (mut links, mut keep) = (Vec::new(), Vec::new());
+    for _ in 0..ranks - 1 {
+        let (a, b, k) = put_link(ctx, copts, len, detection)?;
+        links.push((a, b));
+        keep.push(k);
+    }
+    Ok((links, keep))
+}
+
+/// The rows of the Jacobi table, one per face size: the three transports run in turn,
+/// `runs` times each, and each cell is the median of its runs.
 pub fn jacobi_rows(
     ctx: &Context,
     copts: &ConnectOptions,
@@ -403,7 +440,7 @@ pub fn jacobi_rows(
     faces: &[u32],
     iters: u32,
     runs: usize,
-) -> Result<Vec<(u32, IterTime, IterTime)>> {
+) -> Result<Vec<HaloRow>> {
     if ranks < 2 {
         return Err(Error::InvalidArgument("--ranks must be at least 2 (a halo needs a neighbour)".into()));
     }
@@ -411,34 +448,34 @@ pub fn jacobi_rows(
     for &face in faces {
         let cols = (face as usize / 8).max(1);
         let len = (cols * 8) as u32;
-        let mut puts = Vec::new();
-        let mut keep = Vec::new();
-        let mut msgs = Vec::new();
-        for _ in 0..ranks - 1 {
-            let (a, b, k) = put_link(ctx, copts, len, Detection::SequenceWord)?;
-            puts.push((a, b));
-            keep.push(k);
-            msgs.push(msg_link(ctx, copts, len)?);
-        }
-        let (mut vp, mut vm) = (Vec::new(), Vec::new());
+        let (mut puts, _keep) = put_links(ctx, copts, ranks, len, Detection::SequenceWord)?;
+        let (mut sentinels, _keep_s) = put_links(ctx, copts, ranks, len, Detection::Sentinel)?;
+        let mut msgs = (0..ranks - 1).map(|_| msg_link(ctx, copts, len)).collect::<Result<Vec<_>>>()?;
+        let (mut vp, mut vs, mut vm) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             let (tp, gp) = jacobi(&mut puts, rows, cols, iters)?;
+            let (ts, gs) = jacobi(&mut sentinels, rows, cols, iters)?;
             let (tm, gm) = jacobi(&mut msgs, rows, cols, iters)?;
             // The same arithmetic on the same ghosts: any difference is a lost or torn face.
-            let same = gp.iter().flatten().zip(gm.iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits());
-            if !same {
-                return Err(Error::InvalidArgument(format!(
-                    "jacobi: the put-handle and send/recv grids differ ({face}-byte faces)"
-                )));
+            let same = |g: &[Vec<f64>]| {
+                g.iter().flatten().zip(gm.iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            for (g, what) in [(&gp, "put-handle"), (&gs, "sentinel put-handle")] {
+                if !same(g) {
+                    return Err(Error::InvalidArgument(format!(
+                        "jacobi: the {what} and send/recv grids differ ({face}-byte faces)"
+                    )));
+                }
             }
             vp.push(tp);
+            vs.push(ts);
             vm.push(tm);
         }
         let med = |v: &[IterTime]| IterTime {
             total: median(&mut v.iter().map(|t| t.total).collect::<Vec<_>>()),
             exchange: median(&mut v.iter().map(|t| t.exchange).collect::<Vec<_>>()),
         };
-        out.push((len, med(&vp), med(&vm)));
+        out.push(HaloRow { face: len, put: med(&vp), put_sentinel: med(&vs), send_recv: med(&vm) });
     }
     Ok(out)
 }
@@ -511,28 +548,45 @@ pub fn ckdirect_seed(ctx: &Context, copts: &ConnectOptions, o: &CkOpts) -> Resul
     );
     println!();
     println!(
-        "Jacobi halo exchange, {} slabs x {} rows, typical (median) of {} iterations per run: time per iteration [us], put handles vs send/recv",
+        "Jacobi halo exchange, {} slabs x {} rows, typical (median) of {} iterations per run: time per iteration [us] and the exchange alone, put handles (default; sentinel) vs send/recv",
         o.ranks, o.rows, o.jacobi_iters
     );
     println!(
-        "{:<10} {:>12} {:>12} {:>12}   {:>12} {:>12} {:>12}   {:<8}",
-        "face", "put: iter", "s/r: iter", "improvement", "put: exch", "s/r: exch", "improvement", ""
+        "{:<8} {:>10} {:>10} {:>10} {:>8} {:>8}   {:>10} {:>10} {:>10} {:>8} {:>8}   {:<8}",
+        "face",
+        "put: iter",
+        "sent: iter",
+        "s/r: iter",
+        "imp",
+        "sent imp",
+        "put: exch",
+        "sent: exch",
+        "s/r: exch",
+        "imp",
+        "sent imp",
+        ""
     );
-    for (f, p, m) in jacobi_rows(ctx, copts, o.ranks, o.rows, &o.faces, o.jacobi_iters, o.runs)? {
+    let imp = |base: f64, t: f64| (base - t) / base * 100.0;
+    for r in jacobi_rows(ctx, copts, o.ranks, o.rows, &o.faces, o.jacobi_iters, o.runs)? {
+        let (p, s, m) = (r.put, r.put_sentinel, r.send_recv);
         println!(
-            "{:<10} {:>12.2} {:>12.2} {:>11.1}%   {:>12.2} {:>12.2} {:>11.1}%   {kind}",
-            label(f),
+            "{:<8} {:>10.2} {:>10.2} {:>10.2} {:>7.1}% {:>7.1}%   {:>10.2} {:>10.2} {:>10.2} {:>7.1}% {:>7.1}%   {kind}",
+            label(r.face),
             p.total,
+            s.total,
             m.total,
-            (m.total - p.total) / m.total * 100.0,
+            imp(m.total, p.total),
+            imp(m.total, s.total),
             p.exchange,
+            s.exchange,
             m.exchange,
-            (m.exchange - p.exchange) / m.exchange * 100.0
+            imp(m.exchange, p.exchange),
+            imp(m.exchange, s.exchange)
         );
     }
     println!(
-        "{:<10} {:>12} {:>12} {:>12}   {:>12} {:>12} {:>12}   seed (charts only: Jacobi 3D 1024x1024x512, iteration time improved by CkDirect on BG/P and Abe)",
-        "", "", "", "> 0%", "", "", ""
+        "{:<8} {:>10} {:>10} {:>10} {:>8} {:>8}   {:>10} {:>10} {:>10} {:>8} {:>8}   seed (charts only: Jacobi 3D 1024x1024x512, iteration time improved by CkDirect on BG/P and Abe)",
+        "", "", "", "", "> 0%", "> 0%", "", "", "", "", ""
     );
     if ctx.provider() == ProviderKind::Soft {
         println!(
@@ -607,7 +661,7 @@ mod tests {
         grids.iter().flat_map(|u| u[cols..(rows + 1) * cols].iter().copied()).collect()
     }
 
-    /// Both transports' halo exchanges give exactly the single-slab result: every face
+    /// All three transports' halo exchanges give exactly the single-slab result: every face
     /// arrives, whole and in its iteration (a lost or stale ghost would change the heat
     /// front), for a 1-D rod (one column) and a 2-D slab.
     #[test]
@@ -618,20 +672,19 @@ mod tests {
         for cols in [1usize, 16] {
             let len = (cols * 8) as u32;
             let want = serial(ranks, rows, cols, iters);
-            let mut puts = Vec::new();
-            let mut keep = Vec::new();
-            let mut msgs = Vec::new();
-            for _ in 0..ranks - 1 {
-                let (a, b, k) = put_link(&ctx, &copts, len, Detection::SequenceWord).expect("put link");
-                puts.push((a, b));
-                keep.push(k);
-                msgs.push(msg_link(&ctx, &copts, len).expect("send/recv link"));
-            }
+            let (mut puts, _keep) =
+                put_links(&ctx, &copts, ranks, len, Detection::SequenceWord).expect("put links");
+            let (mut sentinels, _keep_s) =
+                put_links(&ctx, &copts, ranks, len, Detection::Sentinel).expect("sentinel put links");
+            let mut msgs: Vec<_> =
+                (0..ranks - 1).map(|_| msg_link(&ctx, &copts, len).expect("send/recv link")).collect();
             let (_, gp) = jacobi(&mut puts, rows, cols, iters).expect("put handles");
+            let (_, gs) = jacobi(&mut sentinels, rows, cols, iters).expect("sentinel put handles");
             let (_, gm) = jacobi(&mut msgs, rows, cols, iters).expect("send/recv");
             // The heat reached the last slab: the exchange carried it across both links.
             assert!(want[want.len() - cols + cols / 2] > 0.0);
             assert_eq!(interiors(&gp, rows, cols), want, "put handles, {cols} columns");
+            assert_eq!(interiors(&gs, rows, cols), want, "sentinel put handles, {cols} columns");
             assert_eq!(interiors(&gm, rows, cols), want, "send/recv, {cols} columns");
         }
     }
