@@ -103,8 +103,10 @@ send/recv path on the same software engine, and whether the halo exchange gains 
 default put (data, a sequence-word write, and the receiver's ready signal written back: three
 writes) buys an enforced one-transaction-per-handle and detection of any payload; the
 sentinel put (`Detection::Sentinel`, `put-lat --sentinel`) is CkDirect's own scheme, one write
-polled at the buffer's last word, and the one that comes near a message. Here each side's
-re-arming (the handle's `ready_poll_q`/`ready_mark`, the message's `post_recv`) is left out of
+polled at the buffer's last word, and the one that comes near a message. The halo exchange
+runs all three; its sentinel column is CkDirect's own case, where the exchange itself keeps one
+put per handle in flight (a face is put again only after the iteration took every ghost).
+Here each side's re-arming (the handle's `ready_poll_q`/`ready_mark`, the message's `post_recv`) is left out of
 the timed round trip on both sides; the criterion `round_trip` group below counts it on both,
 and there the sentinel put is ahead at small sizes. Not reproduced: the hardware's saving,
 where a polled put skips the receive-queue and completion work of a message in the HCA, nor Charm++'s own messaging cost, which was the
