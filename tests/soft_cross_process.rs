@@ -13,6 +13,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use libtest_mimic::{Arguments, Trial};
@@ -26,7 +27,7 @@ fn main() {
     }
     let args = Arguments::from_args();
     type Case = (&'static str, fn(Path));
-    let tests: [Case; 8] = [
+    let tests: [Case; 9] = [
         (
             "writes_and_reads_are_placed_directly_on_the_same_host",
             writes_and_reads_are_placed_directly_on_the_same_host,
@@ -49,6 +50,10 @@ fn main() {
         (
             "more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes",
             more_qps_than_the_peer_keeps_waiting_all_get_through_across_processes,
+        ),
+        (
+            "a_late_answer_after_retry_exceeded_is_no_protocol_error",
+            a_late_answer_after_retry_exceeded_is_no_protocol_error,
         ),
     ];
     let mut trials: Vec<Trial> = tests
@@ -708,6 +713,79 @@ fn against_an_exiting_peer(path: Path, exit_env: &str, wr: impl FnOnce(LocalSlic
         (wc.wr_id, wc.status),
         (7, WcStatus::SUCCESS),
         "{path:?}, {exit_env}: a delivered request failed"
+    );
+}
+
+/// The soft NIC's log, captured for the whole binary (the wire's threads log, not the test's
+/// thread): installed by the first test that asks for it.
+fn captured_log() -> Arc<Mutex<Vec<u8>>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || Captured(sink.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        log
+    })
+    .clone()
+}
+
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A slow peer, not a hostile one: its device answers 300 ms late (`ANSWER_DELAY_ENV`), past
+/// the requester's transport budget (about 67 ms). The send fails with `RETRY_EXC_ERR` as a
+/// NIC's does, and the answer that comes afterwards is dropped as what it is. Before, it was
+/// logged as an error, "response out of order", which names a confused or hostile peer.
+fn a_late_answer_after_retry_exceeded_is_no_protocol_error(path: Path) {
+    let log = captured_log();
+    let mut peer = spawn_peer_with(0, path, &[(rdmakit_verbs::soft::ANSWER_DELAY_ENV, "300")]);
+    let l = local(path);
+    peer.connect_with(&l.qp, &opts());
+    peer.wait_ready();
+    // The answer names the QP and the send's PSN, this QP's first (from its address).
+    let a = l.qp.address().unwrap();
+    let ours = format!("qp={} psn={}", a.qp_num, a.psn);
+    let buf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    buf.write_at(0, b"late").unwrap();
+    // A send: answered through the wire (a write on the same host may be placed directly).
+    l.qp.post_send(SendWr::send(buf.slice(0, 4).unwrap()).wr_id(3)).unwrap();
+    let wc = wait(&l.cq);
+    assert_eq!((wc.wr_id, wc.status), (3, WcStatus::RETRY_EXC_ERR), "{path:?}");
+    // The late answer arrives about 300 ms after the send.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let lines = loop {
+        let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains("response") && l.ends_with(&ours))
+            .map(str::to_owned)
+            .collect();
+        if !lines.is_empty() || Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        lines.iter().any(|l| l.contains("DEBUG") && l.contains("response after the QP failed")),
+        "{path:?}: the late answer was not dropped as late: {lines:?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains("ERROR")),
+        "{path:?}: a late answer logged as an error: {lines:?}"
     );
 }
 

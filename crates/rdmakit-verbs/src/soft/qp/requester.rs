@@ -156,8 +156,14 @@ impl SoftQp {
                 _ => return,
             };
             if sq.sent.front().is_none_or(|s| s.psn != psn) {
-                // Not the oldest outstanding request: a confused or hostile peer.
-                tracing::error!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
+                if self.state.load(Ordering::Acquire) == super::ERR {
+                    // The QP failed (a request timed out: `RETRY_EXC_ERR`, and its queue was
+                    // flushed): a slow peer's late answer lands here, and is nothing more.
+                    tracing::debug!(qp = self.qpn, psn, "soft NIC: response after the QP failed; dropped");
+                } else {
+                    // Not the oldest outstanding request: a confused or hostile peer.
+                    tracing::error!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
+                }
                 return;
             }
             match f {
