@@ -499,16 +499,18 @@ fn replayed_and_out_of_order_psns_are_refused() {
     assert_eq!(&got[32..40], &[0u8; 8], "a first frame with a wrong PSN wrote the region");
 }
 
-#[test]
-fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
-    // A large write's data lands in the region as it arrives; moving the target QP out of
-    // RTS in the middle of the frame stops the rest from landing, and the write is not
-    // acknowledged.
-    let _g = serial();
-    let v = Victim::new();
-    let (vqp, vep, pep, _pctx, _p) = phantom(&v);
-    let target = v.mr.remote();
-    let mut s = speaking_for(&pep, &vep);
+/// A 64 KiB write to `target` (whose bytes are `watch`'s), sent by the phantom requester
+/// `pep` in two parts: the first 16 KiB, which must land as they arrive; then `between`
+/// runs; then the rest. Returns the victim's answer and how many of the rest landed in
+/// `watch`.
+fn write_in_two_parts(
+    pep: &QpAddress,
+    vep: &QpAddress,
+    target: RemoteRegion,
+    watch: &MemoryRegion,
+    between: impl FnOnce(),
+) -> (Option<Frame>, usize) {
+    let mut s = speaking_for(pep, vep);
     let data_len = 64 * 1024;
     let w = frame(&Frame::Write {
         psn: pep.psn,
@@ -522,21 +524,63 @@ fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
     assert!(
         eventually(Duration::from_secs(5), || {
             let mut b = [0u8; 8];
-            v.mr.read_at(16 * 1024 - 8, &mut b).unwrap();
+            watch.read_at(16 * 1024 - 8, &mut b).unwrap();
             b == [0xaa; 8]
         }),
         "the first 16 KiB did not land as they arrived"
     );
-    vqp.modify_to_error().unwrap();
+    between();
     s.write_all(&w[first..]).unwrap();
     let reply = read_reply(&mut s, Duration::from_secs(1));
+    let mut rest = vec![0u8; data_len - 16 * 1024];
+    watch.read_at(16 * 1024, &mut rest).unwrap();
+    (reply, rest.iter().filter(|&&b| b != 0).count())
+}
+
+#[test]
+fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
+    // A large write's data lands in the region as it arrives; moving the target QP out of
+    // RTS in the middle of the frame stops the rest from landing, and the write is not
+    // acknowledged.
+    let _g = serial();
+    let v = Victim::new();
+    let (vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let (reply, landed) =
+        write_in_two_parts(&pep, &vep, v.mr.remote(), &v.mr, || vqp.modify_to_error().unwrap());
     assert!(
         !matches!(reply, Some(Frame::Ack { status: 0, .. })),
         "a revoked write was acknowledged: {reply:?}"
     );
-    let mut rest = vec![0u8; data_len - 16 * 1024];
-    v.mr.read_at(16 * 1024, &mut rest).unwrap();
-    assert!(rest.iter().all(|&b| b == 0), "data landed after the target QP left RTS");
+    assert_eq!(landed, 0, "data landed after the target QP left RTS");
+}
+
+/// The same through an indirect (UMR) key that the application takes away from its region
+/// and binds to another one while the write is in flight: the rest must not land in the
+/// region the key no longer maps, and the write fails as one to an invalid key. (Found by
+/// review: the check before each part asked only whether the key still resolved, not to
+/// the same bytes, and the old region took the rest with success.)
+#[test]
+fn a_write_in_flight_stops_when_its_indirect_key_is_bound_elsewhere() {
+    let _g = serial();
+    let v = Victim::new();
+    let umr = v.pd.create_umr_queue().unwrap();
+    let key = v.pd.create_indirect_mkey(0, 1 << 20, AccessFlags::ALL_REMOTE).unwrap();
+    let old = v.pd.alloc_mr(64 * 1024, AccessFlags::ALL_REMOTE).unwrap();
+    let new = v.pd.alloc_mr(64 * 1024, AccessFlags::ALL_REMOTE).unwrap();
+    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&old)]).unwrap();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let (reply, landed) = write_in_two_parts(&pep, &vep, key.region().remote(), &old, || {
+        umr.invalidate(&key).unwrap();
+        umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&new)]).unwrap();
+    });
+    assert_eq!(landed, 0, "{landed} bytes landed in a region the key no longer maps (answer {reply:?})");
+    assert!(
+        matches!(reply, Some(Frame::Ack { status, .. }) if status == WcStatus::REM_ACCESS_ERR.0),
+        "the write's answer: {reply:?}"
+    );
+    let mut moved = vec![0u8; 64 * 1024];
+    new.read_at(0, &mut moved).unwrap();
+    assert!(moved.iter().all(|&b| b == 0), "part of the write landed in the key's new region");
 }
 
 /// Endpoints exchanged by the application out of band (no CM bootstrap): an attacker who

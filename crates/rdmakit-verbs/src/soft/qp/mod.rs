@@ -993,12 +993,28 @@ impl Placement {
     }
 
     /// Whether the target still takes this write: the QP serves the requester and the key
-    /// allows the whole range, as when the placement was chosen.
+    /// allows the whole range *in the same region, at the same place*, as when the
+    /// placement was chosen. An indirect key invalidated and bound elsewhere meanwhile
+    /// resolves again, but to other bytes: the rest of the write must not land in the
+    /// region the key no longer maps.
     pub(crate) fn still_valid(&self) -> bool {
         let Some(qp) = self.qp.upgrade() else { return false };
         let from = Requester::remote(self.from.0, self.from.1);
         let len = u32::try_from(self.len).unwrap_or(u32::MAX);
-        qp.accepts_from(&from) && qp.target(self.addr, self.rkey, len, AccessFlags::REMOTE_WRITE).is_ok()
+        if !qp.accepts_from(&from) {
+            return false;
+        }
+        match qp.target(self.addr, self.rkey, len, AccessFlags::REMOTE_WRITE) {
+            Ok((ptr, entry)) => {
+                let same_region = match (&entry, &self._entry) {
+                    (Some(now), Some(then)) => Arc::ptr_eq(now, then),
+                    (None, None) => true,
+                    _ => false,
+                };
+                ptr == self.ptr && same_region
+            }
+            Err(_) => false,
+        }
     }
 
     /// Lands `data` at offset `at` of the target.
