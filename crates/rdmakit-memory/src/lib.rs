@@ -33,7 +33,7 @@
 
 // No unsafe code but where it is the point, each exemption with its reason: the MEMIC
 // address reservation (mmap/munmap), the registration cache's `register` (memory the
-// application owns), and that cache's tests.
+// application owns), that cache's tests, and the UMR pool's read of the monotonic clock.
 #![deny(unsafe_code)]
 
 pub mod heap;

@@ -59,7 +59,7 @@ struct Entry<A> {
 
 fn stale_export(key: &PackedKey, latest: u64) -> Error {
     Error::PermissionDenied(format!(
-        "stale export of key {:#x} (vHCA {}): generation {} was re-bound since (newest seen: {latest})",
+        "stale export of key {:#x} (vHCA {}): generation {} is older than the newest export of that key seen ({latest}): the host has re-bound or re-created the key since",
         key.mkey, key.vhca_id, key.export_gen
     ))
 }
@@ -95,7 +95,11 @@ impl<O: AliasOps> AliasCache<O> {
 
     /// The alias for `key`: cached for a pool key (hit, or created on a miss, or re-created
     /// when the cached one belongs to an older incarnation), created for this import alone
-    /// for a plain key.
+    /// for a plain key. Refused ([`Error::PermissionDenied`], "stale export") when the cache
+    /// has seen a newer export of the key: a later bind of the same incarnation, or a later
+    /// incarnation under the same number (export generations are ordered across the host).
+    /// The cache can tell only what it has seen: after [`evict`](Self::evict) a late export
+    /// is taken as new.
     pub fn import(&self, key: &PackedKey) -> Result<ImportedAlias<O::Alias>> {
         if key.len == 0 {
             return Err(Error::InvalidArgument("packed key of an empty region".into()));
@@ -125,7 +129,13 @@ impl<O: AliasOps> AliasCache<O> {
                     stats.hits += 1;
                     return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
                 }
-                // Another incarnation (or none cached): a new alias below. The cached one is
+                // An incarnation no newer than the cached one: refused without a firmware
+                // command (see below).
+                Some(e) if key.export_gen <= e.latest_gen => {
+                    stats.refused_stale += 1;
+                    return Err(stale_export(key, e.latest_gen));
+                }
+                // A newer incarnation (or none cached): a new alias below. The cached one is
                 // replaced only once the firmware has accepted the new packed key, so a
                 // forged one cannot evict it.
                 Some(_) | None => {}
@@ -147,9 +157,13 @@ impl<O: AliasOps> AliasCache<O> {
         // The replaced entry of an older incarnation; its alias is destroyed (when its last
         // Arc goes) after the lock is released: a firmware command.
         let mut replaced = None;
-        if entry.uuid != key.uuid {
+        if entry.uuid != key.uuid && key.export_gen > entry.latest_gen {
             replaced = Some(std::mem::replace(entry, fresh()));
-        } else if key.export_gen < entry.latest_gen {
+        } else if key.export_gen < entry.latest_gen || entry.uuid != key.uuid {
+            // An older export of this incarnation, or an export of an incarnation older than
+            // the cached one (destroyed, its number since given to the cached one): its alias
+            // would reach the newer incarnation's buffer. (Equal generations of two
+            // incarnations cannot both be genuine; the cached one stays.)
             stats.refused_stale += 1;
             return Err(stale_export(key, entry.latest_gen));
         }

@@ -23,11 +23,12 @@
 //!   export of a key serves every later one: a hit costs a hash lookup. The `uuid` names the
 //!   incarnation of the host key; a different uuid under the same map key means the host
 //!   key was destroyed and its number reused, so the cached alias is stale and is destroyed
-//!   and re-created. Only pool keys are cached. The `export_gen` is fresh at every bind: once
-//!   the DPU has imported a newer export of a key, an older one (whose buffer the host has
-//!   taken back, and which the shared alias no longer reaches) is refused, and an import held
-//!   across the re-bind fails [`AliasCache::check_current`] instead of writing into the next
-//!   export's buffer.
+//!   and re-created. Only pool keys are cached. The `export_gen` is fresh at every bind and
+//!   ordered across the host (its monotonic clock): once the DPU has imported a newer export
+//!   of a key, an older one (whose buffer the host has taken back, and which the shared alias
+//!   no longer reaches) is refused, whether the key was re-bound or destroyed and its number
+//!   given to a new incarnation, and an import held across the re-bind fails
+//!   [`AliasCache::check_current`] instead of writing into the next export's buffer.
 //! - a [`RangeCache`] registers the application's own buffers by address range, as UCX's
 //!   rcache that the talk reuses on host and DPU: a lookup inside a cached registration is a
 //!   hit (an ordered-map lookup and a reference count), a miss registers the range merged

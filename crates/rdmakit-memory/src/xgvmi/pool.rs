@@ -117,8 +117,33 @@ struct Inner<O: HostKeyOps> {
     state: Mutex<State<O::Key>>,
     uuid_base: u64,
     next_uuid: AtomicU64,
-    /// Export generations: increasing, one per bind (see `PackedKey::export_gen`).
-    next_gen: AtomicU64,
+}
+
+/// A fresh export generation ([`PackedKey::export_gen`]): the host's monotonic clock in
+/// nanoseconds, made strictly increasing within this process. Generations are so ordered
+/// across every pool and process of the host, not only within one key incarnation: an
+/// incarnation created after another was destroyed (perhaps by another pool, with the
+/// number the device recycled) exports later generations, which lets a DPU refuse a late
+/// export of the destroyed one ([`AliasCache::import`](super::AliasCache::import)).
+#[allow(unsafe_code)] // reads the monotonic clock, which std's opaque `Instant` does not expose
+fn next_export_gen() -> u64 {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC is always available on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = if rc == 0 {
+        (ts.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec as u64)
+    } else {
+        0
+    };
+    let mut last = LAST.load(Ordering::Relaxed);
+    loop {
+        let next = now.max(last.saturating_add(1));
+        match LAST.compare_exchange_weak(last, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return next,
+            Err(seen) => last = seen,
+        }
+    }
 }
 
 /// A LIFO pool of UMR mkeys opened to other vHCAs (the host side of cross-GVMI).
@@ -149,7 +174,6 @@ impl<O: HostKeyOps> UmrMkeyPool<O> {
             state: Mutex::new(State { free: Vec::new(), live: 0, stats: PoolStats::default() }),
             uuid_base,
             next_uuid: AtomicU64::new(1),
-            next_gen: AtomicU64::new(1),
         });
         let pool = UmrMkeyPool { inner };
         for _ in 0..pool.inner.config.precreate.min(pool.inner.config.max_keys) {
@@ -260,7 +284,7 @@ impl<O: HostKeyOps> UmrMkeyPool<O> {
             mkey: O::mkey(&pk.key),
             vhca_id: self.inner.ops.vhca_id(),
             uuid: pk.uuid,
-            export_gen: self.inner.next_gen.fetch_add(1, Ordering::Relaxed),
+            export_gen: next_export_gen(),
             addr: 0,
             len,
             pooled,

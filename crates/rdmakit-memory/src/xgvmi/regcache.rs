@@ -182,6 +182,8 @@ struct RangeState {
     map: std::collections::BTreeMap<u64, RangeEntry>,
     clock: u64,
     stats: RangeCacheStats,
+    /// Every [`RangeCache`] clone is gone: nothing idle is kept (see [`Open`]).
+    closed: bool,
 }
 
 struct RangeShared {
@@ -229,6 +231,44 @@ struct RangeShared {
 #[derive(Clone)]
 pub struct RangeCache {
     shared: Arc<RangeShared>,
+    /// Held by the cache and its clones only, not by registrations: the last one closes
+    /// the cache.
+    _open: Arc<Open>,
+}
+
+/// Closes a [`RangeCache`] when its last clone is dropped. [`register`](RangeCache::register)'s
+/// contract lets the application free its memory once it has dropped the cache and every
+/// registration of that memory, so the registrations nobody holds are deregistered then (a
+/// registration of other memory, still held, must not keep them), and each one still held
+/// is deregistered when its last holder lets go, instead of being cached.
+struct Open(Arc<RangeShared>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.closed = true;
+        let idle = evict_idle(&mut st, 0);
+        drop(st);
+        drop(idle); // deregistered outside the lock
+    }
+}
+
+/// Removes idle registrations, least recently used first, until at most `limit` idle
+/// bytes remain; returns them, to be dropped (deregistered) outside the lock.
+fn evict_idle(st: &mut RangeState, limit: u64) -> Vec<MemoryRegion> {
+    let mut evicted = Vec::new();
+    while st.stats.idle_bytes > limit {
+        let Some((&s, _)) = st.map.iter().filter(|(_, e)| e.users == 0).min_by_key(|(_, e)| e.last_used)
+        else {
+            break;
+        };
+        let e = st.map.remove(&s).expect("found above");
+        st.stats.idle_bytes -= e.end - s;
+        st.stats.evicted += 1;
+        evicted.push(e.region);
+    }
+    st.stats.entries = st.map.len() as u64;
+    evicted
 }
 
 /// A range registered through a [`RangeCache`]: the cached registration covering it, and
@@ -245,18 +285,18 @@ impl RangeCache {
     /// A cache of registrations on `pd` with `access`, keeping at most `max_idle_bytes` of
     /// registrations nobody holds.
     pub fn new(pd: &ProtectionDomain, access: AccessFlags, max_idle_bytes: u64) -> Self {
-        RangeCache {
-            shared: Arc::new(RangeShared {
-                pd: pd.clone(),
-                access,
-                max_idle_bytes,
-                state: Mutex::new(RangeState {
-                    map: std::collections::BTreeMap::new(),
-                    clock: 0,
-                    stats: RangeCacheStats::default(),
-                }),
+        let shared = Arc::new(RangeShared {
+            pd: pd.clone(),
+            access,
+            max_idle_bytes,
+            state: Mutex::new(RangeState {
+                map: std::collections::BTreeMap::new(),
+                clock: 0,
+                stats: RangeCacheStats::default(),
+                closed: false,
             }),
-        }
+        });
+        RangeCache { _open: Arc::new(Open(shared.clone())), shared }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, RangeState> {
@@ -425,18 +465,8 @@ impl Drop for RangeRegistration {
         };
         let Some(bytes) = idle else { return };
         st.stats.idle_bytes += bytes;
-        let mut evicted = Vec::new();
-        while st.stats.idle_bytes > self.cache.max_idle_bytes {
-            let Some((&s, _)) = st.map.iter().filter(|(_, e)| e.users == 0).min_by_key(|(_, e)| e.last_used)
-            else {
-                break;
-            };
-            let e = st.map.remove(&s).expect("found above");
-            st.stats.idle_bytes -= e.end - s;
-            st.stats.evicted += 1;
-            evicted.push(e.region);
-        }
-        st.stats.entries = st.map.len() as u64;
+        let limit = if st.closed { 0 } else { self.cache.max_idle_bytes };
+        let evicted = evict_idle(&mut st, limit);
         drop(st);
         drop(evicted); // deregistered outside the lock
     }

@@ -258,10 +258,10 @@ fn alias_cache_hits_misses_and_stale_incarnations() {
     assert_eq!(dpu.created.get(), 1);
     drop(e2);
 
-    // The host key is destroyed and its number reused by a new incarnation (new uuid):
-    // the cached alias is stale and is re-created.
+    // The host key is destroyed and its number reused by a new incarnation (new uuid, and
+    // a later export): the cached alias is stale and is re-created.
     let old = a2.key;
-    let reborn = PackedKey { uuid: old.uuid ^ 1, ..old };
+    let reborn = PackedKey { uuid: old.uuid ^ 1, export_gen: old.export_gen + 1, ..old };
     let a3 = cache.import(&reborn).unwrap();
     assert!(!a3.hit && !Arc::ptr_eq(&a3.alias, &a2.alias));
     let s = cache.stats();
@@ -535,4 +535,96 @@ fn a_forged_packed_key_cannot_use_or_disturb_the_cached_alias() {
     assert!(cache.import(&reborn).is_err());
     assert!(cache.import(&good).unwrap().hit, "a refused import evicted the cached alias");
     assert_eq!(dpu.created.get(), 1);
+}
+
+/// `register`'s contract lets the application free its memory once it has dropped the cache
+/// and every registration of that memory. A registration of *other* memory still held must
+/// not keep the idle ones alive: dropping the cache deregisters them at once, and one still
+/// held goes when its holder lets go, instead of being cached. (Found by review: every
+/// registration kept the cache's shared state, and with it every idle registration, so a
+/// peer holding an idle one's rkey could still write into memory the application had freed.)
+#[test]
+fn dropping_the_range_cache_deregisters_what_nobody_holds() {
+    use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr, WcStatus};
+    use std::ptr::NonNull;
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (mut a, mut b) = (vec![0u64; 512], vec![0u64; 512]);
+    let (pa, pb) = (
+        NonNull::new(a.as_mut_ptr().cast::<u8>()).unwrap(),
+        NonNull::new(b.as_mut_ptr().cast::<u8>()).unwrap(),
+    );
+    let cache = RangeCache::new(&pd, AccessFlags::ALL_REMOTE, 1 << 20);
+    let clone = cache.clone();
+    // SAFETY: `a` and `b` outlive every registration here and are read only once the
+    // contract says nothing registers them (a registration still held of `a`, `ra`, is
+    // dropped before `a` is read).
+    let ra = unsafe { cache.register(pa, 4096) }.unwrap();
+    // SAFETY: as above.
+    let rb = unsafe { cache.register(pb, 4096) }.unwrap();
+    let (a_remote, b_remote) = (ra.remote().unwrap(), rb.remote().unwrap());
+    drop(rb); // idle in the cache
+    drop(cache);
+    assert_eq!(clone.stats().entries, 2, "a clone keeps the cache open");
+    drop(clone); // the last handle: `b` may be freed now
+
+    let cq = ctx.create_cq(4).unwrap();
+    let (qa, qb) = (
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+    );
+    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_u64(0, 0xdead_beef).unwrap();
+    let write = |to: rdmakit_verbs::RemoteRegion| {
+        qa.post_send(SendWr::write(src.local().unwrap(), to.slice(0, 8).unwrap())).unwrap();
+        cq.wait(Some(std::time::Duration::from_secs(5))).unwrap().status
+    };
+    // The one still held works until it is dropped, and is not cached after.
+    assert_eq!(write(a_remote), WcStatus::SUCCESS);
+    assert_eq!(write(b_remote), WcStatus::REM_ACCESS_ERR, "an idle registration outlived the cache");
+    drop(ra);
+    // The QP went to the error state with the refused write: a fresh pair for the last look.
+    let (qc, qd) = (
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
+    );
+    qc.connect(&qd.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qd.connect(&qc.address().unwrap(), &ConnectOptions::default()).unwrap();
+    qc.post_send(SendWr::write(src.local().unwrap(), a_remote.slice(0, 8).unwrap())).unwrap();
+    let last = cq.wait(Some(std::time::Duration::from_secs(5))).unwrap().status;
+    assert_eq!(last, WcStatus::REM_ACCESS_ERR, "a registration released after the cache closed was kept");
+    assert_eq!((a[0], b[0]), (0xdead_beef, 0));
+}
+
+/// A packed key of a destroyed incarnation that arrives after the DPU imported the newer
+/// incarnation (the host destroyed the key, the device gave its number to a new one) is
+/// refused: its alias would reach the new incarnation's buffer, and taking it would evict
+/// the current entry. Export generations are ordered across incarnations (and across the
+/// pools of a host) for this. (Found by review: any other uuid replaced the cached entry.)
+#[test]
+fn a_late_export_of_a_destroyed_incarnation_is_refused() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let cache = AliasCache::new(Dpu { host: model.clone(), created: Rc::default() });
+    let e1 = pool.export(&region(1)).unwrap();
+    let old = e1.packed();
+    drop(e1);
+    drop(pool); // its key is destroyed
+    // A second pool of the same host function (its keys share the device's numbers); the
+    // model hands the new key the old number, as a device that recycles numbers does.
+    let other = UmrMkeyPool::new(model.clone(), PoolConfig::new(1, SECRET)).unwrap();
+    let e2 = other.export(&region(2)).unwrap();
+    let mut reborn = e2.packed();
+    assert!(reborn.export_gen > old.export_gen, "a later export of another pool is newer");
+    reborn.mkey = old.mkey;
+    model.dev().keys.insert(old.mkey, ModelKeyState { region: Some(2), access_key: SECRET });
+    let current = cache.import(&reborn).unwrap();
+    assert_eq!(current.alias.reach(), Ok(2));
+
+    let Err(err) = cache.import(&old) else { panic!("a late export of a destroyed incarnation was taken") };
+    assert!(err.to_string().contains("stale export"), "{err}");
+    cache.check_current(&current).expect("the current incarnation stays cached");
+    assert_eq!(cache.stats().refused_stale, 1);
 }
