@@ -131,7 +131,7 @@ pub enum NotifyMode {
 #[non_exhaustive]
 pub struct PipeConfig {
     /// Bytes of the receive ring this end offers its peer (0: this end only sends), and
-    /// the smallest segment it adds when the ring grows.
+    /// the smallest segment it adds when the ring grows: a multiple of 8.
     pub ring_len: u64,
     /// Most bytes the receive ring may grow to when the writer asks (see the module docs);
     /// at most `ring_len` (0, the default, included): the ring never grows.
@@ -394,6 +394,10 @@ impl Pipe {
         }
         if config.max_ring_len.max(config.ring_len) > MAX_RING {
             return Err(ChannelError::Invalid("a pipe's ring is at most 32 GiB"));
+        }
+        if !config.ring_len.is_multiple_of(8) {
+            // The writer places 8-byte-aligned blocks: it refuses a ring of another size.
+            return Err(ChannelError::Invalid("PipeConfig::ring_len must be a multiple of 8"));
         }
         let pd = qp.pd().clone();
         let qp_inline = qp.caps().max_inline_data;
@@ -997,7 +1001,9 @@ impl Inner {
             }
             return st.ctl.send(&Message::HeapFreed { heap: HEAP }).map_err(|e| e.to_string());
         }
-        let budget = self.config.max_ring_len.saturating_sub(st.ring_bytes);
+        // Segments are whole 8-byte words, as the writer's allocator requires: a budget
+        // that is not (a `max_ring_len` of any size) is rounded down.
+        let budget = self.config.max_ring_len.saturating_sub(st.ring_bytes) & !7;
         let want = len.checked_next_multiple_of(8).map(|l| l.max(self.config.ring_len).min(budget));
         let seg = match want {
             Some(n) if len > 0 && n >= len => usize::try_from(n).ok().and_then(|n| {

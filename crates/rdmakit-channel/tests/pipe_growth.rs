@@ -148,3 +148,46 @@ async fn a_ring_without_a_maximum_never_grows() {
     drop(g);
     a.rwrite(src.slice(0, 8 << 10).unwrap()).await.0.unwrap();
 }
+
+/// A `max_ring_len` that is not a multiple of 8 (4096 + 1004) is a cap, not a segment size:
+/// the growth it allows is rounded down to whole 8-byte words. (Found by review: the reader
+/// granted a segment of the raw remainder, 1004 bytes, which the writer's allocator refuses,
+/// and the writer's pipe broke with "invalid segment".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growth_to_a_maximum_that_is_not_a_multiple_of_8_keeps_the_pipe_usable() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let reader_cfg = PipeConfig::default().with_ring_len(4096).with_max_ring_len(4096 + 1004);
+    let writer_cfg = PipeConfig::default().with_ring_len(0);
+    let (a, b) = Pipe::pair(&pd, writer_cfg, reader_cfg).await.unwrap();
+    // The reader holds every message, so the fifth needs the ring to grow.
+    let reader = tokio::spawn(async move {
+        let mut held = Vec::new();
+        for _ in 0..5 {
+            held.push(b.recv_timeout(T).await?);
+        }
+        Ok::<_, ChannelError>((held.len(), b.ring_len()))
+    });
+    let src = pd.alloc_mr(1000, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..5 {
+        let (r, _) =
+            tokio::time::timeout(T, a.rwrite(src.slice(0, 1000).unwrap())).await.expect("rwrite hangs");
+        r.unwrap_or_else(|e| panic!("message {i}: {e}"));
+    }
+    let (n, ring) = reader.await.unwrap().unwrap();
+    assert_eq!((n, ring), (5, 4096 + 1000), "grown by the budget rounded down to 8");
+}
+
+/// A ring whose length is not a multiple of 8 is refused when the pipe is made, with a
+/// clear error, instead of being offered to a writer that refuses it.
+#[tokio::test]
+async fn a_ring_length_that_is_not_a_multiple_of_8_is_refused_up_front() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let caps = QpCaps::default().with_max_send_wr(64).with_max_recv_wr(136).with_max_inline_data(64);
+    let cq = ctx.create_cq(1024).unwrap();
+    let qp = pd.create_qp(&cq, &cq, caps).unwrap();
+    match Pipe::connect(qp, cq, PipeConfig::default().with_ring_len(1001)).await {
+        Err(ChannelError::Invalid(why)) => assert!(why.contains("multiple of 8"), "{why}"),
+        other => panic!("a ring of 1001 bytes: {:?}", other.map(|_| ())),
+    }
+}
