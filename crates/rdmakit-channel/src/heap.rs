@@ -38,7 +38,10 @@
 //!
 //! Every wait has a deadline, and a wait with nothing in flight sends keep-alives: a peer
 //! that dies gives [`ChannelError::Broken`] within the bound of [`crate::control`] (or
-//! [`ChannelError::Timeout`] at the latest), never a hang. A malformed message is reported
+//! [`ChannelError::Timeout`] at the latest), never a hang. A request whose answer does not
+//! come in time returns `Timeout`; its answer, when it comes, is taken for it and not for
+//! the next request: a heap created, a segment added, or, for an immediate `rmalloc`, its
+//! block confirmed and left allocated, unused. A malformed message is reported
 //! ([`ChannelError::Malformed`], [`ChannelError::Protocol`]) without losing the messages
 //! behind it.
 //!
@@ -90,7 +93,7 @@ use std::time::{Duration, Instant};
 
 use rdmakit_memory::heap::{
     AllocAck, AllocNotice, HeapAllocator, HeapConfig, HeapError, HeapId, HeapMessage, HeapOwner, HeapStats,
-    OwnerStats, RemoteBlock, SyncMode,
+    OwnerBlockState, OwnerStats, RemoteBlock, SyncMode,
 };
 use rdmakit_verbs::{
     AccessFlags, CompletionQueue, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion, SendWr,
@@ -158,8 +161,10 @@ impl OwnerLimits {
 }
 
 /// A block that landed in a heap this side owns, taken by the consumer. Only the endpoint
-/// makes them, so its address always lies in one of its segments.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// makes them, so its address always lies in one of its segments. Neither `Copy` nor
+/// `Clone`: [`HeapEndpoint::rfree`] takes it, so a block cannot be freed twice through a
+/// copy (which, once its address was allocated again, would free a newer, unread block).
+#[derive(Debug, PartialEq, Eq)]
 pub struct LandedBlock {
     heap: HeapId,
     block: RemoteBlock,
@@ -287,6 +292,19 @@ enum Answer {
     Ack(AllocAck),
 }
 
+/// A request whose wait for its answer timed out: the answer still comes (the owner answers
+/// every request, in order), and must be taken for that request, not for the next one.
+#[derive(Clone, Copy, Debug)]
+enum Owed {
+    /// `create_heap` of this heap: a late grant creates it.
+    Create(HeapConfig),
+    /// A growth request: a late grant adds the segment.
+    Grow,
+    /// An immediate `rmalloc`: a late acknowledgement confirms its block, which nobody
+    /// holds (it stays allocated, unused) but whose acknowledgement's frees count.
+    Alloc,
+}
+
 /// One side of an endpoint pair's remote heaps, over a connected RC queue pair.
 pub struct HeapEndpoint {
     ctl: ControlSlots,
@@ -299,6 +317,8 @@ pub struct HeapEndpoint {
     /// Bytes of segments in all owned heaps.
     owned_bytes: u64,
     answers: VecDeque<Answer>,
+    /// Per heap, the requests whose answers are late, oldest first.
+    owed: HashMap<HeapId, VecDeque<Owed>>,
     /// The connection the QP came from, kept open while the endpoint lives.
     _conn: Option<rdmakit_verbs::cm::Connection>,
 }
@@ -325,6 +345,7 @@ impl HeapEndpoint {
             owned: HashMap::new(),
             owned_bytes: 0,
             answers: VecDeque::new(),
+            owed: HashMap::new(),
             _conn: None,
         })
     }
@@ -356,7 +377,7 @@ impl HeapEndpoint {
             return Err(ChannelError::Protocol(format!("heap {heap:?} exists already")));
         }
         self.ctl.send(&Message::HeapCreate { config, len: initial_len })?;
-        match self.wait_answer(heap)? {
+        match self.wait_answer(heap, Owed::Create(config))? {
             Answer::Grant(_, seg) => {
                 let mut a = HeapAllocator::new(config);
                 a.add_segment(seg)?;
@@ -383,7 +404,7 @@ impl HeapEndpoint {
         };
         if self.allocator(heap)?.config().sync() == SyncMode::Immediate {
             self.ctl.send(&Message::HeapSync(AllocNotice::new(heap, block).into()))?;
-            let ack = match self.wait_answer(heap)? {
+            let ack = match self.wait_answer(heap, Owed::Alloc)? {
                 Answer::Ack(a) => a,
                 _ => return Err(ChannelError::Protocol("expected an acknowledgement".into())),
             };
@@ -400,7 +421,7 @@ impl HeapEndpoint {
         // `Freed` forever from holding us: each round is one request and one answer.
         for _ in 0..GROW_ROUNDS {
             self.ctl.send(&Message::HeapGrow { heap, len: requested })?;
-            match self.wait_answer(heap)? {
+            match self.wait_answer(heap, Owed::Grow)? {
                 Answer::Grant(_, seg) => {
                     self.allocator(heap)?.add_segment(seg)?;
                     return Ok(self.allocator(heap)?.alloc(size)?);
@@ -621,13 +642,56 @@ impl HeapEndpoint {
         r.and_then(|()| self.ctl.check())
     }
 
-    fn wait_answer(&mut self, heap: HeapId) -> Result<Answer> {
+    /// Waits for the answer to the request just sent for `heap` (`owed` says what it was).
+    /// Timed out, the request is remembered as owed: its answer, when it comes, is taken for
+    /// it ([`take_late`](Self::take_late)), not for this heap's next request.
+    fn wait_answer(&mut self, heap: HeapId, owed: Owed) -> Result<Answer> {
         let deadline = Instant::now() + self.timeout;
         loop {
             if let Some(i) = self.answers.iter().position(|a| answer_heap(a) == heap) {
                 return Ok(self.answers.remove(i).expect("index from position"));
             }
-            self.progress_until(deadline)?;
+            if let Err(e) = self.progress_until(deadline) {
+                if matches!(e, ChannelError::Timeout(_)) {
+                    let q = self.owed.entry(heap).or_default();
+                    if q.len() >= MAX_ANSWERS {
+                        // An owner that never answers: no more bookkeeping for it.
+                        self.ctl
+                            .fail(format!("more than {MAX_ANSWERS} requests of heap {heap:?} unanswered"));
+                    } else {
+                        q.push_back(owed);
+                    }
+                }
+                return Err(e);
+            }
+        }
+    }
+
+    /// A late answer to a request that timed out (the oldest owed for its heap), applied
+    /// as that request would have: a heap created, a segment added, a block confirmed.
+    fn take_late(&mut self, owed: Owed, a: Answer) -> Result<()> {
+        match (owed, a) {
+            (Owed::Create(config), Answer::Grant(heap, seg)) => {
+                if let std::collections::hash_map::Entry::Vacant(v) = self.allocating.entry(heap) {
+                    let mut alloc = HeapAllocator::new(config);
+                    alloc.add_segment(seg)?;
+                    v.insert(alloc);
+                }
+                Ok(())
+            }
+            (Owed::Grow, Answer::Grant(heap, seg)) => {
+                self.allocator(heap)?.add_segment(seg)?;
+                Ok(())
+            }
+            (Owed::Create(_) | Owed::Grow, Answer::Refuse(..)) | (Owed::Grow, Answer::Freed(_)) => Ok(()),
+            (Owed::Alloc, Answer::Ack(ack)) => {
+                self.allocator(ack.heap)?.confirm(&ack)?;
+                Ok(())
+            }
+            (owed, a) => Err(ChannelError::Protocol(format!(
+                "a late {} to a timed-out {owed:?} request",
+                answer_kind(&a)
+            ))),
         }
     }
 
@@ -651,6 +715,10 @@ impl HeapEndpoint {
     }
 
     fn answer(&mut self, a: Answer) -> Result<()> {
+        let heap = answer_heap(&a);
+        if let Some(owed) = self.owed.get_mut(&heap).and_then(VecDeque::pop_front) {
+            return self.take_late(owed, a);
+        }
         if self.answers.len() >= MAX_ANSWERS {
             return Err(ChannelError::Protocol(format!("more than {MAX_ANSWERS} answers nobody asked for")));
         }
@@ -667,16 +735,26 @@ impl HeapEndpoint {
             Message::HeapFreed { heap } => self.answer(Answer::Freed(heap)),
             Message::HeapReady { heap, addr } => {
                 let owned = self.owned.get_mut(&heap).ok_or(ChannelError::UnknownHeap(heap))?;
+                if owned.sync != SyncMode::Immediate {
+                    // A deferred heap's notice is the announcement.
+                    return Err(ChannelError::Protocol(format!(
+                        "a ready announcement in deferred heap {heap:?}"
+                    )));
+                }
+                // Only a block handed out and not announced yet: one the consumer took
+                // (in use) or freed must not be delivered again, nor one already queued.
                 let block = owned
                     .owner
                     .blocks()
                     .find(|(b, _)| b.addr == addr)
-                    .map(|(b, _)| b)
                     .ok_or(HeapError::UnknownBlock { addr })?;
-                if owned.ready.iter().any(|b| b.addr == addr) {
-                    return Err(ChannelError::Protocol(format!("block {addr:#x} announced twice")));
+                if block.1 != OwnerBlockState::HandedOut || owned.ready.iter().any(|b| b.addr == addr) {
+                    return Err(ChannelError::Protocol(format!(
+                        "block {addr:#x} announced again ({:?} on this side)",
+                        block.1
+                    )));
                 }
-                owned.ready.push_back(block);
+                owned.ready.push_back(block.0);
                 Ok(())
             }
             Message::HeapSync(HeapMessage::FreeBatch(b)) => {
@@ -787,6 +865,16 @@ impl HeapEndpoint {
 
     fn refuse(&mut self, heap: HeapId, len: u64) -> Result<()> {
         self.ctl.send(&Message::HeapRefuse { heap, len })
+    }
+}
+
+/// What an answer is, for messages.
+fn answer_kind(a: &Answer) -> &'static str {
+    match a {
+        Answer::Grant(..) => "grant",
+        Answer::Refuse(..) => "refusal",
+        Answer::Freed(_) => "frees",
+        Answer::Ack(_) => "acknowledgement",
     }
 }
 
