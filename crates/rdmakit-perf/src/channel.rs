@@ -57,7 +57,7 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
         let src = side.buf.slice(0, p.size)?;
         match p.test {
             Test::PipeLat => {
-                let mut lat = Vec::with_capacity(p.iters as usize);
+                let mut lat = crate::measure::samples_vec(p.iters as usize)?;
                 for i in 0..p.iters {
                     let t = Instant::now();
                     pipe.rwrite(src.clone()).await.0.map_err(chan)?;

@@ -401,6 +401,12 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
     if iters < 5 {
         return Err(bad("--iters must be at least 5 (as perftest)"));
     }
+    if test.is_latency() && iters > rig::MAX_LAT_ITERS {
+        return Err(bad(format!(
+            "-n {iters}: a latency test keeps a time stamp per iteration; at most {}",
+            rig::MAX_LAT_ITERS
+        )));
+    }
     let duration = o.duration.unwrap_or(0);
     if o.duration.is_some() {
         if duration <= 2 * o.margin {
@@ -473,6 +479,9 @@ fn join<T>(h: std::thread::ScopedJoinHandle<'_, Result<T>>) -> Result<T> {
     h.join().map_err(|_| bad("a measuring thread panicked"))?
 }
 
+/// Longest wait for a client's next QP once its first is connected.
+const NEXT_QP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The server of one test: accepts the client's QPs (as many as it asks for) and serves
 /// every size of its run.
 fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) -> Result<()> {
@@ -481,7 +490,20 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
     }
     let listener = cm::Listener::bind(ctx, addr)?;
     eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
-    let (p, first) = rig::server(ctx, &listener, copts, o.placement)?;
+    // The first client whose test begins: one whose connection fails before (a stray
+    // connection, a malformed request) is said and dropped.
+    let (p, first) = loop {
+        match rig::server(ctx, &listener, copts, o.placement, None) {
+            Ok(x) => break x,
+            Err(e) if rig::a_client_failed(&e) => {
+                eprintln!(
+                    "rdmakit-perf: a connection failed before its test began: {e}; waiting for the next"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    };
     eprintln!(
         "rdmakit-perf: client asked for {} of {} bytes x {}{} on {} QP(s){}",
         p.test.name(),
@@ -493,7 +515,10 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
     );
     let mut sides = vec![first];
     while sides.len() < p.qps as usize {
-        let (q, side) = rig::server(ctx, &listener, copts, o.placement)?;
+        // A client connects its QPs one after another: one that stops short leaves.
+        let (q, side) = rig::server(ctx, &listener, copts, o.placement, Some(NEXT_QP_WAIT)).map_err(|e| {
+            bad(format!("the client asked for {} QPs and connected {}: {e}", p.qps, sides.len()))
+        })?;
         if q.test != p.test || q.qps != p.qps {
             return Err(Error::Malformed {
                 what: "test parameters",

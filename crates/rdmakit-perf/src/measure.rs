@@ -292,6 +292,18 @@ pub fn run_with(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait) -> Res
 /// and a sample is the time from one post to the next (half of it for a ping-pong), so it
 /// covers the whole iteration, the loop's own work included. The last sample ends when the
 /// loop does (perftest drops it: its `iters - 1` samples).
+/// An empty vector with room for `n` samples, or an error saying `-n` is too large.
+pub(crate) fn samples_vec<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "-n: cannot keep {n} samples of {} bytes in memory ({e})",
+            size_of::<T>()
+        ))
+    })?;
+    Ok(v)
+}
+
 pub(crate) struct Stamps {
     at: Vec<Instant>,
     /// False in a timed run, which counts iterations and keeps no samples.
@@ -299,11 +311,13 @@ pub(crate) struct Stamps {
 }
 
 impl Stamps {
-    pub(crate) fn new(keep: bool, iters: u32) -> Stamps {
-        Stamps { at: Vec::with_capacity(if keep { iters as usize + 1 } else { 0 }), keep }
+    /// Room for a stamp per iteration when `keep`: a clear error, not an abort, when
+    /// `-n` asks for more than memory holds.
+    pub(crate) fn new(keep: bool, iters: u32) -> Result<Stamps> {
+        Ok(Stamps { at: samples_vec(if keep { iters as usize + 1 } else { 0 })?, keep })
     }
 
-    fn for_span(span: &Span, iters: u32) -> Stamps {
+    fn for_span(span: &Span, iters: u32) -> Result<Stamps> {
         Stamps::new(!span.is_timed(), iters)
     }
 
@@ -354,7 +368,7 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let size = p.size;
     let mut ping = Ping::new(side, p, upper_half(side), side.peer_buf.slice(0, size)?)?;
     let mut span = Span::new(p);
-    let mut stamps = Stamps::for_span(&span, p.iters);
+    let mut stamps = Stamps::for_span(&span, p.iters)?;
     let mut i = 0u64;
     while span.go_on(i) {
         let v = stamp(i);
@@ -382,7 +396,7 @@ fn write_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
 fn read_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let size = p.size;
     let mut span = Span::new(p);
-    let mut stamps = Stamps::for_span(&span, p.iters);
+    let mut stamps = Stamps::for_span(&span, p.iters)?;
     let mut i = 0u64;
     let wr = side.qp.prepare_send(match p.test {
         Test::ReadLat => SendWr::read(side.buf.slice(0, size)?, side.peer_buf.slice(0, size)?),
@@ -504,7 +518,7 @@ fn send_lat(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     let inline = inline_payload(side, p);
     let send = side.qp.prepare_send(send_wr(&inline, &src))?;
     let mut span = Span::new(p);
-    let mut stamps = Stamps::for_span(&span, p.iters);
+    let mut stamps = Stamps::for_span(&span, p.iters)?;
     let mut i = 0u64;
     let mut banked = Banked::default();
     top_up_recvs(side, 2)?;

@@ -148,7 +148,7 @@ fn tick(bar: &ProgressBar, i: u32) {
 pub fn run(side: &Side, peer: Option<&Side>, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     // As every latency test here (and perftest): one clock read per iteration, a sample
     // from one iteration's start to the next's, so the receiver's ready calls count too.
-    let mut stamps = Stamps::new(true, p.iters);
+    let mut stamps = Stamps::new(true, p.iters)?;
     match peer {
         Some(b) => {
             let (a, b) = loopback(side, b, p)?;

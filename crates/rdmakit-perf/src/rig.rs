@@ -243,6 +243,16 @@ impl Params {
         if p.window == 0 || p.window > MAX_DEPTH || p.rx_depth == 0 || p.rx_depth > MAX_DEPTH {
             return Err(format!("queue depths {}/{} out of 1..={MAX_DEPTH}", p.window, p.rx_depth));
         }
+        if p.test.is_latency() && p.iters > MAX_LAT_ITERS {
+            return Err(format!("{} iterations of a latency test, over {MAX_LAT_ITERS}", p.iters));
+        }
+        // As the CLI's own check: the sample window lies between the two margins.
+        if p.duration > 0 && p.duration <= 2 * p.margin {
+            return Err(format!(
+                "duration {} s is not more than twice the margin ({} s)",
+                p.duration, p.margin
+            ));
+        }
         Ok(p)
     }
 }
@@ -258,6 +268,10 @@ const SERVER_DEPTH: u32 = 2048;
 
 /// Most QPs `-q` may ask for.
 pub const MAX_QPS: u32 = 64;
+
+/// Most iterations of a latency test: it keeps a time stamp per iteration (16 bytes each,
+/// 1.6 GB at this bound), which a larger `-n` would ask memory for before the test starts.
+pub const MAX_LAT_ITERS: u32 = 100_000_000;
 /// Deepest send or receive queue `-t`/`-r` may ask for.
 pub const MAX_DEPTH: u32 = 8192;
 
@@ -418,11 +432,29 @@ pub fn client(ctx: &Context, addr: SocketAddr, p: &Params, opts: &ConnectOptions
 
 /// Server side: accepts one client and returns its parameters and the connected side.
 /// The server's `placement` decides where the atomic target lives.
+/// Whether an error accepting a connection is the client's (a handshake that failed, a
+/// malformed or refused request, a client that went silent), after which a server takes the
+/// next connection, rather than this side's (its device, its memory).
+pub fn a_client_failed(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Os { .. }
+            | Error::Malformed { .. }
+            | Error::Timeout(_)
+            | Error::ConnectionRejected { .. }
+            | Error::InvalidArgument(_)
+            | Error::PermissionDenied(_)
+    )
+}
+
+/// Accepts one QP of a client's test on `listener` (waiting at most `wait` for it, or for
+/// ever), reads the client's request and answers with this side's regions.
 pub fn server(
     ctx: &Context,
     listener: &cm::Listener,
     opts: &ConnectOptions,
     placement: Placement,
+    wait: Option<std::time::Duration>,
 ) -> Result<(Params, Side)> {
     // The client's parameters come with its request, but the server's buffer must exist
     // before it answers: size it for the largest test the CLI allows.
@@ -440,7 +472,7 @@ pub fn server(
     // connect fails), and a test that sends to the server finds its receives posted.
     let mut asked = None;
     let conn =
-        listener.accept_with(&pd, &cm_options(&max, opts), &regions(&buf, &atomic), None, |qp, d| {
+        listener.accept_with(&pd, &cm_options(&max, opts), &regions(&buf, &atomic), wait, |qp, d| {
             let (p, peer_buf) = parse_request(d)?;
             let preposted = crate::measure::prepost_recvs(qp, &buf, &p)?;
             asked = Some((p, peer_buf, preposted));
@@ -476,7 +508,15 @@ fn parse_request(d: &[u8]) -> Result<(Params, RemoteRegion)> {
         what: "test parameters",
         reason: format!("{} bytes, no buffer descriptor", d.len()),
     })?;
-    Ok((p, RemoteRegion::decode(buf)?))
+    let buf = RemoteRegion::decode(buf)?;
+    // A bidirectional run's report lands in the last bytes of the client's buffer.
+    if p.bidir && buf.len < REPORT_LEN as u64 {
+        return Err(Error::Malformed {
+            what: "test parameters",
+            reason: format!("a buffer of {} bytes, under the report's {REPORT_LEN}", buf.len),
+        });
+    }
+    Ok((p, buf))
 }
 
 /// Largest message size the CLI accepts.
@@ -492,7 +532,7 @@ mod tests {
         let listener = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
         let server = std::thread::spawn(move || {
-            server(&ctx, &listener, &ConnectOptions::default(), Placement::Host).map(drop)
+            server(&ctx, &listener, &ConnectOptions::default(), Placement::Host, None).map(drop)
         });
         let pd = Context::open_soft().alloc_pd().unwrap();
         let opts = CmOptions::default().with_timeout(Duration::from_secs(10));

@@ -165,7 +165,7 @@ impl MsgEnd {
 
 /// Median half round trip (us) of `iters` put ping-pongs.
 fn put_pingpong(a: &PutEnd, b: &PutEnd, iters: u32) -> Result<f64> {
-    let mut lat = Vec::with_capacity(iters as usize);
+    let mut lat = crate::measure::samples_vec(iters as usize)?;
     for _ in 0..iters {
         b.recv.ready_poll_q().map_err(chan)?;
         a.recv.ready_poll_q().map_err(chan)?;
@@ -185,7 +185,7 @@ fn put_pingpong(a: &PutEnd, b: &PutEnd, iters: u32) -> Result<f64> {
 /// again outside the timed part, as the put ping-pong re-arms its handles outside it: each
 /// side's receive is back before the next message can come.
 fn msg_pingpong(a: &mut MsgEnd, b: &mut MsgEnd, iters: u32) -> Result<f64> {
-    let mut lat = Vec::with_capacity(iters as usize);
+    let mut lat = crate::measure::samples_vec(iters as usize)?;
     for _ in 0..iters {
         let t = Instant::now();
         a.send()?;
@@ -368,7 +368,7 @@ fn jacobi<H: Halo>(
     let mut slabs: Vec<Slab> = (0..ranks).map(|r| Slab::new(r, rows, cols)).collect();
     let mut buf = vec![0u8; cols * 8];
     let (mut totals, mut exchanges) =
-        (Vec::with_capacity(iters as usize), Vec::with_capacity(iters as usize));
+        (crate::measure::samples_vec(iters as usize)?, crate::measure::samples_vec(iters as usize)?);
     for _ in 0..iters {
         let t = Instant::now();
         // Every slab posts its faces: its bottom row down the link below, its top row up.

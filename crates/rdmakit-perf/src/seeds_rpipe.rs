@@ -111,7 +111,7 @@ fn config(max: u32, notify: NotifyMode, policy: AllocPolicy) -> PipeConfig {
 /// Typical (median) half round trip (us) of `iters` rwrite ping-pongs of `size` bytes.
 async fn rwrite_pingpong(pp: &PipePair, size: u32, iters: u32) -> Result<f64> {
     let (sa, sb) = (pp.src_a.slice(0, size)?, pp.src_b.slice(0, size)?);
-    let mut lat = Vec::with_capacity(iters as usize);
+    let mut lat = crate::measure::samples_vec(iters as usize)?;
     for _ in 0..iters {
         let t = Instant::now();
         pp.a.rwrite(sa.clone()).await.0.map_err(chan)?;
@@ -156,7 +156,7 @@ impl RawPair {
     /// Typical (median) half round trip (us) of `iters` ping-pongs of `size` bytes.
     fn pingpong(&self, size: u32, iters: u32) -> Result<f64> {
         let (a, b) = (&self.a, &self.b);
-        let mut lat = Vec::with_capacity(iters as usize);
+        let mut lat = crate::measure::samples_vec(iters as usize)?;
         for i in 0..iters {
             let t = Instant::now();
             a.qp.post_send(
@@ -177,7 +177,7 @@ impl RawPair {
 /// it (the publication's control message, the RDMA read, the read-done answer).
 async fn rread_loop(pp: &PipePair, size: u32, iters: u32) -> Result<f64> {
     let (src, dst) = (pp.src_a.slice(0, size)?, pp.src_b.slice(0, size)?);
-    let mut lat = Vec::with_capacity(iters as usize);
+    let mut lat = crate::measure::samples_vec(iters as usize)?;
     for _ in 0..iters {
         let t = Instant::now();
         let ((published, _), (read, _)) = join2(pp.a.publish(src.clone()), pp.b.rread(dst.clone())).await;

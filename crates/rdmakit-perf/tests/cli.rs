@@ -127,6 +127,18 @@ fn bad_arguments_are_errors_not_panics() {
     // Without --size, put-lat moves 8 bytes (perftest's latency default, 2, is too small).
     let out = Command::new(BIN).args(["put-lat", "-n", "20", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Values that used to panic or abort (found by review): each a clear error now.
+    for (args, says) in [
+        (&["transfer", "--bytes", "1M", "--timeout", "18446744073709551615"][..], "--timeout"),
+        (&["datagen", "--once", "--listen", "127.0.0.1:0", "--rate", "1e-30"], "--rate"),
+        (&["write-lat", "-n", "4000000000"], "-n"),
+        (&["pipe-lat", "-n", "4000000000"], "-n"),
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(says) && !err.contains("panicked"), "{args:?}: {err}");
+    }
     let out = Command::new(BIN).args(["read-lat", "--provider", "nope"]).output().unwrap();
     assert!(!out.status.success());
     let out = Command::new(BIN).args(["read-lat", "--connect", "127.0.0.1:1", "-n", "1"]).output().unwrap();

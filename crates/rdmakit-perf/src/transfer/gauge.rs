@@ -205,13 +205,19 @@ fn respond_with(
     s.flush()
 }
 
+/// Longest a client may take to send its whole request head: a client trickling it a
+/// byte at a time must not hold one of the [`MAX_CLIENTS`] places for hours.
+const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+
 /// Reads the request head (up to the blank line); `None` if it is too long, not UTF-8,
-/// or the client went quiet or away.
+/// or the client went quiet or away, or took longer than [`HEAD_DEADLINE`] for it.
 fn read_head(s: &mut TcpStream) -> Option<String> {
+    let deadline = Instant::now() + HEAD_DEADLINE;
     let mut buf = Vec::with_capacity(512);
     let mut b = [0u8; 512];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") && !buf.windows(2).any(|w| w == b"\n\n") {
-        if buf.len() > MAX_HEAD {
+        let left = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?;
+        if buf.len() > MAX_HEAD || s.set_read_timeout(Some(left)).is_err() {
             return None;
         }
         match s.read(&mut b) {

@@ -126,7 +126,8 @@ pub struct TransferArgs {
     /// Keep serving the gauge this many seconds after the transfer ends.
     #[arg(long, default_value_t = 0.0)]
     gauge_linger: f64,
-    /// Seconds any one wait may take before the transfer is declared stuck.
+    /// Seconds any one wait may take before the transfer is declared stuck (a ring that
+    /// stays full for that long included; at most a day).
     #[arg(long, default_value_t = 30)]
     timeout: u64,
     /// Print one JSON object instead of text.
@@ -174,6 +175,10 @@ struct Report {
 const DEFAULT_BYTES: u64 = 40 << 30;
 const DEFAULT_CHUNK: u64 = 2 << 20;
 const MAX_CHUNK: u64 = 1 << 30;
+/// Most ring slots (`--slots`), and what a sender takes from a receiver.
+const MAX_SLOTS: u32 = 4096;
+/// Longest `--timeout`, in seconds (a day).
+const MAX_TIMEOUT: u64 = 24 * 3600;
 
 fn check_chunk(c: u64) -> Result<u32, Error> {
     if c == 0 || c > MAX_CHUNK {
@@ -224,8 +229,14 @@ fn cm_options(a: &TransferArgs, (caps, cqe): (rdmakit_verbs::QpCaps, u32)) -> Cm
 }
 
 fn run(a: &TransferArgs) -> Result<(), Error> {
-    if a.slots == 0 || a.slots > 4096 {
-        return Err(Error::InvalidArgument(format!("--slots {}: must be 1..=4096", a.slots)));
+    if a.slots == 0 || a.slots > MAX_SLOTS {
+        return Err(Error::InvalidArgument(format!("--slots {}: must be 1..={MAX_SLOTS}", a.slots)));
+    }
+    if a.timeout > MAX_TIMEOUT {
+        return Err(Error::InvalidArgument(format!(
+            "--timeout {}: at most {MAX_TIMEOUT} s (a day)",
+            a.timeout
+        )));
     }
     let window = a.window.clamp(1, a.slots);
     let stuck = Duration::from_secs(a.timeout.max(1));
@@ -387,10 +398,22 @@ fn serve(
         ctx.provider(),
         ctx.name()
     );
-    let conn = listener.accept(&pd, &cm_options(a, ring::receiver_caps(a.slots)), &mem.info().encode())?;
-    if conn.peer_private_data().get(..ring::HELLO.len()) != Some(&ring::HELLO[..]) {
-        return Err(Error::Protocol("the client is not an rdmakit-perf transfer sender".into()));
-    }
+    // The first connection that is a transfer sender: a stray one (a port scan, a client
+    // that fails its handshake, another program) is said and dropped, and the server goes
+    // on waiting.
+    let conn = loop {
+        match listener.accept(&pd, &cm_options(a, ring::receiver_caps(a.slots)), &mem.info().encode()) {
+            Ok(c) if c.peer_private_data().get(..ring::HELLO.len()) == Some(&ring::HELLO[..]) => break c,
+            Ok(_) => eprintln!("rdmakit-perf: transfer: a client that is not a transfer sender; dropped"),
+            Err(e) if crate::rig::a_client_failed(&e) => {
+                eprintln!(
+                    "rdmakit-perf: transfer: a connection failed before the transfer: {e}; waiting for the next"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     mem.post_receives(conn.qp())?;
     let start = Instant::now();
     let (received, sent) = ring::receive(conn.qp(), conn.cq(), &mem, progress, stuck)?;

@@ -62,8 +62,12 @@ impl RingInfo {
             ring: RemoteRegion::decode(&b[13..13 + n])?,
             flags: RemoteRegion::decode(&b[13 + n..13 + 2 * n])?,
         };
+        // The receiver's word decides what the sender allocates (a source buffer of `slot`
+        // bytes per window entry, a copy of the flags per read): within the CLI's limits.
         if info.slot == 0
+            || u64::from(info.slot) > super::MAX_CHUNK
             || info.slots == 0
+            || info.slots > super::MAX_SLOTS
             || info.ring.len < u64::from(info.slot) * u64::from(info.slots)
             || info.flags.len < u64::from(info.slots)
         {
@@ -356,6 +360,7 @@ impl Sender<'_> {
             // A free ring slot: chunk k - slots was consumed. Read the flags early (half
             // the ring in use), block only when the ring is full.
             let mut idle = 0u32;
+            let mut since = Instant::now();
             while k >= st.consumed + slots {
                 self.read_flags(&mut st, mem)?;
                 let before = st.consumed;
@@ -363,9 +368,16 @@ impl Sender<'_> {
                     self.wait(&mut st, mem, progress)?;
                 }
                 if st.consumed == before {
-                    // Nothing consumed yet: back off a little before reading again.
+                    // Nothing consumed yet: back off a little before reading again. Each
+                    // read completes, so it is the ring staying full that says the receiver
+                    // is stuck (hung, or never consuming).
+                    if since.elapsed() > self.stuck {
+                        return Err(Error::Rdma(rdmakit_verbs::Error::Timeout(self.stuck)));
+                    }
                     idle = (idle + 1).min(10);
                     std::thread::sleep(Duration::from_micros(1 << idle));
+                } else {
+                    since = Instant::now();
                 }
             }
             if k >= st.consumed + slots / 2 {
@@ -448,6 +460,48 @@ mod tests {
         assert_eq!(decode_msg(b'D', &encode_msg(b'D', &t)).unwrap(), t);
         assert!(decode_msg(b'V', &encode_msg(b'D', &t)).is_err());
         assert!(decode_msg(b'D', &[b'D'; 5]).is_err());
+    }
+
+    /// A receiver that takes chunks but never consumes them (a hung or hostile one whose
+    /// NIC still answers the flag reads): the sender must give up after `stuck`, as the
+    /// `--timeout` help promises, not poll the flags forever.
+    #[test]
+    fn a_receiver_that_never_consumes_makes_the_sender_give_up() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ctx = Context::open_soft();
+            let pd = ctx.alloc_pd().unwrap();
+            let (slots, window, chunk) = (2u32, 2u32, 4096u32);
+            let (rcaps, rcqe) = receiver_caps(slots);
+            let (scaps, scqe) = sender_caps(window);
+            let rcq = ctx.create_cq(rcqe).unwrap();
+            let rqp = pd.create_qp(&rcq, &rcq, rcaps).unwrap();
+            let scq = ctx.create_cq(scqe).unwrap();
+            let sqp = pd.create_qp(&scq, &scq, scaps).unwrap();
+            let rmem = ReceiverMem::new(&pd, chunk, slots).unwrap();
+            let smem = SenderMem::new(&pd, chunk, window, slots).unwrap();
+            let opts = ConnectOptions::default();
+            rqp.connect(&sqp.address_with(&opts).unwrap(), &opts).unwrap();
+            sqp.connect(&rqp.address_with(&opts).unwrap(), &opts).unwrap();
+            rmem.post_receives(&rqp).unwrap();
+            smem.post_receive(&sqp).unwrap();
+            let sender = Sender {
+                qp: &sqp,
+                cq: &scq,
+                ring: rmem.info(),
+                chunk,
+                window,
+                stuck: Duration::from_secs(1),
+                corrupt: None,
+            };
+            let progress = super::super::Progress::new(None);
+            let r = sender.run(&smem, Input::Pattern(Pattern::new(), 1 << 20), &progress);
+            let _ = tx.send(r.is_err());
+        });
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(failed) => assert!(failed, "the sender succeeded with nothing consumed"),
+            Err(_) => panic!("the sender still waits for a free slot 20 s later (its stuck limit is 1 s)"),
+        }
     }
 
     #[test]

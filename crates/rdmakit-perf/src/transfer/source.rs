@@ -152,8 +152,9 @@ pub fn datagen(
         .map_err(|source| Error::Input { what: format!("listen on {listen}"), source })?;
     let addr = listener.local_addr().map_err(|source| Error::Input { what: "getsockname".into(), source })?;
     let rate = match rate_mb {
-        Some(r) if !(r > 0.0 && r.is_finite()) => {
-            return Err(Error::InvalidArgument(format!("--rate {r}: must be a positive number of MB/s")));
+        // At least a byte a second: the pacing's sleep must be a duration.
+        Some(r) if !(r * (1u64 << 20) as f64 >= 1.0 && r.is_finite()) => {
+            return Err(Error::InvalidArgument(format!("--rate {r}: MB/s, at least one byte a second")));
         }
         Some(r) => Some(r * (1u64 << 20) as f64),
         None => None,

@@ -1,0 +1,243 @@
+//! Hostile peers against `rdmakit-perf`'s servers and clients: each test plays a peer that
+//! sends what the real one never would, with `rdmakit_verbs::cm` directly.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdmakit_verbs::cm::{self, CmOptions};
+use rdmakit_verbs::{AccessFlags, Context, RemoteRegion};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rdmakit-perf");
+
+/// Starts `args` (a `--server 127.0.0.1:0` run) and returns it with its address; the rest of
+/// its stderr is collected by a thread whose handle is returned.
+fn server(args: &[&str]) -> (Child, SocketAddr, std::thread::JoinHandle<String>) {
+    let mut child =
+        Command::new(BIN).args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("server");
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line.split_whitespace().find_map(|w| w.parse::<SocketAddr>().ok()).expect(&line);
+    let rest = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    (child, addr, rest)
+}
+
+/// Waits up to `limit` for `child` to exit; kills it and returns `None` if it does not.
+fn exits_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// A perftest request as `rig::Params::encode` lays it out (25 bytes), then the client's buffer.
+#[allow(clippy::too_many_arguments)]
+fn request(
+    test: u8,
+    size: u32,
+    iters: u32,
+    window: u32,
+    qps: u8,
+    flags: u8,
+    duration: u16,
+    margin: u8,
+    buf: &RemoteRegion,
+) -> Vec<u8> {
+    let mut b = vec![test, 0];
+    b.extend_from_slice(&size.to_le_bytes());
+    b.extend_from_slice(&iters.to_le_bytes());
+    b.extend_from_slice(&window.to_le_bytes());
+    b.extend_from_slice(&512u16.to_le_bytes()); // rx depth
+    b.extend_from_slice(&0u16.to_le_bytes()); // inline
+    b.push(qps);
+    b.push(flags);
+    b.extend_from_slice(&duration.to_le_bytes());
+    b.push(margin);
+    b.extend_from_slice(&0u16.to_le_bytes()); // cq mod
+    assert_eq!(b.len(), 25);
+    b.extend_from_slice(&buf.encode());
+    b
+}
+
+const WRITE_BW: u8 = 1;
+const BIDIR: u8 = 1;
+
+fn cm_opts() -> CmOptions {
+    CmOptions::default().with_cqe(4096).with_timeout(Duration::from_secs(10))
+}
+
+/// A client that asks for two QPs, connects one and goes away: the server must not wait
+/// for the second one forever.
+#[test]
+fn a_client_that_connects_fewer_qps_than_it_asked_for_does_not_hang_the_server() {
+    let (mut srv, addr, err) = server(&["write-bw", "--server", "127.0.0.1:0"]);
+    {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let buf = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
+        let req = request(WRITE_BW, 65536, 100, 16, 2, 0, 0, 0, &buf.remote());
+        let conn = cm::connect(&pd, addr, &cm_opts(), &req).expect("the first QP connects");
+        conn.disconnect().unwrap();
+    } // the client is gone
+    // It waits 10 s for each next QP.
+    let status = exits_within(&mut srv, Duration::from_secs(60));
+    let said = err.join().unwrap();
+    assert!(
+        status.is_some(),
+        "the server still waits for the second QP 60 s after its only client went away; it said:\n{said}"
+    );
+    assert!(said.contains("asked for 2 QPs and connected 1"), "{said}");
+}
+
+/// A request the server must refuse at the handshake: the client's connection is
+/// rejected, and the server says why, does not panic, and waits for the next client.
+fn refused_at_the_handshake(req: impl FnOnce(&RemoteRegion) -> Vec<u8>, buf_len: usize, why: &str) {
+    let (mut srv, addr, err) = server(&["write-bw", "--server", "127.0.0.1:0"]);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let buf = pd.alloc_mr(buf_len, AccessFlags::ALL_REMOTE).unwrap();
+    let r = cm::connect(&pd, addr, &cm_opts(), &req(&buf.remote()));
+    assert!(r.is_err(), "the server accepted a request it must refuse ({why})");
+    std::thread::sleep(Duration::from_millis(500));
+    let alive = srv.try_wait().unwrap().is_none();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let said = err.join().unwrap();
+    assert!(!said.contains("panicked"), "the server panicked:\n{said}");
+    assert!(alive, "the server ended after one bad client:\n{said}");
+    assert!(said.contains(why), "the server did not say why ({why}):\n{said}");
+}
+
+/// A bidirectional client whose buffer is smaller than the report area (64 bytes): the
+/// server refuses it, instead of panicking on `len - 64` once the test ran.
+#[test]
+fn a_bidirectional_client_with_a_tiny_buffer_is_refused_not_a_panic() {
+    refused_at_the_handshake(|b| request(WRITE_BW, 8, 5, 1, 1, BIDIR, 0, 0, b), 32, "under the report's 64");
+}
+
+/// A timed run whose duration is not more than twice the margin (the CLI refuses it; a
+/// client may send it anyway): refused, instead of a sample window that wraps.
+#[test]
+fn a_timed_run_with_margins_wider_than_the_duration_is_refused_not_a_panic() {
+    // 3 s with 2 s margins: the window's end (1 s) comes before its start (2 s).
+    refused_at_the_handshake(|b| request(WRITE_BW, 8, 5, 1, 1, BIDIR, 3, 2, b), 1 << 16, "twice the margin");
+}
+
+/// Stray connections (a port scan, a health check: TCP opened and closed) do not end a
+/// server: the real client that comes next is served.
+#[test]
+fn a_stray_connection_does_not_end_the_server() {
+    let (mut srv, addr, err) = server(&["write-bw", "--server", "127.0.0.1:0"]);
+    for _ in 0..3 {
+        drop(TcpStream::connect(addr).unwrap());
+    }
+    let out = Command::new(BIN)
+        .args(["write-bw", "--connect", &addr.to_string(), "-n", "20", "--json"])
+        .output()
+        .unwrap();
+    let status = exits_within(&mut srv, Duration::from_secs(30));
+    let said = err.join().unwrap();
+    assert!(
+        out.status.success(),
+        "the client after the stray connections: {}\nserver:\n{said}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{said}");
+    assert!(said.contains("failed before its test began"), "{said}");
+}
+
+/// A transfer receiver that announces slots of 4 GiB - 1 bytes (the CLI's own limit is
+/// 1 GiB): the sender must refuse the ring, not allocate `slot x window` bytes for it.
+#[test]
+fn a_transfer_receiver_cannot_make_the_sender_allocate_gigabytes() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let listener = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ring = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE).unwrap();
+    let flags = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+    let (slot, slots) = (u32::MAX, 4u32);
+    let mut info = b"RKXF\x01".to_vec();
+    info.extend_from_slice(&slot.to_le_bytes());
+    info.extend_from_slice(&slots.to_le_bytes());
+    // The descriptor's length is the receiver's word: it claims the whole ring.
+    let r = ring.remote();
+    info.extend_from_slice(&RemoteRegion::new(r.addr, u64::from(slot) * u64::from(slots), r.rkey).encode());
+    info.extend_from_slice(&flags.remote().encode());
+    let fake = std::thread::spawn(move || {
+        let conn = listener.accept(&pd, &cm_opts(), &info);
+        std::thread::sleep(Duration::from_secs(3));
+        drop(conn);
+    });
+    // The sender in 6 GiB of address space: plenty for a transfer of 2 MiB chunks.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v 6291456; exec {BIN} transfer --connect {addr} --bytes 1MiB"))
+        .output()
+        .unwrap();
+    fake.join().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        said.contains("protocol"),
+        "the sender took a ring of {slots} slots of {slot} bytes instead of refusing it:\n{said}"
+    );
+}
+
+/// The gauge holds a client for at most a few seconds until its request is complete:
+/// 64 clients that trickle their request a byte at a time must not lock everyone else out.
+#[test]
+fn slow_gauge_clients_do_not_lock_out_the_others() {
+    // A receiver waiting for its sender keeps the gauge up for as long as the test needs.
+    let (mut srv, gauge, _err) = {
+        let mut child = Command::new(BIN)
+            .args(["transfer", "--server", "127.0.0.1:0", "--gauge-http", "127.0.0.1:0"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut gauge = None;
+        for _ in 0..4 {
+            let mut line = String::new();
+            err.read_line(&mut line).unwrap();
+            if let Some(g) = line.trim().strip_prefix("rdmakit-perf: gauge at http://") {
+                gauge = Some(g.trim_end_matches('/').to_owned());
+                break;
+            }
+        }
+        let t = std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()).map(drop));
+        (child, gauge.expect("the gauge's address"), t)
+    };
+    let mut slow: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(&gauge).unwrap()).collect();
+    // One byte each every 2 s (under the gauge's 5 s read timeout), for 12 s.
+    let head = b"GET / HTTP/1.1\r\nHost: x\r\n";
+    for i in 0..6 {
+        for s in &mut slow {
+            let _ = s.write_all(&head[i..i + 1]);
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let mut s = TcpStream::connect(&gauge).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    assert!(
+        resp.starts_with("HTTP/1.1 200"),
+        "12 s after 64 clients started trickling, the page is refused: {:?}",
+        resp.lines().next()
+    );
+}
