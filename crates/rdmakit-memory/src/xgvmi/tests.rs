@@ -438,7 +438,7 @@ fn pool_and_cache_on_the_soft_nic() {
 /// used first), invalidation, and a peer's write landing in the application's own buffer.
 #[test]
 fn range_cache_registers_the_applications_memory() {
-    use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr};
+    use rdmakit_verbs::{AccessFlags, Context, SendWr};
     use std::ptr::NonNull;
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
@@ -479,12 +479,7 @@ fn range_cache_registers_the_applications_memory() {
 
         // A peer writes into the application's buffer through the cached registration.
         let cq = ctx.create_cq(4).unwrap();
-        let (qa, qb) = (
-            pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-            pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-        );
-        qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
-        qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let (qa, _qb) = connected_pair(&pd, &cq);
         let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
         src.write_u64(0, 0xfeed).unwrap();
         qa.post_send(SendWr::write(src.local().unwrap(), d.remote().unwrap().slice(0, 8).unwrap())).unwrap();
@@ -545,7 +540,7 @@ fn a_forged_packed_key_cannot_use_or_disturb_the_cached_alias() {
 /// peer holding an idle one's rkey could still write into memory the application had freed.)
 #[test]
 fn dropping_the_range_cache_deregisters_what_nobody_holds() {
-    use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr, WcStatus};
+    use rdmakit_verbs::{AccessFlags, Context, SendWr, WcStatus};
     use std::ptr::NonNull;
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
@@ -569,12 +564,7 @@ fn dropping_the_range_cache_deregisters_what_nobody_holds() {
     drop(clone); // the last handle: `b` may be freed now
 
     let cq = ctx.create_cq(4).unwrap();
-    let (qa, qb) = (
-        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-    );
-    qa.connect(&qb.address().unwrap(), &ConnectOptions::default()).unwrap();
-    qb.connect(&qa.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let (qa, _qb) = connected_pair(&pd, &cq);
     let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
     src.write_u64(0, 0xdead_beef).unwrap();
     let write = |to: rdmakit_verbs::RemoteRegion| {
@@ -586,12 +576,7 @@ fn dropping_the_range_cache_deregisters_what_nobody_holds() {
     assert_eq!(write(b_remote), WcStatus::REM_ACCESS_ERR, "an idle registration outlived the cache");
     drop(ra);
     // The QP went to the error state with the refused write: a fresh pair for the last look.
-    let (qc, qd) = (
-        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-        pd.create_qp(&cq, &cq, QpCaps::default()).unwrap(),
-    );
-    qc.connect(&qd.address().unwrap(), &ConnectOptions::default()).unwrap();
-    qd.connect(&qc.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let (qc, _qd) = connected_pair(&pd, &cq);
     qc.post_send(SendWr::write(src.local().unwrap(), a_remote.slice(0, 8).unwrap())).unwrap();
     let last = cq.wait(Some(std::time::Duration::from_secs(5))).unwrap().status;
     assert_eq!(last, WcStatus::REM_ACCESS_ERR, "a registration released after the cache closed was kept");
@@ -627,4 +612,17 @@ fn a_late_export_of_a_destroyed_incarnation_is_refused() {
     assert!(err.to_string().contains("stale export"), "{err}");
     cache.check_current(&current).expect("the current incarnation stays cached");
     assert_eq!(cache.stats().refused_stale, 1);
+}
+
+/// Two connected RC QPs of `pd` on the soft NIC, both on `cq`.
+fn connected_pair(
+    pd: &rdmakit_verbs::ProtectionDomain,
+    cq: &rdmakit_verbs::CompletionQueue,
+) -> (rdmakit_verbs::QueuePair, rdmakit_verbs::QueuePair) {
+    use rdmakit_verbs::{ConnectOptions, QpCaps};
+    let (a, b) =
+        (pd.create_qp(cq, cq, QpCaps::default()).unwrap(), pd.create_qp(cq, cq, QpCaps::default()).unwrap());
+    a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+    (a, b)
 }
