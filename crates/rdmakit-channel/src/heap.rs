@@ -285,6 +285,7 @@ struct Owned {
     ready: VecDeque<RemoteBlock>,
 }
 
+#[derive(Debug)]
 enum Answer {
     Grant(HeapId, RemoteRegion),
     Refuse(HeapId, u64),
@@ -688,10 +689,7 @@ impl HeapEndpoint {
                 self.allocator(ack.heap)?.confirm(&ack)?;
                 Ok(())
             }
-            (owed, a) => Err(ChannelError::Protocol(format!(
-                "a late {} to a timed-out {owed:?} request",
-                answer_kind(&a)
-            ))),
+            (owed, a) => Err(ChannelError::Protocol(format!("a late {a:?} to a timed-out {owed:?} request"))),
         }
     }
 
@@ -743,18 +741,13 @@ impl HeapEndpoint {
                 }
                 // Only a block handed out and not announced yet: one the consumer took
                 // (in use) or freed must not be delivered again, nor one already queued.
-                let block = owned
-                    .owner
-                    .blocks()
-                    .find(|(b, _)| b.addr == addr)
-                    .ok_or(HeapError::UnknownBlock { addr })?;
-                if block.1 != OwnerBlockState::HandedOut || owned.ready.iter().any(|b| b.addr == addr) {
+                let (block, state) = owned.owner.block(addr).ok_or(HeapError::UnknownBlock { addr })?;
+                if state != OwnerBlockState::HandedOut || owned.ready.iter().any(|b| b.addr == addr) {
                     return Err(ChannelError::Protocol(format!(
-                        "block {addr:#x} announced again ({:?} on this side)",
-                        block.1
+                        "block {addr:#x} announced again ({state:?} on this side)"
                     )));
                 }
-                owned.ready.push_back(block.0);
+                owned.ready.push_back(block);
                 Ok(())
             }
             Message::HeapSync(HeapMessage::FreeBatch(b)) => {
@@ -865,16 +858,6 @@ impl HeapEndpoint {
 
     fn refuse(&mut self, heap: HeapId, len: u64) -> Result<()> {
         self.ctl.send(&Message::HeapRefuse { heap, len })
-    }
-}
-
-/// What an answer is, for messages.
-fn answer_kind(a: &Answer) -> &'static str {
-    match a {
-        Answer::Grant(..) => "grant",
-        Answer::Refuse(..) => "refusal",
-        Answer::Freed(_) => "frees",
-        Answer::Ack(_) => "acknowledgement",
     }
 }
 

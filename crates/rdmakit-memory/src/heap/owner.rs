@@ -202,6 +202,12 @@ impl HeapOwner {
         self.blocks.get(&addr).map(|b| b.state)
     }
 
+    /// The block starting at `addr` and where it stands, or `None` if the owner holds no
+    /// block starting there (an ordered-map lookup).
+    pub fn block(&self, addr: u64) -> Option<(RemoteBlock, OwnerBlockState)> {
+        self.blocks.get(&addr).map(|&b| (self.remote(addr, b), b.state))
+    }
+
     /// Number of freed blocks waiting for a batch.
     pub fn pending_free_blocks(&self) -> usize {
         self.freed.len()
