@@ -490,20 +490,7 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
     }
     let listener = cm::Listener::bind(ctx, addr)?;
     eprintln!("rdmakit-perf: serving on {} ({} {})", listener.local_addr()?, ctx.provider(), ctx.name());
-    // The first client whose test begins: one whose connection fails before (a stray
-    // connection, a malformed request) is said and dropped.
-    let (p, first) = loop {
-        match rig::server(ctx, &listener, copts, o.placement, None) {
-            Ok(x) => break x,
-            Err(e) if rig::a_client_failed(&e) => {
-                eprintln!(
-                    "rdmakit-perf: a connection failed before its test began: {e}; waiting for the next"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            Err(e) => return Err(e),
-        }
-    };
+    let (p, first) = rig::first_client("server", || rig::server(ctx, &listener, copts, o.placement, None))?;
     eprintln!(
         "rdmakit-perf: client asked for {} of {} bytes x {}{} on {} QP(s){}",
         p.test.name(),

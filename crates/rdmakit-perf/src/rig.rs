@@ -447,6 +447,25 @@ pub fn a_client_failed(e: &Error) -> bool {
     )
 }
 
+/// Runs `accept` until it gives a client: a connection that fails on the client's side
+/// ([`a_client_failed`]: a port scan, a malformed request) is said on stderr (`what` names
+/// the server) and dropped, and the server waits for the next; anything else is returned.
+pub fn first_client<T>(what: &str, mut accept: impl FnMut() -> Result<T>) -> Result<T> {
+    loop {
+        match accept() {
+            Ok(x) => return Ok(x),
+            Err(e) if a_client_failed(&e) => {
+                eprintln!(
+                    "rdmakit-perf: {what}: a connection failed before its test began: {e}; waiting for the next"
+                );
+                // A listener failing at once (out of descriptors) must not spin a core.
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Accepts one QP of a client's test on `listener` (waiting at most `wait` for it, or for
 /// ever), reads the client's request and answers with this side's regions.
 pub fn server(

@@ -335,18 +335,8 @@ fn loopback(
     let chunk = check_chunk(a.chunk.unwrap_or(DEFAULT_CHUNK))?;
     let opts = a.dev.connect_options();
     let pd = ctx.alloc_pd()?;
-    let (rcaps, rcqe) = ring::receiver_caps(a.slots);
-    let (scaps, scqe) = ring::sender_caps(window);
-    let rcq = ctx.create_cq(rcqe)?;
-    let rqp = pd.create_qp(&rcq, &rcq, rcaps)?;
-    let scq = ctx.create_cq(scqe)?;
-    let sqp = pd.create_qp(&scq, &scq, scaps)?;
-    let rmem = ReceiverMem::new(&pd, chunk, a.slots)?;
-    let smem = SenderMem::new(&pd, chunk, window, a.slots)?;
-    rqp.connect(&sqp.address_with(&opts)?, &opts)?;
-    sqp.connect(&rqp.address_with(&opts)?, &opts)?;
-    rmem.post_receives(&rqp)?;
-    smem.post_receive(&sqp)?;
+    let ring::Loopback { rcq, rqp, rmem, scq, sqp, smem } =
+        ring::Loopback::new(&pd, chunk, a.slots, window, &opts)?;
     let input = input(a)?;
     let sender =
         Sender { qp: &sqp, cq: &scq, ring: rmem.info(), chunk, window, stuck, corrupt: a.inject_corruption };
@@ -398,22 +388,17 @@ fn serve(
         ctx.provider(),
         ctx.name()
     );
-    // The first connection that is a transfer sender: a stray one (a port scan, a client
-    // that fails its handshake, another program) is said and dropped, and the server goes
-    // on waiting.
-    let conn = loop {
-        match listener.accept(&pd, &cm_options(a, ring::receiver_caps(a.slots)), &mem.info().encode()) {
-            Ok(c) if c.peer_private_data().get(..ring::HELLO.len()) == Some(&ring::HELLO[..]) => break c,
-            Ok(_) => eprintln!("rdmakit-perf: transfer: a client that is not a transfer sender; dropped"),
-            Err(e) if crate::rig::a_client_failed(&e) => {
-                eprintln!(
-                    "rdmakit-perf: transfer: a connection failed before the transfer: {e}; waiting for the next"
-                );
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => return Err(e.into()),
+    // The first connection that is a transfer sender (another program's is dropped).
+    let conn = crate::rig::first_client("transfer", || {
+        let c = listener.accept(&pd, &cm_options(a, ring::receiver_caps(a.slots)), &mem.info().encode())?;
+        if c.peer_private_data().get(..ring::HELLO.len()) != Some(&ring::HELLO[..]) {
+            return Err(rdmakit_verbs::Error::Malformed {
+                what: "transfer hello",
+                reason: "the client is not an rdmakit-perf transfer sender".into(),
+            });
         }
-    };
+        Ok(c)
+    })?;
     mem.post_receives(conn.qp())?;
     let start = Instant::now();
     let (received, sent) = ring::receive(conn.qp(), conn.cq(), &mem, progress, stuck)?;

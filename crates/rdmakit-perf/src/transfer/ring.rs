@@ -439,6 +439,43 @@ impl Sender<'_> {
     }
 }
 
+/// A receiver and a sender in one process, connected, their receives posted: the loopback
+/// transfer's set-up.
+pub struct Loopback {
+    pub rcq: CompletionQueue,
+    pub rqp: QueuePair,
+    pub rmem: ReceiverMem,
+    pub scq: CompletionQueue,
+    pub sqp: QueuePair,
+    pub smem: SenderMem,
+}
+
+impl Loopback {
+    /// `slots` ring slots of `chunk` bytes, `window` writes in flight, on `pd`.
+    pub fn new(
+        pd: &ProtectionDomain,
+        chunk: u32,
+        slots: u32,
+        window: u32,
+        opts: &ConnectOptions,
+    ) -> Result<Loopback, Error> {
+        let ctx = pd.context();
+        let (rcaps, rcqe) = receiver_caps(slots);
+        let (scaps, scqe) = sender_caps(window);
+        let rcq = ctx.create_cq(rcqe)?;
+        let rqp = pd.create_qp(&rcq, &rcq, rcaps)?;
+        let scq = ctx.create_cq(scqe)?;
+        let sqp = pd.create_qp(&scq, &scq, scaps)?;
+        let rmem = ReceiverMem::new(pd, chunk, slots)?;
+        let smem = SenderMem::new(pd, chunk, window, slots)?;
+        rqp.connect(&sqp.address_with(opts)?, opts)?;
+        sqp.connect(&rqp.address_with(opts)?, opts)?;
+        rmem.post_receives(&rqp)?;
+        smem.post_receive(&sqp)?;
+        Ok(Loopback { rcq, rqp, rmem, scq, sqp, smem })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,33 +506,20 @@ mod tests {
     fn a_receiver_that_never_consumes_makes_the_sender_give_up() {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let ctx = Context::open_soft();
-            let pd = ctx.alloc_pd().unwrap();
+            let pd = Context::open_soft().alloc_pd().unwrap();
             let (slots, window, chunk) = (2u32, 2u32, 4096u32);
-            let (rcaps, rcqe) = receiver_caps(slots);
-            let (scaps, scqe) = sender_caps(window);
-            let rcq = ctx.create_cq(rcqe).unwrap();
-            let rqp = pd.create_qp(&rcq, &rcq, rcaps).unwrap();
-            let scq = ctx.create_cq(scqe).unwrap();
-            let sqp = pd.create_qp(&scq, &scq, scaps).unwrap();
-            let rmem = ReceiverMem::new(&pd, chunk, slots).unwrap();
-            let smem = SenderMem::new(&pd, chunk, window, slots).unwrap();
-            let opts = ConnectOptions::default();
-            rqp.connect(&sqp.address_with(&opts).unwrap(), &opts).unwrap();
-            sqp.connect(&rqp.address_with(&opts).unwrap(), &opts).unwrap();
-            rmem.post_receives(&rqp).unwrap();
-            smem.post_receive(&sqp).unwrap();
+            let l = Loopback::new(&pd, chunk, slots, window, &ConnectOptions::default()).unwrap();
             let sender = Sender {
-                qp: &sqp,
-                cq: &scq,
-                ring: rmem.info(),
+                qp: &l.sqp,
+                cq: &l.scq,
+                ring: l.rmem.info(),
                 chunk,
                 window,
                 stuck: Duration::from_secs(1),
                 corrupt: None,
             };
             let progress = super::super::Progress::new(None);
-            let r = sender.run(&smem, Input::Pattern(Pattern::new(), 1 << 20), &progress);
+            let r = sender.run(&l.smem, Input::Pattern(Pattern::new(), 1 << 20), &progress);
             let _ = tx.send(r.is_err());
         });
         match rx.recv_timeout(Duration::from_secs(20)) {
