@@ -57,6 +57,17 @@ struct Entry<A> {
     alias: Arc<A>,
 }
 
+impl<A> Entry<A> {
+    /// Whether `key` is older than what this entry has seen of its key: an earlier export of
+    /// this incarnation (re-bound since), or an export of an incarnation no newer than this
+    /// one (destroyed, its number since given to this one). Either's alias would reach a
+    /// newer buffer. (Equal generations of two incarnations cannot both be genuine: the
+    /// cached one stays.)
+    fn is_newer_than(&self, key: &PackedKey) -> bool {
+        key.export_gen < self.latest_gen || (key.uuid != self.uuid && key.export_gen == self.latest_gen)
+    }
+}
+
 fn stale_export(key: &PackedKey, latest: u64) -> Error {
     Error::PermissionDenied(format!(
         "stale export of key {:#x} (vHCA {}): generation {} is older than the newest export of that key seen ({latest}): the host has re-bound or re-created the key since",
@@ -113,33 +124,27 @@ impl<O: AliasOps> AliasCache<O> {
         {
             let mut g = self.lock();
             let (map, stats) = &mut *g;
-            match map.get_mut(&mk) {
-                Some(e) if e.uuid == key.uuid => {
-                    if e.access_key != key.access_key {
-                        return Err(Error::PermissionDenied(format!(
-                            "packed key {:#x} (vHCA {}) presents another access key than its alias was made with",
-                            key.mkey, key.vhca_id
-                        )));
-                    }
-                    if key.export_gen < e.latest_gen {
-                        stats.refused_stale += 1;
-                        return Err(stale_export(key, e.latest_gen));
-                    }
+            if let Some(e) = map.get_mut(&mk) {
+                if e.uuid == key.uuid && e.access_key != key.access_key {
+                    return Err(Error::PermissionDenied(format!(
+                        "packed key {:#x} (vHCA {}) presents another access key than its alias was made with",
+                        key.mkey, key.vhca_id
+                    )));
+                }
+                // Refused without a firmware command.
+                if e.is_newer_than(key) {
+                    stats.refused_stale += 1;
+                    return Err(stale_export(key, e.latest_gen));
+                }
+                if e.uuid == key.uuid {
                     e.latest_gen = key.export_gen;
                     stats.hits += 1;
                     return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
                 }
-                // An incarnation no newer than the cached one: refused without a firmware
-                // command (see below).
-                Some(e) if key.export_gen <= e.latest_gen => {
-                    stats.refused_stale += 1;
-                    return Err(stale_export(key, e.latest_gen));
-                }
-                // A newer incarnation (or none cached): a new alias below. The cached one is
-                // replaced only once the firmware has accepted the new packed key, so a
-                // forged one cannot evict it.
-                Some(_) | None => {}
             }
+            // A newer incarnation (or none cached): a new alias below. The cached one is
+            // replaced only once the firmware has accepted the new packed key, so a forged
+            // one cannot evict it.
         }
         // Created without the lock: alias creation is a firmware command (~200 µs on
         // BlueField-3); other imports proceed meanwhile.
@@ -156,16 +161,14 @@ impl<O: AliasOps> AliasCache<O> {
         let entry = map.entry(mk).or_insert_with(fresh);
         // The replaced entry of an older incarnation; its alias is destroyed (when its last
         // Arc goes) after the lock is released: a firmware command.
-        let mut replaced = None;
-        if entry.uuid != key.uuid && key.export_gen > entry.latest_gen {
-            replaced = Some(std::mem::replace(entry, fresh()));
-        } else if key.export_gen < entry.latest_gen || entry.uuid != key.uuid {
-            // An older export of this incarnation, or an export of an incarnation older than
-            // the cached one (destroyed, its number since given to the cached one): its alias
-            // would reach the newer incarnation's buffer. (Equal generations of two
-            // incarnations cannot both be genuine; the cached one stays.)
+        // Looked at again: another import may have changed the entry meanwhile.
+        if entry.is_newer_than(key) {
             stats.refused_stale += 1;
             return Err(stale_export(key, entry.latest_gen));
+        }
+        let mut replaced = None;
+        if entry.uuid != key.uuid {
+            replaced = Some(std::mem::replace(entry, fresh()));
         }
         entry.latest_gen = key.export_gen;
         let imported = ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false };
