@@ -51,7 +51,7 @@
 //! # Ok::<(), rdmakit_verbs::Error>(())
 //! ```
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use crate::cq::CompletionQueue;
@@ -65,7 +65,7 @@ use crate::rdma::cm::CmConn;
 use crate::rdma::cm::connector::CmConnector;
 #[cfg(rdmakit_verbs)]
 use crate::rdma::cm::listener::{CmListener, CmRequest};
-use crate::soft::bootstrap::{self, Hello, SoftConn, SoftIncoming, SoftListener, Token};
+use crate::soft::bootstrap::{self, Hello, Origin, SoftConn, SoftIncoming, SoftListener, Token};
 use crate::types::{ConnectOptions, ProviderKind, QpAddress, QpCaps};
 
 /// The most private data a connect, accept or reject carries (the rdma_cm limit for a
@@ -318,13 +318,38 @@ fn check_soft_pd(pd: &ProtectionDomain) -> Result<()> {
     Ok(())
 }
 
-/// The soft acceptor's QP for a request: connected to the requester's endpoint with both
-/// tokens set; returns it with what the reply carries (our endpoint and token).
+/// A soft peer's declared endpoint is connected to only if it lies where the handshake
+/// came from: a device of this process (whose QPs the soft NIC serves only once they took
+/// the exchanged token), or a device at the IP address the bootstrap connection's other
+/// end has (or on loopback, when that connection is within this host). Otherwise a peer
+/// could make this side's NIC dial, and send Hellos to, any address it names.
+fn check_declared(ep: &QpAddress, origin: Origin, who: &str) -> Result<()> {
+    if crate::soft::SoftDevice::by_gid(&ep.gid).is_some() {
+        return Ok(());
+    }
+    let declared = IpAddr::V4(Ipv4Addr::new(ep.gid[4], ep.gid[5], ep.gid[6], ep.gid[7]));
+    let same_host = origin.peer == origin.local || origin.peer.is_loopback();
+    if declared == origin.peer || (declared.is_loopback() && same_host) {
+        return Ok(());
+    }
+    Err(Error::PermissionDenied(format!(
+        "the {who}'s soft endpoint is at {declared}, but its connection came from {}: a soft NIC \
+         connects only to the address its peer connects from (set RDMAKIT_SOFT_ADDR to the \
+         address this host reaches its peers from)",
+        origin.peer
+    )))
+}
+
+/// The soft acceptor's QP for a request that came from `origin`: connected to the
+/// requester's endpoint with both tokens set; returns it with what the reply carries (our
+/// endpoint and token).
 fn soft_accepting_qp(
     pd: &ProtectionDomain,
     opts: &CmOptions,
     peer: &Hello,
+    origin: Origin,
 ) -> Result<(QueuePair, CompletionQueue, QpAddress, Token)> {
+    check_declared(&peer.endpoint, origin, "requester")?;
     let (qp, cq) = new_qp(pd, opts)?;
     let token: Token = crate::soft::random();
     qp.set_soft_tokens(token, peer.token);
@@ -344,14 +369,22 @@ fn soft_requesting_qp(
     Ok((qp, cq, ep, crate::soft::random()))
 }
 
-/// The soft requester's QP once the reply came: connected if the peer accepted.
-fn soft_replied(qp: &QueuePair, opts: &CmOptions, token: Token, reply: Hello) -> Result<Vec<u8>> {
+/// The soft requester's QP once the reply came (over a connection from `origin`):
+/// connected if the peer accepted.
+fn soft_replied(
+    qp: &QueuePair,
+    opts: &CmOptions,
+    token: Token,
+    reply: Hello,
+    origin: Origin,
+) -> Result<Vec<u8>> {
     if reply.status != 0 {
         return Err(Error::ConnectionRejected {
             reason: format!("status {}", reply.status),
             private_data: reply.private_data,
         });
     }
+    check_declared(&reply.endpoint, origin, "listener")?;
     qp.set_soft_tokens(token, reply.token);
     qp.connect(&reply.endpoint, &opts.connect)?;
     Ok(reply.private_data)
@@ -469,7 +502,7 @@ impl Incoming {
         match self {
             Incoming::Soft(inc) => {
                 let mut req = inc.read_request(MAX_PRIVATE_DATA, opts.timeout)?;
-                let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
+                let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello, req.origin()?)?;
                 let peer_data = std::mem::take(&mut req.hello.private_data);
                 // On an error the request is dropped unanswered: its stream closes, and the
                 // requester's connect fails.
@@ -500,9 +533,10 @@ fn connect_backend(
     match &pd.context().inner.backend {
         CtxBackend::Soft(_) => {
             let connecting = bootstrap::connect(addr, opts.timeout)?;
+            let origin = connecting.origin()?;
             let (qp, cq, ep, token) = soft_requesting_qp(pd, opts)?;
             let (replied, reply) = connecting.request(&ep, &token, data, MAX_PRIVATE_DATA)?;
-            let peer_data = soft_replied(&qp, opts, token, reply)?;
+            let peer_data = soft_replied(&qp, opts, token, reply, origin)?;
             let conn = replied.ready()?;
             Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
         }
@@ -802,7 +836,7 @@ mod on_tokio {
                 AsyncIncoming::Soft(inc) => {
                     check_soft_pd(pd)?;
                     let mut req = inc.read_request(MAX_PRIVATE_DATA).await?;
-                    let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello)?;
+                    let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello, req.origin()?)?;
                     let peer_data = std::mem::take(&mut req.hello.private_data);
                     let conn = req.accept(&ep, &token, data).await?;
                     Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
@@ -828,9 +862,10 @@ mod on_tokio {
         match &pd.context().inner.backend {
             CtxBackend::Soft(_) => {
                 let connecting = bootstrap::connect_async(addr).await?;
+                let origin = connecting.origin()?;
                 let (qp, cq, ep, token) = soft_requesting_qp(pd, opts)?;
                 let (replied, reply) = connecting.request(&ep, &token, data, MAX_PRIVATE_DATA).await?;
-                let peer_data = soft_replied(&qp, opts, token, reply)?;
+                let peer_data = soft_replied(&qp, opts, token, reply, origin)?;
                 let conn = replied.ready().await?;
                 Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Soft(conn) })
             }

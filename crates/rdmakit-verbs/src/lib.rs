@@ -77,6 +77,8 @@ pub use mr::{LocalSlice, MemoryRegion};
 pub use pd::ProtectionDomain;
 pub use prepared::{PreparedRecv, PreparedSend};
 pub use qp::QueuePair;
+#[doc(hidden)]
+pub use soft::RateLimit;
 pub use soft::SoftConfig;
 pub use types::{
     AccessFlags, ConnectOptions, DeviceAttr, GidEntry, GidKind, Mtu, ProviderKind, QpAddress,

@@ -153,3 +153,144 @@ fn absurd_handshake_bounds_are_typed_errors() {
         );
     });
 }
+
+/// A soft CM request as a hostile client writes it by hand: "RKCM" 2 | endpoint |
+/// token (16) | no private data.
+fn cm_request(endpoint: &rdmakit_verbs::QpAddress) -> Vec<u8> {
+    let mut m = b"RKCM\x02".to_vec();
+    m.extend_from_slice(&endpoint.to_bytes());
+    m.extend_from_slice(&[7u8; 16]);
+    m.push(0);
+    m
+}
+
+/// Reads a soft CM reply without private data: the server's endpoint.
+fn cm_reply(s: &mut TcpStream) -> rdmakit_verbs::QpAddress {
+    let mut r = vec![0u8; 5 + 1 + rdmakit_verbs::QpAddress::ENCODED_LEN + 16 + 1];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!((&r[..5], r[5]), (&b"RKCM\x02"[..], 0), "accepted");
+    rdmakit_verbs::QpAddress::from_bytes(&r[6..6 + rdmakit_verbs::QpAddress::ENCODED_LEN]).unwrap()
+}
+
+/// Identities are proven, not declared, in one process too. A client learns the server's
+/// GID and QP number from one reply, then declares, in its next request, the endpoint of
+/// the QP the server creates for that request (numbers are sequential): the server's QP is
+/// connected to itself. Its requests must not be served (its peer never took its token),
+/// so a write the server addresses to its "peer" fails instead of landing in its own memory.
+#[tokio::test(flavor = "current_thread")]
+async fn a_client_cannot_connect_the_servers_qp_to_itself() {
+    use rdmakit_verbs::{ConnectOptions, ProviderKind, QpAddress, QpCaps, SoftConfig};
+    // A device of its own, so that no other test's QP takes the number the client guesses.
+    let pd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+    let listener =
+        AsyncListener::bind(&pd, "127.0.0.1:0".parse().unwrap(), &opts(Duration::from_secs(5)), b"").unwrap();
+    let addr = listener.local_addr();
+
+    // The first, well-formed request (its endpoint a QP of the client's) reveals the
+    // server's GID, port and QP number.
+    let mine = Context::open_soft().alloc_pd().unwrap();
+    let cq = mine.context().create_cq(16).unwrap();
+    let my_qp = mine.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    my_qp.modify_to_init(&ConnectOptions::default()).unwrap();
+    let client = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&cm_request(&my_qp.address().unwrap())).unwrap();
+        let server = cm_reply(&mut s);
+        s.write_all(b"RKCM\x02\xff").unwrap();
+        // The second request names the QP the server creates next.
+        let next = QpAddress::new(ProviderKind::Soft, server.lid, server.gid, server.qp_num + 1, 0);
+        let mut s2 = TcpStream::connect(addr).unwrap();
+        s2.write_all(&cm_request(&next)).unwrap();
+        let got = cm_reply(&mut s2);
+        s2.write_all(b"RKCM\x02\xff").unwrap();
+        (s, s2, my_qp, next, got)
+    });
+    let _first = listener.accept().await.unwrap();
+    let spliced = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
+    let (_s, _s2, _my_qp, declared, server_ep) = client.await.unwrap();
+    assert_eq!((server_ep.gid, server_ep.qp_num), (declared.gid, declared.qp_num), "the guess was right");
+
+    // The server writes to "its peer": a region of its own.
+    let own = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_u64(0, 0x5e1f).unwrap();
+    spliced.qp().post_send(SendWr::write(src.local().unwrap(), own.remote().slice(0, 8).unwrap())).unwrap();
+    let wc = spliced.cq().wait(Some(Duration::from_secs(30))).unwrap();
+    assert_eq!(own.read_u64(0).unwrap(), 0, "the write landed in the server's own memory ({:?})", wc.status);
+    assert!(!wc.status.is_success(), "a QP whose peer never took its token completed a write");
+}
+
+/// A TCP address that never answers: a listener with a backlog of 0 whose one queued
+/// connection is never accepted (Linux then drops further SYNs).
+fn black_hole() -> (tokio::net::TcpListener, TcpStream, std::net::SocketAddr) {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = sock.listen(0).unwrap();
+    let addr = l.local_addr().unwrap();
+    let filler = TcpStream::connect(addr).unwrap();
+    (l, filler, addr)
+}
+
+/// A client's request declares an endpoint on another host that never answers. Accepting
+/// it must not block the runtime the listener runs on (the soft NIC once dialled the
+/// declared address with a blocking 5 s connect inside `QueuePair::connect`, on the
+/// handshake's worker); and the server must not dial an address other than the one the
+/// request came from.
+#[tokio::test(flavor = "current_thread")]
+async fn a_declared_endpoint_that_never_answers_blocks_nothing() {
+    use rdmakit_verbs::{ProviderKind, QpAddress};
+    let (_hole, _filler, hole) = black_hole();
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let listener =
+        AsyncListener::bind(&pd, "127.0.0.1:0".parse().unwrap(), &opts(Duration::from_secs(1)), b"").unwrap();
+    // An endpoint of no device of this process: GID bytes 4..8 = 127.0.0.1, LID = the
+    // black hole's port.
+    let mut gid = [0u8; 16];
+    gid[..2].copy_from_slice(&[0xfe, 0x80]);
+    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
+    gid[8..12].copy_from_slice(&0x7fff_fff0u32.to_be_bytes()); // no such process
+    gid[15] = 0x42;
+    let ep = QpAddress::new(ProviderKind::Soft, hole.port(), gid, 1234, 1);
+    let mut s = TcpStream::connect(listener.local_addr()).unwrap();
+    s.write_all(&cm_request(&ep)).unwrap();
+
+    // Let the listener run: a 20 ms sleep should take about 20 ms.
+    let start = Instant::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let took = start.elapsed();
+    assert!(took < Duration::from_millis(900), "one hostile request blocked the runtime for {took:?}");
+}
+
+/// The server dials only where a request came from: a request from 127.0.0.1 that declares
+/// an endpoint at another address (here 192.0.2.1, a documentation address) is refused
+/// unanswered, before any QP is connected, so a client cannot have the server's NIC dial
+/// and send Hellos to a host of its choosing. A real client is served after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_declared_at_another_address_is_refused() {
+    use rdmakit_verbs::{ProviderKind, QpAddress};
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let o = opts(Duration::from_secs(5));
+    let listener = AsyncListener::bind(&pd, "127.0.0.1:0".parse().unwrap(), &o, b"srv").unwrap();
+    let addr = listener.local_addr();
+    let mut gid = [0u8; 16];
+    gid[..2].copy_from_slice(&[0xfe, 0x80]);
+    gid[4..8].copy_from_slice(&[192, 0, 2, 1]);
+    gid[8..12].copy_from_slice(&0x7fff_fff0u32.to_be_bytes());
+    let ep = QpAddress::new(ProviderKind::Soft, 4791, gid, 1234, 1);
+    let reply = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(&cm_request(&ep)).unwrap();
+        let mut b = [0u8; 6];
+        s.read_exact(&mut b).map(|()| b)
+    });
+    let client = tokio::spawn({
+        let (pd, o) = (pd.clone(), o);
+        async move { connect_async(&pd, addr, &o, b"cli").await }
+    });
+    let conn = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
+    assert_eq!(conn.peer_private_data(), b"cli", "the real client is the one accepted");
+    client.await.unwrap().unwrap();
+    let got = reply.await.unwrap();
+    assert!(got.is_err(), "a request declaring an endpoint at another address was answered: {got:?}");
+}

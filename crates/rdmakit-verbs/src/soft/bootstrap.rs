@@ -49,6 +49,23 @@ pub(crate) struct Hello {
     pub private_data: Vec<u8>,
 }
 
+/// Where a bootstrap connection's two ends are: what a peer's declared endpoint is checked
+/// against before this side's NIC dials it (`cm`'s `check_declared`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Origin {
+    /// The other end's IP address.
+    pub peer: std::net::IpAddr,
+    /// This end's.
+    pub local: std::net::IpAddr,
+}
+
+impl Origin {
+    fn of(peer: std::io::Result<SocketAddr>, local: std::io::Result<SocketAddr>) -> Result<Origin> {
+        let (peer, local) = (peer.map_err(io_err("getpeername"))?, local.map_err(io_err("getsockname"))?);
+        Ok(Origin { peer: peer.ip().to_canonical(), local: local.ip().to_canonical() })
+    }
+}
+
 fn malformed(reason: &str) -> Error {
     Error::Malformed { what: "connection handshake", reason: reason.into() }
 }
@@ -193,6 +210,11 @@ pub(crate) struct SoftRequest {
 }
 
 impl SoftRequest {
+    /// The connection's ends.
+    pub fn origin(&self) -> Result<Origin> {
+        Origin::of(self.s.peer_addr(), self.s.local_addr())
+    }
+
     /// Answers with our endpoint, token and private data, then waits for the requester's
     /// ready: the connection's stream.
     pub fn accept(mut self, ep: &QpAddress, token: &Token, data: &[u8]) -> Result<SoftConn> {
@@ -221,6 +243,11 @@ pub(crate) struct SoftConnecting {
 }
 
 impl SoftConnecting {
+    /// The connection's ends.
+    pub fn origin(&self) -> Result<Origin> {
+        Origin::of(self.s.peer_addr(), self.s.local_addr())
+    }
+
     /// Sends the request and reads the reply (of any status: the caller decides).
     pub fn request(
         mut self,
@@ -382,6 +409,11 @@ mod nonblocking {
     }
 
     impl AsyncSoftRequest {
+        /// The connection's ends.
+        pub fn origin(&self) -> Result<Origin> {
+            Origin::of(self.s.peer_addr(), self.s.local_addr())
+        }
+
         /// Answers, then waits for the requester's ready.
         pub async fn accept(self, ep: &QpAddress, token: &Token, data: &[u8]) -> Result<SoftConn> {
             write_all(&self.s, &encode(Some(0), ep, token, data)?).await?;
@@ -402,6 +434,11 @@ mod nonblocking {
     pub(crate) struct AsyncSoftConnecting(TcpStream);
 
     impl AsyncSoftConnecting {
+        /// The connection's ends.
+        pub fn origin(&self) -> Result<Origin> {
+            Origin::of(self.0.peer_addr(), self.0.local_addr())
+        }
+
         /// Sends the request and reads the reply (of any status).
         pub async fn request(
             self,

@@ -76,6 +76,8 @@ pub mod wire;
 pub use shm::SHM_ENV;
 #[doc(hidden)]
 pub use tcp::ANSWER_DELAY_ENV;
+#[doc(hidden)]
+pub use tcp::RateLimit;
 pub use tcp::SOFT_ADDR_ENV;
 /// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
 /// stable API.

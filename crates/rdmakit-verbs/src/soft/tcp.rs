@@ -49,7 +49,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -142,19 +142,23 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 const HELLO_FRAME: usize = wire::HEADER + wire::HELLO_LEN;
 
-/// Lets one warning through per second per call site; counts the ones it held back.
-pub(crate) struct RateLimit {
+/// Lets one warning through per second per call site; counts the ones it held back. For
+/// warnings a peer can trigger, through [`warn_limited!`](crate::warn_limited): a hostile
+/// peer must not decide how much its target logs.
+#[doc(hidden)]
+pub struct RateLimit {
     next_ms: AtomicU64,
     held: AtomicU64,
 }
 
 impl RateLimit {
-    pub(crate) const fn new() -> RateLimit {
+    /// A limiter that lets the next warning through.
+    pub const fn new() -> RateLimit {
         RateLimit { next_ms: AtomicU64::new(0), held: AtomicU64::new(0) }
     }
 
     /// `Some(held back since the last one)` if a warning may be logged now.
-    pub(crate) fn allow(&self) -> Option<u64> {
+    pub fn allow(&self) -> Option<u64> {
         static START: OnceLock<Instant> = OnceLock::new();
         let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64;
         let next = self.next_ms.load(Ordering::Relaxed);
@@ -168,11 +172,20 @@ impl RateLimit {
     }
 }
 
+impl Default for RateLimit {
+    fn default() -> Self {
+        RateLimit::new()
+    }
+}
+
 /// `tracing::warn!` at most once a second from this call site (hostile peers must not be
-/// able to flood the log); reports how many were held back.
+/// able to flood the log); reports how many were held back. The calling crate needs
+/// `tracing`.
+#[doc(hidden)]
+#[macro_export]
 macro_rules! warn_limited {
     ($($arg:tt)*) => {{
-        static LIMIT: RateLimit = RateLimit::new();
+        static LIMIT: $crate::RateLimit = $crate::RateLimit::new();
         if let Some(held_back) = LIMIT.allow() {
             tracing::warn!(held_back, $($arg)*);
         }
@@ -496,6 +509,8 @@ extern "C" fn flush_at_exit() {
 struct Inbox {
     listeners: Vec<(Listening, Weak<SoftDevice>)>,
     links: Vec<NewLink>,
+    /// Links for the loop to dial (non-blocking) before their first Hello.
+    dials: Vec<Redial>,
     /// Links with new frames queued, or dropped.
     ready: Vec<Arc<LinkShared>>,
     /// A QP of this process was connected: Hellos waiting for their QP may be answered.
@@ -964,7 +979,10 @@ impl EventLoop {
             let polled_input = std::mem::take(&mut self.polled_input);
             let work = !self.again.is_empty() || polled_input || {
                 let inbox = self.wire.inbox.lock().expect("wire inbox");
-                !(inbox.listeners.is_empty() && inbox.links.is_empty() && inbox.ready.is_empty())
+                !(inbox.listeners.is_empty()
+                    && inbox.links.is_empty()
+                    && inbox.dials.is_empty()
+                    && inbox.ready.is_empty())
                     || inbox.auth
             };
             let work = work
@@ -1100,6 +1118,8 @@ impl EventLoop {
             let io = Io::new(nl.s, Accept::HelloAck);
             self.add_link(LinkConn { io, shared: nl.shared, qp: nl.qp, dial: nl.dial });
         }
+        // First dials: due now (`redial_due` runs later in this turn).
+        self.redials.extend(inbox.dials);
         for link in inbox.ready {
             link.flagged.store(false, Ordering::Release);
             let i = link.token.load(Ordering::Acquire);
@@ -2361,32 +2381,15 @@ impl TcpLink {
             wire.submit(|inbox| inbox.links.push(nl));
             return TcpLink { shared, wire: Some(wire), same_host: true };
         }
-        // The Hello goes out with the connection, from this thread: a fresh socket's send
-        // buffer takes its few bytes at once, and a listener counts a connection whose Hello
-        // is late against its peer address's bound of unauthenticated connections (a burst
-        // of QPs connecting must not look like a slow-loris).
-        let connected = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(|mut s| {
-            let _ = s.set_nodelay(true);
-            s.set_write_timeout(Some(Duration::from_secs(5)))?;
-            write_frame(&mut s, &hello, &mut Vec::new())?;
-            s.set_nonblocking(true)?;
-            Ok(s)
-        });
-        match connected {
-            Ok(s) => {
-                let nl = NewLink {
-                    s: Conn::Tcp(MioStream::from_std(s)),
-                    shared: shared.clone(),
-                    qp: Arc::downgrade(qp),
-                    dial: Some(dial(None)),
-                };
-                wire.submit(|inbox| inbox.links.push(nl));
-            }
-            Err(e) => {
-                warn_limited!(%addr, error = %e, "soft NIC: peer unreachable; requests will time out");
-                shared.dead.store(true, Ordering::Release);
-            }
-        }
+        // Dialled by the loop, as a redial is (non-blocking; the Hello goes out when the
+        // socket first says it is writable), never from this thread: the address may be a
+        // peer's declaration that nothing answers (a connection manager's request), and
+        // `QueuePair::connect` may run on an async runtime's worker. A peer that refuses or
+        // never answers is dialled again with backoff until `HELLO_TIMEOUT`; the requests
+        // meanwhile wait in the link's queue and time out as they would on a dead link.
+        let first =
+            Redial { at: Instant::now(), shared: shared.clone(), qp: Arc::downgrade(qp), dial: dial(None) };
+        wire.submit(|inbox| inbox.dials.push(first));
         TcpLink { shared, wire: Some(wire), same_host: false }
     }
 

@@ -61,17 +61,39 @@ fn state_of(s: u8) -> QpState {
 /// How a requester reaches its responder: a QP in this process (requests run at once), or
 /// a QP of another process over TCP (requests are sent, answered later, in order).
 pub(crate) enum Link {
-    Local { gid: [u8; 16], qpn: u32, peer: Weak<SoftQp> },
+    /// `token` is what this requester presents, as a Hello over the wire does: the peer is
+    /// served only if it is the responder's connection token (see [`Link::local_peer`]).
+    Local {
+        gid: [u8; 16],
+        qpn: u32,
+        peer: Weak<SoftQp>,
+        token: [u8; 16],
+    },
     Tcp(TcpLink),
 }
 
 impl Link {
-    fn local_peer(gid: &[u8; 16], qpn: u32, peer: &mut Weak<SoftQp>) -> Option<Arc<SoftQp>> {
+    /// The responder of a local link, once it exists and has taken `token`: a QP of this
+    /// process is no more trusted on its GID and number alone than one of another process
+    /// (a connection manager's peer declares both; see `SoftQp::authenticate`). Checked
+    /// when the peer is first found, which is after both sides' tokens are set (the peer's
+    /// before it answers, ours before RTR); a mismatch drops the request, as a responder
+    /// drops what is not for it, and the requester runs out of retries.
+    fn local_peer(
+        gid: &[u8; 16],
+        qpn: u32,
+        peer: &mut Weak<SoftQp>,
+        token: &[u8; 16],
+    ) -> Option<Arc<SoftQp>> {
         if let Some(p) = peer.upgrade() {
             return Some(p);
         }
-        // Not there at RTR time (or gone): look again; a destroyed QP stays gone.
+        // Not found yet (or gone): look again; a destroyed QP stays gone.
         let p = SoftDevice::by_gid(gid)?.find_qp(qpn)?;
+        if !p.takes_token(token) {
+            tracing::debug!(qpn, "soft NIC: a local requester presented the wrong connection token; dropped");
+            return None;
+        }
         *peer = Arc::downgrade(&p);
         Some(p)
     }
@@ -368,6 +390,12 @@ impl SoftQp {
         *self.tokens.lock().expect("tokens") = Tokens { rx, tx: Some(tx) };
     }
 
+    /// Whether `token` is this QP's connection token (compared in constant time).
+    fn takes_token(&self, token: &[u8; 16]) -> bool {
+        let rx = self.tokens.lock().expect("tokens").rx;
+        rx.iter().zip(token).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+
     /// Checks a Hello from another process against what this QP was connected to: the
     /// requester's GID, QPN and initial PSN, our initial PSN, and our connection token.
     /// One requester connection per QP.
@@ -384,10 +412,8 @@ impl SoftQp {
             RTR | RTS => {}
             _ => return Auth::Refused,
         }
-        let rx = self.tokens.lock().expect("tokens").rx;
         // Compare every field whatever the first mismatch (no early exit on secrets).
-        let token_ok = rx.iter().zip(token).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-        let ok = token_ok
+        let ok = self.takes_token(token)
             & (self.remote_psn.load(Ordering::Acquire) == src_psn)
             & (self.psn == dst_psn)
             & (self.remote_qpn.load(Ordering::Acquire) == qpn)
@@ -447,11 +473,12 @@ impl SoftQp {
         if self.state.load(Ordering::Acquire) != INIT {
             return Err(self.bad_transition("move to RTR"));
         }
+        let presented = self.tokens.lock().expect("tokens").tx.unwrap_or(remote.token);
         let link = match SoftDevice::by_gid(&remote.gid) {
-            // A device of this process: direct.
-            Some(dev) => {
-                let peer = dev.find_qp(remote.qp_num).map(|p| Arc::downgrade(&p)).unwrap_or_default();
-                Link::Local { gid: remote.gid, qpn: remote.qp_num, peer }
+            // A device of this process: direct, once the peer is found and has taken our
+            // token (at the first request: the peer may not have its tokens yet).
+            Some(_) => {
+                Link::Local { gid: remote.gid, qpn: remote.qp_num, peer: Weak::new(), token: presented }
             }
             // Another process: over TCP to the address in the GID and the port in the LID.
             None => {
@@ -463,7 +490,7 @@ impl SoftQp {
                     dst_qpn: remote.qp_num,
                     src_psn: self.psn,
                     dst_psn: remote.psn & 0x00ff_ffff,
-                    token: self.tokens.lock().expect("tokens").tx.unwrap_or(remote.token),
+                    token: presented,
                 };
                 // Frames in the queue: at most the outstanding requests, twice over when an
                 // RNR NAK makes them go back (the queue may still hold the first copies).
@@ -729,7 +756,7 @@ impl SoftQp {
                 }
             }
             Some(Link::Tcp(_)) | None => Outcome::NoResponse,
-            Some(Link::Local { gid, qpn, peer }) => match Link::local_peer(gid, *qpn, peer) {
+            Some(Link::Local { gid, qpn, peer, token }) => match Link::local_peer(gid, *qpn, peer, token) {
                 Some(peer) => self.execute(wr, &peer, d),
                 None => Outcome::NoResponse,
             },
