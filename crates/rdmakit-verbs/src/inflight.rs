@@ -6,8 +6,11 @@
 //! destroyed (after which the NIC no longer touches its buffers). Dropping or leaking any
 //! user-side object therefore never frees memory under the NIC.
 //!
-//! Send and receive queues complete in order on an RC QP, so each queue is a FIFO:
-//! a completion for sequence number `s` also retires the unsignalled requests before it.
+//! The send queue completes in order on an RC QP, so it is a FIFO: a completion for
+//! sequence number `s` also retires the unsignalled requests before it. Receives are always
+//! signalled, so a receive completion retires its own slot only: a flush of later receives
+//! reaped first (the soft NIC publishes it while an earlier receive is still being filled)
+//! leaves the earlier one's region held until its own completion.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -83,7 +86,18 @@ impl Queues {
     pub fn complete(&mut self, wc: &mut WorkCompletion) -> bool {
         let recv = wc.wr_id & RECV_BIT != 0;
         let seq = wc.wr_id & !RECV_BIT;
-        let fifo = if recv { &mut self.recv } else { &mut self.send };
+        if recv {
+            // The front on the fast path; a search (the slots are in sequence order) when a
+            // later receive completed first.
+            let at = match self.recv.front() {
+                Some(front) if front.seq == seq => Some(0),
+                _ => self.recv.binary_search_by_key(&seq, |s| s.seq).ok(),
+            };
+            let Some(slot) = at.and_then(|i| self.recv.remove(i)) else { return false };
+            wc.wr_id = slot.user_wr_id;
+            return true;
+        }
+        let fifo = &mut self.send;
         let mut found = false;
         while let Some(front) = fifo.front() {
             if front.seq > seq {
@@ -97,9 +111,7 @@ impl Queues {
             }
             // An earlier unsignalled request, retired by this later completion.
         }
-        if !recv {
-            self.send_len.store(self.send.len(), Ordering::Relaxed);
-        }
+        self.send_len.store(self.send.len(), Ordering::Relaxed);
         found
     }
 
@@ -180,5 +192,27 @@ mod tests {
         assert_eq!(wc.wr_id, 9);
         let mut stray = WorkCompletion { wr_id: 999, ..Default::default() };
         assert!(!inf.lock().complete(&mut stray));
+    }
+
+    /// A later receive's completion (a flush) reaped before an earlier one's leaves the
+    /// earlier slot, and its region, held; the earlier completion still finds its slot.
+    #[test]
+    fn a_receive_completion_retires_its_own_slot_only() {
+        let inf = Inflight::new(1, 4);
+        let ids: Vec<u64> = {
+            let mut q = inf.q.lock().unwrap();
+            (0..3).map(|i| q.push_recv(10 + i, None).unwrap()).collect()
+        };
+        let mut later = WorkCompletion { wr_id: ids[1], ..Default::default() };
+        assert!(inf.lock().complete(&mut later));
+        assert_eq!((later.wr_id, inf.outstanding()), (11, (0, 2)));
+        let mut first = WorkCompletion { wr_id: ids[0], ..Default::default() };
+        assert!(inf.lock().complete(&mut first));
+        assert_eq!((first.wr_id, inf.outstanding()), (10, (0, 1)));
+        let mut again = WorkCompletion { wr_id: ids[1], ..Default::default() };
+        assert!(!inf.lock().complete(&mut again), "a slot retires once");
+        let mut last = WorkCompletion { wr_id: ids[2], ..Default::default() };
+        assert!(inf.lock().complete(&mut last));
+        assert_eq!((last.wr_id, inf.outstanding()), (12, (0, 0)));
     }
 }

@@ -211,7 +211,7 @@ impl UmrBackend {
             PdBackend::Soft(pd_id) => {
                 let dev = soft_device(pd.context())?;
                 let key = dev.mrs.register_indirect(*pd_id, base, len, access);
-                (MrBackend::Soft { device: dev.clone(), key }, key)
+                (MrBackend::Soft { device: dev.clone(), key, drain: None }, key)
             }
             #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
@@ -304,7 +304,7 @@ impl UmrBackend {
                     })?;
                 let (key, base, len) =
                     dev.mrs.alias_of(*pd_id, &owner.mrs, vhca_id, mkey, access_key, access)?;
-                ((MrBackend::Soft { device: dev.clone(), key }, key), (base, len))
+                ((MrBackend::Soft { device: dev.clone(), key, drain: None }, key), (base, len))
             }
             #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
@@ -321,7 +321,7 @@ impl UmrBackend {
     /// Opens indirect key `key` to other vHCAs.
     fn allow_other_vhca_access(key: &MemoryRegion, access_key: &[u8; ACCESS_KEY_LEN]) -> Result<()> {
         match &key.inner.backend {
-            MrBackend::Soft { device, key: k } => device.mrs.allow_cross_vhca(*k, *access_key),
+            MrBackend::Soft { device, key: k, .. } => device.mrs.allow_cross_vhca(*k, *access_key),
             #[cfg(rdmakit_verbs)]
             MrBackend::VerbsMkey(mk) => mk.allow_other_vhca_access(access_key),
             #[cfg(rdmakit_verbs)]

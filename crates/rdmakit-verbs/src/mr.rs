@@ -125,6 +125,11 @@ impl HostBuffer {
         Some(HostBuffer { ptr, len, owner: Owner::File(f) })
     }
 
+    /// Whether the memory is the caller's ([`ProtectionDomain::register_raw`]).
+    pub(crate) fn is_external(&self) -> bool {
+        matches!(self.owner, Owner::External)
+    }
+
     /// The region's memfd, if it has one.
     pub(crate) fn file(&self) -> Option<&crate::soft::direct::RegionFile> {
         match &self.owner {
@@ -212,6 +217,9 @@ pub(crate) enum MrBackend {
     Soft {
         device: Arc<crate::soft::SoftDevice>,
         key: u32,
+        /// For memory the caller owns ([`ProtectionDomain::register_raw`]): signalled when
+        /// the soft NIC lets go of the key's entry (see [`Drain`]).
+        drain: Option<Arc<Drain>>,
     },
     #[cfg(rdmakit_verbs)]
     Verbs(crate::rdma::Mr),
@@ -224,6 +232,55 @@ pub(crate) enum MrBackend {
     /// An mlx5 mkey alias of another vHCA's key (`crate::mlx5`), destroyed when dropped.
     #[cfg(rdmakit_verbs)]
     VerbsAlias(crate::rdma::mlx5dv::Alias),
+}
+
+/// Deregistration fencing for memory rdmakit does not own. The soft NIC reaches a region's
+/// bytes through its key's entry, which every access in progress holds (a peer's write
+/// landing, a send's payload on its way to a socket); for memory rdmakit owns, the entry
+/// keeps the bytes alive on its own. For the caller's memory it cannot, so deregistration
+/// waits until the entry is gone, as `ibv_dereg_mr` returns only once the NIC no longer
+/// reaches the memory.
+pub(crate) struct Drain {
+    gone: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+/// What the key's entry holds instead of the buffer alone: signals [`Drain`] when dropped.
+struct DrainOnDrop {
+    _buf: Arc<HostBuffer>,
+    drain: Arc<Drain>,
+}
+
+impl Drop for DrainOnDrop {
+    fn drop(&mut self) {
+        *self.drain.gone.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.drain.cv.notify_all();
+    }
+}
+
+impl Drain {
+    /// Blocks until the entry is gone. An access in progress ends by itself or within the
+    /// wire's timeouts (a stalled peer's frame, an unread socket); a warning says when the
+    /// wait is long.
+    fn wait(&self) {
+        let start = std::time::Instant::now();
+        let mut warned = false;
+        let mut gone = self.gone.lock().unwrap_or_else(|e| e.into_inner());
+        while !*gone {
+            let (g, _) = self
+                .cv
+                .wait_timeout(gone, std::time::Duration::from_secs(1))
+                .unwrap_or_else(|e| e.into_inner());
+            gone = g;
+            if !*gone && !warned {
+                warned = true;
+                tracing::warn!(
+                    waited = ?start.elapsed(),
+                    "deregistering caller-owned memory waits for the soft NIC's accesses in progress"
+                );
+            }
+        }
+    }
 }
 
 /// Fields drop in order: deregistration (`backend`) before the memory (`mem`) before the
@@ -277,11 +334,21 @@ impl MrBackend {
                 let Some(device) = pd.context().backend().soft() else {
                     unreachable!("soft PD on a soft context")
                 };
-                let keep: Arc<dyn Any + Send + Sync> = buf.clone();
-                // SAFETY: `ptr` is valid for `len` bytes while `keep` (the buffer) lives, and
-                // rdmakit accesses registered memory only through `shared_mem`.
+                // The caller's memory outlives the key's entry only if deregistration waits
+                // for it ([`Drain`]); memory rdmakit owns is kept alive by the entry itself.
+                let (keep, drain): (Arc<dyn Any + Send + Sync>, _) = if buf.is_external() {
+                    let drain =
+                        Arc::new(Drain { gone: std::sync::Mutex::new(false), cv: Default::default() });
+                    (Arc::new(DrainOnDrop { _buf: buf.clone(), drain: drain.clone() }), Some(drain))
+                } else {
+                    (buf.clone(), None)
+                };
+                // SAFETY: `ptr` is valid for `len` bytes while `keep` lives: it holds the
+                // buffer, and for the caller's memory deregistration waits until `keep` is
+                // dropped (the caller keeps the memory until then, `register_raw`'s
+                // contract); rdmakit accesses registered memory only through `shared_mem`.
                 let key = unsafe { device.mrs.register(*pd_id, ptr as u64, len as u64, access, ptr, keep) };
-                Ok((MrBackend::Soft { device: device.clone(), key }, key, key))
+                Ok((MrBackend::Soft { device: device.clone(), key, drain }, key, key))
             }
             #[cfg(rdmakit_verbs)]
             PdBackend::Verbs(vpd) => {
@@ -310,7 +377,7 @@ impl MrBackend {
                 // SAFETY: `ptr..ptr+len` lies inside the DM allocation (the caller checked),
                 // which `keep` holds; DM bytes are accessed only through `shared_mem`.
                 let key = unsafe { sdm.device.mrs.register(*pd_id, 0, len, access, ptr, keep) };
-                Ok((MrBackend::Soft { device: sdm.device.clone(), key }, key, key))
+                Ok((MrBackend::Soft { device: sdm.device.clone(), key, drain: None }, key, key))
             }
             #[cfg(rdmakit_verbs)]
             (PdBackend::Verbs(vpd), DmBackend::Verbs(vdm)) => {
@@ -356,9 +423,12 @@ impl MrBackend {
     /// still reach the memory.
     fn release(&self) -> std::result::Result<(), &'static str> {
         let (done, call) = match self {
-            MrBackend::Soft { device, key } => {
+            MrBackend::Soft { device, key, drain } => {
                 // Nothing outside the soft NIC reaches the memory: a key already gone is fine.
                 device.mrs.deregister(*key);
+                if let Some(d) = drain {
+                    d.wait();
+                }
                 (true, "")
             }
             #[cfg(rdmakit_verbs)]

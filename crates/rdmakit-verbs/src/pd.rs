@@ -106,6 +106,10 @@ impl ProtectionDomain {
     /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise): the soft NIC and the
     /// region's copy calls move whole aligned words.
     ///
+    /// Dropping the region's last handle deregisters it and returns once no NIC access
+    /// reaches the memory any more, as `ibv_dereg_mr` does: on the soft NIC it waits for
+    /// a peer's access already in progress (a write still landing) to finish.
+    ///
     /// # Safety
     /// - `addr..addr + len` is allocated, readable and writable, and stays so until this region
     ///   and every clone of it (including those held by in-flight work requests) is dropped.
