@@ -614,18 +614,18 @@ impl Inner {
             None => return,
             Some(Event::Malformed(e)) => {
                 // Handles are independent: a bad message is the peer's loss, not the endpoint's.
-                tracing::warn!(error = %e, "put endpoint: ignoring a malformed control message");
+                rdmakit_verbs::warn_limited!(error = %e, "put endpoint: ignoring a malformed control message");
                 return;
             }
             Some(Event::Imm { .. }) => {
-                tracing::warn!("put endpoint: ignoring a write with immediate");
+                rdmakit_verbs::warn_limited!("put endpoint: ignoring a write with immediate");
                 return;
             }
         };
         match m {
             Message::Assoc { handle, ready, epoch } => {
                 let Some(e) = st.recv.get_mut(handle as usize).and_then(Option::as_mut) else {
-                    tracing::warn!(handle, "put endpoint: association with an unknown handle");
+                    rdmakit_verbs::warn_limited!(handle, "put endpoint: association with an unknown handle");
                     return;
                 };
                 // A new association counts its puts from zero, in its own epoch.
@@ -643,7 +643,9 @@ impl Inner {
                     e.epoch = None;
                 }
             }
-            other => tracing::warn!(message = ?other, "put endpoint: ignoring a message of another protocol"),
+            other => {
+                rdmakit_verbs::warn_limited!(message = ?other, "put endpoint: ignoring a message of another protocol")
+            }
         }
     }
 }
