@@ -18,7 +18,7 @@
 //!   Enumerations of values are modules of constants (`ibv_qp_state::IBV_QPS_RTS`), so a value
 //!   a newer library returns is never undefined behaviour; enumerations of flags are newtypes
 //!   (`ibv_access_flags(pub c_uint)`).
-//! * **mlx5 direct verbs** (`<infiniband/mlx5dv.h>`, libmlx5): [`mlx5dv`]. Its functions take
+//! * **mlx5 direct verbs** (`<infiniband/mlx5dv.h>`, libmlx5): the `mlx5dv` module (present when the bindings are). Its functions take
 //!   the root's types (`*mut rdmakit_sys::ibv_context`, ...), so the project has exactly one
 //!   `ibv_context`, `ibv_qp`, ... type.
 //!
