@@ -89,11 +89,11 @@ impl Queues {
         if recv {
             // The front on the fast path; a search (the slots are in sequence order) when a
             // later receive completed first.
-            let at = match self.recv.front() {
-                Some(front) if front.seq == seq => Some(0),
-                _ => self.recv.binary_search_by_key(&seq, |s| s.seq).ok(),
+            let slot = match self.recv.front() {
+                Some(front) if front.seq == seq => self.recv.pop_front(),
+                _ => self.recv.binary_search_by_key(&seq, |s| s.seq).ok().and_then(|i| self.recv.remove(i)),
             };
-            let Some(slot) = at.and_then(|i| self.recv.remove(i)) else { return false };
+            let Some(slot) = slot else { return false };
             wc.wr_id = slot.user_wr_id;
             return true;
         }
