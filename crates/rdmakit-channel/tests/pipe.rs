@@ -7,6 +7,8 @@ use rdmakit_channel::*;
 use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
 
+mod common;
+
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x1000_0000_01b3))
 }
@@ -484,28 +486,11 @@ async fn a_writer_needing_held_back_credit_waits_for_the_reader_to_return_it() {
     assert_eq!(g.to_vec().unwrap(), payload(1, 4096));
 }
 
-/// A log writer into a shared buffer (for the test below).
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// The same wait, long enough: the writer says once, in the log, that it waits for room the
 /// reader has not returned, and names the way out.
 #[test]
 fn a_writer_waiting_long_for_credit_says_so_once() {
-    let log = Captured::default();
-    let sink = log.clone();
-    let subscriber = tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).finish();
-    tracing::subscriber::with_default(subscriber, || {
+    let ((), text) = common::with_captured_log(|| {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let pd = Context::open_soft().alloc_pd().unwrap();
@@ -519,7 +504,6 @@ fn a_writer_waiting_long_for_credit_says_so_once() {
             assert!(blocked.await.is_err(), "the writer got room the reader had not returned");
         });
     });
-    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
     assert_eq!(text.matches("Pipe::return_credits").count(), 1, "log: {text}");
 }
 

@@ -53,3 +53,27 @@ pub fn heap_endpoints(
     let ((a, ca), (b, cb)) = qp_pair(pd, QpCaps::default());
     (HeapEndpoint::new(a, ca, limits, timeout).unwrap(), HeapEndpoint::new(b, cb, limits, timeout).unwrap())
 }
+
+/// A log writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` with this thread's log captured: what it returned, and the log's text.
+pub fn with_captured_log<R>(f: impl FnOnce() -> R) -> (R, String) {
+    let log = Captured::default();
+    let sink = log.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).finish();
+    let r = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    (r, text)
+}
