@@ -1170,6 +1170,11 @@ impl Inner {
                 if st.peer.is_some() {
                     return Err("a second hello".into());
                 }
+                // What a write with immediate can address (offsets in 8-byte units, 32 bits);
+                // growth keeps to it too (`HeapGrant`).
+                if ring.len > MAX_RING {
+                    return Err(format!("a ring of {} bytes, beyond 32 GiB", ring.len));
+                }
                 if ring.len > 0 {
                     // Deferred whatever the policy: the notification of each message is
                     // its block's notice, and frees come back as credits.

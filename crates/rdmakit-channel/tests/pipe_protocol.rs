@@ -378,3 +378,24 @@ async fn a_flood_of_credit_requests_neither_breaks_the_reader_nor_loses_its_free
         }
     }
 }
+
+/// A reader's hello offering a ring beyond the 32 GiB a write-with-immediate can address
+/// (offsets travel in 8-byte units in 32 bits) is refused at the hello; the writer once
+/// took it, then lost a block of the ring to every rwrite placed beyond 32 GiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_offering_a_ring_beyond_32_gib_is_refused() {
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa, ca, config()));
+    pipe_hello(&raw).await;
+    let hello = Message::PipeHello {
+        ring: RemoteRegion { addr: 1 << 40, len: 64 << 30, rkey: 7 },
+        mailbox: mailbox.remote(),
+        notify: NotifyMode::WriteImm,
+        slots: 4,
+        max_ring: 0,
+    };
+    send(&raw, &hello.encode());
+    let r = connecting.await.unwrap();
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{:?}", r.map(|_| ()));
+}
