@@ -81,13 +81,24 @@ impl Cq {
         let mut done = 0;
         while done < out.len() {
             let want = (out.len() - done).min(CHUNK);
-            let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::uninit();
+            // Zeroed, not uninitialised: a provider writes only the fields valid for each
+            // completion (mlx5 leaves `byte_len` of a write and everything but `wr_id`,
+            // `status` and `vendor_err` of an error unwritten).
+            let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::zeroed();
             // SAFETY: valid CQ; room for `want` ibv_wc entries.
             let n = unsafe { sys::ibv_poll_cq(self.cq.as_ptr(), want as i32, wcs.as_mut_ptr().cast()) };
-            let n = conv::count("ibv_poll_cq", n)?;
+            let n = match conv::count("ibv_poll_cq", n) {
+                Ok(n) => n,
+                // Completions already taken from the CQ must reach the caller (their requests'
+                // buffers are released when they are reaped): report them, and the error at
+                // the next poll.
+                Err(_) if done > 0 => break,
+                Err(e) => return Err(e),
+            };
             let base = wcs.as_ptr().cast::<sys::ibv_wc>();
             for i in 0..n {
-                // SAFETY: ibv_poll_cq initialised the first `n` entries.
+                // SAFETY: the array was zeroed (every ibv_wc field is a plain integer or a
+                // union of them, for which all-zero is valid), then written by the provider.
                 let wc = unsafe { &*base.add(i) };
                 out[done + i] = convert_wc(wc);
             }
@@ -106,7 +117,8 @@ impl Cq {
 
     /// Polls one completion: one `ibv_wc` on the stack, no batch loop.
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
-        let mut wc = MaybeUninit::<sys::ibv_wc>::uninit();
+        // Zeroed: see `poll`.
+        let mut wc = MaybeUninit::<sys::ibv_wc>::zeroed();
         // SAFETY: valid CQ; room for one ibv_wc.
         let n = unsafe { sys::ibv_poll_cq(self.cq.as_ptr(), 1, wc.as_mut_ptr()) };
         if conv::count("ibv_poll_cq", n)? == 0 {
@@ -114,7 +126,7 @@ impl Cq {
             return Ok(None);
         }
         self.found_some();
-        // SAFETY: ibv_poll_cq returned 1: it initialised the entry.
+        // SAFETY: zeroed (valid for every field), then written by the provider.
         Ok(Some(convert_wc(unsafe { wc.assume_init_ref() })))
     }
 
@@ -196,16 +208,67 @@ impl Drop for Cq {
     }
 }
 
+/// What rdmakit reports of a completion the provider wrote into a zeroed `ibv_wc`. Verbs
+/// defines only `wr_id`, `status`, `qp_num` and `vendor_err` of an error completion
+/// (ibv_poll_cq(3)), and a provider may leave the rest unwritten: `byte_len`, the flags
+/// and the immediate are taken from successful completions only, `vendor_err` from
+/// failed ones; `opcode` is what the provider left (0 where it wrote nothing).
 pub(super) fn convert_wc(wc: &sys::ibv_wc) -> WorkCompletion {
-    let with_imm = wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+    let ok = wc.status == sys::ibv_wc_status::IBV_WC_SUCCESS;
+    let with_imm = ok && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
     WorkCompletion {
         wr_id: wc.wr_id,
         status: WcStatus(wc.status),
         opcode: WcOpcode(wc.opcode),
-        byte_len: wc.byte_len,
+        byte_len: if ok { wc.byte_len } else { 0 },
         // SAFETY: reading the immediate member of a plain-integer union.
         imm: with_imm.then(|| u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data })),
         qp_num: wc.qp_num,
-        vendor_err: wc.vendor_err,
+        vendor_err: if ok { 0 } else { wc.vendor_err },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An `ibv_wc` with every byte `b`: fields a provider left unwritten hold garbage.
+    fn filled(b: u8) -> sys::ibv_wc {
+        let mut wc = MaybeUninit::<sys::ibv_wc>::zeroed();
+        // SAFETY: writing bytes into our own buffer; every field of ibv_wc is a plain integer
+        // (or a union of them), valid for any bytes.
+        unsafe {
+            std::ptr::write_bytes(wc.as_mut_ptr().cast::<u8>(), b, size_of::<sys::ibv_wc>());
+            wc.assume_init()
+        }
+    }
+
+    /// What mlx5 writes on an error completion: `wr_id`, `status`, `vendor_err` (and
+    /// `qp_num`, `wc_flags`); the rest is not reported as if it were data.
+    #[test]
+    fn an_error_completion_reports_only_what_verbs_defines() {
+        let mut wc = filled(0xa5);
+        wc.wr_id = 8;
+        wc.status = sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+        wc.vendor_err = 0x79;
+        wc.qp_num = 0x123;
+        wc.wc_flags = sys::ibv_wc_flags::IBV_WC_WITH_IMM.0;
+        let out = convert_wc(&wc);
+        assert_eq!(
+            (out.wr_id, out.status, out.qp_num, out.vendor_err),
+            (8, WcStatus::WR_FLUSH_ERR, 0x123, 0x79)
+        );
+        assert_eq!((out.byte_len, out.imm), (0, None), "unwritten fields of an error completion");
+    }
+
+    /// A successful completion carries no vendor syndrome, whatever the field holds.
+    #[test]
+    fn a_successful_completion_has_no_vendor_error() {
+        let mut wc = filled(0xa5);
+        wc.status = sys::ibv_wc_status::IBV_WC_SUCCESS;
+        wc.byte_len = 64;
+        wc.wc_flags = 0;
+        let out = convert_wc(&wc);
+        assert_eq!((out.vendor_err, out.byte_len, out.imm), (0, 64, None));
     }
 }
