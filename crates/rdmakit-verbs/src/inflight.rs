@@ -22,6 +22,19 @@ use crate::wc::WorkCompletion;
 
 /// Bit 63 of the provider-visible `wr_id` marks receive requests.
 const RECV_BIT: u64 = 1 << 63;
+/// Bits 52 to 62: the table's tag, a number drawn per table (per QP), so that a completion
+/// left in a shared CQ by a destroyed QP whose number a new QP took (rxe neither purges the
+/// CQ on `ibv_destroy_qp` nor avoids reusing numbers) matches none of the new QP's slots.
+const TAG_SHIFT: u32 = 52;
+const TAG_MASK: u64 = 0x7ff << TAG_SHIFT;
+/// Bits 0 to 51: the request's sequence number (2^52 requests per QP).
+const SEQ_MASK: u64 = (1 << TAG_SHIFT) - 1;
+
+/// The next table's tag.
+fn next_tag() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    (NEXT.fetch_add(1, Ordering::Relaxed) << TAG_SHIFT) & TAG_MASK
+}
 
 struct Slot {
     seq: u64,
@@ -34,6 +47,8 @@ pub(crate) struct Queues {
     send: VecDeque<Slot>,
     recv: VecDeque<Slot>,
     next_seq: u64,
+    /// This table's tag, in every provider `wr_id` it hands out.
+    tag: u64,
     max_send: u32,
     max_recv: u32,
     /// `send.len()`, for [`Inflight::outstanding_sends`]: stored under the lock after
@@ -56,6 +71,7 @@ impl Inflight {
                 send: VecDeque::with_capacity(max_send as usize),
                 recv: VecDeque::with_capacity(max_recv as usize),
                 next_seq: 1,
+                tag: next_tag(),
                 max_send,
                 max_recv,
             }),
@@ -85,7 +101,10 @@ impl Queues {
     /// retires. Returns false if no slot matched (a completion of a destroyed QP).
     pub fn complete(&mut self, wc: &mut WorkCompletion) -> bool {
         let recv = wc.wr_id & RECV_BIT != 0;
-        let seq = wc.wr_id & !RECV_BIT;
+        if wc.wr_id & TAG_MASK != self.tag {
+            return false; // another table's (a destroyed QP's)
+        }
+        let seq = wc.wr_id & SEQ_MASK;
         if recv {
             // The front on the fast path; a search (the slots are in sequence order) when a
             // later receive completed first.
@@ -97,22 +116,20 @@ impl Queues {
             wc.wr_id = slot.user_wr_id;
             return true;
         }
-        let fifo = &mut self.send;
-        let mut found = false;
-        while let Some(front) = fifo.front() {
-            if front.seq > seq {
-                break;
-            }
-            let slot = fifo.pop_front().expect("front exists");
-            if slot.seq == seq {
-                wc.wr_id = slot.user_wr_id;
-                found = true;
-                break;
-            }
-            // An earlier unsignalled request, retired by this later completion.
-        }
+        // The completion retires the unsignalled requests before it, but only once it is
+        // known to be one of this table's: a completion matching no slot retires nothing.
+        let at = match self.send.front() {
+            Some(front) if front.seq == seq => 0,
+            _ => match self.send.binary_search_by_key(&seq, |s| s.seq) {
+                Ok(i) => i,
+                Err(_) => return false,
+            },
+        };
+        self.send.drain(..at); // earlier unsignalled requests
+        let slot = self.send.pop_front().expect("the slot found");
+        wc.wr_id = slot.user_wr_id;
         self.send_len.store(self.send.len(), Ordering::Relaxed);
-        found
+        true
     }
 
     /// Reserves a send slot; returns the provider `wr_id`.
@@ -121,10 +138,10 @@ impl Queues {
             return Err(Error::QueueFull { queue: "send", depth: self.max_send });
         }
         let seq = self.next_seq;
-        self.next_seq += 1;
+        self.next_seq = (seq + 1) & SEQ_MASK;
         self.send.push_back(Slot { seq, user_wr_id, _mr: mr });
         self.send_len.store(self.send.len(), Ordering::Relaxed);
-        Ok(seq)
+        Ok(seq | self.tag)
     }
 
     /// Reserves a receive slot; returns the provider `wr_id`.
@@ -133,9 +150,9 @@ impl Queues {
             return Err(Error::QueueFull { queue: "receive", depth: self.max_recv });
         }
         let seq = self.next_seq;
-        self.next_seq += 1;
+        self.next_seq = (seq + 1) & SEQ_MASK;
         self.recv.push_back(Slot { seq, user_wr_id, _mr: mr });
-        Ok(seq | RECV_BIT)
+        Ok(seq | self.tag | RECV_BIT)
     }
 
     /// Drops the newest `n` send slots (requests the provider refused).
@@ -192,6 +209,27 @@ mod tests {
         assert_eq!(wc.wr_id, 9);
         let mut stray = WorkCompletion { wr_id: 999, ..Default::default() };
         assert!(!inf.lock().complete(&mut stray));
+    }
+
+    /// A completion matching no slot of this table (a destroyed QP's, left in a shared CQ,
+    /// with a sequence number beyond this QP's, or another table's tag) retires nothing:
+    /// the requests in flight keep their buffers.
+    #[test]
+    fn a_completion_matching_no_slot_retires_nothing() {
+        let (inf, other) = (Inflight::new(8, 8), Inflight::new(8, 8));
+        let ids: Vec<u64> = {
+            let mut q = inf.lock();
+            (0..3).map(|i| q.push_send(100 + i, None).unwrap()).collect()
+        };
+        let theirs = other.lock().push_send(7, None).unwrap();
+        for stale in [ids[2] + 47, theirs, theirs | RECV_BIT] {
+            let mut wc = WorkCompletion { wr_id: stale, ..Default::default() };
+            assert!(!inf.lock().complete(&mut wc), "{stale:#x} matched");
+            assert_eq!(inf.outstanding(), (3, 0), "a stale completion ({stale:#x}) retired requests");
+        }
+        let mut wc = WorkCompletion { wr_id: ids[2], ..Default::default() };
+        assert!(inf.lock().complete(&mut wc));
+        assert_eq!((wc.wr_id, inf.outstanding()), (102, (0, 0)));
     }
 
     /// A later receive's completion (a flush) reaped before an earlier one's leaves the
