@@ -400,7 +400,14 @@ impl UmrBackend {
 fn bind_entries(umr: &UmrBackend, key: &MemoryRegion, entries: &[KsmEntry]) -> Result<()> {
     let raw = raw_entries(key.pd(), entries)?;
     let mut bound = state(key).bound.lock().unwrap_or_else(|e| e.into_inner());
-    umr.bind(key, &raw)?;
+    if let Err(e) = umr.bind(key, &raw) {
+        if matches!(e, Error::Timeout(_)) {
+            // The UMR may still execute: until the key is destroyed it may map the new
+            // entries as well as the old ones, so it holds both.
+            bound.extend(entries.iter().map(|e| e.region.clone()));
+        }
+        return Err(e);
+    }
     *bound = entries.iter().map(|e| e.region.clone()).collect();
     Ok(())
 }

@@ -120,14 +120,18 @@ pub(crate) struct UmrQp {
     qpx: NonNull<sys::ibv_qp_ex>,
     mqpx: NonNull<dv::mlx5dv_qp_ex>,
     cq: Cq,
+    /// The `wr_id` of the next request: a completion is matched to its own request, so a
+    /// late one (of a request that timed out) is never taken for the next request's.
+    next_id: std::cell::Cell<u64>,
+    /// Why the queue takes no more work: a request timed out (it may still execute, so
+    /// whether a key is bound is unknown) or failed (the QP is in the error state).
+    broken: std::cell::Cell<Option<&'static str>>,
 }
 
-// SAFETY: posting is serialised by the safe layer's `UmrQueue` (one `&self` call at a time
-// through a mutex); the QP and CQ are thread-safe verbs objects.
+// SAFETY: the QP and CQ are thread-safe verbs objects, and the raw pointers are views of the
+// QP; `UmrQp` is not `Sync` (its cells), so one thread at a time uses it (the safe layer
+// keeps it in a `Mutex`).
 unsafe impl Send for UmrQp {}
-// SAFETY: `&UmrQp` is only used under the `UmrQueue`'s mutex, one request at a time, and its QP
-// and CQ calls are thread-safe libibverbs calls.
-unsafe impl Sync for UmrQp {}
 
 impl UmrQp {
     fn create(ctx: &super::Context, pd: &Arc<PdShared>, max_entries: u16) -> Result<UmrQp> {
@@ -182,10 +186,30 @@ impl UmrQp {
         qp.modify_to_rtr(&me, &opts)?;
         qp.modify_to_rts(&opts, 0)?;
         let max_entries = (qp.caps.max_inline_data / KLM_ENTRY_BYTES) as usize;
-        Ok(UmrQp { _qp: qp, max_entries, qpx, mqpx, cq })
+        Ok(UmrQp {
+            _qp: qp,
+            max_entries,
+            qpx,
+            mqpx,
+            cq,
+            next_id: std::cell::Cell::new(1),
+            broken: std::cell::Cell::new(None),
+        })
     }
 
-    /// Binds `mkey` to the entries, zero-based, and waits.
+    /// Refuses work once the queue is broken; otherwise the next request's `wr_id`.
+    fn next_request(&self) -> Result<u64> {
+        if let Some(why) = self.broken.get() {
+            return Err(Error::Unsupported(format!("the PD's UMR queue is out of service: {why}")));
+        }
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        Ok(id)
+    }
+
+    /// Binds `mkey` to the entries, zero-based, and waits. On [`Error::Timeout`] the UMR may
+    /// still execute: the caller must keep the entries' regions (and the key's current
+    /// ones) registered for good.
     pub fn bind(&self, mkey: &Mkey, access: AccessFlags, entries: &[RawKsm]) -> Result<()> {
         let mut sges = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
@@ -202,6 +226,7 @@ impl UmrQp {
         }
         let n =
             u16::try_from(sges.len()).map_err(|_| Error::InvalidArgument("too many UMR entries".into()))?;
+        let id = self.next_request()?;
         let qpx = self.qpx.as_ptr();
         // SAFETY: an RTS QP with MR_LIST send ops; `sges` lives across the post (the UMR
         // WQE copies the list, inline); the mkey is valid. wr_start/wr_complete bracket one
@@ -210,7 +235,7 @@ impl UmrQp {
             let start = (*qpx).wr_start.ok_or_else(|| Error::Unsupported("no wr_start".into()))?;
             let complete = (*qpx).wr_complete.ok_or_else(|| Error::Unsupported("no wr_complete".into()))?;
             start(qpx);
-            (*qpx).wr_id = 1;
+            (*qpx).wr_id = id;
             (*qpx).wr_flags =
                 sys::ibv_send_flags::IBV_SEND_SIGNALED.0 | sys::ibv_send_flags::IBV_SEND_INLINE.0;
             dv::mlx5dv_wr_mr_list(
@@ -223,11 +248,13 @@ impl UmrQp {
             complete(qpx)
         };
         super::conv::errno_ret("mlx5dv_wr_mr_list", rc)?;
-        self.wait("UMR")
+        self.wait("UMR", id)
     }
 
-    /// Invalidates `mkey` (`IBV_WR_LOCAL_INV`) and waits.
+    /// Invalidates `mkey` (`IBV_WR_LOCAL_INV`) and waits. On [`Error::Timeout`] the key may
+    /// still map its regions: the caller keeps them registered for good.
     pub fn invalidate(&self, mkey: &Mkey) -> Result<()> {
+        let id = self.next_request()?;
         let qpx = self.qpx.as_ptr();
         // SAFETY: an RTS QP created with LOCAL_INV send ops; the mkey is valid.
         let rc = unsafe {
@@ -235,28 +262,45 @@ impl UmrQp {
             let inv = (*qpx).wr_local_inv.ok_or_else(|| Error::Unsupported("no wr_local_inv".into()))?;
             let complete = (*qpx).wr_complete.ok_or_else(|| Error::Unsupported("no wr_complete".into()))?;
             start(qpx);
-            (*qpx).wr_id = 2;
+            (*qpx).wr_id = id;
             (*qpx).wr_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
             inv(qpx, mkey.lkey());
             complete(qpx)
         };
         super::conv::errno_ret("ibv_wr_local_inv", rc)?;
-        self.wait("LOCAL_INV")
+        self.wait("LOCAL_INV", id)
     }
 
-    fn wait(&self, what: &'static str) -> Result<()> {
+    /// Waits for request `id`'s completion. Completions of earlier requests (late ones, of
+    /// requests that timed out: the queue is broken then, so none should come) are skipped.
+    fn wait(&self, what: &'static str, id: u64) -> Result<()> {
         let start = Instant::now();
         let mut wc = [WorkCompletion::default(); 1];
         loop {
             if self.cq.poll(&mut wc)? == 1 {
-                return if wc[0].status == WcStatus::SUCCESS {
-                    Ok(())
-                } else {
-                    Err(Error::Completion { status: wc[0].status, wr_id: wc[0].wr_id, opcode: wc[0].opcode })
-                };
+                if wc[0].wr_id != id {
+                    tracing::warn!(
+                        what,
+                        wr_id = wc[0].wr_id,
+                        id,
+                        "UMR queue: a completion of another request"
+                    );
+                    continue;
+                }
+                if wc[0].status == WcStatus::SUCCESS {
+                    return Ok(());
+                }
+                // An RC error moves the self-connected QP to the error state for good.
+                self.broken.set(Some("a UMR or LOCAL_INV request failed"));
+                return Err(Error::Completion {
+                    status: wc[0].status,
+                    wr_id: wc[0].wr_id,
+                    opcode: wc[0].opcode,
+                });
             }
             if start.elapsed() > UMR_TIMEOUT {
-                tracing::error!(what, "UMR queue: no completion");
+                tracing::error!(what, "UMR queue: no completion; the queue takes no more work");
+                self.broken.set(Some("a UMR or LOCAL_INV request timed out"));
                 return Err(Error::Timeout(UMR_TIMEOUT));
             }
             std::hint::spin_loop();
