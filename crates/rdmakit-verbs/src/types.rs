@@ -130,6 +130,8 @@ pub struct DeviceAttr {
     pub max_sge: u32,
     /// Most outstanding RDMA reads/atomics a QP may have as responder.
     pub max_qp_rd_atom: u32,
+    /// Most outstanding RDMA reads/atomics a QP may initiate.
+    pub max_qp_init_rd_atom: u32,
     /// Atomic support: 0 none, 1 HCA-atomic, 2 global.
     pub atomic_cap: u32,
     /// Device memory available for `ibv_alloc_dm` (0: none).

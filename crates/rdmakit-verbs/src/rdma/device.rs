@@ -71,7 +71,11 @@ pub(super) fn device_name(dev: *mut sys::ibv_device) -> String {
 pub(super) struct Device {
     pub(super) ctx: NonNull<sys::ibv_context>,
     pub(super) name: String,
+    /// Responder depth: most RDMA reads and atomics a QP of this device serves at once
+    /// (`max_dest_rd_atomic`'s limit).
     pub(super) max_qp_rd_atom: u8,
+    /// Initiator depth: most a QP of this device has outstanding (`max_rd_atomic`'s limit).
+    pub(super) max_qp_init_rd_atom: u8,
     /// CQs that reported `IBV_EVENT_CQ_ERR` (overrun), by address.
     pub(super) overrun: Mutex<HashSet<usize>>,
 }
@@ -267,12 +271,19 @@ impl Context {
             // SAFETY: `dev` is from the live list; opening does not need the list afterwards.
             None => nonnull("ibv_open_device", unsafe { sys::ibv_open_device(dev) })?,
         };
+        // Owned (closed on drop) before anything else can fail.
+        let mut device = Device {
+            ctx,
+            name: dev_name,
+            max_qp_rd_atom: 1,
+            max_qp_init_rd_atom: 1,
+            overrun: Mutex::new(HashSet::new()),
+        };
         // SAFETY: the context is open; its async_fd is a valid descriptor we may set flags on.
-        unsafe { conv::set_nonblocking((*ctx.as_ptr()).async_fd) }?;
-        let mut device =
-            Device { ctx, name: dev_name, max_qp_rd_atom: 1, overrun: Mutex::new(HashSet::new()) };
+        unsafe { conv::set_nonblocking((*device.ctx.as_ptr()).async_fd) }?;
         let attr = query_device(&device)?;
         device.max_qp_rd_atom = attr.max_qp_rd_atom.min(255) as u8;
+        device.max_qp_init_rd_atom = attr.max_qp_init_rd_atom.min(255) as u8;
         Ok(Context { dev: Arc::new(device) })
     }
 
@@ -329,6 +340,7 @@ pub(super) fn query_device(dev: &Device) -> Result<DeviceAttr> {
         max_cqe: attr.max_cqe.max(0) as u32,
         max_sge: attr.max_sge.max(0) as u32,
         max_qp_rd_atom: attr.max_qp_rd_atom.max(0) as u32,
+        max_qp_init_rd_atom: attr.max_qp_init_rd_atom.max(0) as u32,
         atomic_cap: attr.atomic_cap,
         max_dm_size,
         phys_port_cnt: attr.phys_port_cnt,

@@ -160,7 +160,9 @@ impl Qp {
         attr.path_mtu = opts.mtu.map_or(port.active_mtu, |mtu| mtu as u32);
         attr.dest_qp_num = remote.qp_num;
         attr.rq_psn = remote.psn;
-        attr.max_dest_rd_atomic = opts.max_rd_atomic.min(self.dev().max_qp_rd_atom).max(1);
+        // At least 1 (a read needs a responder resource), within the device's responder
+        // limit (a device reporting 0 gets 0: it serves no reads).
+        attr.max_dest_rd_atomic = opts.max_rd_atomic.max(1).min(self.dev().max_qp_rd_atom);
         attr.min_rnr_timer = opts.min_rnr_timer;
         attr.ah_attr.port_num = opts.port_num;
         attr.ah_attr.dlid = remote.lid;
@@ -191,7 +193,8 @@ impl Qp {
         attr.timeout = opts.timeout;
         attr.retry_cnt = opts.retry_cnt.min(7);
         attr.rnr_retry = opts.rnr_retry.min(7);
-        attr.max_rd_atomic = opts.max_rd_atomic.min(self.dev().max_qp_rd_atom).max(1);
+        // The initiator depth, within the device's initiator limit (`max_qp_init_rd_atom`).
+        attr.max_rd_atomic = opts.max_rd_atomic.max(1).min(self.dev().max_qp_init_rd_atom);
         let mask = m::IBV_QP_STATE.0
             | m::IBV_QP_TIMEOUT.0
             | m::IBV_QP_RETRY_CNT.0

@@ -351,6 +351,7 @@ impl SoftDevice {
             max_cqe: self.config.max_cqe,
             max_sge: 1,
             max_qp_rd_atom: 16,
+            max_qp_init_rd_atom: 16,
             atomic_cap: 1,
             max_dm_size: self.config.dm_capacity,
             phys_port_cnt: 1,
