@@ -142,7 +142,9 @@ impl DeviceMemory {
         }
     }
 
-    /// Copies `data` into device memory at `offset` (`ibv_memcpy_to_dm`).
+    /// Copies `data` into device memory at `offset` (`ibv_memcpy_to_dm`). On mlx5 the
+    /// offset and length must be multiples of 4 (the device moves 32-bit words);
+    /// [`Error::InvalidArgument`] otherwise.
     #[doc(alias = "ibv_memcpy_to_dm")]
     pub fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.check(offset, data.len())?;
@@ -150,7 +152,8 @@ impl DeviceMemory {
         unsafe { self.inner.backend.copy_to(offset, data) }
     }
 
-    /// Copies from device memory at `offset` into `out` (`ibv_memcpy_from_dm`).
+    /// Copies from device memory at `offset` into `out` (`ibv_memcpy_from_dm`), with the
+    /// same rule as [`copy_to`](Self::copy_to) on mlx5.
     #[doc(alias = "ibv_memcpy_from_dm")]
     pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check(offset, out.len())?;

@@ -48,25 +48,66 @@ impl Dm {
         }
     }
 
+    /// Copies `data` in at `offset`, through a buffer of whole 4-byte words (see [`words`]).
     pub fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: valid DM; bounds checked by the safe layer; `data` is a valid source.
+        let mut buf = words(offset, data.len())?;
+        // SAFETY: `buf` holds at least `data.len()` bytes (whole words); the two don't overlap.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_mut_ptr().cast::<u8>(), data.len()) };
+        // SAFETY: valid DM; bounds checked by the safe layer; `buf` is a 4-aligned source of
+        // `data.len()` bytes.
         errno_ret("ibv_memcpy_to_dm", unsafe {
-            sys::ibv_memcpy_to_dm(self.dm.as_ptr(), offset, data.as_ptr().cast(), data.len())
+            sys::ibv_memcpy_to_dm(self.dm.as_ptr(), offset, buf.as_ptr().cast(), data.len())
         })
     }
 
+    /// Copies out from `offset`, through a buffer of whole 4-byte words (see [`words`]).
     pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: valid DM; bounds checked by the safe layer; `out` is a valid, writable
+        let mut buf = words(offset, out.len())?;
+        // SAFETY: valid DM; bounds checked by the safe layer; `buf` is a 4-aligned, writable
         // destination of `out.len()` bytes.
         errno_ret("ibv_memcpy_from_dm", unsafe {
-            sys::ibv_memcpy_from_dm(out.as_mut_ptr().cast(), self.dm.as_ptr(), offset, out.len())
-        })
+            sys::ibv_memcpy_from_dm(buf.as_mut_ptr().cast(), self.dm.as_ptr(), offset, out.len())
+        })?;
+        // SAFETY: `buf` holds at least `out.len()` bytes, just written; no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().cast::<u8>(), out.as_mut_ptr(), out.len()) };
+        Ok(())
     }
+}
+
+/// A 4-aligned buffer for a copy of `len` bytes at `offset`, which must be whole 4-byte
+/// words at a 4-byte offset: mlx5 reads and writes device memory a 32-bit word at a time,
+/// through the host buffer as `uint32_t *`, and refuses anything else (`EINVAL`).
+fn words(offset: u64, len: usize) -> Result<Vec<u32>> {
+    if !offset.is_multiple_of(4) || !len.is_multiple_of(4) {
+        return Err(Error::InvalidArgument(format!(
+            "device memory copy of {len} bytes at offset {offset}: the device moves whole 4-byte words at 4-byte offsets"
+        )));
+    }
+    Ok(vec![0u32; len / 4])
 }
 
 impl Drop for Dm {
     fn drop(&mut self) {
         // SAFETY: allocated by ibv_alloc_dm; regions on it hold the public DM, so none is left.
         released("ibv_free_dm", &self.dev.name, unsafe { sys::ibv_free_dm(self.dm.as_ptr()) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// mlx5 moves device memory in 32-bit words through a `uint32_t *` host buffer: a copy
+    /// at an odd offset or of a partial word is refused with a clear error before the call,
+    /// and the host side is always a 4-aligned buffer.
+    #[test]
+    fn device_memory_copies_are_whole_aligned_words() {
+        for (offset, len) in [(2, 8), (4, 6), (1, 3)] {
+            assert!(matches!(words(offset, len), Err(Error::InvalidArgument(_))), "{offset}+{len}");
+        }
+        let buf = words(8, 16).unwrap();
+        assert_eq!(buf.len(), 4);
+        assert!((buf.as_ptr() as usize).is_multiple_of(4));
+        assert!(words(0, 0).unwrap().is_empty());
     }
 }
