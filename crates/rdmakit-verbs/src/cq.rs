@@ -36,7 +36,7 @@ pub(crate) struct CqInner {
     pub(crate) ctx: Context,
     capacity: u32,
     #[cfg(feature = "async")]
-    async_fd: std::sync::OnceLock<tokio::io::unix::AsyncFd<RawFdHandle>>,
+    async_fd: Registered<RawFdHandle>,
 }
 
 pub(crate) enum CqBackend {
@@ -137,7 +137,7 @@ impl CompletionQueue {
                 ctx: ctx.clone(),
                 capacity,
                 #[cfg(feature = "async")]
-                async_fd: std::sync::OnceLock::new(),
+                async_fd: Registered::default(),
             }),
         })
     }
@@ -304,22 +304,22 @@ impl CompletionQueue {
 
     #[cfg(feature = "async")]
     fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<RawFdHandle>> {
-        if let Some(a) = self.inner.async_fd.get() {
-            return Ok(a);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::InvalidArgument("CompletionQueue::next needs a tokio runtime".into()));
-        }
-        let fd = self.inner.backend.fd()?;
-        // SAFETY: the fd is the CQ provider's (channel or eventfd), closed only when `CqInner`
-        // drops, whose `Drop` drops this `AsyncFd` first (a leak leaks both): it stays open.
-        let afd = unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(RawFdHandle(fd), tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })?;
-        // A racing caller may have set it first; theirs wins and ours deregisters on drop.
-        let _ = self.inner.async_fd.set(afd);
-        Ok(self.inner.async_fd.get().expect("just set"))
+        self.inner.async_fd.get_or_register(|| {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return Err(Error::InvalidArgument("CompletionQueue::next needs a tokio runtime".into()));
+            }
+            let fd = self.inner.backend.fd()?;
+            // SAFETY: the fd is the CQ provider's (channel or eventfd), closed only when
+            // `CqInner` drops, whose `Drop` drops this `AsyncFd` first (a leak leaks both): it
+            // stays open.
+            unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    RawFdHandle(fd),
+                    tokio::io::Interest::READABLE,
+                )
+            }
+            .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })
+        })
     }
 
     pub(crate) fn register(&self, qpn: u32, inflight: Arc<Inflight>) {
@@ -328,6 +328,45 @@ impl CompletionQueue {
 
     pub(crate) fn unregister(&self, qpn: u32) {
         self.inner.qps.lock().expect("cq registry lock").remove(&qpn);
+    }
+}
+
+/// An fd registered with tokio's reactor by its first async wait, once: two first waits
+/// racing must not both register it (with one reactor, the second registration fails).
+#[cfg(feature = "async")]
+pub(crate) struct Registered<T: std::os::fd::AsRawFd> {
+    afd: std::sync::OnceLock<tokio::io::unix::AsyncFd<T>>,
+    init: Mutex<()>,
+}
+
+#[cfg(feature = "async")]
+impl<T: std::os::fd::AsRawFd> Default for Registered<T> {
+    fn default() -> Self {
+        Registered { afd: std::sync::OnceLock::new(), init: Mutex::new(()) }
+    }
+}
+
+#[cfg(feature = "async")]
+impl<T: std::os::fd::AsRawFd> Registered<T> {
+    /// The registration, made by `register` on first use (one caller at a time).
+    pub(crate) fn get_or_register(
+        &self,
+        register: impl FnOnce() -> Result<tokio::io::unix::AsyncFd<T>>,
+    ) -> Result<&tokio::io::unix::AsyncFd<T>> {
+        if let Some(a) = self.afd.get() {
+            return Ok(a);
+        }
+        let _one = self.init.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = self.afd.get() {
+            return Ok(a);
+        }
+        let afd = register()?;
+        Ok(self.afd.get_or_init(|| afd))
+    }
+
+    /// Takes the registration out (to drop it before the fd closes).
+    pub(crate) fn take(&mut self) -> Option<tokio::io::unix::AsyncFd<T>> {
+        self.afd.take()
     }
 }
 
@@ -374,5 +413,53 @@ mod tests {
         });
         let Some(soft) = cq.inner.backend.soft() else { unreachable!("a soft CQ") };
         assert_eq!(soft.waiters(), 0, "abandoned waits kept their wakers");
+    }
+
+    /// Two first waits racing on one reactor register the fd once: both get the same
+    /// registration (registering one fd twice with one epoll fails with `EEXIST`).
+    #[cfg(feature = "async")]
+    #[test]
+    fn racing_first_registrations_register_once() {
+        struct Fd(RawFd);
+        impl std::os::fd::AsRawFd for Fd {
+            fn as_raw_fd(&self) -> RawFd {
+                self.0
+            }
+        }
+        // SAFETY: a plain eventfd of our own, closed at the end of the test.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
+        assert!(fd >= 0);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        for _ in 0..50 {
+            let reg = Registered::<Fd>::default();
+            let barrier = std::sync::Barrier::new(2);
+            let got: Vec<usize> = std::thread::scope(|s| {
+                let racers: Vec<_> = (0..2)
+                    .map(|_| {
+                        s.spawn(|| {
+                            let _in_runtime = rt.enter();
+                            barrier.wait();
+                            let afd = reg.get_or_register(|| {
+                                std::thread::sleep(std::time::Duration::from_millis(2)); // widen the window
+                                // SAFETY: the eventfd stays open until every registration
+                                // is dropped (closed after the loop).
+                                unsafe {
+                                    tokio::io::unix::AsyncFd::register_with_interest(
+                                        Fd(fd),
+                                        tokio::io::Interest::READABLE,
+                                    )
+                                }
+                                .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })
+                            });
+                            afd.map(|a| a as *const _ as usize).unwrap()
+                        })
+                    })
+                    .collect();
+                racers.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            assert_eq!(got[0], got[1], "one registration");
+        }
+        // SAFETY: ours; every registration was dropped with its `Registered`.
+        unsafe { libc::close(fd) };
     }
 }

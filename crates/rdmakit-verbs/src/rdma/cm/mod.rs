@@ -307,7 +307,7 @@ struct CmId {
     channel: NonNull<sys::rdma_event_channel>,
     /// The channel's fd in tokio's reactor, registered by the first async wait.
     #[cfg(feature = "async")]
-    afd: std::sync::OnceLock<tokio::io::unix::AsyncFd<ChannelFd>>,
+    afd: crate::cq::Registered<ChannelFd>,
 }
 
 /// An event channel's fd as `AsyncFd` sees it; the channel owns and closes it.
@@ -348,7 +348,7 @@ impl CmId {
             id,
             channel,
             #[cfg(feature = "async")]
-            afd: std::sync::OnceLock::new(),
+            afd: Default::default(),
         }
     }
 
@@ -474,25 +474,21 @@ impl CmId {
     /// The channel's fd registered with tokio's reactor (once; needs a runtime).
     #[cfg(feature = "async")]
     fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<ChannelFd>> {
-        if let Some(a) = self.afd.get() {
-            return Ok(a);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::InvalidArgument("async rdma_cm calls need a tokio runtime".into()));
-        }
-        // SAFETY: the fd is the event channel's, closed only by `rdma_destroy_event_channel`
-        // in `CmId`'s `Drop`, which drops this `AsyncFd` first (a leaked `CmId` leaks both):
-        // it stays open while registered.
-        let afd = unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(
-                ChannelFd(self.fd()),
-                tokio::io::Interest::READABLE,
-            )
-        }
-        .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })?;
-        // A racing caller may have set it first; theirs wins and ours deregisters on drop.
-        let _ = self.afd.set(afd);
-        Ok(self.afd.get().expect("just set"))
+        self.afd.get_or_register(|| {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return Err(Error::InvalidArgument("async rdma_cm calls need a tokio runtime".into()));
+            }
+            // SAFETY: the fd is the event channel's, closed only by
+            // `rdma_destroy_event_channel` in `CmId`'s `Drop`, which drops this `AsyncFd` first
+            // (a leaked `CmId` leaks both): it stays open while registered.
+            unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    ChannelFd(self.fd()),
+                    tokio::io::Interest::READABLE,
+                )
+            }
+            .map_err(|e| Error::Os { call: "AsyncFd::register", source: e.into() })
+        })
     }
 
     /// The next event on this id's channel, awaited on tokio (the fd is non-blocking, so
