@@ -81,10 +81,13 @@ impl Cq {
         let mut done = 0;
         while done < out.len() {
             let want = (out.len() - done).min(CHUNK);
-            // Zeroed, not uninitialised: a provider writes only the fields valid for each
-            // completion (mlx5 leaves `byte_len` of a write and everything but `wr_id`,
-            // `status` and `vendor_err` of an error unwritten).
-            let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::zeroed();
+            // The `want` entries the provider may fill are zeroed, not left uninitialised: a
+            // provider writes only the fields valid for each completion (mlx5 leaves
+            // `byte_len` of a write and everything but `wr_id`, `status` and `vendor_err` of
+            // an error unwritten). Only those: a latency loop polls one at a time.
+            let mut wcs = MaybeUninit::<[sys::ibv_wc; CHUNK]>::uninit();
+            // SAFETY: `want <= CHUNK` entries of our own array.
+            unsafe { std::ptr::write_bytes(wcs.as_mut_ptr().cast::<sys::ibv_wc>(), 0, want) };
             // SAFETY: valid CQ; room for `want` ibv_wc entries.
             let n = unsafe { sys::ibv_poll_cq(self.cq.as_ptr(), want as i32, wcs.as_mut_ptr().cast()) };
             let n = match conv::count("ibv_poll_cq", n) {
@@ -97,8 +100,9 @@ impl Cq {
             };
             let base = wcs.as_ptr().cast::<sys::ibv_wc>();
             for i in 0..n {
-                // SAFETY: the array was zeroed (every ibv_wc field is a plain integer or a
-                // union of them, for which all-zero is valid), then written by the provider.
+                // SAFETY: `i < n <= want`: the entry was zeroed (every ibv_wc field is a plain
+                // integer or a union of them, for which all-zero is valid), then written by
+                // the provider.
                 let wc = unsafe { &*base.add(i) };
                 out[done + i] = convert_wc(wc);
             }
