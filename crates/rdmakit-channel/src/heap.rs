@@ -132,11 +132,21 @@ pub struct OwnerLimits {
     /// Most bytes of segments in all heaps the peer creates on this side; beyond, creation
     /// and growth are refused.
     pub max_total_bytes: u64,
+    /// Most blocks the peer may have this side track in one heap (handed out, in use, or
+    /// freed and not yet returned): each costs a map entry whatever its size, so bytes
+    /// alone do not bound the bookkeeping (8-byte blocks of a 64 MiB heap would be eight
+    /// million). A notice beyond it is a protocol error.
+    pub max_blocks: usize,
 }
 
 impl Default for OwnerLimits {
     fn default() -> Self {
-        OwnerLimits { segment_len: 1 << 20, max_heap_bytes: 64 << 20, max_total_bytes: 256 << 20 }
+        OwnerLimits {
+            segment_len: 1 << 20,
+            max_heap_bytes: 64 << 20,
+            max_total_bytes: 256 << 20,
+            max_blocks: 1 << 20,
+        }
     }
 }
 
@@ -150,6 +160,12 @@ impl OwnerLimits {
     /// Sets [`max_heap_bytes`](Self::max_heap_bytes).
     pub const fn with_max_heap_bytes(mut self, max_heap_bytes: u64) -> Self {
         self.max_heap_bytes = max_heap_bytes;
+        self
+    }
+
+    /// Sets [`max_blocks`](Self::max_blocks).
+    pub const fn with_max_blocks(mut self, max_blocks: usize) -> Self {
+        self.max_blocks = max_blocks;
         self
     }
 
@@ -761,6 +777,12 @@ impl HeapEndpoint {
 
     fn on_notice(&mut self, n: &AllocNotice) -> Result<()> {
         let owned = self.owned.get_mut(&n.heap).ok_or(ChannelError::UnknownHeap(n.heap))?;
+        if owned.owner.tracked_blocks() >= self.limits.max_blocks {
+            return Err(ChannelError::Protocol(format!(
+                "the peer holds more than {} blocks in heap {:?} (OwnerLimits::max_blocks)",
+                self.limits.max_blocks, n.heap
+            )));
+        }
         match owned.sync {
             SyncMode::Deferred => {
                 owned.owner.register(n)?;

@@ -650,3 +650,28 @@ fn an_rmalloc_after_a_timed_out_one_gets_its_own_answer() {
     assert!(third.len >= 128 && third.addr != second.addr, "{third:?}");
     drop(owner.join().unwrap());
 }
+
+/// The blocks an allocating peer makes the owner track are bounded in number, not only in
+/// bytes: 8-byte blocks of a 64 MiB heap would be eight million map entries (hundreds of
+/// MiB of bookkeeping) for one heap. Past `max_blocks` held, a notice is a protocol error.
+#[test]
+fn blocks_a_peer_makes_the_owner_hold_are_bounded() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (mut w, mut r) = common::heap_endpoints(&pd, OwnerLimits::default().with_max_blocks(64), T);
+    let heap = HeapId(5);
+    create(&mut w, &mut r, HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10);
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut refused = None;
+    for i in 0..200 {
+        let block = w.rmalloc(heap, 8).unwrap();
+        w.write(heap, &block, 0, src.local().unwrap()).unwrap();
+        // Nobody consumes: every block stays held on the owner's side.
+        if let Err(e) = r.poll_messages() {
+            refused = Some((i, e));
+            break;
+        }
+    }
+    let (i, e) = refused.expect("200 blocks held by an owner limited to 64");
+    assert!(matches!(e, ChannelError::Protocol(_)), "{e}");
+    assert!((64..80).contains(&i), "refused at block {i}");
+}

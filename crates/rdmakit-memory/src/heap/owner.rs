@@ -196,6 +196,12 @@ impl HeapOwner {
         FreeBatch::from_sorted(self.heap, self.next_batch - 1, ranges)
     }
 
+    /// Blocks the owner tracks: handed out, in use, or freed and not yet batched (a map
+    /// entry each).
+    pub fn tracked_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
     /// Where the block starting at `addr` stands, or `None` if the owner holds no block
     /// starting there.
     pub fn state(&self, addr: u64) -> Option<OwnerBlockState> {
