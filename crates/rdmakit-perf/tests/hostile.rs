@@ -241,3 +241,46 @@ fn slow_gauge_clients_do_not_lock_out_the_others() {
         resp.lines().next()
     );
 }
+
+/// CPU seconds the process `pid` has used (utime + stime from /proc, at 100 ticks a second).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start at state, field 3.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    (f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()) as f64 / 100.0
+}
+
+/// A gauge whose process is out of file descriptors (clients keep connecting) must not spin
+/// a core on the failing `accept`: it waits before trying again.
+#[test]
+fn a_gauge_out_of_descriptors_does_not_spin() {
+    let mut child = Command::new("prlimit")
+        .args(["--nofile=40", BIN, "transfer", "--server", "127.0.0.1:0", "--gauge-http", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("prlimit (util-linux)");
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut gauge = None;
+    for _ in 0..4 {
+        let mut line = String::new();
+        err.read_line(&mut line).unwrap();
+        if let Some(g) = line.trim().strip_prefix("rdmakit-perf: gauge at http://") {
+            gauge = Some(g.trim_end_matches('/').to_owned());
+            break;
+        }
+    }
+    let gauge = gauge.expect("the gauge's address");
+    let _drain = std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()).map(drop));
+    // More silent clients than the process has descriptors left: the rest wait in the
+    // listener's backlog, and each accept fails with EMFILE.
+    let _clients: Vec<TcpStream> = (0..60).filter_map(|_| TcpStream::connect(&gauge).ok()).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let before = cpu_seconds(child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_seconds(child.id()) - before;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(used < 0.5, "the gauge used {used:.2} s of CPU in 2 s while out of descriptors");
+}

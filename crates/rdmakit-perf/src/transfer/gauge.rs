@@ -145,8 +145,23 @@ impl HttpGauge {
         let clients = Arc::new(AtomicUsize::new(0));
         let st = streams.clone();
         std::thread::spawn(move || {
+            let mut failing = false;
             for conn in listener.incoming() {
-                let Ok(s) = conn else { continue };
+                let s = match conn {
+                    Ok(s) => {
+                        failing = false;
+                        s
+                    }
+                    Err(e) => {
+                        // Out of descriptors (EMFILE) fails again at once while the client
+                        // waits in the backlog: wait instead of spinning a core.
+                        if !std::mem::replace(&mut failing, true) {
+                            eprintln!("rdmakit-perf: gauge: accept failed: {e}; trying again every 100 ms");
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
                 let (p, st, cl) = (progress.clone(), st.clone(), clients.clone());
                 if cl.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
                     cl.fetch_sub(1, Ordering::AcqRel);
