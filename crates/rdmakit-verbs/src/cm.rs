@@ -320,16 +320,18 @@ fn check_soft_pd(pd: &ProtectionDomain) -> Result<()> {
 
 /// A soft peer's declared endpoint is connected to only if it lies where the handshake
 /// came from: a device of this process (whose QPs the soft NIC serves only once they took
-/// the exchanged token), or a device at the IP address the bootstrap connection's other
-/// end has (or on loopback, when that connection is within this host). Otherwise a peer
-/// could make this side's NIC dial, and send Hellos to, any address it names.
+/// the exchanged token), a device at the IP address the bootstrap connection's other end
+/// has, or any address when that connection is within this host (a peer on this host can
+/// reach what this side's NIC would dial by itself; its device may be at one of the host's
+/// addresses while it connects through loopback). Otherwise a peer of another host could
+/// make this side's NIC dial, and send Hellos to, any address it names.
 fn check_declared(ep: &QpAddress, origin: Origin, who: &str) -> Result<()> {
     if crate::soft::SoftDevice::by_gid(&ep.gid).is_some() {
         return Ok(());
     }
     let declared = IpAddr::V4(Ipv4Addr::new(ep.gid[4], ep.gid[5], ep.gid[6], ep.gid[7]));
     let same_host = origin.peer == origin.local || origin.peer.is_loopback();
-    if declared == origin.peer || (declared.is_loopback() && same_host) {
+    if declared == origin.peer || same_host {
         return Ok(());
     }
     Err(Error::PermissionDenied(format!(
@@ -879,5 +881,41 @@ mod on_tokio {
                 Ok(Connection { qp, cq, peer_data, backend: ConnBackend::Verbs(conn) })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A soft endpoint at `ip` (no device of this process).
+    fn at(ip: [u8; 4]) -> QpAddress {
+        let mut gid = [0u8; 16];
+        gid[..2].copy_from_slice(&[0xfe, 0x80]);
+        gid[4..8].copy_from_slice(&ip);
+        gid[8..12].copy_from_slice(&0x7fff_fff0u32.to_be_bytes());
+        QpAddress::new(ProviderKind::Soft, 4791, gid, 7, 1)
+    }
+
+    fn origin(peer: [u8; 4], local: [u8; 4]) -> Origin {
+        Origin { peer: IpAddr::from(peer), local: IpAddr::from(local) }
+    }
+
+    /// Across hosts the declared endpoint must be at the handshake's origin; within one
+    /// host (a loopback origin, or both ends at one address) any address is taken, as a
+    /// client connecting through 127.0.0.1 to a server whose device is at the host's own
+    /// address needs.
+    #[test]
+    fn declared_endpoints_are_taken_from_where_the_handshake_came() {
+        let (client, server) = ([10, 0, 0, 2], [10, 0, 0, 1]);
+        assert!(check_declared(&at(client), origin(client, server), "requester").is_ok());
+        assert!(matches!(
+            check_declared(&at([192, 0, 2, 1]), origin(client, server), "requester"),
+            Err(Error::PermissionDenied(_))
+        ));
+        assert!(check_declared(&at([127, 0, 0, 1]), origin(client, server), "requester").is_err());
+        // Within this host.
+        assert!(check_declared(&at(server), origin([127, 0, 0, 1], [127, 0, 0, 1]), "listener").is_ok());
+        assert!(check_declared(&at([127, 0, 0, 1]), origin(server, server), "requester").is_ok());
     }
 }
