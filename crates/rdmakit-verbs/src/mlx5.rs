@@ -408,7 +408,10 @@ fn bind_entries(umr: &UmrBackend, key: &MemoryRegion, entries: &[KsmEntry]) -> R
         }
         return Err(e);
     }
-    *bound = entries.iter().map(|e| e.region.clone()).collect();
+    let old = std::mem::replace(&mut *bound, entries.iter().map(|e| e.region.clone()).collect());
+    drop(bound);
+    // Outside the lock: dropping a caller-owned region waits for the NIC's accesses to it.
+    drop(old);
     Ok(())
 }
 
@@ -551,7 +554,10 @@ impl UmrQueue {
         self.check_key(key)?;
         let mut bound = state(&key.region).bound.lock().unwrap_or_else(|e| e.into_inner());
         self.backend.invalidate(&key.region)?;
-        bound.clear();
+        let old = std::mem::take(&mut *bound);
+        drop(bound);
+        // Outside the lock: dropping a caller-owned region waits for the NIC's accesses to it.
+        drop(old);
         Ok(())
     }
 

@@ -259,9 +259,14 @@ impl Drop for DrainOnDrop {
 }
 
 impl Drain {
-    /// Blocks until the entry is gone. An access in progress ends by itself or within the
-    /// wire's timeouts (a stalled peer's frame, an unread socket); a warning says when the
-    /// wait is long.
+    /// Blocks until the entry is gone: as long as an access holds it. Most end by
+    /// themselves or within the wire's timeouts (a stalled peer's frame), but not all: a
+    /// read or atomic outstanding through an indirect key over the region, on a QP that
+    /// retries for ever against a silent peer, holds it until the QP is flushed; a peer
+    /// reading a send's payload out of the region slowly holds it while it makes progress.
+    /// A warning says when the wait is long. (On a NIC the deregistration returns at once
+    /// and later accesses fault; the soft NIC would need a revocation check at every copy
+    /// to do the same.)
     fn wait(&self) {
         let start = std::time::Instant::now();
         let mut warned = false;

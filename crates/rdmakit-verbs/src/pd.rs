@@ -108,7 +108,8 @@ impl ProtectionDomain {
     ///
     /// Dropping the region's last handle deregisters it and returns once no NIC access
     /// reaches the memory any more, as `ibv_dereg_mr` does: on the soft NIC it waits for
-    /// a peer's access already in progress (a write still landing) to finish.
+    /// every access already in progress to finish (a peer's write still landing, a send's
+    /// payload still being read, a read outstanding through an indirect key over it).
     ///
     /// # Safety
     /// - `addr..addr + len` is allocated, readable and writable, and stays so until this region
