@@ -194,31 +194,36 @@ fn a_transfer_receiver_cannot_make_the_sender_allocate_gigabytes() {
     );
 }
 
+/// `cmd` (the binary, or a wrapper running it) started as a receiver waiting for its
+/// sender, with the web gauge on: the process, the gauge's address, and the thread draining
+/// its stderr.
+fn gauge_server(mut cmd: Command) -> (Child, String, std::thread::JoinHandle<std::io::Result<()>>) {
+    let mut child = cmd
+        .args(["transfer", "--server", "127.0.0.1:0", "--gauge-http", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut gauge = None;
+    for _ in 0..4 {
+        let mut line = String::new();
+        err.read_line(&mut line).unwrap();
+        if let Some(g) = line.trim().strip_prefix("rdmakit-perf: gauge at http://") {
+            gauge = Some(g.trim_end_matches('/').to_owned());
+            break;
+        }
+    }
+    let t = std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()).map(drop));
+    (child, gauge.expect("the gauge's address"), t)
+}
+
 /// The gauge holds a client for at most a few seconds until its request is complete:
 /// 64 clients that trickle their request a byte at a time must not lock everyone else out.
 #[test]
 fn slow_gauge_clients_do_not_lock_out_the_others() {
     // A receiver waiting for its sender keeps the gauge up for as long as the test needs.
-    let (mut srv, gauge, _err) = {
-        let mut child = Command::new(BIN)
-            .args(["transfer", "--server", "127.0.0.1:0", "--gauge-http", "127.0.0.1:0"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut gauge = None;
-        for _ in 0..4 {
-            let mut line = String::new();
-            err.read_line(&mut line).unwrap();
-            if let Some(g) = line.trim().strip_prefix("rdmakit-perf: gauge at http://") {
-                gauge = Some(g.trim_end_matches('/').to_owned());
-                break;
-            }
-        }
-        let t = std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()).map(drop));
-        (child, gauge.expect("the gauge's address"), t)
-    };
+    let (mut srv, gauge, _err) = gauge_server(Command::new(BIN));
     let mut slow: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(&gauge).unwrap()).collect();
     // One byte each every 2 s (under the gauge's 5 s read timeout), for 12 s.
     let head = b"GET / HTTP/1.1\r\nHost: x\r\n";
@@ -255,24 +260,9 @@ fn cpu_seconds(pid: u32) -> f64 {
 /// a core on the failing `accept`: it waits before trying again.
 #[test]
 fn a_gauge_out_of_descriptors_does_not_spin() {
-    let mut child = Command::new("prlimit")
-        .args(["--nofile=40", BIN, "transfer", "--server", "127.0.0.1:0", "--gauge-http", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("prlimit (util-linux)");
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut gauge = None;
-    for _ in 0..4 {
-        let mut line = String::new();
-        err.read_line(&mut line).unwrap();
-        if let Some(g) = line.trim().strip_prefix("rdmakit-perf: gauge at http://") {
-            gauge = Some(g.trim_end_matches('/').to_owned());
-            break;
-        }
-    }
-    let gauge = gauge.expect("the gauge's address");
-    let _drain = std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()).map(drop));
+    let mut prlimit = Command::new("prlimit");
+    prlimit.args(["--nofile=40", BIN]);
+    let (mut child, gauge, _err) = gauge_server(prlimit);
     // More silent clients than the process has descriptors left: the rest wait in the
     // listener's backlog, and each accept fails with EMFILE.
     let _clients: Vec<TcpStream> = (0..60).filter_map(|_| TcpStream::connect(&gauge).ok()).collect();
