@@ -348,10 +348,10 @@ impl MrBackend {
                 } else {
                     (buf.clone(), None)
                 };
-                // SAFETY: `ptr` is valid for `len` bytes while `keep` lives: it holds the
-                // buffer, and for the caller's memory deregistration waits until `keep` is
-                // dropped (the caller keeps the memory until then, `register_raw`'s
-                // contract); rdmakit accesses registered memory only through `shared_mem`.
+                // For the caller's memory, deregistration waits until `keep` is dropped, and
+                // `register_raw`'s contract keeps the memory until then.
+                // SAFETY: `ptr` is valid for `len` bytes while `keep` lives (above);
+                // rdmakit accesses registered memory only through `shared_mem`.
                 let key = unsafe { device.mrs.register(*pd_id, ptr as u64, len as u64, access, ptr, keep) };
                 Ok((MrBackend::Soft { device: device.clone(), key, drain }, key, key))
             }

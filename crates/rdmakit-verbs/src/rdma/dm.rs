@@ -48,42 +48,65 @@ impl Dm {
         }
     }
 
-    /// Copies `data` in at `offset`, through a buffer of whole 4-byte words (see [`words`]).
+    /// Copies `data` in at `offset` (whole 4-byte words, see [`check_words`]), through a
+    /// 4-aligned copy only when `data` is not 4-aligned itself.
     pub fn copy_to(&self, offset: u64, data: &[u8]) -> Result<()> {
-        let mut buf = words(offset, data.len())?;
-        // SAFETY: `buf` holds at least `data.len()` bytes (whole words); the two don't overlap.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_mut_ptr().cast::<u8>(), data.len()) };
-        // SAFETY: valid DM; bounds checked by the safe layer; `buf` is a 4-aligned source of
-        // `data.len()` bytes.
+        check_words(offset, data.len())?;
+        let bounce;
+        let src = if (data.as_ptr() as usize).is_multiple_of(4) {
+            data.as_ptr()
+        } else {
+            bounce = aligned_copy(data);
+            bounce.as_ptr().cast::<u8>()
+        };
+        // SAFETY: valid DM; bounds checked by the safe layer; `src` is a 4-aligned source of
+        // `data.len()` bytes (`data` itself, or `bounce`, alive to the end of the call).
         errno_ret("ibv_memcpy_to_dm", unsafe {
-            sys::ibv_memcpy_to_dm(self.dm.as_ptr(), offset, buf.as_ptr().cast(), data.len())
+            sys::ibv_memcpy_to_dm(self.dm.as_ptr(), offset, src.cast(), data.len())
         })
     }
 
-    /// Copies out from `offset`, through a buffer of whole 4-byte words (see [`words`]).
+    /// Copies out from `offset` (whole 4-byte words, see [`check_words`]), through a
+    /// 4-aligned buffer only when `out` is not 4-aligned itself.
     pub fn copy_from(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        let mut buf = words(offset, out.len())?;
+        check_words(offset, out.len())?;
+        if (out.as_ptr() as usize).is_multiple_of(4) {
+            // SAFETY: valid DM; bounds checked by the safe layer; `out` is a 4-aligned,
+            // writable destination of `out.len()` bytes.
+            return errno_ret("ibv_memcpy_from_dm", unsafe {
+                sys::ibv_memcpy_from_dm(out.as_mut_ptr().cast(), self.dm.as_ptr(), offset, out.len())
+            });
+        }
+        let mut buf = vec![0u32; out.len() / 4];
         // SAFETY: valid DM; bounds checked by the safe layer; `buf` is a 4-aligned, writable
         // destination of `out.len()` bytes.
         errno_ret("ibv_memcpy_from_dm", unsafe {
             sys::ibv_memcpy_from_dm(buf.as_mut_ptr().cast(), self.dm.as_ptr(), offset, out.len())
         })?;
-        // SAFETY: `buf` holds at least `out.len()` bytes, just written; no overlap.
+        // SAFETY: `buf` holds `out.len()` bytes, just written; no overlap.
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().cast::<u8>(), out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 }
 
-/// A 4-aligned buffer for a copy of `len` bytes at `offset`, which must be whole 4-byte
-/// words at a 4-byte offset: mlx5 reads and writes device memory a 32-bit word at a time,
-/// through the host buffer as `uint32_t *`, and refuses anything else (`EINVAL`).
-fn words(offset: u64, len: usize) -> Result<Vec<u32>> {
+/// `data` (whole words) in a 4-aligned buffer.
+fn aligned_copy(data: &[u8]) -> Vec<u32> {
+    let mut buf = vec![0u32; data.len() / 4];
+    // SAFETY: `buf` holds `data.len()` bytes (whole words); the two don't overlap.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_mut_ptr().cast::<u8>(), data.len()) };
+    buf
+}
+
+/// A copy of `len` bytes at `offset` must be whole 4-byte words at a 4-byte offset: mlx5
+/// reads and writes device memory a 32-bit word at a time, through the host buffer as
+/// `uint32_t *` (so that buffer must be 4-aligned too), and refuses anything else (`EINVAL`).
+fn check_words(offset: u64, len: usize) -> Result<()> {
     if !offset.is_multiple_of(4) || !len.is_multiple_of(4) {
         return Err(Error::InvalidArgument(format!(
             "device memory copy of {len} bytes at offset {offset}: the device moves whole 4-byte words at 4-byte offsets"
         )));
     }
-    Ok(vec![0u32; len / 4])
+    Ok(())
 }
 
 impl Drop for Dm {
@@ -103,11 +126,16 @@ mod tests {
     #[test]
     fn device_memory_copies_are_whole_aligned_words() {
         for (offset, len) in [(2, 8), (4, 6), (1, 3)] {
-            assert!(matches!(words(offset, len), Err(Error::InvalidArgument(_))), "{offset}+{len}");
+            assert!(matches!(check_words(offset, len), Err(Error::InvalidArgument(_))), "{offset}+{len}");
         }
-        let buf = words(8, 16).unwrap();
+        assert!(check_words(8, 16).is_ok() && check_words(0, 0).is_ok());
+        // An unaligned source is copied into an aligned buffer, bytes unchanged.
+        let bytes: Vec<u8> = (0..17).collect();
+        let buf = aligned_copy(&bytes[1..]);
         assert_eq!(buf.len(), 4);
         assert!((buf.as_ptr() as usize).is_multiple_of(4));
-        assert!(words(0, 0).unwrap().is_empty());
+        // SAFETY: 16 initialised bytes of `buf`.
+        let got = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 16) };
+        assert_eq!(got, &bytes[1..]);
     }
 }
