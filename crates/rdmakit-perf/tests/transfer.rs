@@ -207,6 +207,37 @@ fn the_gauge_streams_events_until_done() {
     dg.wait().unwrap();
 }
 
+/// `--gauge-wait`: the transfer holds until a page opens the event stream, so a viewer that
+/// comes late (a browser starting slowly) still sees it from the start; nobody coming within
+/// the wait starts it anyway.
+#[test]
+fn the_gauge_waits_for_a_viewer() {
+    // 8 MiB at 8 MiB/s: over in about a second once started.
+    let (t, gauge, mut dg) = gauged_transfer(8, 8, &["--gauge-wait", "60"]);
+    std::thread::sleep(Duration::from_secs(3));
+    let watching = std::time::Instant::now();
+    let ev = events(&get(&gauge, "GET /events HTTP/1.1\r\n\r\n"));
+    let watched = watching.elapsed().as_secs_f64();
+    let running: Vec<_> = ev.iter().filter(|e| e["done"] == false).collect();
+    assert!(running.len() >= 5, "the viewer saw the transfer run: {ev:?}");
+    assert!(running[0]["bytes"].as_u64().unwrap() < 4 << 20, "{ev:?}");
+    let last = ev.last().unwrap();
+    assert_eq!((last["done"].as_bool(), last["bytes"].as_u64()), (Some(true), Some(8 << 20)));
+    // The elapsed time counts from the start of the transfer (once the viewer came), not
+    // from the wait's.
+    assert!(last["elapsed"].as_f64().unwrap() <= watched + 0.05, "{last:?} in {watched} s");
+    assert!(t.wait_with_output().unwrap().status.success());
+    dg.wait().unwrap();
+    // Nobody comes: the transfer starts when the wait is over.
+    let (t, _gauge, mut dg) = gauged_transfer(1, 8, &["--gauge-wait", "0.3"]);
+    assert!(t.wait_with_output().unwrap().status.success());
+    dg.wait().unwrap();
+    // The wait belongs to the page: without one it is refused.
+    let out = Command::new(BIN).args(["transfer", "--gauge-wait", "5"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--gauge-http"), "{out:?}");
+}
+
 #[test]
 fn the_gauge_serves_its_page_and_survives_bad_clients() {
     let (t, gauge, mut dg) = gauged_transfer(8, 8, &["--gauge-linger", "2"]);
@@ -323,7 +354,9 @@ fn headless_chromium_sees_the_gauge_move() {
         "no Chromium: install Debian's chromium (apt-get install chromium; scripts/dev.sh deps does) to run this test",
     );
     const MIB: u64 = 48;
-    let (t, gauge, mut dg) = gauged_transfer(MIB, 12, &["--gauge-linger", "15"]);
+    // The transfer starts once the page opens its event stream: a browser starting slowly
+    // (a loaded CI machine took over 4 s) must not miss it.
+    let (t, gauge, mut dg) = gauged_transfer(MIB, 12, &["--gauge-wait", "120", "--gauge-linger", "20"]);
     let url = format!("http://{gauge}/");
     // The page runs while the transfer does: the DOM is dumped once the event stream ends
     // (virtual time waits for the open stream), so it holds what the page did throughout.

@@ -23,7 +23,10 @@ const MAX_HEAD: usize = 8192;
 
 /// Transfer progress shared between the data path and the gauges.
 pub struct Progress {
-    start: Instant,
+    /// When the progress was made; [`Progress::begin`] moves the start later.
+    base: Instant,
+    /// Nanoseconds from `base` to the start of the transfer.
+    began: AtomicU64,
     bytes: AtomicU64,
     total: Option<u64>,
     done: AtomicBool,
@@ -38,13 +41,26 @@ impl Progress {
     /// Progress towards `total` bytes (unknown for a stream that runs until it ends).
     pub fn new(total: Option<u64>) -> Arc<Progress> {
         Arc::new(Progress {
-            start: Instant::now(),
+            base: Instant::now(),
+            began: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             total,
             done: AtomicBool::new(false),
             verdict: AtomicU64::new(0),
             end_nanos: AtomicU64::new(0),
         })
+    }
+
+    /// Marks now as the start of the transfer (after waiting for a viewer): the elapsed
+    /// time and the final rate count from here.
+    pub fn begin(&self) {
+        let n = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.began.store(n, Ordering::Relaxed);
+    }
+
+    /// The start of the transfer.
+    fn start(&self) -> Instant {
+        self.base + Duration::from_nanos(self.began.load(Ordering::Relaxed))
     }
 
     /// Counts `n` more bytes moved.
@@ -55,7 +71,7 @@ impl Progress {
     /// Marks the end of the transfer, with whether it verified.
     pub fn finish(&self, ok: bool) {
         self.verdict.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
-        let end = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
+        let end = u64::try_from(self.start().elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
         self.end_nanos.store(end, Ordering::Relaxed);
         self.done.store(true, Ordering::Release);
     }
@@ -76,7 +92,7 @@ impl Progress {
         let elapsed = if done {
             std::time::Duration::from_nanos(self.end_nanos.load(Ordering::Relaxed)).as_secs_f64()
         } else {
-            now.duration_since(self.start).as_secs_f64()
+            now.saturating_duration_since(self.start()).as_secs_f64()
         };
         let rate = if done {
             bytes as f64 / elapsed.max(1e-9)
@@ -129,7 +145,10 @@ pub fn terminal(progress: &Arc<Progress>) -> Option<std::thread::JoinHandle<()>>
 /// The HTTP gauge server.
 pub struct HttpGauge {
     addr: SocketAddr,
+    /// Event streams open now.
     streams: Arc<AtomicUsize>,
+    /// Event streams ever opened.
+    opened: Arc<AtomicUsize>,
     interval: Duration,
 }
 
@@ -142,8 +161,9 @@ impl HttpGauge {
         let addr =
             listener.local_addr().map_err(|source| Error::Io { what: "getsockname".into(), source })?;
         let streams = Arc::new(AtomicUsize::new(0));
+        let opened = Arc::new(AtomicUsize::new(0));
         let clients = Arc::new(AtomicUsize::new(0));
-        let st = streams.clone();
+        let (st, op) = (streams.clone(), opened.clone());
         std::thread::spawn(move || {
             let mut failing = false;
             for conn in listener.incoming() {
@@ -162,24 +182,37 @@ impl HttpGauge {
                         continue;
                     }
                 };
-                let (p, st, cl) = (progress.clone(), st.clone(), clients.clone());
+                let (p, st, op, cl) = (progress.clone(), st.clone(), op.clone(), clients.clone());
                 if cl.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
                     cl.fetch_sub(1, Ordering::AcqRel);
                     let _ = respond(&s, "503 Service Unavailable", "text/plain", b"too many clients\n");
                     continue;
                 }
                 std::thread::spawn(move || {
-                    serve(s, &p, &st, interval);
+                    serve(s, &p, (&st, &op), interval);
                     cl.fetch_sub(1, Ordering::AcqRel);
                 });
             }
         });
-        Ok(HttpGauge { addr, streams, interval })
+        Ok(HttpGauge { addr, streams, opened, interval })
     }
 
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Waits until a client has opened the event stream (a page is watching), or `wait`
+    /// passes; returns whether one did.
+    pub fn wait_for_viewer(&self, wait: Duration) -> bool {
+        let deadline = Instant::now() + wait;
+        while self.opened.load(Ordering::Acquire) == 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
     }
 
     /// After [`Progress::finish`]: gives connected event streams time to send their final
@@ -264,7 +297,8 @@ pub(crate) fn route(head: &str) -> Result<(&str, bool), &'static str> {
     Ok((path, head_only))
 }
 
-fn serve(mut s: TcpStream, progress: &Progress, streams: &AtomicUsize, interval: Duration) {
+/// Serves one client; `streams` counts the event streams open now and ever opened.
+fn serve(mut s: TcpStream, progress: &Progress, streams: (&AtomicUsize, &AtomicUsize), interval: Duration) {
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
     let Some(head) = read_head(&mut s) else {
@@ -283,9 +317,12 @@ fn serve(mut s: TcpStream, progress: &Progress, streams: &AtomicUsize, interval:
             let _ = respond_with(&s, "200 OK", "text/html; charset=utf-8", PAGE.as_bytes(), !head_only);
         }
         "/events" => {
-            streams.fetch_add(1, Ordering::AcqRel);
+            streams.0.fetch_add(1, Ordering::AcqRel);
+            if !head_only {
+                streams.1.fetch_add(1, Ordering::AcqRel);
+            }
             let _ = events(&mut s, progress, interval, head_only);
-            streams.fetch_sub(1, Ordering::AcqRel);
+            streams.0.fetch_sub(1, Ordering::AcqRel);
         }
         _ => {
             let _ = respond(&s, "404 Not Found", "text/plain", b"not found\n");
@@ -307,7 +344,7 @@ fn events(
     if head_only {
         return Ok(());
     }
-    let mut prev = (progress.bytes(), progress.start);
+    let mut prev = (progress.bytes(), progress.start());
     loop {
         let done = progress.is_done();
         let ev = progress.event(&mut prev);
@@ -339,7 +376,7 @@ mod tests {
     fn events_are_json_with_the_counters() {
         let p = Progress::new(Some(10));
         p.add(7);
-        let mut prev = (0, p.start);
+        let mut prev = (0, p.start());
         let v: serde_json::Value = serde_json::from_str(&p.event(&mut prev)).unwrap();
         assert_eq!(
             (v["bytes"].as_u64(), v["done"].as_bool(), v["total"].as_u64()),

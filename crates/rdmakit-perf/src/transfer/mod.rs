@@ -123,6 +123,11 @@ pub struct TransferArgs {
     /// Milliseconds between gauge events.
     #[arg(long, default_value_t = 250)]
     gauge_interval_ms: u64,
+    /// Before starting the transfer, wait up to this many seconds for a page to open the
+    /// gauge's event stream, so that whoever opens it sees the transfer from its start
+    /// (a demo: start the command, open the page, watch). At most a day; 0 does not wait.
+    #[arg(long, default_value_t = 0.0, requires = "gauge_http")]
+    gauge_wait: f64,
     /// Keep serving the gauge this many seconds after the transfer ends.
     #[arg(long, default_value_t = 0.0)]
     gauge_linger: f64,
@@ -241,11 +246,10 @@ fn run(a: &TransferArgs) -> Result<(), Error> {
     let window = a.window.clamp(1, a.slots);
     let stuck = Duration::from_secs(a.timeout.max(1));
     let ctx = a.dev.open()?;
-    if !(a.gauge_linger >= 0.0 && a.gauge_linger.is_finite()) {
-        return Err(Error::InvalidArgument(format!(
-            "--gauge-linger {}: seconds, at least 0",
-            a.gauge_linger
-        )));
+    for (flag, secs) in [("--gauge-linger", a.gauge_linger), ("--gauge-wait", a.gauge_wait)] {
+        if !(secs >= 0.0 && secs.is_finite()) {
+            return Err(Error::InvalidArgument(format!("{flag} {secs}: seconds, at least 0")));
+        }
     }
     // The receiver learns the size only at the end.
     let total = match (&a.peer.server, &a.input) {
@@ -259,6 +263,13 @@ fn run(a: &TransferArgs) -> Result<(), Error> {
             let interval = Duration::from_millis(a.gauge_interval_ms.clamp(10, 10_000));
             let g = gauge::HttpGauge::start(addr, progress.clone(), interval)?;
             eprintln!("rdmakit-perf: gauge at http://{}/", g.addr());
+            if a.gauge_wait > 0.0 {
+                let wait = Duration::from_secs_f64(a.gauge_wait.min(86_400.0));
+                if !g.wait_for_viewer(wait) {
+                    eprintln!("rdmakit-perf: gauge: nobody opened the page in {wait:?}; starting anyway");
+                }
+                progress.begin();
+            }
             Some(g)
         }
         None => None,
