@@ -87,7 +87,9 @@ fn dropping_a_raw_region_waits_for_a_write_still_landing() {
 
 /// Receive 1 is being filled by a peer's send when the QP moves to the error state and
 /// receive 2 is flushed. Reaping the flush must not release receive 1's region (the NIC is
-/// still writing it), and receive 1's own completion must reach the application.
+/// still writing it), and receive 1's own completion must reach the application, before
+/// receive 2's flush and before that of receive 3, posted in the error state: a queue's
+/// completions come in the order its requests were posted.
 #[test]
 fn a_flushed_later_receive_does_not_release_one_still_being_filled() {
     let (pd, a, ca, b, cb) = pair();
@@ -103,15 +105,22 @@ fn a_flushed_later_receive_does_not_release_one_still_being_filled() {
     });
     started(&big);
     b.modify_to_error().unwrap();
+    b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(3)).unwrap();
+    let writing = !writer.is_finished();
     let first = cb.wait(Some(Duration::from_secs(5))).unwrap();
-    let (unique, writing) = (big.is_unique(), !writer.is_finished());
+    let unique = big.is_unique();
     let sent = writer.join().unwrap();
     let mut ids = vec![first.wr_id];
     while let Ok(wc) = cb.wait(Some(Duration::from_millis(500))) {
+        assert_eq!(wc.status, WcStatus::WR_FLUSH_ERR, "{wc:?}");
         ids.push(wc.wr_id);
     }
-    assert!(writing, "the race window was missed (the copy finished before the flush was reaped)");
+    assert!(writing, "the race window was missed (the copy finished before the QP failed)");
     assert!(!unique || first.wr_id == 1, "receive 1's region was released while still being written");
-    ids.sort_unstable();
-    assert_eq!(ids, [1, 2], "every receive completes once (the sender saw {:?})", sent.status);
+    assert_eq!(
+        ids,
+        [1, 2, 3],
+        "every receive completes once, in posting order (the sender saw {:?})",
+        sent.status
+    );
 }

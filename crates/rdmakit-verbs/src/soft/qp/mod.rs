@@ -218,6 +218,12 @@ struct Rq {
     posted: VecDeque<RawRecvWr>,
     /// Requesters that got an RNR NAK from us; kicked when a receive is posted.
     rnr_waiters: Vec<Weak<SoftQp>>,
+    /// Receives taken from `posted` whose completion is not published yet (one being
+    /// filled, or its completion held back by a [`Deferred`]).
+    unpublished: u32,
+    /// Flush completions of later receives, waiting for those: completions of a queue
+    /// come in the order its requests were posted, a flush included.
+    flushed_after: Vec<WorkCompletion>,
 }
 
 /// What one execution attempt of a send request gave.
@@ -255,14 +261,27 @@ impl Deferred {
     /// Publishes the held receive completions, in order, then runs the rest; keeps holding
     /// (and keeps its buffer: no allocation per batch).
     pub(crate) fn release(&mut self) {
-        if let Some(held) = &mut self.recvs {
-            for r in held.drain(..) {
-                r.qp.publish_recv(r.wc);
-            }
-        }
+        self.publish_held();
         if !self.kick.is_empty() {
             run_deferred(Deferred { kick: std::mem::take(&mut self.kick), recvs: None });
         }
+    }
+
+    /// Publishes the held receive completions, in order.
+    fn publish_held(&mut self) {
+        if let Some(held) = &mut self.recvs {
+            for r in held.drain(..) {
+                r.qp.publish_taken(r.wc);
+            }
+        }
+    }
+}
+
+impl Drop for Deferred {
+    /// Receive completions still held are published: a receive's completion is never lost,
+    /// and the flushes of later receives wait for it.
+    fn drop(&mut self) {
+        self.publish_held();
     }
 }
 
@@ -354,7 +373,12 @@ impl SoftQp {
                 opts: ConnectOptions::default(),
                 retry: None,
             }),
-            rq: Mutex::new(Rq { posted: VecDeque::new(), rnr_waiters: Vec::new() }),
+            rq: Mutex::new(Rq {
+                posted: VecDeque::new(),
+                rnr_waiters: Vec::new(),
+                unpublished: 0,
+                flushed_after: Vec::new(),
+            }),
             me: me.clone(),
         });
         device.register_qp(&qp);
@@ -548,7 +572,11 @@ impl SoftQp {
             sq.pending.clear();
             sq.link = None;
         }
-        self.rq.lock().expect("rq lock").posted.clear();
+        {
+            let mut rq = self.rq.lock().expect("rq lock");
+            rq.posted.clear();
+            rq.flushed_after.clear();
+        }
         self.send_cq.remove_qp(self.qpn);
         self.recv_cq.remove_qp(self.qpn);
     }
@@ -597,7 +625,7 @@ impl SoftQp {
             let mut rq = self.rq.lock().expect("rq lock");
             for wr in wrs {
                 if self.state.load(Ordering::Acquire) == ERR {
-                    self.complete_recv(wr.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
+                    self.flush_recv(&mut rq, wr.wr_id);
                 } else {
                     rq.posted.push_back(*wr);
                 }
@@ -839,25 +867,40 @@ impl SoftQp {
         d.kick.extend(waiters.iter().filter_map(Weak::upgrade));
     }
 
-    /// Flushes posted receives; returns the requesters that were waiting on us.
+    /// Flushes posted receives; returns the requesters that were waiting on us. The flush
+    /// completions come after those of receives already taken (see [`Rq::unpublished`]).
     fn flush_rq(&self) -> Vec<Weak<SoftQp>> {
-        self.flush_rq_via(&mut Deferred::default())
-    }
-
-    /// [`flush_rq`](Self::flush_rq), with the flushed completions behind any `d` holds.
-    fn flush_rq_via(&self, d: &mut Deferred) -> Vec<Weak<SoftQp>> {
         let mut rq = self.rq.lock().expect("rq lock");
         while let Some(r) = rq.posted.pop_front() {
-            self.complete_recv_via(d, r.wr_id, WcStatus::WR_FLUSH_ERR, WcOpcode::RECV, 0, None);
+            self.flush_recv(&mut rq, r.wr_id);
         }
         std::mem::take(&mut rq.rnr_waiters)
+    }
+
+    /// Completes receive `wr_id` with `WR_FLUSH_ERR`, at once or, while an earlier receive's
+    /// completion is unpublished, right after it.
+    fn flush_recv(&self, rq: &mut Rq, wr_id: u64) {
+        let wc = WorkCompletion {
+            wr_id,
+            status: WcStatus::WR_FLUSH_ERR,
+            opcode: WcOpcode::RECV,
+            byte_len: 0,
+            imm: None,
+            qp_num: self.qpn,
+            vendor_err: 0,
+        };
+        if rq.unpublished > 0 {
+            rq.flushed_after.push(wc);
+        } else {
+            self.publish_recv(wc);
+        }
     }
 
     /// Responder-side fatal error (as IB's class A/C errors): the responder QP goes to ERR.
     /// Its send queue is flushed after the requester's lock is released.
     fn responder_error(&self, d: &mut Deferred) {
         self.set_err();
-        let _ = self.flush_rq_via(d);
+        let _ = self.flush_rq();
         if let Some(me) = self.me.upgrade() {
             d.kick.push(me);
         }
@@ -895,11 +938,8 @@ impl SoftQp {
         ok
     }
 
-    fn complete_recv(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>) {
-        self.complete_recv_via(&mut Deferred::default(), wr_id, status, opcode, len, imm);
-    }
-
-    /// Reports a receive completion now, or holds it in `d` if `d` holds them.
+    /// Reports the completion of a receive taken from the queue ([`Rq::unpublished`]) now,
+    /// or holds it in `d` if `d` holds them.
     fn complete_recv_via(
         &self,
         d: &mut Deferred,
@@ -914,7 +954,21 @@ impl SoftQp {
         // Only a holding `d` pays for the QP's handle (an atomic upgrade).
         match d.recvs.as_mut().and_then(|held| Some((held, self.me.upgrade()?))) {
             Some((held, qp)) => held.push(HeldRecv { qp, wc }),
-            None => self.publish_recv(wc),
+            None => self.publish_taken(wc),
+        }
+    }
+
+    /// Publishes the completion of a receive taken from the queue, then, once no taken
+    /// receive is left unpublished, the flushes of later receives that waited for it.
+    fn publish_taken(&self, wc: WorkCompletion) {
+        let mut rq = self.rq.lock().expect("rq lock");
+        self.publish_recv(wc);
+        debug_assert!(rq.unpublished > 0, "a receive completion published twice");
+        rq.unpublished = rq.unpublished.saturating_sub(1);
+        if rq.unpublished == 0 && !rq.flushed_after.is_empty() {
+            for wc in std::mem::take(&mut rq.flushed_after) {
+                self.publish_recv(wc);
+            }
         }
     }
 

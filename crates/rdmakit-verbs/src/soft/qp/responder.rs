@@ -332,6 +332,10 @@ impl SoftQp {
     pub(super) fn take_recv(&self, from: &Requester<'_>) -> Option<RawRecvWr> {
         let mut rq = self.rq.lock().expect("rq lock");
         let r = rq.posted.pop_front();
+        if r.is_some() {
+            // Its completion is owed: flushes of later receives wait for it.
+            rq.unpublished += 1;
+        }
         if let (None, Some(w)) = (&r, from.waiter)
             && !rq.rnr_waiters.iter().any(|x| x.ptr_eq(w))
         {
