@@ -857,15 +857,27 @@ impl ControlSlots {
 
     /// Sends `m`, or queues it behind earlier ones when the send queue is full.
     pub fn send(&mut self, m: &Message) -> Result<()> {
+        self.send_with(m, true)
+    }
+
+    /// [`send`](Self::send) for a message sent at most once per thing the caller holds (a
+    /// deassociation, once per associated handle): queued even beyond the backlog's bound,
+    /// which the number of those things bounds instead, so that ending something never fails
+    /// for want of room.
+    pub fn send_owed(&mut self, m: &Message) -> Result<()> {
+        self.send_with(m, false)
+    }
+
+    fn send_with(&mut self, m: &Message, bounded: bool) -> Result<()> {
         let mut bytes = std::mem::take(&mut self.scratch);
         bytes.clear();
         m.encode_into(&mut bytes);
-        let r = self.send_bytes(&bytes);
+        let r = self.send_bytes(&bytes, bounded);
         self.scratch = bytes;
         r
     }
 
-    fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+    fn send_bytes(&mut self, bytes: &[u8], bounded: bool) -> Result<()> {
         if bytes.len() > self.cfg.slot_len as usize {
             return Err(ChannelError::TooLarge {
                 what: "control message",
@@ -876,7 +888,7 @@ impl ControlSlots {
         if self.backlog.is_empty() && self.try_post(bytes)? {
             return Ok(());
         }
-        if self.backlog.len() >= self.cfg.backlog {
+        if bounded && self.backlog.len() >= self.cfg.backlog {
             return Err(ChannelError::TooLarge {
                 what: "control backlog",
                 len: self.backlog.len() as u64 + 1,

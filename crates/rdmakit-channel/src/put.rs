@@ -796,6 +796,12 @@ impl RecvHandle {
             .with(|st| st.recv[self.id as usize].as_ref().is_some_and(|e| e.consumed == e.seen))
     }
 
+    /// Whether a sender is associated with this handle, as far as this end has heard: its
+    /// association arrived and no deassociation since.
+    pub fn is_associated(&self) -> bool {
+        self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().is_some_and(|e| e.epoch.is_some()))
+    }
+
     /// Whether the handle is queued for [`PutEndpoint::ready_poll`].
     pub fn is_queued(&self) -> bool {
         self.ep.inner.driver.with(|st| st.recv[self.id as usize].as_ref().is_some_and(|e| e.queued))
@@ -969,12 +975,13 @@ impl SendHandle {
         Ok(ready)
     }
 
-    /// Ends the association and tells the receiver.
+    /// Ends the association and tells the receiver. Fails only with the connection: the
+    /// message waits for room in the send queue however full it is (one per handle).
     pub fn deassociate(self) -> Result<()> {
         let inner = &self.ep.inner;
         let assoc = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| (e.desc.id, e.epoch)));
         if let Some((handle, epoch)) = assoc {
-            inner.driver.with(|st| st.ctl.send(&Message::Deassoc { handle, epoch }))?;
+            inner.driver.with(|st| st.ctl.send_owed(&Message::Deassoc { handle, epoch }))?;
         }
         Ok(())
     }

@@ -349,6 +349,43 @@ fn reassociation_after_deassociate_is_detected() {
     assert_eq!(*got.lock().unwrap(), want);
 }
 
+/// Ending an association never fails for want of room: with the receiver stalled, the
+/// sender's control backlog fills with associations until one is refused, and a
+/// deassociation still goes out after them, so the receiver learns of it once it runs.
+#[test]
+fn deassociate_with_a_full_control_backlog_still_reaches_the_receiver() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let (b1, b2) = (
+        pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+        pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+    );
+    let h1 = receiver.create_handle(&b1, |_| {}, 0).unwrap();
+    let h2 = receiver.create_handle(&b2, |_| {}, 0).unwrap();
+    let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+    let sh1 = sender.assoc_local_buffer(&h1.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+    // The receiver does not run: associations of the other handle pile up.
+    let mut refused = false;
+    for _ in 0..8 * MAX_HANDLES {
+        match sender.assoc_local_buffer(&h2.desc().unwrap(), sbuf.local().unwrap()) {
+            Ok(sh) => drop(sh),
+            Err(ChannelError::TooLarge { what: "control backlog", .. }) => {
+                refused = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(refused, "the backlog never filled");
+    sh1.deassociate().expect("a deassociation is never refused for want of room");
+    let start = std::time::Instant::now();
+    while h1.is_associated() || !h2.is_associated() {
+        receiver.progress().unwrap();
+        sender.progress().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "the deassociation never arrived");
+    }
+}
+
 /// A destroyed handle's slot is reused: a put from the old association, still associated,
 /// is not taken for a put on the new handle.
 #[test]
