@@ -260,11 +260,12 @@ impl Drop for DrainOnDrop {
 
 impl Drain {
     /// Blocks until the entry is gone: as long as an access holds it. Most end by
-    /// themselves or within the wire's timeouts (a stalled peer's frame), but not all: a
-    /// read or atomic outstanding through an indirect key over the region, on a QP that
-    /// retries for ever against a silent peer, holds it until the QP is flushed; a peer
-    /// reading a send's payload out of the region slowly holds it while it makes progress.
-    /// A warning says when the wait is long. (On a NIC the deregistration returns at once
+    /// themselves or within the wire's timeouts (a stalled peer's frame); payloads waiting
+    /// in a link's output for a peer to read them are copied out of the region first
+    /// (`soft::copy_out_tails`), so a peer reading slowly does not hold it. Not every
+    /// access ends so: a read or atomic outstanding through an indirect key over the
+    /// region, on a QP that retries for ever against a silent peer, holds it until the QP
+    /// is flushed. A warning says when the wait is long. (On a NIC the deregistration returns at once
     /// and later accesses fault; the soft NIC would need a revocation check at every copy
     /// to do the same.)
     fn wait(&self) {
@@ -430,8 +431,15 @@ impl MrBackend {
         let (done, call) = match self {
             MrBackend::Soft { device, key, drain } => {
                 // Nothing outside the soft NIC reaches the memory: a key already gone is fine.
-                device.mrs.deregister(*key);
+                let entry = device.mrs.deregister(*key);
                 if let Some(d) = drain {
+                    // Payloads waiting in a link's output for a peer to read them are copied
+                    // out, so that a slow reader does not hold the deregistration.
+                    if let Some(e) = entry {
+                        let id = Arc::as_ptr(&e) as usize;
+                        drop(e);
+                        crate::soft::copy_out_tails(id);
+                    }
                     d.wait();
                 }
                 (true, "")

@@ -108,8 +108,10 @@ impl ProtectionDomain {
     ///
     /// Dropping the region's last handle deregisters it and returns once no NIC access
     /// reaches the memory any more, as `ibv_dereg_mr` does: on the soft NIC it waits for
-    /// every access already in progress to finish (a peer's write still landing, a send's
-    /// payload still being read, a read outstanding through an indirect key over it).
+    /// every access already in progress to finish (a peer's write still landing, a read
+    /// outstanding through an indirect key over it); a send's payload still queued for a peer
+    /// is copied out of the memory instead, so a peer reading it slowly does not hold the
+    /// deregistration.
     ///
     /// # Safety
     /// - `addr..addr + len` is allocated, readable and writable, and stays so until this region

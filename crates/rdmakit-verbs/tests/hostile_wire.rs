@@ -1131,6 +1131,92 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
     assert!(back, "threads {thr0} -> {thr1}, fds {fd0} -> {fd1}: the link leaked");
 }
 
+// ---- a slow reader does not hold a deregistration ----
+
+/// A responder that accepts our Hello and then reads what we send a little at a time, never
+/// answering: alive, making progress, so no timeout ends the connection. A payload sent
+/// straight from a region the application registered with `register_raw` must not keep the
+/// region's deregistration waiting for it (the application asked for its memory back).
+#[test]
+fn a_slow_reader_does_not_hold_a_raw_regions_deregistration() {
+    let _g = serial();
+    const LEN: usize = 16 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let got = read.clone();
+    let slow = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut h = [0u8; wire::HEADER];
+        s.read_exact(&mut h).unwrap();
+        let (_, len) = wire::decode_header(&h).unwrap();
+        let mut p = vec![0u8; len as usize];
+        s.read_exact(&mut p).unwrap();
+        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        // 4 KiB every 50 ms: 16 MiB would take over three minutes.
+        let mut buf = [0u8; 4096];
+        while rx.recv_timeout(Duration::from_millis(50)).is_err() {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.fetch_add(n, std::sync::atomic::Ordering::Relaxed),
+            };
+        }
+    });
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let mut gid = [0u8; 16];
+    gid[..2].copy_from_slice(&[0xfe, 0x80]);
+    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
+    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+    let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
+    // Timeout 0: the transport timer never fires (IB's "infinite").
+    qp.connect(&fake, &ConnectOptions::default().with_timeout(0)).unwrap();
+    // SAFETY: a plain anonymous mapping of our own.
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(mem, libc::MAP_FAILED);
+    // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
+    // region and the work request using it are gone (the flush below, reaped).
+    let src = unsafe {
+        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
+    }
+    .unwrap();
+    let wr = SendWr::write(src.slice(0, LEN as u32).unwrap(), RemoteSlice::new(0x1000, LEN as u32, 1));
+    qp.post_send(wr.wr_id(9)).unwrap();
+    drop(src); // the work request holds the region now
+    assert!(
+        eventually(Duration::from_secs(10), || read.load(std::sync::atomic::Ordering::Relaxed) > 0),
+        "the payload never started to go out"
+    );
+    // The application gives up on the request: the flush, reaped, releases the region's
+    // last handle, and with it the memory.
+    qp.modify_to_error().unwrap();
+    let t0 = Instant::now();
+    let wc = cq.wait(Some(Duration::from_secs(60))).unwrap();
+    let took = t0.elapsed();
+    let sent = read.load(std::sync::atomic::Ordering::Relaxed);
+    let _ = tx.send(());
+    println!("flush reaped in {took:?}; the slow reader had taken {sent} of {LEN} bytes");
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WR_FLUSH_ERR));
+    assert!(took < Duration::from_secs(5), "reaping the flush waited {took:?} for the slow reader");
+    // The memory is the caller's again.
+    // SAFETY: our mapping; no region refers to it any more.
+    unsafe { libc::munmap(mem, LEN) };
+    drop(qp);
+    slow.join().unwrap();
+}
+
 // ---- rkeys are unpredictable across processes ----
 
 /// Child mode for `rkeys_differ_between_processes`: prints the first rkey of `soft0`.

@@ -79,6 +79,7 @@ pub use tcp::ANSWER_DELAY_ENV;
 #[doc(hidden)]
 pub use tcp::RateLimit;
 pub use tcp::SOFT_ADDR_ENV;
+pub(crate) use tcp::copy_out_tails;
 /// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
 /// stable API.
 #[doc(hidden)]

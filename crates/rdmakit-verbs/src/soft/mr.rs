@@ -311,12 +311,13 @@ impl KeyTable {
 
     /// Invalidates `key`. Operations already holding the entry finish; new ones fail, and
     /// so do a same-host requester's direct accesses (`super::direct`) from now on.
-    pub fn deregister(&self, key: u32) -> bool {
+    /// Returns the entry, which accesses in progress may still hold.
+    pub fn deregister(&self, key: u32) -> Option<Arc<MrEntry>> {
         let gone = self.map.write().expect("key table").remove(&key);
         if let Some(f) = gone.as_ref().and_then(|e| e.region_file()) {
             f.revoke();
         }
-        gone.is_some()
+        gone
     }
 
     pub fn lookup(&self, key: u32) -> Option<Arc<MrEntry>> {
@@ -423,9 +424,9 @@ mod tests {
         if key.wrapping_add(1) != 0 {
             assert!(table.lookup(key.wrapping_add(1)).is_none());
         }
-        assert!(table.deregister(key));
+        assert!(table.deregister(key).is_some());
         assert!(table.lookup(key).is_none());
-        assert!(!table.deregister(key));
+        assert!(table.deregister(key).is_none());
         assert_eq!(table.len(), 0);
     }
 }

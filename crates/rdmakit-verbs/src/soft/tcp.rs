@@ -515,6 +515,9 @@ struct Inbox {
     ready: Vec<Arc<LinkShared>>,
     /// A QP of this process was connected: Hellos waiting for their QP may be answered.
     auth: bool,
+    /// Entries (addresses) of regions deregistered: payloads queued from them are copied
+    /// out ([`copy_out_tails`]).
+    revoked: Vec<usize>,
 }
 
 struct NewLink {
@@ -612,6 +615,16 @@ fn start_wire() -> std::io::Result<&'static Wire> {
 pub(crate) fn qp_connected() {
     if let Some(Ok(wire)) = WIRE.get() {
         wire.submit(|inbox| inbox.auth = true);
+    }
+}
+
+/// A region whose entry is at `entry` (an address, only compared) was deregistered: the
+/// loop copies the payloads still queued from it out of the region on its next turn, so that
+/// a peer reading them slowly does not keep the region (and its deregistration) waiting.
+/// Nothing to do when the wire has not started: nothing is queued.
+pub(crate) fn copy_out_tails(entry: usize) {
+    if let Some(Ok(wire)) = WIRE.get() {
+        wire.submit(|inbox| inbox.revoked.push(entry));
     }
 }
 
@@ -1134,6 +1147,37 @@ impl EventLoop {
         self.again.dedup();
         if inbox.auth {
             self.retry_auth();
+        }
+        for entry in inbox.revoked {
+            self.copy_out(entry);
+        }
+    }
+
+    /// Copies every payload queued from the region whose entry is at `entry` out of it: in
+    /// connections' output, and in links' queues (on the loop or waiting to dial again).
+    fn copy_out(&mut self, entry: usize) {
+        let queues = self.slab.iter().filter_map(|e| match e {
+            Some(Entry::Link(c)) => Some(&c.shared),
+            _ => None,
+        });
+        for shared in queues.chain(self.redials.iter().map(|r| &r.shared)) {
+            for (_, tail) in shared.queue.lock().expect("link queue").iter_mut() {
+                if let Some(t) = tail {
+                    t.copy_out_of(entry);
+                }
+            }
+        }
+        for e in self.slab.iter_mut().flatten() {
+            let io = match e {
+                Entry::Link(c) => &mut c.io,
+                Entry::Served(s) => &mut s.io,
+                _ => continue,
+            };
+            for c in &mut io.out {
+                if let Chunk::Tail(t, _) = c {
+                    t.copy_out_of(entry);
+                }
+            }
         }
     }
 

@@ -996,13 +996,50 @@ const SHARED_TAIL_MIN_SAME_HOST: u32 = 2 * 1024;
 pub(crate) struct SharedTail {
     pub ptr: *mut u8,
     pub len: usize,
-    /// Keeps the region's bytes alive until the payload is on the socket.
-    _entry: Arc<MrEntry>,
+    /// Keeps `ptr` valid until the payload is on the socket.
+    hold: TailHold,
 }
 
-// SAFETY: `ptr` points into memory `_entry` keeps alive; it is only read by the kernel
-// (`send(2)`), never through a Rust reference, so moving it to the writer thread is sound.
+/// What keeps a [`SharedTail`]'s bytes alive.
+enum TailHold {
+    /// The region's entry: the bytes are read from the region as they go out.
+    Region(Arc<MrEntry>),
+    /// The bytes, copied out of a region deregistered while they waited
+    /// ([`SharedTail::copy_out_of`]). Whole aligned words, as the region's were: the bytes
+    /// are still read as shared memory is, a word at a time. A `Vec`, not a `Box`: moving a
+    /// `Box` would claim its memory anew and invalidate `ptr` (Stacked Borrows).
+    Copied { _words: Vec<u64> },
+}
+
+// SAFETY: `ptr` points into memory `hold` keeps alive (the region's, or its own copy); it is
+// only read by the kernel (`send(2)`) or through `shared_mem`, never through a Rust
+// reference, so moving it to the writer thread is sound.
 unsafe impl Send for SharedTail {}
+
+impl SharedTail {
+    fn new(ptr: *mut u8, len: usize, entry: Arc<MrEntry>) -> SharedTail {
+        SharedTail { ptr, len, hold: TailHold::Region(entry) }
+    }
+
+    /// If the payload is read from the region whose entry is at `entry` (an address, as
+    /// [`Arc::as_ptr`] gives it: only compared, never dereferenced), copies it out and lets
+    /// the region go: a deregistration waiting for the entry ([`crate::mr`]'s `Drain`) must
+    /// not wait for a peer that reads slowly. What the peer then gets is the region's
+    /// content at deregistration, as a NIC may have read it by then.
+    pub(crate) fn copy_out_of(&mut self, entry: usize) {
+        let TailHold::Region(e) = &self.hold else { return };
+        if Arc::as_ptr(e) as usize != entry {
+            return;
+        }
+        let mut copy = vec![0u64; self.len.div_ceil(8)];
+        let to = copy.as_mut_ptr().cast::<u8>();
+        // SAFETY: `self.ptr` is valid for `self.len` bytes while the entry lives (it does
+        // until the assignment below); `copy` is ours, at least `self.len` bytes.
+        unsafe { shared_mem::copy(Src::Shared(self.ptr), Dst::Private(to), self.len) };
+        self.ptr = to;
+        self.hold = TailHold::Copied { _words: copy };
+    }
+}
 
 /// Where a remote write's data lands as it arrives off the wire: a target checked against
 /// the responder's registration (QP access, key, PD, region access, bounds) for the whole
@@ -1256,5 +1293,46 @@ mod last_word_tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod shared_tail_tests {
+    use super::*;
+    use crate::{AccessFlags, Context};
+
+    /// A payload copied out of its region keeps its bytes and lets the region's entry go;
+    /// another region's tail is left as it is. (Under Miri: the copy's pointer survives the
+    /// tail's moves.)
+    #[test]
+    fn a_tail_copied_out_keeps_its_bytes_and_lets_the_region_go() {
+        let device = SoftDevice::default_device();
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        mr.fill(0x5a).unwrap();
+        let entry = device.mrs.lookup(mr.lkey()).expect("the region's entry");
+        let (ptr, direct) = entry.resolve(None, mr.addr(), 64, AccessFlags::LOCAL_WRITE).unwrap();
+        assert!(Arc::ptr_eq(&entry, &direct));
+        drop(direct);
+        // An odd piece at an odd offset too.
+        let mut odd = SharedTail::new(ptr.wrapping_add(3), 45, entry.clone());
+        odd.copy_out_of(Arc::as_ptr(&entry) as usize);
+        let mut tail = SharedTail::new(ptr, 64, entry.clone());
+        assert_eq!(Arc::strong_count(&entry), 3, "table, tail and this test");
+        tail.copy_out_of(Arc::as_ptr(&entry) as usize + 8);
+        assert_eq!(tail.ptr, ptr, "another entry's revocation leaves the tail in the region");
+        tail.copy_out_of(Arc::as_ptr(&entry) as usize);
+        assert_ne!(tail.ptr, ptr);
+        assert_eq!(Arc::strong_count(&entry), 2, "the tail let the entry go");
+        mr.fill(0).unwrap();
+        let moved = [tail]; // moved, as a queue moves it
+        let mut out = [0u8; 64];
+        // SAFETY: the tail's copy is valid for its 64 bytes while the tail lives.
+        unsafe { shared_mem::copy(Src::Shared(moved[0].ptr), Dst::Private(out.as_mut_ptr()), 64) };
+        assert_eq!(out, [0x5a; 64], "the bytes as they were at the copy");
+        let mut out = [0u8; 45];
+        // SAFETY: as above, 45 bytes.
+        unsafe { shared_mem::copy(Src::Shared(odd.ptr), Dst::Private(out.as_mut_ptr()), 45) };
+        assert_eq!(out, [0x5a; 45]);
     }
 }

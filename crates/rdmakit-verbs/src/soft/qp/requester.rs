@@ -110,7 +110,7 @@ impl SoftQp {
             // Large payloads only: smaller ones are cheaper copied into the link's buffer,
             // which batches many requests into one system call.
             (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= tail_min => {
-                (Vec::new(), Some(SharedTail { ptr: local.ptr, len: len as usize, _entry: e.clone() }))
+                (Vec::new(), Some(SharedTail::new(local.ptr, len as usize, e.clone())))
             }
             (_, RawOp::Write { .. } | RawOp::Send { .. }) => {
                 let mut data = Vec::<u8>::with_capacity(len as usize);
