@@ -259,13 +259,12 @@ impl Drop for DrainOnDrop {
 }
 
 impl Drain {
-    /// Blocks until the entry is gone: as long as an access holds it. Most end by
-    /// themselves or within the wire's timeouts (a stalled peer's frame); payloads waiting
-    /// in a link's output for a peer to read them are copied out of the region first
-    /// (`soft::copy_out_tails`), so a peer reading slowly does not hold it. Not every
-    /// access ends so: a read or atomic outstanding through an indirect key over the
-    /// region, on a QP that retries for ever against a silent peer, holds it until the QP
-    /// is flushed. A warning says when the wait is long. (On a NIC the deregistration returns at once
+    /// Blocks until the entry is gone: as long as an access holds it. Those that a peer
+    /// could keep going for as long as it likes let go first (`soft::revoke`): payloads
+    /// waiting for a peer to read them are copied out of the region, and reads and atomics
+    /// outstanding with their answer due in it will fail with `LOC_PROT_ERR`. The rest end
+    /// by themselves or within the wire's timeouts (a peer's write landing, a stalled
+    /// peer's frame). A warning says when the wait is long. (On a NIC the deregistration returns at once
     /// and later accesses fault; the soft NIC would need a revocation check at every copy
     /// to do the same.)
     fn wait(&self) {
@@ -433,12 +432,13 @@ impl MrBackend {
                 // Nothing outside the soft NIC reaches the memory: a key already gone is fine.
                 let entry = device.mrs.deregister(*key);
                 if let Some(d) = drain {
-                    // Payloads waiting in a link's output for a peer to read them are copied
-                    // out, so that a slow reader does not hold the deregistration.
+                    // Accesses a peer could keep going for as long as it likes let go of
+                    // the memory first: a slow reader or a silent responder does not hold the
+                    // deregistration.
                     if let Some(e) = entry {
                         let id = Arc::as_ptr(&e) as usize;
                         drop(e);
-                        crate::soft::copy_out_tails(id);
+                        crate::soft::revoke(id);
                     }
                     d.wait();
                 }

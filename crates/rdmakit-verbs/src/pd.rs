@@ -108,10 +108,10 @@ impl ProtectionDomain {
     ///
     /// Dropping the region's last handle deregisters it and returns once no NIC access
     /// reaches the memory any more, as `ibv_dereg_mr` does: on the soft NIC it waits for
-    /// every access already in progress to finish (a peer's write still landing, a read
-    /// outstanding through an indirect key over it); a send's payload still queued for a peer
-    /// is copied out of the memory instead, so a peer reading it slowly does not hold the
-    /// deregistration.
+    /// every access already in progress to finish (a peer's write still landing). Accesses a
+    /// peer could keep going for as long as it likes let go instead: a send's payload still
+    /// queued for a peer is copied out of the memory, and a read or atomic outstanding
+    /// through an indirect key over it completes with `LOC_PROT_ERR` when its answer comes.
     ///
     /// # Safety
     /// - `addr..addr + len` is allocated, readable and writable, and stays so until this region

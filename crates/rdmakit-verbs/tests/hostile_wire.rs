@@ -1217,6 +1217,105 @@ fn a_slow_reader_does_not_hold_a_raw_regions_deregistration() {
     slow.join().unwrap();
 }
 
+/// A read outstanding through an indirect key over a `register_raw` region, against a
+/// responder that keeps its answer back (the QP's timer never fires): invalidating the key
+/// drops the region's last handle, and that deregistration must not wait for the answer.
+/// When the answer comes at last, it lands nowhere and the read fails with `LOC_PROT_ERR`
+/// (as a NIC's does on a key gone); the memory, the caller's again, is untouched.
+#[test]
+fn a_silent_responder_does_not_hold_a_raw_regions_deregistration() {
+    let _g = serial();
+    const LEN: usize = 4096;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel::<Frame>();
+    let silent = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _hello = read_reply(&mut s, Duration::from_secs(10)).expect("the Hello");
+        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        let read = read_reply(&mut s, Duration::from_secs(10)).expect("the read request");
+        seen_tx.send(read.clone()).unwrap();
+        // Silent until told; then the answer, with data.
+        rx.recv().unwrap();
+        let Frame::Read { psn, len, .. } = read else { panic!("not a read: {read:?}") };
+        s.write_all(&frame(&Frame::Ack { psn, status: 0, data: vec![0xee; len as usize] })).unwrap();
+        let _ = rx.recv();
+    });
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let mut gid = [0u8; 16];
+    gid[..2].copy_from_slice(&[0xfe, 0x80]);
+    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
+    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+    let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
+    // Timeout 0: the transport timer never fires (IB's "infinite").
+    qp.connect(&fake, &ConnectOptions::default().with_timeout(0)).unwrap();
+    // SAFETY: a plain anonymous mapping of our own.
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(mem, libc::MAP_FAILED);
+    // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
+    // region's last handle is dropped (the re-bind below).
+    let raw = unsafe {
+        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
+    }
+    .unwrap();
+    let umr = pd.create_umr_queue().unwrap();
+    let key = pd.create_indirect_mkey(0, LEN as u64, AccessFlags::LOCAL_WRITE).unwrap();
+    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
+    drop(raw); // the key's binding holds the region now
+    let dst = key.region().local().unwrap();
+    qp.post_send(SendWr::read(dst, RemoteSlice::new(0x1000, LEN as u32, 1)).wr_id(5)).unwrap();
+    let seen = seen_rx.recv_timeout(Duration::from_secs(10)).expect("the read went out");
+    assert!(matches!(seen, Frame::Read { .. }), "{seen:?}");
+    // Invalidating the key drops the raw region's last handle: its deregistration returns
+    // at once; the key is then bound to another region.
+    let other = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    let t0 = Instant::now();
+    let rebind = std::thread::spawn(move || {
+        umr.invalidate(&key).unwrap();
+        umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&other)]).unwrap();
+        (umr, key, other)
+    });
+    let done = eventually(Duration::from_secs(5), || rebind.is_finished());
+    let took = t0.elapsed();
+    println!(
+        "invalidate and re-bind (the raw region's deregistration) took {took:?} with a read outstanding"
+    );
+    if !done {
+        // Let the answer come so that the test ends (the bug: the wait lasts until then).
+        let _ = tx.send(());
+    }
+    let (_umr, _key, other) = rebind.join().unwrap();
+    assert!(done, "the deregistration waited {took:?} for the silent responder");
+    // The memory is the caller's again: it reuses it.
+    // SAFETY: our mapping, no region refers to it; written through a raw pointer only.
+    unsafe { std::ptr::write_bytes(mem.cast::<u8>(), 0x11, LEN) };
+    let _ = tx.send(());
+    let wc = cq.wait(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::LOC_PROT_ERR), "{wc:?}");
+    // SAFETY: as above; nothing wrote it since.
+    let reused = unsafe { std::slice::from_raw_parts(mem.cast::<u8>(), LEN) };
+    assert!(reused.iter().all(|&b| b == 0x11), "the late answer landed in the caller's memory");
+    assert!(other.to_vec().unwrap().iter().all(|&b| b == 0), "nor in the key's new region");
+    // SAFETY: our mapping, no longer borrowed.
+    unsafe { libc::munmap(mem, LEN) };
+    let _ = tx.send(());
+    drop(qp);
+    silent.join().unwrap();
+}
+
 // ---- rkeys are unpredictable across processes ----
 
 /// Child mode for `rkeys_differ_between_processes`: prints the first rkey of `soft0`.

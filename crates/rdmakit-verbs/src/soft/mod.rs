@@ -79,7 +79,6 @@ pub use tcp::ANSWER_DELAY_ENV;
 #[doc(hidden)]
 pub use tcp::RateLimit;
 pub use tcp::SOFT_ADDR_ENV;
-pub(crate) use tcp::copy_out_tails;
 /// The production frame reader over a byte string, for the fuzz target (`fuzz/`); not a
 /// stable API.
 #[doc(hidden)]
@@ -399,6 +398,24 @@ impl SoftDevice {
     pub(crate) fn find_qp(&self, qpn: u32) -> Option<Arc<qp::SoftQp>> {
         self.qps.lock().expect("qp table").get(&qpn).and_then(Weak::upgrade)
     }
+}
+
+/// Memory the caller owns is being deregistered, and its key's entry (at address `entry`,
+/// only compared) may still be held by accesses in progress: those that could hold it for
+/// as long as a peer likes let go of it. Reads and atomics outstanding with their answer due
+/// there, on any function's QP (an alias reaches the region from another function), will
+/// complete with `LOC_PROT_ERR`; payloads queued for a peer are copied out of it.
+pub(crate) fn revoke(entry: usize) {
+    let devices: Vec<Arc<SoftDevice>> =
+        VHCAS.read().expect("vhca registry").values().filter_map(Weak::upgrade).collect();
+    for d in devices {
+        let qps: Vec<Arc<qp::SoftQp>> =
+            d.qps.lock().expect("qp table").values().filter_map(Weak::upgrade).collect();
+        for qp in qps {
+            qp.revoke_targets(entry);
+        }
+    }
+    tcp::copy_out_tails(entry);
 }
 
 impl Drop for SoftDevice {

@@ -138,11 +138,15 @@ impl Requester<'static> {
 struct LocalTarget {
     ptr: *mut u8,
     len: u32,
-    _entry: Arc<MrEntry>,
+    /// Keeps the memory at `ptr` alive; `None` once the region was deregistered while the
+    /// request was outstanding ([`SoftQp::revoke_targets`]): its answer then lands nowhere
+    /// and the request completes with `LOC_PROT_ERR`, as a NIC's would on a key gone.
+    entry: Option<Arc<MrEntry>>,
 }
 
-// SAFETY: `_entry` keeps the registration's memory alive and `ptr` points into it; the bytes
-// are only written through `shared_mem`, which is sound from any thread.
+// SAFETY: `entry` keeps the registration's memory alive and `ptr` points into it (and is not
+// written once `entry` is gone); the bytes are only written through `shared_mem`, which is
+// sound from any thread.
 unsafe impl Send for LocalTarget {}
 
 /// A request sent over TCP and not yet answered.

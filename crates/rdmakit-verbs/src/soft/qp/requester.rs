@@ -126,7 +126,7 @@ impl SoftQp {
             }
             _ => (Vec::new(), None),
         };
-        let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, _entry: e });
+        let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, entry: Some(e) });
         let (addr, rkey) = (wr.remote_addr, wr.rkey);
         Ok(match wr.op {
             RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data }, None, tail),
@@ -144,6 +144,20 @@ impl SoftQp {
     pub fn response_data_limit(&self) -> usize {
         let sq = self.sq.lock().expect("sq lock");
         sq.sent.front().and_then(|s| s.target.as_ref()).map_or(0, |t| t.len as usize)
+    }
+
+    /// The region whose entry is at `entry` (an address, only compared) is being
+    /// deregistered: requests outstanding with their answer due in it let it go (their answer
+    /// will land nowhere; see `LocalTarget::entry`).
+    pub fn revoke_targets(&self, entry: usize) {
+        let mut sq = self.sq.lock().expect("sq lock");
+        for s in &mut sq.sent {
+            if let Some(t) = &mut s.target
+                && t.entry.as_ref().is_some_and(|e| Arc::as_ptr(e) as usize == entry)
+            {
+                t.entry = None;
+            }
+        }
     }
 
     /// A response from the remote responder (called by the link's reader thread).
@@ -175,9 +189,12 @@ impl SoftQp {
                     if status.is_success() {
                         match (&s.target, s.p.op) {
                             (Some(t), RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) => {
-                                if data.len() == t.len as usize {
+                                if t.entry.is_none() {
+                                    // The local region was deregistered meanwhile.
+                                    status = WcStatus::LOC_PROT_ERR;
+                                } else if data.len() == t.len as usize {
                                     // SAFETY: `t.ptr` is the checked local buffer of `t.len`
-                                    // bytes, kept alive by `t._entry`; `data` is ours.
+                                    // bytes, kept alive by `t.entry`; `data` is ours.
                                     unsafe {
                                         shared_mem::copy(
                                             Src::Private(data.as_ptr()),
