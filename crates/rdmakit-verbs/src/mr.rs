@@ -436,9 +436,7 @@ impl MrBackend {
                     // the memory first: a slow reader or a silent responder does not hold the
                     // deregistration.
                     if let Some(e) = entry {
-                        let id = Arc::as_ptr(&e) as usize;
-                        drop(e);
-                        crate::soft::revoke(id);
+                        crate::soft::revoke(&e);
                     }
                     d.wait();
                 }

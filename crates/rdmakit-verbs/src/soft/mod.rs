@@ -400,22 +400,25 @@ impl SoftDevice {
     }
 }
 
-/// Memory the caller owns is being deregistered, and its key's entry (at address `entry`,
-/// only compared) may still be held by accesses in progress: those that could hold it for
-/// as long as a peer likes let go of it. Reads and atomics outstanding with their answer due
-/// there, on any function's QP (an alias reaches the region from another function), will
-/// complete with `LOC_PROT_ERR`; payloads queued for a peer are copied out of it.
-pub(crate) fn revoke(entry: usize) {
-    let devices: Vec<Arc<SoftDevice>> =
-        VHCAS.read().expect("vhca registry").values().filter_map(Weak::upgrade).collect();
-    for d in devices {
-        let qps: Vec<Arc<qp::SoftQp>> =
-            d.qps.lock().expect("qp table").values().filter_map(Weak::upgrade).collect();
-        for qp in qps {
-            qp.revoke_targets(entry);
+/// Memory the caller owns is being deregistered (its key is gone), and its key's `entry` may
+/// still be held by accesses in progress: those that could hold it for as long as a peer
+/// likes let go of it. Reads and atomics outstanding with their answer due there, on any
+/// function's QP (an alias reaches the region from another function), will complete with
+/// `LOC_PROT_ERR` (the QPs are visited only while some read or atomic is outstanding over
+/// the wire); payloads queued for a peer are copied out of it.
+pub(crate) fn revoke(entry: &Arc<mr::MrEntry>) {
+    if qp::targets_outstanding() {
+        let devices: Vec<Arc<SoftDevice>> =
+            VHCAS.read().expect("vhca registry").values().filter_map(Weak::upgrade).collect();
+        for d in devices {
+            let qps: Vec<Arc<qp::SoftQp>> =
+                d.qps.lock().expect("qp table").values().filter_map(Weak::upgrade).collect();
+            for qp in qps {
+                qp.revoke_targets(entry);
+            }
         }
     }
-    tcp::copy_out_tails(entry);
+    tcp::copy_out_tails(Arc::downgrade(entry));
 }
 
 impl Drop for SoftDevice {

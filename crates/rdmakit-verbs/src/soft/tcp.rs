@@ -58,7 +58,8 @@ use std::time::{Duration, Instant};
 use super::SoftDevice;
 use super::direct::{self, GrantTable, Miss};
 use super::flags::FlagPage;
-use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp};
+use super::mr::MrEntry;
+use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp, TailCopies};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
 use crate::shared_mem::Src;
@@ -515,9 +516,9 @@ struct Inbox {
     ready: Vec<Arc<LinkShared>>,
     /// A QP of this process was connected: Hellos waiting for their QP may be answered.
     auth: bool,
-    /// Entries (addresses) of regions deregistered: payloads queued from them are copied
-    /// out ([`copy_out_tails`]).
-    revoked: Vec<usize>,
+    /// Entries of regions deregistered: payloads queued from them are copied out
+    /// ([`copy_out_tails`]).
+    revoked: Vec<Weak<MrEntry>>,
 }
 
 struct NewLink {
@@ -618,11 +619,12 @@ pub(crate) fn qp_connected() {
     }
 }
 
-/// A region whose entry is at `entry` (an address, only compared) was deregistered: the
-/// loop copies the payloads still queued from it out of the region on its next turn, so that
-/// a peer reading them slowly does not keep the region (and its deregistration) waiting.
-/// Nothing to do when the wire has not started: nothing is queued.
-pub(crate) fn copy_out_tails(entry: usize) {
+/// The region whose entry is `entry` was deregistered: the loop copies the payloads still
+/// queued from it out of the region on its next turn, so that a peer reading them slowly
+/// does not keep the region (and its deregistration) waiting. (A `Weak`, which keeps the
+/// entry's allocation, so its address names no other region meanwhile.) Nothing to do when
+/// the wire has not started: nothing is queued.
+pub(crate) fn copy_out_tails(entry: Weak<MrEntry>) {
     if let Some(Ok(wire)) = WIRE.get() {
         wire.submit(|inbox| inbox.revoked.push(entry));
     }
@@ -1153,9 +1155,18 @@ impl EventLoop {
         }
     }
 
-    /// Copies every payload queued from the region whose entry is at `entry` out of it: in
-    /// connections' output, and in links' queues (on the loop or waiting to dial again).
-    fn copy_out(&mut self, entry: usize) {
+    /// Copies every payload queued from the region whose entry is `entry` out of it (once
+    /// per run of overlapping payloads: [`TailCopies`]), in connections' output and in
+    /// links' queues (on the loop or waiting to dial again).
+    fn copy_out(&mut self, entry: Weak<MrEntry>) {
+        let mut copies = TailCopies::new(entry);
+        self.each_tail(|t| copies.note(t));
+        copies.copy();
+        self.each_tail(|t| copies.rehome(t));
+    }
+
+    /// Runs `f` on every queued payload still in its region.
+    fn each_tail(&mut self, mut f: impl FnMut(&mut SharedTail)) {
         let queues = self.slab.iter().filter_map(|e| match e {
             Some(Entry::Link(c)) => Some(&c.shared),
             _ => None,
@@ -1163,7 +1174,7 @@ impl EventLoop {
         for shared in queues.chain(self.redials.iter().map(|r| &r.shared)) {
             for (_, tail) in shared.queue.lock().expect("link queue").iter_mut() {
                 if let Some(t) = tail {
-                    t.copy_out_of(entry);
+                    f(t);
                 }
             }
         }
@@ -1175,7 +1186,7 @@ impl EventLoop {
             };
             for c in &mut io.out {
                 if let Chunk::Tail(t, _) = c {
-                    t.copy_out_of(entry);
+                    f(t);
                 }
             }
         }

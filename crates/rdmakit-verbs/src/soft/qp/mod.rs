@@ -22,7 +22,7 @@ mod requester;
 mod responder;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -148,6 +148,28 @@ struct LocalTarget {
 // written once `entry` is gone); the bytes are only written through `shared_mem`, which is
 // sound from any thread.
 unsafe impl Send for LocalTarget {}
+
+/// [`LocalTarget`]s alive in the process: a deregistration looks for targets to revoke
+/// ([`super::revoke`]) only when there are some, and so takes no QP's lock otherwise.
+static LIVE_TARGETS: AtomicUsize = AtomicUsize::new(0);
+
+impl LocalTarget {
+    fn new(ptr: *mut u8, len: u32, entry: Arc<MrEntry>) -> LocalTarget {
+        LIVE_TARGETS.fetch_add(1, Ordering::SeqCst);
+        LocalTarget { ptr, len, entry: Some(entry) }
+    }
+}
+
+impl Drop for LocalTarget {
+    fn drop(&mut self) {
+        LIVE_TARGETS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether any read or atomic is outstanding over the wire with a local target.
+pub(crate) fn targets_outstanding() -> bool {
+    LIVE_TARGETS.load(Ordering::SeqCst) > 0
+}
 
 /// A request sent over TCP and not yet answered.
 struct Sent {
@@ -629,6 +651,11 @@ impl SoftQp {
             let mut rq = self.rq.lock().expect("rq lock");
             for wr in wrs {
                 if self.state.load(Ordering::Acquire) == ERR {
+                    // The QP may have failed a moment ago, its queue not flushed yet: what
+                    // was posted before goes first.
+                    while let Some(r) = rq.posted.pop_front() {
+                        self.flush_recv(&mut rq, r.wr_id);
+                    }
                     self.flush_recv(&mut rq, wr.wr_id);
                 } else {
                     rq.posted.push_back(*wr);
@@ -1008,16 +1035,16 @@ pub(crate) struct SharedTail {
 enum TailHold {
     /// The region's entry: the bytes are read from the region as they go out.
     Region(Arc<MrEntry>),
-    /// The bytes, copied out of a region deregistered while they waited
-    /// ([`SharedTail::copy_out_of`]). Whole aligned words, as the region's were: the bytes
-    /// are still read as shared memory is, a word at a time. A `Vec`, not a `Box`: moving a
-    /// `Box` would claim its memory anew and invalidate `ptr` (Stacked Borrows).
-    Copied { _words: Vec<u64> },
+    /// A copy of the region's bytes, made when it was deregistered while they waited
+    /// ([`TailCopies`]), shared by every tail within it. Whole `u64` words: the bytes are
+    /// still read as shared memory is, a word at a time, which must stay inside the
+    /// allocation. A `Vec`, whose buffer stays put and keeps `ptr` valid when moved.
+    Copied { _words: Arc<Vec<u64>> },
 }
 
-// SAFETY: `ptr` points into memory `hold` keeps alive (the region's, or its own copy); it is
-// only read by the kernel (`send(2)`) or through `shared_mem`, never through a Rust
-// reference, so moving it to the writer thread is sound.
+// SAFETY: `ptr` points into memory `hold` keeps alive (the region's, or a copy); it is only
+// read by the kernel (`send(2)`) or through `shared_mem`, never through a Rust reference, so
+// moving it to the writer thread is sound.
 unsafe impl Send for SharedTail {}
 
 impl SharedTail {
@@ -1025,23 +1052,77 @@ impl SharedTail {
         SharedTail { ptr, len, hold: TailHold::Region(entry) }
     }
 
-    /// If the payload is read from the region whose entry is at `entry` (an address, as
-    /// [`Arc::as_ptr`] gives it: only compared, never dereferenced), copies it out and lets
-    /// the region go: a deregistration waiting for the entry ([`crate::mr`]'s `Drain`) must
-    /// not wait for a peer that reads slowly. What the peer then gets is the region's
-    /// content at deregistration, as a NIC may have read it by then.
-    pub(crate) fn copy_out_of(&mut self, entry: usize) {
-        let TailHold::Region(e) = &self.hold else { return };
-        if Arc::as_ptr(e) as usize != entry {
+    /// Whether the payload is read from the region whose entry `entry` is.
+    pub(crate) fn reads(&self, entry: &Weak<MrEntry>) -> bool {
+        matches!(&self.hold, TailHold::Region(e) if std::ptr::eq(Arc::as_ptr(e), entry.as_ptr()))
+    }
+}
+
+/// Copies of a deregistered region's bytes that queued payloads still need, one per run of
+/// overlapping payloads: however many requests sent the same bytes, they are copied once
+/// (at most the region's size in all).
+///
+/// A deregistration waiting for the region's entry (`crate::mr`'s `Drain`) must not wait
+/// for a peer that reads slowly, so the payloads are copied out of the region and the entry
+/// let go. What the peer then gets is the region's content at deregistration, as a NIC may
+/// have read it by then.
+pub(crate) struct TailCopies {
+    entry: Weak<MrEntry>,
+    /// Payload ranges (address, length) seen by [`note`](Self::note).
+    ranges: Vec<(usize, usize, *mut u8)>,
+    /// Merged runs: start address, end address, and the copy.
+    runs: Vec<(usize, usize, *mut u8, Arc<Vec<u64>>)>,
+}
+
+impl TailCopies {
+    /// Copies for payloads from the region whose entry is `entry`.
+    pub(crate) fn new(entry: Weak<MrEntry>) -> TailCopies {
+        TailCopies { entry, ranges: Vec::new(), runs: Vec::new() }
+    }
+
+    /// First pass: notes `t`'s range if it reads the region.
+    pub(crate) fn note(&mut self, t: &SharedTail) {
+        if t.reads(&self.entry) && t.len > 0 {
+            self.ranges.push((t.ptr as usize, t.len, t.ptr));
+        }
+    }
+
+    /// Between the passes: merges the ranges into runs and copies each run once. The tails
+    /// noted still hold the entry, so the region's bytes are valid.
+    pub(crate) fn copy(&mut self) {
+        self.ranges.sort_unstable_by_key(|r| r.0);
+        let mut runs: Vec<(usize, usize, *mut u8)> = Vec::new();
+        for &(at, len, ptr) in &self.ranges {
+            match runs.last_mut() {
+                Some(run) if at <= run.1 => run.1 = run.1.max(at + len),
+                _ => runs.push((at, at + len, ptr)),
+            }
+        }
+        for (lo, hi, from) in runs {
+            let mut words = vec![0u64; (hi - lo).div_ceil(8)];
+            let to = words.as_mut_ptr().cast::<u8>();
+            // SAFETY: `from..from + (hi - lo)` lies within the region (a union of payloads
+            // checked against it), valid while the noted tails hold its entry; `words` is
+            // ours, at least `hi - lo` bytes.
+            unsafe { shared_mem::copy(Src::Shared(from), Dst::Private(to), hi - lo) };
+            self.runs.push((lo, hi, to, Arc::new(words)));
+        }
+        self.ranges = Vec::new();
+    }
+
+    /// Second pass: points `t` at the copy of its run and lets the region go.
+    pub(crate) fn rehome(&self, t: &mut SharedTail) {
+        if !t.reads(&self.entry) {
             return;
         }
-        let mut copy = vec![0u64; self.len.div_ceil(8)];
-        let to = copy.as_mut_ptr().cast::<u8>();
-        // SAFETY: `self.ptr` is valid for `self.len` bytes while the entry lives (it does
-        // until the assignment below); `copy` is ours, at least `self.len` bytes.
-        unsafe { shared_mem::copy(Src::Shared(self.ptr), Dst::Private(to), self.len) };
-        self.ptr = to;
-        self.hold = TailHold::Copied { _words: copy };
+        let at = t.ptr as usize;
+        // A tail not noted (none can appear: the region has no handle left to post with)
+        // keeps reading the region.
+        let Some((lo, _, to, words)) = self.runs.iter().find(|r| r.0 <= at && at + t.len <= r.1) else {
+            return;
+        };
+        t.ptr = to.wrapping_add(at - lo);
+        t.hold = TailHold::Copied { _words: words.clone() };
     }
 }
 
@@ -1305,38 +1386,53 @@ mod shared_tail_tests {
     use super::*;
     use crate::{AccessFlags, Context};
 
-    /// A payload copied out of its region keeps its bytes and lets the region's entry go;
-    /// another region's tail is left as it is. (Under Miri: the copy's pointer survives the
-    /// tail's moves.)
+    fn read(t: &SharedTail) -> Vec<u8> {
+        let mut out = vec![0u8; t.len];
+        // SAFETY: a tail's `ptr` is valid for its `len` bytes while it lives.
+        unsafe { shared_mem::copy(Src::Shared(t.ptr), Dst::Private(out.as_mut_ptr()), t.len) };
+        out
+    }
+
+    /// Payloads copied out of a deregistered region keep their bytes and let the region's
+    /// entry go; overlapping ones share one copy; another region's are left alone. (Under
+    /// Miri: the copies are read word by word, at odd offsets and lengths, after the tails
+    /// moved.)
     #[test]
-    fn a_tail_copied_out_keeps_its_bytes_and_lets_the_region_go() {
+    fn tails_copied_out_keep_their_bytes_share_copies_and_let_the_region_go() {
         let device = SoftDevice::default_device();
         let pd = Context::open_soft().alloc_pd().unwrap();
-        let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-        mr.fill(0x5a).unwrap();
+        let (mr, other) = (
+            pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap(),
+            pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap(),
+        );
+        for i in 0..32 {
+            mr.write_u64(i * 8, 0x0101_0101_0101_0101 * i).unwrap();
+        }
         let entry = device.mrs.lookup(mr.lkey()).expect("the region's entry");
-        let (ptr, direct) = entry.resolve(None, mr.addr(), 64, AccessFlags::LOCAL_WRITE).unwrap();
-        assert!(Arc::ptr_eq(&entry, &direct));
-        drop(direct);
-        // An odd piece at an odd offset too.
-        let mut odd = SharedTail::new(ptr.wrapping_add(3), 45, entry.clone());
-        odd.copy_out_of(Arc::as_ptr(&entry) as usize);
-        let mut tail = SharedTail::new(ptr, 64, entry.clone());
-        assert_eq!(Arc::strong_count(&entry), 3, "table, tail and this test");
-        tail.copy_out_of(Arc::as_ptr(&entry) as usize + 8);
-        assert_eq!(tail.ptr, ptr, "another entry's revocation leaves the tail in the region");
-        tail.copy_out_of(Arc::as_ptr(&entry) as usize);
-        assert_ne!(tail.ptr, ptr);
-        assert_eq!(Arc::strong_count(&entry), 2, "the tail let the entry go");
+        let (ptr, _) = entry.resolve(None, mr.addr(), 256, AccessFlags::LOCAL_WRITE).unwrap();
+        let other_entry = device.mrs.lookup(other.lkey()).unwrap();
+        let (optr, _) = other_entry.resolve(None, other.addr(), 64, AccessFlags::LOCAL_WRITE).unwrap();
+        // Two overlapping payloads (one run), one apart at an odd offset and length (another
+        // run), and one of another region.
+        let mut tails = vec![
+            SharedTail::new(ptr, 64, entry.clone()),
+            SharedTail::new(ptr.wrapping_add(32), 64, entry.clone()),
+            SharedTail::new(ptr.wrapping_add(163), 45, entry.clone()),
+            SharedTail::new(optr, 64, other_entry.clone()),
+        ];
+        let before: Vec<Vec<u8>> = tails.iter().map(read).collect();
+        assert_eq!(Arc::strong_count(&entry), 5, "table, three tails and this test");
+        let mut copies = TailCopies::new(Arc::downgrade(&entry));
+        tails.iter().for_each(|t| copies.note(t));
+        copies.copy();
+        assert_eq!(copies.runs.len(), 2, "overlapping payloads share a copy");
+        tails.iter_mut().for_each(|t| copies.rehome(t));
+        drop(copies);
+        assert_eq!(Arc::strong_count(&entry), 2, "the tails let the entry go");
+        assert_eq!(tails[3].ptr, optr, "another region's payload stays where it is");
         mr.fill(0).unwrap();
-        let moved = [tail]; // moved, as a queue moves it
-        let mut out = [0u8; 64];
-        // SAFETY: the tail's copy is valid for its 64 bytes while the tail lives.
-        unsafe { shared_mem::copy(Src::Shared(moved[0].ptr), Dst::Private(out.as_mut_ptr()), 64) };
-        assert_eq!(out, [0x5a; 64], "the bytes as they were at the copy");
-        let mut out = [0u8; 45];
-        // SAFETY: as above, 45 bytes.
-        unsafe { shared_mem::copy(Src::Shared(odd.ptr), Dst::Private(out.as_mut_ptr()), 45) };
-        assert_eq!(out, [0x5a; 45]);
+        let moved: Vec<SharedTail> = tails.into_iter().collect();
+        let after: Vec<Vec<u8>> = moved.iter().map(read).collect();
+        assert_eq!(after, before, "the bytes as they were at the copy");
     }
 }

@@ -126,7 +126,7 @@ impl SoftQp {
             }
             _ => (Vec::new(), None),
         };
-        let target = || local.entry.clone().map(|e| LocalTarget { ptr: local.ptr, len, entry: Some(e) });
+        let target = || local.entry.clone().map(|e| LocalTarget::new(local.ptr, len, e));
         let (addr, rkey) = (wr.remote_addr, wr.rkey);
         Ok(match wr.op {
             RawOp::Write { imm } => (Frame::Write { psn, addr, rkey, imm, data }, None, tail),
@@ -146,14 +146,14 @@ impl SoftQp {
         sq.sent.front().and_then(|s| s.target.as_ref()).map_or(0, |t| t.len as usize)
     }
 
-    /// The region whose entry is at `entry` (an address, only compared) is being
-    /// deregistered: requests outstanding with their answer due in it let it go (their answer
-    /// will land nowhere; see `LocalTarget::entry`).
-    pub fn revoke_targets(&self, entry: usize) {
+    /// The region whose entry is `entry` is being deregistered: requests outstanding with
+    /// their answer due in it let it go (their answer will land nowhere; see
+    /// `LocalTarget::entry`).
+    pub fn revoke_targets(&self, entry: &Arc<MrEntry>) {
         let mut sq = self.sq.lock().expect("sq lock");
         for s in &mut sq.sent {
             if let Some(t) = &mut s.target
-                && t.entry.as_ref().is_some_and(|e| Arc::as_ptr(e) as usize == entry)
+                && t.entry.as_ref().is_some_and(|e| Arc::ptr_eq(e, entry))
             {
                 t.entry = None;
             }
