@@ -1072,6 +1072,57 @@ fn transport_timers_stay_bounded_over_many_bursts() {
     assert!(after <= before + 4, "timers pile up: {before} -> {after}");
 }
 
+/// The endpoint of a QP of a peer listening at 127.0.0.1:`port` in another process (a GID
+/// naming no device here): a requester connected to it dials that port over TCP, so a test
+/// can play the peer.
+fn fake_peer(port: u16) -> QpAddress {
+    let mut gid = [0u8; 16];
+    gid[..2].copy_from_slice(&[0xfe, 0x80]);
+    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
+    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+    QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7)
+}
+
+/// Plays [`fake_peer`]: accepts the requester's connection on `listener`, reads its Hello
+/// and accepts it (no checks), and returns the stream with no read timeout.
+fn accept_requester(listener: &TcpListener) -> TcpStream {
+    let (mut s, _) = listener.accept().unwrap();
+    let _hello = read_reply(&mut s, Duration::from_secs(10)).expect("the Hello");
+    s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+    s.set_read_timeout(None).unwrap();
+    s
+}
+
+/// A requester QP on a fresh device, with a CQ of `cqe`, connected to [`fake_peer`]`(port)`
+/// with timeout 0: its transport timer never fires (IB's "infinite"), so only the peer
+/// decides how long a request stays outstanding.
+fn patient_requester(port: u16, cqe: u32) -> (Context, ProtectionDomain, CompletionQueue, QueuePair) {
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(cqe).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    qp.connect(&fake_peer(port), &ConnectOptions::default().with_timeout(0)).unwrap();
+    (ctx, pd, cq, qp)
+}
+
+/// `len` bytes of fresh anonymous memory of our own (for `register_raw`), unmapped by the
+/// caller.
+fn anonymous(len: usize) -> *mut libc::c_void {
+    // SAFETY: a plain anonymous mapping, no address asked for.
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(mem, libc::MAP_FAILED);
+    mem
+}
+
 // ---- a stalled responder: alive, but never reads ----
 
 #[test]
@@ -1085,13 +1136,7 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
     let port = listener.local_addr().unwrap().port();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let stall = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut h = [0u8; wire::HEADER];
-        s.read_exact(&mut h).unwrap();
-        let (_, len) = wire::decode_header(&h).unwrap();
-        let mut p = vec![0u8; len as usize];
-        s.read_exact(&mut p).unwrap();
-        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        let s = accept_requester(&listener);
         // Alive but silent: never read again, until told.
         let _ = rx.recv();
         drop(s);
@@ -1104,11 +1149,7 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
         let cq = ctx.create_cq(1024).unwrap();
         let qp = pd.create_qp(&cq, &cq, QpCaps::default().with_max_send_wr(512)).unwrap();
         let src = pd.alloc_mr(1 << 20, AccessFlags::ALL_REMOTE).unwrap();
-        let mut gid = [0u8; 16];
-        gid[..2].copy_from_slice(&[0xfe, 0x80]);
-        gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
-        gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-        let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
+        let fake = fake_peer(port);
         qp.connect(&fake, &opts()).unwrap();
         // Enough bytes to fill both socket buffers: the writer blocks.
         for i in 0..256u64 {
@@ -1147,13 +1188,7 @@ fn a_slow_reader_does_not_hold_a_raw_regions_deregistration() {
     let read = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let got = read.clone();
     let slow = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut h = [0u8; wire::HEADER];
-        s.read_exact(&mut h).unwrap();
-        let (_, len) = wire::decode_header(&h).unwrap();
-        let mut p = vec![0u8; len as usize];
-        s.read_exact(&mut p).unwrap();
-        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        let mut s = accept_requester(&listener);
         // 4 KiB every 50 ms: 16 MiB would take over three minutes.
         let mut buf = [0u8; 4096];
         while rx.recv_timeout(Duration::from_millis(50)).is_err() {
@@ -1163,29 +1198,8 @@ fn a_slow_reader_does_not_hold_a_raw_regions_deregistration() {
             };
         }
     });
-    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    let mut gid = [0u8; 16];
-    gid[..2].copy_from_slice(&[0xfe, 0x80]);
-    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
-    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-    let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
-    // Timeout 0: the transport timer never fires (IB's "infinite").
-    qp.connect(&fake, &ConnectOptions::default().with_timeout(0)).unwrap();
-    // SAFETY: a plain anonymous mapping of our own.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
+    let (_ctx, pd, cq, qp) = patient_requester(port, 16);
+    let mem = anonymous(LEN);
     // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
     // region and the work request using it are gone (the flush below, reaped).
     let src = unsafe {
@@ -1229,10 +1243,7 @@ fn a_raw_regions_payloads_queued_many_times_are_copied_once() {
     let port = listener.local_addr().unwrap().port();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let slow = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let _hello = read_reply(&mut s, Duration::from_secs(10)).expect("the Hello");
-        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
-        s.set_read_timeout(None).unwrap();
+        let mut s = accept_requester(&listener);
         let mut buf = [0u8; 4096];
         while rx.recv_timeout(Duration::from_millis(50)).is_err() {
             if !matches!(s.read(&mut buf), Ok(n) if n > 0) {
@@ -1240,28 +1251,8 @@ fn a_raw_regions_payloads_queued_many_times_are_copied_once() {
             }
         }
     });
-    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(256).unwrap();
-    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    let mut gid = [0u8; 16];
-    gid[..2].copy_from_slice(&[0xfe, 0x80]);
-    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
-    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-    let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
-    qp.connect(&fake, &ConnectOptions::default().with_timeout(0)).unwrap();
-    // SAFETY: a plain anonymous mapping of our own.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
+    let (_ctx, pd, cq, qp) = patient_requester(port, 256);
+    let mem = anonymous(LEN);
     // SAFETY: the mapping stays until after the region's last handle is gone (below).
     let src = unsafe {
         pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
@@ -1313,9 +1304,7 @@ fn a_silent_responder_does_not_hold_a_raw_regions_deregistration() {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let (seen_tx, seen_rx) = std::sync::mpsc::channel::<Frame>();
     let silent = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let _hello = read_reply(&mut s, Duration::from_secs(10)).expect("the Hello");
-        s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+        let mut s = accept_requester(&listener);
         let read = read_reply(&mut s, Duration::from_secs(10)).expect("the read request");
         seen_tx.send(read.clone()).unwrap();
         // Silent until told; then the answer, with data.
@@ -1324,29 +1313,8 @@ fn a_silent_responder_does_not_hold_a_raw_regions_deregistration() {
         s.write_all(&frame(&Frame::Ack { psn, status: 0, data: vec![0xee; len as usize] })).unwrap();
         let _ = rx.recv();
     });
-    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    let mut gid = [0u8; 16];
-    gid[..2].copy_from_slice(&[0xfe, 0x80]);
-    gid[4..8].copy_from_slice(&[127, 0, 0, 1]);
-    gid[8..12].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
-    let fake = QpAddress::new(ProviderKind::Soft, port, gid, 0x42, 7);
-    // Timeout 0: the transport timer never fires (IB's "infinite").
-    qp.connect(&fake, &ConnectOptions::default().with_timeout(0)).unwrap();
-    // SAFETY: a plain anonymous mapping of our own.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
+    let (_ctx, pd, cq, qp) = patient_requester(port, 16);
+    let mem = anonymous(LEN);
     // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
     // region's last handle is dropped (the re-bind below).
     let raw = unsafe {
