@@ -260,24 +260,35 @@ impl Drop for DrainOnDrop {
 
 impl Drain {
     /// Blocks until the entry is gone: as long as an access holds it. Those that a peer
-    /// could keep going for as long as it likes let go first (`soft::revoke`): payloads
-    /// waiting for a peer to read them are copied out of the region, and reads and atomics
-    /// outstanding with their answer due in it will fail with `LOC_PROT_ERR`. The rest end
-    /// by themselves or within the wire's timeouts (a peer's write landing, a stalled
-    /// peer's frame). A warning says when the wait is long. (On a NIC the deregistration returns at once
-    /// and later accesses fault; the soft NIC would need a revocation check at every copy
-    /// to do the same.)
-    fn wait(&self) {
+    /// could keep going for as long as it likes let go first (`soft::revoke`, run by the
+    /// caller): payloads waiting for a peer to read them are copied out of the region, and
+    /// reads and atomics outstanding with their answer due in it will fail with
+    /// `LOC_PROT_ERR`. The rest end by themselves or within the wire's timeouts (a peer's
+    /// write landing, a stalled peer's frame). `again` revokes once more, after 10 ms,
+    /// 100 ms and then every second while the wait lasts: a post that looked the key up just
+    /// before it went queues its access after the first revocation. A warning says when
+    /// the wait is long. (On a NIC the deregistration returns at once and later accesses
+    /// fault; the soft NIC would need a revocation check at every copy to do the same.)
+    fn wait(&self, mut again: impl FnMut()) {
         let start = std::time::Instant::now();
         let mut warned = false;
-        let mut gone = self.gone.lock().unwrap_or_else(|e| e.into_inner());
-        while !*gone {
-            let (g, _) = self
-                .cv
-                .wait_timeout(gone, std::time::Duration::from_secs(1))
-                .unwrap_or_else(|e| e.into_inner());
-            gone = g;
-            if !*gone && !warned {
+        for round in 0u32.. {
+            let pause = match round {
+                0 => std::time::Duration::from_millis(10),
+                1 => std::time::Duration::from_millis(100),
+                _ => std::time::Duration::from_secs(1),
+            };
+            {
+                let gone = self.gone.lock().unwrap_or_else(|e| e.into_inner());
+                let (gone, _) =
+                    self.cv.wait_timeout_while(gone, pause, |gone| !*gone).unwrap_or_else(|e| e.into_inner());
+                if *gone {
+                    return;
+                }
+            }
+            // Not under the lock: the revocation may let the entry go, whose drop takes it.
+            again();
+            if !warned && start.elapsed() >= std::time::Duration::from_secs(1) {
                 warned = true;
                 tracing::warn!(
                     waited = ?start.elapsed(),
@@ -435,10 +446,17 @@ impl MrBackend {
                     // Accesses a peer could keep going for as long as it likes let go of
                     // the memory first: a slow reader or a silent responder does not hold the
                     // deregistration.
+                    let again = entry.as_ref().map(Arc::downgrade);
                     if let Some(e) = entry {
                         crate::soft::revoke(&e);
                     }
-                    d.wait();
+                    // A post that looked the key up just before it went may queue its
+                    // access after that: while the entry lives, revoke again.
+                    d.wait(|| {
+                        if let Some(e) = again.as_ref().and_then(std::sync::Weak::upgrade) {
+                            crate::soft::revoke(&e);
+                        }
+                    });
                 }
                 (true, "")
             }

@@ -1290,6 +1290,67 @@ fn a_raw_regions_payloads_queued_many_times_are_copied_once() {
     );
 }
 
+/// The loop copying a region's queued payloads out must hold the region while it copies:
+/// the payloads it noted may go meanwhile (dropping the QP clears its link's queue), and
+/// the deregistration must not return, and the caller unmap the memory, while the loop still
+/// reads it. (Found in review: the loop held the entry only through the payloads; this
+/// test crashed with SIGSEGV, 3 runs of 3.) 16 adjacent 32 MiB payloads keep the loop
+/// copying while the QP goes; a 2 MiB one apart is copied after the unmapping.
+#[test]
+fn the_copy_out_holds_the_region_until_it_is_done() {
+    let _g = serial();
+    const MIB: usize = 1 << 20;
+    const LEN: usize = 576 * MIB;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    // Never answers the Hello: the requests stay in the link's queue.
+    let mute = std::thread::spawn(move || {
+        let (_s, _) = listener.accept().unwrap();
+        let _ = rx.recv();
+    });
+    let (_ctx, pd, _cq, qp) = patient_requester(port, 256);
+    let mem = anonymous(LEN);
+    // SAFETY: the mapping stays until the region's last handle is gone (below).
+    let raw = unsafe {
+        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
+    }
+    .unwrap();
+    let umr = pd.create_umr_queue().unwrap();
+    let key = pd.create_indirect_mkey(0, LEN as u64, AccessFlags::LOCAL_WRITE).unwrap();
+    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
+    drop(raw); // the key's binding holds the region now
+    let region = key.region();
+    let write = |at: usize, len: usize| {
+        let wr = SendWr::write(
+            region.slice(at as u64, len as u32).unwrap(),
+            RemoteSlice::new(0x1000, len as u32, 1),
+        );
+        qp.post_send(wr).unwrap();
+    };
+    for i in 0..16 {
+        write(i * 32 * MIB, 32 * MIB);
+    }
+    write(544 * MIB, 2 * MIB);
+    std::thread::sleep(Duration::from_millis(100));
+    let rss0 = rss_mib();
+    // Invalidating the key drops the raw region's last handle: its deregistration.
+    let dereg = std::thread::spawn(move || {
+        umr.invalidate(&key).unwrap();
+        (umr, key)
+    });
+    // The loop is copying once its copy grows the RSS.
+    assert!(eventually(Duration::from_secs(10), || rss_mib() > rss0 + 64), "the copy never started");
+    assert!(!dereg.is_finished(), "the deregistration did not wait for the payloads");
+    drop(qp); // clears the link's queue: the payloads noted let the region go
+    let _keep = dereg.join().unwrap();
+    // SAFETY: the region's last handle is gone: the memory is the caller's again.
+    unsafe { libc::munmap(mem, LEN) };
+    std::thread::sleep(Duration::from_secs(1)); // a loop still copying would read it now
+    let _ = tx.send(());
+    mute.join().unwrap();
+}
+
 /// A read outstanding through an indirect key over a `register_raw` region, against a
 /// responder that keeps its answer back (the QP's timer never fires): invalidating the key
 /// drops the region's last handle, and that deregistration must not wait for the answer.

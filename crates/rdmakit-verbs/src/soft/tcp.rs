@@ -997,7 +997,8 @@ impl EventLoop {
                 !(inbox.listeners.is_empty()
                     && inbox.links.is_empty()
                     && inbox.dials.is_empty()
-                    && inbox.ready.is_empty())
+                    && inbox.ready.is_empty()
+                    && inbox.revoked.is_empty())
                     || inbox.auth
             };
             let work = work
@@ -1159,10 +1160,16 @@ impl EventLoop {
     /// per run of overlapping payloads: [`TailCopies`]), in connections' output and in
     /// links' queues (on the loop or waiting to dial again).
     fn copy_out(&mut self, entry: Weak<MrEntry>) {
+        // The entry is held through both passes: the tails noted may go meanwhile (a QP
+        // dropped clears its link's queue), and the copy reads the region. Gone already:
+        // nothing reads the region any more.
+        let Some(held) = entry.upgrade() else { return };
         let mut copies = TailCopies::new(entry);
         self.each_tail(|t| copies.note(t));
-        copies.copy();
+        // SAFETY: `held` keeps the region's bytes valid through the copy.
+        unsafe { copies.copy() };
         self.each_tail(|t| copies.rehome(t));
+        drop(held);
     }
 
     /// Runs `f` on every queued payload still in its region.

@@ -1087,9 +1087,12 @@ impl TailCopies {
         }
     }
 
-    /// Between the passes: merges the ranges into runs and copies each run once. The tails
-    /// noted still hold the entry, so the region's bytes are valid.
-    pub(crate) fn copy(&mut self) {
+    /// Between the passes: merges the ranges into runs and copies each run once.
+    ///
+    /// # Safety
+    /// The caller holds the entry: the region's bytes stay valid through the copy (the
+    /// tails noted may be dropped meanwhile by other threads).
+    pub(crate) unsafe fn copy(&mut self) {
         self.ranges.sort_unstable_by_key(|r| r.0);
         let mut runs: Vec<(usize, usize, *mut u8)> = Vec::new();
         for &(at, len, ptr) in &self.ranges {
@@ -1102,8 +1105,8 @@ impl TailCopies {
             let mut words = vec![0u64; (hi - lo).div_ceil(8)];
             let to = words.as_mut_ptr().cast::<u8>();
             // SAFETY: `from..from + (hi - lo)` lies within the region (a union of payloads
-            // checked against it), valid while the noted tails hold its entry; `words` is
-            // ours, at least `hi - lo` bytes.
+            // checked against it), valid while the caller holds its entry; `words` is ours,
+            // at least `hi - lo` bytes.
             unsafe { shared_mem::copy(Src::Shared(from), Dst::Private(to), hi - lo) };
             self.runs.push((lo, hi, to, Arc::new(words)));
         }
@@ -1116,9 +1119,12 @@ impl TailCopies {
             return;
         }
         let at = t.ptr as usize;
-        // A tail not noted (none can appear: the region has no handle left to post with)
-        // keeps reading the region.
-        let Some((lo, _, to, words)) = self.runs.iter().find(|r| r.0 <= at && at + t.len <= r.1) else {
+        // The runs are sorted and disjoint: the only candidate is the last starting at or
+        // before `at`. A tail not noted (queued by a post that looked the key up as it went)
+        // keeps reading the region; the deregistration's wait revokes again for it.
+        let i = self.runs.partition_point(|r| r.0 <= at);
+        let Some((lo, _, to, words)) = i.checked_sub(1).map(|i| &self.runs[i]).filter(|r| at + t.len <= r.1)
+        else {
             return;
         };
         t.ptr = to.wrapping_add(at - lo);
@@ -1424,7 +1430,8 @@ mod shared_tail_tests {
         assert_eq!(Arc::strong_count(&entry), 5, "table, three tails and this test");
         let mut copies = TailCopies::new(Arc::downgrade(&entry));
         tails.iter().for_each(|t| copies.note(t));
-        copies.copy();
+        // SAFETY: `entry` is held.
+        unsafe { copies.copy() };
         assert_eq!(copies.runs.len(), 2, "overlapping payloads share a copy");
         tails.iter_mut().for_each(|t| copies.rehome(t));
         drop(copies);
