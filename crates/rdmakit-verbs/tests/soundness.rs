@@ -212,3 +212,32 @@ fn dropping_an_idle_raw_region_does_not_wait_for_an_unrelated_transfer() {
     assert!(!last_landed, "dropping an idle region waited for an unrelated transfer to end");
     drop(mem);
 }
+
+/// Flushes held back behind a receive being filled are bounded: receives posted to the
+/// failed QP beyond what its CQ holds overrun the CQ (as their flushes would on a NIC,
+/// none of them polled) instead of piling up in memory.
+#[test]
+fn flushes_held_back_beyond_the_cq_overrun_it() {
+    let (pd, a, ca, b, cb) = pair();
+    let big = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
+    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    src.fill(0xAB).unwrap();
+    let writer = std::thread::spawn(move || {
+        a.post_send(SendWr::send(src.slice(0, LEN as u32).unwrap())).unwrap();
+        ca.wait(Some(Duration::from_secs(30))).unwrap()
+    });
+    started(&big);
+    b.modify_to_error().unwrap();
+    let cap = cb.capacity() as u64;
+    for i in 0..4 * cap {
+        b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(100 + i)).unwrap();
+    }
+    let writing = !writer.is_finished();
+    let mut out = vec![WorkCompletion::default(); 4];
+    let polled = cb.poll(&mut out);
+    writer.join().unwrap();
+    assert!(writing, "the race window was missed (the copy finished before the posts)");
+    assert!(matches!(polled, Err(Error::CqOverrun { .. })), "{polled:?}");
+}

@@ -66,7 +66,28 @@ impl SoftCq {
             st.queue.push_back(wc);
             true
         };
-        // An overrun also wakes waiters, so they see the error instead of sleeping forever.
+        self.wake(st);
+        ok
+    }
+
+    /// Completions that cannot all fit are owed to this queue (more than it holds, none
+    /// of them visible yet): it overruns now, as it would once they came.
+    pub fn overrun(&self) {
+        let mut st = self.state.lock().expect("cq lock");
+        if !std::mem::replace(&mut st.overrun, true) {
+            tracing::warn!(capacity = self.capacity, "soft NIC: completion queue overrun");
+        }
+        self.wake(st);
+    }
+
+    /// How many completions the queue holds.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Wakes what waits on the queue (an overrun too, so that waiters see the error
+    /// instead of sleeping for ever), after releasing its lock.
+    fn wake(&self, mut st: std::sync::MutexGuard<'_, CqState>) {
         let signal = std::mem::take(&mut st.armed);
         let waker = st.waker.take();
         let more = if st.more_wakers.is_empty() { Vec::new() } else { std::mem::take(&mut st.more_wakers) };
@@ -78,7 +99,6 @@ impl SoftCq {
             w.wake();
         }
         more.into_iter().for_each(|(_, w)| w.wake());
-        ok
     }
 
     /// Registers (or renews) wait `id`'s waker `w`, to be woken by the next completion (or

@@ -244,11 +244,10 @@ struct Rq {
     posted: VecDeque<RawRecvWr>,
     /// Requesters that got an RNR NAK from us; kicked when a receive is posted.
     rnr_waiters: Vec<Weak<SoftQp>>,
-    /// Receives taken from `posted` whose completion is not published yet (one being
-    /// filled, or its completion held back by a [`Deferred`]).
-    unpublished: u32,
-    /// Flush completions of later receives, waiting for those: completions of a queue
-    /// come in the order its requests were posted, a flush included.
+    /// Flush completions of later receives, waiting for the taken receives whose
+    /// completion is not published yet ([`SoftQp::unpublished`]): completions of a queue
+    /// come in the order its requests were posted, a flush included. At most the receive
+    /// CQ's capacity: beyond, the CQ overruns.
     flushed_after: Vec<WorkCompletion>,
 }
 
@@ -318,6 +317,10 @@ pub(crate) struct SoftQp {
     send_cq: Arc<SoftCq>,
     recv_cq: Arc<SoftCq>,
     state: AtomicU8,
+    /// Receives taken from the receive queue whose completion is not published yet (one
+    /// being filled, or its completion held back by a [`Deferred`]). Raised under the
+    /// receive-queue lock; lowered without it (see [`publish_taken`](Self::publish_taken)).
+    unpublished: AtomicU32,
     /// Remote access this QP grants as a responder (`IBV_QP_ACCESS_FLAGS`).
     access: AtomicU32,
     remote_qpn: AtomicU32,
@@ -402,9 +405,9 @@ impl SoftQp {
             rq: Mutex::new(Rq {
                 posted: VecDeque::new(),
                 rnr_waiters: Vec::new(),
-                unpublished: 0,
                 flushed_after: Vec::new(),
             }),
+            unpublished: AtomicU32::new(0),
             me: me.clone(),
         });
         device.register_qp(&qp);
@@ -899,7 +902,7 @@ impl SoftQp {
     }
 
     /// Flushes posted receives; returns the requesters that were waiting on us. The flush
-    /// completions come after those of receives already taken (see [`Rq::unpublished`]).
+    /// completions come after those of receives already taken (see [`SoftQp::unpublished`]).
     fn flush_rq(&self) -> Vec<Weak<SoftQp>> {
         let mut rq = self.rq.lock().expect("rq lock");
         while let Some(r) = rq.posted.pop_front() {
@@ -920,7 +923,13 @@ impl SoftQp {
             qp_num: self.qpn,
             vendor_err: 0,
         };
-        if rq.unpublished > 0 {
+        // After the error state was set (every flush is); pairs with `publish_taken`.
+        if self.unpublished.load(Ordering::SeqCst) > 0 || !rq.flushed_after.is_empty() {
+            if rq.flushed_after.len() >= self.recv_cq.capacity() as usize {
+                // Held back until a taken receive completes, they could not all fit.
+                self.recv_cq.overrun();
+                return;
+            }
             rq.flushed_after.push(wc);
         } else {
             self.publish_recv(wc);
@@ -969,7 +978,7 @@ impl SoftQp {
         ok
     }
 
-    /// Reports the completion of a receive taken from the queue ([`Rq::unpublished`]) now,
+    /// Reports the completion of a receive taken from the queue ([`SoftQp::unpublished`]) now,
     /// or holds it in `d` if `d` holds them.
     fn complete_recv_via(
         &self,
@@ -991,14 +1000,21 @@ impl SoftQp {
 
     /// Publishes the completion of a receive taken from the queue, then, once no taken
     /// receive is left unpublished, the flushes of later receives that waited for it.
+    ///
+    /// No lock on the way of a QP that works: flushes are made only after the error state
+    /// is set, and a flush that saw this receive unpublished (and waits in
+    /// `flushed_after`) was made before the count fell, so the state read after it is
+    /// `ERR` and the waiting flushes are published here, in order.
     fn publish_taken(&self, wc: WorkCompletion) {
-        let mut rq = self.rq.lock().expect("rq lock");
         self.publish_recv(wc);
-        debug_assert!(rq.unpublished > 0, "a receive completion published twice");
-        rq.unpublished = rq.unpublished.saturating_sub(1);
-        if rq.unpublished == 0 && !rq.flushed_after.is_empty() {
-            for wc in std::mem::take(&mut rq.flushed_after) {
-                self.publish_recv(wc);
+        let before = self.unpublished.fetch_sub(1, Ordering::SeqCst);
+        debug_assert!(before > 0, "a receive completion published twice");
+        if before == 1 && self.state.load(Ordering::SeqCst) == ERR {
+            let mut rq = self.rq.lock().expect("rq lock");
+            if self.unpublished.load(Ordering::SeqCst) == 0 {
+                for wc in std::mem::take(&mut rq.flushed_after) {
+                    self.publish_recv(wc);
+                }
             }
         }
     }

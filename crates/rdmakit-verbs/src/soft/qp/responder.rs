@@ -334,7 +334,7 @@ impl SoftQp {
         let r = rq.posted.pop_front();
         if r.is_some() {
             // Its completion is owed: flushes of later receives wait for it.
-            rq.unpublished += 1;
+            self.unpublished.fetch_add(1, Ordering::SeqCst);
         }
         if let (None, Some(w)) = (&r, from.waiter)
             && !rq.rnr_waiters.iter().any(|x| x.ptr_eq(w))
