@@ -1084,8 +1084,8 @@ impl SharedTail {
 /// have read it by then.
 pub(crate) struct TailCopies {
     entry: Weak<MrEntry>,
-    /// Payload ranges (address, length) seen by [`note`](Self::note).
-    ranges: Vec<(usize, usize, *mut u8)>,
+    /// Payloads (start, length) seen by [`note`](Self::note).
+    ranges: Vec<(*mut u8, usize)>,
     /// Merged runs: start address, end address, and the copy.
     runs: Vec<(usize, usize, *mut u8, Arc<Vec<u64>>)>,
 }
@@ -1099,7 +1099,7 @@ impl TailCopies {
     /// First pass: notes `t`'s range if it reads the region.
     pub(crate) fn note(&mut self, t: &SharedTail) {
         if t.reads(&self.entry) && t.len > 0 {
-            self.ranges.push((t.ptr as usize, t.len, t.ptr));
+            self.ranges.push((t.ptr, t.len));
         }
     }
 
@@ -1109,9 +1109,10 @@ impl TailCopies {
     /// The caller holds the entry: the region's bytes stay valid through the copy (the
     /// tails noted may be dropped meanwhile by other threads).
     pub(crate) unsafe fn copy(&mut self) {
-        self.ranges.sort_unstable_by_key(|r| r.0);
+        self.ranges.sort_unstable_by_key(|r| r.0 as usize);
         let mut runs: Vec<(usize, usize, *mut u8)> = Vec::new();
-        for &(at, len, ptr) in &self.ranges {
+        for &(ptr, len) in &self.ranges {
+            let at = ptr as usize;
             match runs.last_mut() {
                 Some(run) if at <= run.1 => run.1 = run.1.max(at + len),
                 _ => runs.push((at, at + len, ptr)),
