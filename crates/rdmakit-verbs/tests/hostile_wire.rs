@@ -1105,6 +1105,28 @@ fn patient_requester(port: u16, cqe: u32) -> (Context, ProtectionDomain, Complet
     (ctx, pd, cq, qp)
 }
 
+/// An indirect key bound over `len` bytes of the caller's memory at `mem`, registered with
+/// `register_raw` (the key's binding holds the only handle), with its UMR queue.
+///
+/// # Safety
+/// `register_raw`'s: `mem..mem + len` stays allocated until the key's binding lets the region
+/// go (invalidating the key), and nothing else touches it meanwhile.
+unsafe fn raw_under_key(
+    pd: &ProtectionDomain,
+    mem: *mut libc::c_void,
+    len: usize,
+) -> (rdmakit_verbs::mlx5::UmrQueue, rdmakit_verbs::mlx5::IndirectMkey) {
+    // SAFETY: forwarded contract.
+    let raw = unsafe {
+        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), len, AccessFlags::LOCAL_WRITE)
+    }
+    .unwrap();
+    let umr = pd.create_umr_queue().unwrap();
+    let key = pd.create_indirect_mkey(0, len as u64, AccessFlags::LOCAL_WRITE).unwrap();
+    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
+    (umr, key)
+}
+
 /// `len` bytes of fresh anonymous memory of our own (for `register_raw`), unmapped by the
 /// caller.
 fn anonymous(len: usize) -> *mut libc::c_void {
@@ -1311,15 +1333,9 @@ fn the_copy_out_holds_the_region_until_it_is_done() {
     });
     let (_ctx, pd, _cq, qp) = patient_requester(port, 256);
     let mem = anonymous(LEN);
-    // SAFETY: the mapping stays until the region's last handle is gone (below).
-    let raw = unsafe {
-        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
-    }
-    .unwrap();
-    let umr = pd.create_umr_queue().unwrap();
-    let key = pd.create_indirect_mkey(0, LEN as u64, AccessFlags::LOCAL_WRITE).unwrap();
-    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
-    drop(raw); // the key's binding holds the region now
+    // SAFETY: `mem..mem + LEN` is ours and stays mapped until the region's last handle, the
+    // key's binding, is gone (below).
+    let (umr, key) = unsafe { raw_under_key(&pd, mem, LEN) };
     let region = key.region();
     let write = |at: usize, len: usize| {
         let wr = SendWr::write(
@@ -1376,16 +1392,9 @@ fn a_silent_responder_does_not_hold_a_raw_regions_deregistration() {
     });
     let (_ctx, pd, cq, qp) = patient_requester(port, 16);
     let mem = anonymous(LEN);
-    // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
-    // region's last handle is dropped (the re-bind below).
-    let raw = unsafe {
-        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
-    }
-    .unwrap();
-    let umr = pd.create_umr_queue().unwrap();
-    let key = pd.create_indirect_mkey(0, LEN as u64, AccessFlags::LOCAL_WRITE).unwrap();
-    umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
-    drop(raw); // the key's binding holds the region now
+    // SAFETY: `mem..mem + LEN` is ours and stays mapped until the region's last handle, the
+    // key's binding, is gone (below).
+    let (umr, key) = unsafe { raw_under_key(&pd, mem, LEN) };
     let dst = key.region().local().unwrap();
     qp.post_send(SendWr::read(dst, RemoteSlice::new(0x1000, LEN as u32, 1)).wr_id(5)).unwrap();
     let seen = seen_rx.recv_timeout(Duration::from_secs(10)).expect("the read went out");

@@ -22,6 +22,21 @@ fn pair() -> (ProtectionDomain, QueuePair, CompletionQueue, QueuePair, Completio
     (pd, a, ca, b, cb)
 }
 
+/// Sends `LEN` bytes of 0xAB from `a` on a thread of its own (the peer's receive is posted
+/// by the caller), returning the send's completion.
+fn send_big(
+    pd: &ProtectionDomain,
+    a: QueuePair,
+    ca: CompletionQueue,
+) -> std::thread::JoinHandle<WorkCompletion> {
+    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    src.fill(0xAB).unwrap();
+    std::thread::spawn(move || {
+        a.post_send(SendWr::send(src.slice(0, LEN as u32).unwrap())).unwrap();
+        ca.wait(Some(Duration::from_secs(60))).unwrap()
+    })
+}
+
 /// Spins until the first word of `mr` is no longer zero: the transfer has started landing.
 fn started(mr: &MemoryRegion) {
     let t0 = Instant::now();
@@ -97,12 +112,7 @@ fn a_flushed_later_receive_does_not_release_one_still_being_filled() {
     let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
     b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
     b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(2)).unwrap();
-    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    src.fill(0xAB).unwrap();
-    let writer = std::thread::spawn(move || {
-        a.post_send(SendWr::send(src.slice(0, LEN as u32).unwrap())).unwrap();
-        ca.wait(Some(Duration::from_secs(30))).unwrap()
-    });
+    let writer = send_big(&pd, a, ca);
     started(&big);
     b.modify_to_error().unwrap();
     b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(3)).unwrap();
@@ -191,18 +201,13 @@ fn dropping_an_idle_raw_region_does_not_wait_for_an_unrelated_transfer() {
     let (pd, a, ca, b, _cb) = pair();
     let dst = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
     b.post_recv(RecvWr::new(dst.slice(0, LEN as u32).unwrap())).unwrap();
-    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    src.fill(0xAB).unwrap();
     let mut mem = vec![0u64; 512];
     // SAFETY: `mem` outlives the region, dropped below; nothing else touches it meanwhile.
     let idle = unsafe {
         pd.register_raw(NonNull::new(mem.as_mut_ptr().cast()).unwrap(), 4096, AccessFlags::LOCAL_WRITE)
     }
     .unwrap();
-    let writer = std::thread::spawn(move || {
-        a.post_send(SendWr::send(src.slice(0, LEN as u32).unwrap())).unwrap();
-        ca.wait(Some(Duration::from_secs(60))).unwrap()
-    });
+    let writer = send_big(&pd, a, ca);
     started(&dst);
     drop(idle);
     // Had the drop waited for the copy, the last word would have landed.
@@ -222,12 +227,7 @@ fn flushes_held_back_beyond_the_cq_overrun_it() {
     let big = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
     let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
     b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
-    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    src.fill(0xAB).unwrap();
-    let writer = std::thread::spawn(move || {
-        a.post_send(SendWr::send(src.slice(0, LEN as u32).unwrap())).unwrap();
-        ca.wait(Some(Duration::from_secs(30))).unwrap()
-    });
+    let writer = send_big(&pd, a, ca);
     started(&big);
     b.modify_to_error().unwrap();
     let cap = cb.capacity() as u64;
