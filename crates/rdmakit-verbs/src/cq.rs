@@ -32,11 +32,53 @@ pub(crate) struct CqInner {
     /// FxHash, not SipHash: every completion looks its QP up here (SipHash cost about 110
     /// instructions a completion on rxe), and QP numbers come from the provider, not from a
     /// peer, so nobody picks keys to collide.
-    pub(crate) qps: Mutex<HashMap<u32, Arc<Inflight>, rustc_hash::FxBuildHasher>>,
+    pub(crate) qps: Mutex<Registry>,
     pub(crate) ctx: Context,
     capacity: u32,
     #[cfg(feature = "async")]
     async_fd: Registered<RawFdHandle>,
+}
+
+/// The QPs whose completions land in a CQ, by QP number, and the in-flight tags of
+/// destroyed ones whose completions may still be in it.
+///
+/// Providers recycle QP numbers, and rxe leaves a destroyed QP's completions in the CQ; a
+/// completion finds its request by number, then by tag and sequence number. A tag is drawn
+/// per table from 2^11 values, so a destroyed QP's tag is remembered here until it cannot
+/// matter, and a new QP given the same number takes another.
+#[derive(Default)]
+pub(crate) struct Registry {
+    live: HashMap<u32, Arc<Inflight>, rustc_hash::FxBuildHasher>,
+    /// Per QP number, the tags of destroyed QPs that had requests outstanding. Cleared by
+    /// a poll that finds the CQ empty: a QP's completions are all in it by the time its
+    /// destruction returns, so after that none of them is left.
+    retired: HashMap<u32, Vec<u64>, rustc_hash::FxBuildHasher>,
+}
+
+impl Registry {
+    /// The live QP numbered `qpn`.
+    fn get(&self, qpn: &u32) -> Option<&Arc<Inflight>> {
+        self.live.get(qpn)
+    }
+
+    /// The CQ was found empty: no destroyed QP's completion is left in it.
+    fn drained(&mut self) {
+        if !self.retired.is_empty() {
+            self.retired.clear();
+        }
+    }
+
+    /// Remembers the tag of `inflight`, a destroyed QP's table, if completions of its
+    /// requests may still come.
+    fn retire(&mut self, qpn: u32, inflight: &Inflight) {
+        if inflight.outstanding() != (0, 0) {
+            let tags = self.retired.entry(qpn).or_default();
+            let tag = inflight.tag();
+            if !tags.contains(&tag) {
+                tags.push(tag);
+            }
+        }
+    }
 }
 
 pub(crate) enum CqBackend {
@@ -133,7 +175,7 @@ impl CompletionQueue {
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 backend,
-                qps: Mutex::new(HashMap::default()),
+                qps: Mutex::new(Registry::default()),
                 ctx: ctx.clone(),
                 capacity,
                 #[cfg(feature = "async")]
@@ -161,15 +203,23 @@ impl CompletionQueue {
     /// is sticky. Other provider failures as [`Error::Os`].
     #[doc(alias = "ibv_poll_cq")]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let qps = self.inner.qps.lock().expect("cq registry lock");
+        // Regions whose last handle a retired request held: deregistered after the locks.
+        let mut graves = Vec::new();
+        let mut qps = self.inner.qps.lock().expect("cq registry lock");
         let n = self.inner.backend.poll(out)?;
+        if n < out.len() {
+            qps.drained();
+        }
         let mut kept = 0;
         // Completions come in runs of one QP: lock its in-flight table once per run.
-        let mut current: Option<(u32, std::sync::MutexGuard<'_, crate::inflight::Queues>)> = None;
+        let mut current: Option<(u32, crate::inflight::Locked<'_>)> = None;
         for i in 0..n {
             let mut wc = out[i];
             if current.as_ref().is_none_or(|(qpn, _)| *qpn != wc.qp_num) {
-                drop(current.take()); // release the previous QP's lock before taking the next
+                // Release the previous QP's lock before taking the next.
+                if let Some((_, mut q)) = current.take() {
+                    q.take_graves(&mut graves);
+                }
                 current = qps.get(&wc.qp_num).map(|inf| (wc.qp_num, inf.lock()));
             }
             let known = current.as_mut().is_some_and(|(_, q)| q.complete(&mut wc));
@@ -180,17 +230,33 @@ impl CompletionQueue {
                 tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
             }
         }
+        if let Some((_, q)) = current.as_mut() {
+            q.take_graves(&mut graves);
+        }
+        drop(current);
+        drop(qps);
+        drop(graves);
         Ok(kept)
     }
 
     /// Polls one completion: [`poll`](Self::poll) for one, without its batch loop (a
     /// latency loop's every poll comes here).
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
-        let qps = self.inner.qps.lock().expect("cq registry lock");
+        let mut graves = Vec::new();
+        let mut qps = self.inner.qps.lock().expect("cq registry lock");
         let Some(mut wc) = self.inner.backend.poll_one()? else {
+            qps.drained();
             return Ok(None);
         };
-        if qps.get(&wc.qp_num).is_some_and(|inf| inf.lock().complete(&mut wc)) {
+        let known = qps.get(&wc.qp_num).is_some_and(|inf| {
+            let mut q = inf.lock();
+            let known = q.complete(&mut wc);
+            q.take_graves(&mut graves);
+            known
+        });
+        drop(qps);
+        drop(graves);
+        if known {
             return Ok(Some(wc));
         }
         tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
@@ -322,12 +388,36 @@ impl CompletionQueue {
         })
     }
 
-    pub(crate) fn register(&self, qpn: u32, inflight: Arc<Inflight>) {
-        self.inner.qps.lock().expect("cq registry lock").insert(qpn, inflight);
+    /// Adds to `out` the tags a new in-flight table for QP number `qpn` must not take:
+    /// those of destroyed QPs so numbered whose completions may still be here, and of the
+    /// QP registered under that number if there is one (destroyed, and not yet
+    /// unregistered: its number came back to the provider first).
+    pub(crate) fn tags_in_use(&self, qpn: u32, out: &mut Vec<u64>) {
+        let reg = self.inner.qps.lock().expect("cq registry lock");
+        out.extend(reg.retired.get(&qpn).into_iter().flatten());
+        out.extend(reg.live.get(&qpn).map(|inf| inf.tag()));
     }
 
-    pub(crate) fn unregister(&self, qpn: u32) {
-        self.inner.qps.lock().expect("cq registry lock").remove(&qpn);
+    /// Routes completions numbered `qpn` to `inflight`, whose tag [`tags_in_use`] ruled
+    /// out. A QP still registered under that number was destroyed: it is retired.
+    ///
+    /// [`tags_in_use`]: Self::tags_in_use
+    pub(crate) fn register(&self, qpn: u32, inflight: Arc<Inflight>) {
+        let mut reg = self.inner.qps.lock().expect("cq registry lock");
+        if let Some(old) = reg.live.insert(qpn, inflight) {
+            reg.retire(qpn, &old);
+        }
+    }
+
+    /// Stops routing completions numbered `qpn` to `inflight`, a destroyed QP's table, and
+    /// remembers its tag while its completions may still come. A QP that took the number
+    /// since (it came back to the provider before this) stays registered.
+    pub(crate) fn unregister(&self, qpn: u32, inflight: &Arc<Inflight>) {
+        let mut reg = self.inner.qps.lock().expect("cq registry lock");
+        if reg.live.get(&qpn).is_some_and(|live| Arc::ptr_eq(live, inflight)) {
+            reg.live.remove(&qpn);
+        }
+        reg.retire(qpn, inflight);
     }
 }
 
@@ -386,6 +476,93 @@ impl Drop for CqInner {
         // Deregister the fd from the reactor before the provider closes it.
         #[cfg(feature = "async")]
         drop(self.async_fd.take());
+    }
+}
+
+#[cfg(test)]
+mod registry_tests {
+    use super::*;
+
+    /// The soft NIC's CQ under `cq`, to leave completions in as a provider would.
+    fn soft(cq: &CompletionQueue) -> &SoftCq {
+        match &cq.inner.backend {
+            CqBackend::Soft(cq) => cq,
+            #[cfg(rdmakit_verbs)]
+            CqBackend::Verbs(_) => unreachable!("a soft CQ"),
+        }
+    }
+
+    /// A table registered as `QueuePair::new` registers one.
+    fn table(cq: &CompletionQueue, qpn: u32, tag: Option<u64>) -> Arc<Inflight> {
+        let inflight = Arc::new(Inflight::new(4, 4));
+        if let Some(tag) = tag {
+            inflight.force_tag(tag);
+        }
+        let mut avoid = Vec::new();
+        cq.tags_in_use(qpn, &mut avoid);
+        inflight.retag_avoiding(&avoid);
+        cq.register(qpn, inflight.clone());
+        inflight
+    }
+
+    fn completion(wr_id: u64, qp_num: u32) -> WorkCompletion {
+        WorkCompletion { wr_id, qp_num, ..Default::default() }
+    }
+
+    /// A QP destroyed with a request in flight leaves its completion in the CQ (rxe does),
+    /// and the provider gives its number to a new QP, whose table drew the same tag (tags
+    /// come from 2^11 values): the new QP takes another tag, and the old completion retires
+    /// none of its requests (it would release a buffer the NIC may still write).
+    #[test]
+    fn a_recycled_qp_number_does_not_take_a_destroyed_qps_completion() {
+        let cq = Context::open_soft().create_cq(16).unwrap();
+        let qpn = 0x77;
+        let old = table(&cq, qpn, None);
+        let stale = old.lock().push_send(1, None).unwrap();
+        cq.unregister(qpn, &old);
+        let new = table(&cq, qpn, Some(old.tag()));
+        assert_ne!(new.tag(), old.tag(), "the destroyed QP's tag was taken again");
+        let mine = new.lock().push_send(2, None).unwrap();
+        assert_eq!(stale, mine & !(0x7ff << 52) | old.tag(), "the same sequence number");
+        assert!(soft(&cq).push(completion(stale, qpn)));
+        assert_eq!(cq.poll_one().unwrap(), None, "the destroyed QP's completion is discarded");
+        assert_eq!(new.outstanding(), (1, 0), "and retires nothing of the new QP");
+        assert!(soft(&cq).push(completion(mine, qpn)));
+        assert_eq!(cq.poll_one().unwrap().map(|wc| wc.wr_id), Some(2));
+        // Until a poll finds the CQ empty, the old tag stays ruled out; then it is free.
+        let mut avoid = Vec::new();
+        cq.tags_in_use(qpn, &mut avoid);
+        assert_eq!(avoid, [old.tag(), new.tag()]);
+        assert_eq!(cq.poll_one().unwrap(), None);
+        avoid.clear();
+        cq.tags_in_use(qpn, &mut avoid);
+        assert_eq!(avoid, [new.tag()]);
+        // A QP destroyed with nothing outstanding leaves no tag behind.
+        cq.unregister(qpn, &new);
+        avoid.clear();
+        cq.tags_in_use(qpn, &mut avoid);
+        assert_eq!(avoid, []);
+    }
+
+    /// The number of a destroyed QP comes back to the provider before the QP is
+    /// unregistered here, and a new QP takes it meanwhile: the old QP's unregistration
+    /// leaves the new one's registration (its completions would all be discarded).
+    #[test]
+    fn a_late_unregistration_leaves_the_qp_that_took_the_number() {
+        let cq = Context::open_soft().create_cq(16).unwrap();
+        let qpn = 0x78;
+        let old = table(&cq, qpn, None);
+        let stale = old.lock().push_send(1, None).unwrap();
+        let new = table(&cq, qpn, Some(old.tag()));
+        assert_ne!(new.tag(), old.tag(), "the registered QP's tag was taken");
+        cq.unregister(qpn, &old);
+        let mine = new.lock().push_send(2, None).unwrap();
+        assert!(soft(&cq).push(completion(stale, qpn)));
+        assert!(soft(&cq).push(completion(mine, qpn)));
+        let mut wcs = [WorkCompletion::default(); 4];
+        assert_eq!(cq.poll(&mut wcs).unwrap(), 1);
+        assert_eq!(wcs[0].wr_id, 2, "the new QP's completion is delivered, the old one's discarded");
+        assert_eq!(new.outstanding(), (0, 0));
     }
 }
 

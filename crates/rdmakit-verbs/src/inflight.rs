@@ -11,20 +11,29 @@
 //! signalled, so a receive completion retires its own slot only: a flush of later receives
 //! reaped first (the soft NIC publishes it while an earlier receive is still being filled)
 //! leaves the earlier one's region held until its own completion.
+//!
+//! A slot can hold a region's last handle (the caller moved its region into the request),
+//! and dropping that deregisters it: a system call on verbs (unpinning a large region takes
+//! milliseconds), and on the soft NIC possibly a wait for its accesses to end. So a slot
+//! released under a lock buries such a region instead ([`Queues::bury`]), and it is
+//! deregistered after the locks are released: [`Locked`] does it when the in-flight lock
+//! is let go, and a CQ poll, which also holds the CQ's registry, after both.
 
 use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use crate::mr::MemoryRegion;
+use crate::mr::{MemoryRegion, MrInner};
 use crate::wc::WorkCompletion;
 
 /// Bit 63 of the provider-visible `wr_id` marks receive requests.
 const RECV_BIT: u64 = 1 << 63;
 /// Bits 52 to 62: the table's tag, a number drawn per table (per QP), so that a completion
 /// left in a shared CQ by a destroyed QP whose number a new QP took (rxe neither purges the
-/// CQ on `ibv_destroy_qp` nor avoids reusing numbers) matches none of the new QP's slots.
+/// CQ on `ibv_destroy_qp` nor avoids reusing numbers) matches none of the new QP's slots:
+/// the CQ's registry (`cq::Registry`) keeps a new QP off the tags such completions carry.
 const TAG_SHIFT: u32 = 52;
 const TAG_MASK: u64 = 0x7ff << TAG_SHIFT;
 /// Bits 0 to 51: the request's sequence number (2^52 requests per QP).
@@ -54,6 +63,36 @@ pub(crate) struct Queues {
     /// `send.len()`, for [`Inflight::outstanding_sends`]: stored under the lock after
     /// every change, read without it.
     send_len: Arc<AtomicUsize>,
+    /// Regions whose last handle a released slot held: deregistered once the lock is let
+    /// go (empty, and unallocated, unless a caller gave its region up to a request).
+    graves: Vec<MrInner>,
+}
+
+/// The in-flight lock, held: releasing it deregisters the regions buried meanwhile, after
+/// the lock is let go.
+pub(crate) struct Locked<'a>(ManuallyDrop<MutexGuard<'a, Queues>>);
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Queues;
+    fn deref(&self) -> &Queues {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Queues {
+        &mut self.0
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let graves = std::mem::take(&mut self.0.graves);
+        // SAFETY: the guard is dropped here, once, and never used again (this is `Locked`'s
+        // drop, and nothing else takes it out of the `ManuallyDrop`).
+        unsafe { ManuallyDrop::drop(&mut self.0) };
+        drop(graves);
+    }
 }
 
 pub(crate) struct Inflight {
@@ -74,18 +113,45 @@ impl Inflight {
                 tag: next_tag(),
                 max_send,
                 max_recv,
+                graves: Vec::new(),
             }),
         }
     }
 
-    /// Locks the table, for completing a run of completions under one lock.
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
-        self.q.lock().expect("inflight lock")
+    /// Locks the table (for a post, or a run of completions under one lock).
+    pub fn lock(&self) -> Locked<'_> {
+        Locked(ManuallyDrop::new(self.q.lock().expect("inflight lock")))
+    }
+
+    /// The tag in every provider `wr_id` this table hands out.
+    pub fn tag(&self) -> u64 {
+        self.lock().tag
+    }
+
+    /// Draws another tag while this one is among `avoid` (tags a recycled QP number's
+    /// earlier tables used in the same CQs; see `cq::Registry`). Only before the first
+    /// post. With 2^11 tags, a list of them all (2^11 tables destroyed under one number
+    /// with completions pending, and the CQ never found empty) keeps the drawn one.
+    pub fn retag_avoiding(&self, avoid: &[u64]) {
+        let mut q = self.lock();
+        debug_assert_eq!(q.next_seq, 1, "retagged after a post");
+        for _ in 0..=TAG_MASK >> TAG_SHIFT {
+            if !avoid.contains(&q.tag) {
+                return;
+            }
+            q.tag = next_tag();
+        }
+    }
+
+    /// Sets the tag (tests: a table that drew another's tag, 2^11 tables later).
+    #[cfg(test)]
+    pub fn force_tag(&self, tag: u64) {
+        self.lock().tag = tag;
     }
 
     /// Number of outstanding (send, receive) requests.
     pub fn outstanding(&self) -> (usize, usize) {
-        let q = self.q.lock().expect("inflight lock");
+        let q = self.lock();
         (q.send.len(), q.recv.len())
     }
 
@@ -114,6 +180,7 @@ impl Queues {
             };
             let Some(slot) = slot else { return false };
             wc.wr_id = slot.user_wr_id;
+            self.bury(slot._mr);
             return true;
         }
         // The completion retires the unsignalled requests before it, but only once it is
@@ -125,16 +192,39 @@ impl Queues {
                 Err(_) => return false,
             },
         };
-        self.send.drain(..at); // earlier unsignalled requests
+        for _ in 0..at {
+            let earlier = self.send.pop_front().expect("earlier slots"); // unsignalled ones
+            self.bury(earlier._mr);
+        }
         let slot = self.send.pop_front().expect("the slot found");
         wc.wr_id = slot.user_wr_id;
+        self.bury(slot._mr);
         self.send_len.store(self.send.len(), Ordering::Relaxed);
         true
+    }
+
+    /// Lets go of a released slot's region; one whose last handle this was is kept for
+    /// deregistration after the lock (see the module's docs).
+    pub fn bury(&mut self, mr: Option<MemoryRegion>) {
+        // `into_inner` drops the handle when it is not the last, atomically: no other
+        // handle's drop can make this one the last afterwards.
+        if let Some(last) = mr.and_then(|mr| Arc::into_inner(mr.inner)) {
+            self.graves.push(last);
+        }
+    }
+
+    /// Moves the regions buried so far into `out`, to deregister after further locks (a
+    /// CQ's registry) are let go too.
+    pub fn take_graves(&mut self, out: &mut Vec<MrInner>) {
+        if !self.graves.is_empty() {
+            out.append(&mut self.graves);
+        }
     }
 
     /// Reserves a send slot; returns the provider `wr_id`.
     pub fn push_send(&mut self, user_wr_id: u64, mr: Option<MemoryRegion>) -> Result<u64> {
         if self.send.len() >= self.max_send as usize {
+            self.bury(mr);
             return Err(Error::QueueFull { queue: "send", depth: self.max_send });
         }
         let seq = self.next_seq;
@@ -147,6 +237,7 @@ impl Queues {
     /// Reserves a receive slot; returns the provider `wr_id`.
     pub fn push_recv(&mut self, user_wr_id: u64, mr: Option<MemoryRegion>) -> Result<u64> {
         if self.recv.len() >= self.max_recv as usize {
+            self.bury(mr);
             return Err(Error::QueueFull { queue: "receive", depth: self.max_recv });
         }
         let seq = self.next_seq;
@@ -157,15 +248,19 @@ impl Queues {
 
     /// Drops the newest `n` send slots (requests the provider refused).
     pub fn unpush_send(&mut self, n: usize) {
-        let keep = self.send.len().saturating_sub(n);
-        self.send.truncate(keep);
-        self.send_len.store(keep, Ordering::Relaxed);
+        for _ in 0..n.min(self.send.len()) {
+            let slot = self.send.pop_back().expect("a slot");
+            self.bury(slot._mr);
+        }
+        self.send_len.store(self.send.len(), Ordering::Relaxed);
     }
 
     /// Drops the newest `n` receive slots.
     pub fn unpush_recv(&mut self, n: usize) {
-        let keep = self.recv.len().saturating_sub(n);
-        self.recv.truncate(keep);
+        for _ in 0..n.min(self.recv.len()) {
+            let slot = self.recv.pop_back().expect("a slot");
+            self.bury(slot._mr);
+        }
     }
 }
 
@@ -177,7 +272,7 @@ mod tests {
     fn signalled_completion_retires_earlier_unsignalled() {
         let inf = Inflight::new(8, 8);
         let ids: Vec<u64> = {
-            let mut q = inf.q.lock().unwrap();
+            let mut q = inf.lock();
             (0..3).map(|i| q.push_send(100 + i, None).unwrap()).collect()
         };
         assert_eq!(inf.outstanding_sends(), 3);
@@ -194,7 +289,7 @@ mod tests {
     #[test]
     fn queue_depth_is_enforced_and_recv_is_separate() {
         let inf = Inflight::new(2, 1);
-        let mut q = inf.q.lock().unwrap();
+        let mut q = inf.lock();
         q.push_send(1, None).unwrap();
         q.push_send(2, None).unwrap();
         assert!(matches!(q.push_send(3, None), Err(Error::QueueFull { queue: "send", depth: 2 })));
@@ -238,7 +333,7 @@ mod tests {
     fn a_receive_completion_retires_its_own_slot_only() {
         let inf = Inflight::new(1, 4);
         let ids: Vec<u64> = {
-            let mut q = inf.q.lock().unwrap();
+            let mut q = inf.lock();
             (0..3).map(|i| q.push_recv(10 + i, None).unwrap()).collect()
         };
         let mut later = WorkCompletion { wr_id: ids[1], ..Default::default() };

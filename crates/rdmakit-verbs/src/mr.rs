@@ -327,8 +327,18 @@ impl MrInner {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Runs as a region's deregistration starts on this thread: tests look at which locks
+    /// are held then.
+    pub(crate) static ON_RELEASE: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 impl Drop for MrInner {
     fn drop(&mut self) {
+        #[cfg(test)]
+        ON_RELEASE.with_borrow_mut(|f| f.as_mut().map(|f| f()));
         if let Err(call) = self.backend.release() {
             self.leak_memory(call);
         }

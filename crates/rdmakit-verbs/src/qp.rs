@@ -263,6 +263,12 @@ impl QueuePair {
         let (backend, caps) = QpBackend::create(pd, send_cq, recv_cq, psn, caps)?;
         let qpn = backend.qpn();
         let inflight = Arc::new(Inflight::new(caps.max_send_wr, caps.max_recv_wr));
+        // A recycled QP number: a tag its earlier QPs' completions, left in the CQ, cannot
+        // carry. (Nothing else can register this number before we do: it is ours.)
+        let mut avoid = Vec::new();
+        send_cq.tags_in_use(qpn, &mut avoid);
+        recv_cq.tags_in_use(qpn, &mut avoid);
+        inflight.retag_avoiding(&avoid);
         send_cq.register(qpn, inflight.clone());
         recv_cq.register(qpn, inflight.clone());
         Ok(QueuePair {
@@ -383,7 +389,7 @@ impl QueuePair {
     pub fn post_send(&self, wr: SendWr<'_>) -> Result<()> {
         self.check_same_device(wr.local.as_ref())?;
         let mut raw = wr.to_raw(self.inner.caps.max_inline_data)?;
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         raw.wr_id = q.push_send(wr.wr_id, wr.local.map(|l| l.mr))?;
         // The slot is pushed and the lock held across the post, so slots stay in posting
         // order and a completion polled on another thread always finds its slot.
@@ -399,7 +405,7 @@ impl QueuePair {
     /// the provider call, under the in-flight lock as [`post_send`](Self::post_send) does.
     pub(crate) fn post_prepared(&self, p: &PreparedSend, inline: Option<&[u8]>) -> Result<()> {
         let (wr_id, mr, raw, prepared) = p.parts();
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         let seq = q.push_send(wr_id, mr.cloned())?;
         self.inner.backend.post_prepared(raw, prepared, seq, inline).map_err(|(posted, e)| {
             q.unpush_send(1 - posted);
@@ -471,7 +477,7 @@ impl QueuePair {
         raws: &mut [RawSendWr<'a>],
         wrs: impl IntoIterator<Item = SendWr<'a>>,
     ) -> Result<()> {
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         for (i, (raw, wr)) in raws.iter_mut().zip(wrs).enumerate() {
             match q.push_send(wr.wr_id, wr.local.map(|l| l.mr)) {
                 Ok(id) => raw.wr_id = id,
@@ -498,7 +504,7 @@ impl QueuePair {
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         self.check_same_device(wr.local.as_ref())?;
         let mut raw = wr.to_raw();
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         raw.wr_id = q.push_recv(wr.wr_id, wr.local.map(|l| l.mr))?;
         self.post_raw_recv(&mut q, std::slice::from_ref(&raw))
     }
@@ -511,14 +517,14 @@ impl QueuePair {
         mr: Option<&MemoryRegion>,
         raw: &RawRecvWr,
     ) -> Result<()> {
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         let seq = q.push_recv(wr_id, mr.cloned())?;
         self.post_raw_recv(&mut q, std::slice::from_ref(&RawRecvWr { wr_id: seq, ..*raw }))
     }
 
     /// Posts several receives with one provider call.
     pub fn post_recv_batch(&self, wrs: impl IntoIterator<Item = RecvWr>) -> Result<()> {
-        let mut q = self.inner.inflight.q.lock().expect("inflight lock");
+        let mut q = self.inner.inflight.lock();
         let mut raws = Vec::new();
         for wr in wrs {
             if let Err(e) = self.check_same_device(wr.local.as_ref()) {
@@ -552,8 +558,8 @@ impl Drop for QpInner {
     fn drop(&mut self) {
         if self.backend.destroy() {
             // The NIC no longer touches this QP's buffers: release them.
-            self.send_cq.unregister(self.qpn);
-            self.recv_cq.unregister(self.qpn);
+            self.send_cq.unregister(self.qpn, &self.inflight);
+            self.recv_cq.unregister(self.qpn, &self.inflight);
         } else {
             // The provider refused to destroy the QP, so the NIC may still use its buffers:
             // keep them alive forever rather than risk a use-after-free.
@@ -579,5 +585,71 @@ impl QueuePair {
     /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
     pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
         self.inner.backend.set_soft_tokens(rx, tx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    use crate::mr::ON_RELEASE;
+    use crate::*;
+
+    /// A request can hold its region's last handle (the caller moved the region in), and
+    /// releasing it deregisters the region: a system call, or on the soft NIC a wait for
+    /// its accesses. That happens after the CQ's registry and the QP's in-flight table are
+    /// unlocked, so that posts and polls on other threads do not wait for it: on reaping
+    /// (`poll_one` and `poll`), and on a post refused for a full queue.
+    #[test]
+    fn a_requests_last_region_handle_is_deregistered_after_the_locks() {
+        let ctx = Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let caps = QpCaps::default().with_max_send_wr(1).with_max_recv_wr(1);
+        let (a, b) = (pd.create_qp(&cq, &cq, caps).unwrap(), pd.create_qp(&cq, &cq, caps).unwrap());
+        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let dst = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+        // Whether the registry and `a`'s table were free at each deregistration.
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let (registry, table, log) = (cq.inner.clone(), a.inner.inflight.clone(), seen.clone());
+        ON_RELEASE.set(Some(Box::new(move || {
+            log.borrow_mut().push((registry.qps.try_lock().is_ok(), table.q.try_lock().is_ok()));
+        })));
+        let given_up = |n: u8| {
+            let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+            src.write_at(0, &[n; 64]).unwrap();
+            SendWr::write(src.local().unwrap(), dst.remote().slice(0, 64).unwrap())
+        };
+        // Reaped by `poll_one`, then by `poll`.
+        a.post_send(given_up(1)).unwrap();
+        assert_eq!(seen.borrow().len(), 0, "the request holds the region");
+        cq.spin(Duration::from_secs(5)).unwrap().ok().unwrap();
+        assert_eq!(*seen.borrow(), [(true, true)]);
+        a.post_send(given_up(2)).unwrap();
+        let mut wcs = [WorkCompletion::default(); 4];
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while cq.poll(&mut wcs).unwrap() == 0 {
+            assert!(std::time::Instant::now() < deadline, "no completion");
+        }
+        assert_eq!(*seen.borrow(), [(true, true); 2]);
+        // Refused: the send queue (depth 1) is full.
+        a.post_send(given_up(3).unsignaled()).unwrap();
+        let refused = a.post_send(given_up(4));
+        assert!(matches!(refused, Err(Error::QueueFull { .. })), "{refused:?}");
+        assert_eq!(*seen.borrow(), [(true, true); 3]);
+        // A receive refused likewise.
+        let inbox = || RecvWr::new(pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap().local().unwrap());
+        b.post_recv(inbox()).unwrap();
+        let (registry, table, log) = (cq.inner.clone(), b.inner.inflight.clone(), seen.clone());
+        ON_RELEASE.set(Some(Box::new(move || {
+            log.borrow_mut().push((registry.qps.try_lock().is_ok(), table.q.try_lock().is_ok()));
+        })));
+        assert!(matches!(b.post_recv(inbox()), Err(Error::QueueFull { .. })));
+        assert_eq!(*seen.borrow(), [(true, true); 4]);
+        ON_RELEASE.set(None);
+        assert_eq!(dst.read_u64(0).unwrap(), u64::from_ne_bytes([3; 8]), "the accepted writes landed");
     }
 }
