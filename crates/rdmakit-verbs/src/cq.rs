@@ -50,8 +50,11 @@ pub(crate) struct CqInner {
 pub(crate) struct Registry {
     live: HashMap<u32, Arc<Inflight>, rustc_hash::FxBuildHasher>,
     /// Per QP number, the tags of destroyed QPs that had requests outstanding. Cleared by
-    /// a poll that finds the CQ empty: a QP's completions are all in it by the time its
-    /// destruction returns, so after that none of them is left.
+    /// a poll that finds the CQ empty (one that returns nothing, and no error): on rxe and
+    /// mlx5 a QP's completions are all in the CQ by the time its destruction returns, so
+    /// none of them is left after that. (The soft NIC may still publish the completion of
+    /// a receive it was filling; it does not recycle QP numbers until its 24-bit counter
+    /// wraps.)
     retired: HashMap<u32, Vec<u64>, rustc_hash::FxBuildHasher>,
 }
 
@@ -207,7 +210,9 @@ impl CompletionQueue {
         let mut graves = Vec::new();
         let mut qps = self.inner.qps.lock().expect("cq registry lock");
         let n = self.inner.backend.poll(out)?;
-        if n < out.len() {
+        // Empty only if nothing came: a short batch can also be cut by a provider error
+        // after some completions (reported at the next poll).
+        if n == 0 && !out.is_empty() {
             qps.drained();
         }
         let mut kept = 0;

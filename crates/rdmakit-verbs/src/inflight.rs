@@ -42,7 +42,17 @@ const SEQ_MASK: u64 = (1 << TAG_SHIFT) - 1;
 /// The next table's tag.
 fn next_tag() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    #[cfg(test)]
+    if let Some(tag) = FIRST_TAG.take() {
+        return tag;
+    }
     (NEXT.fetch_add(1, Ordering::Relaxed) << TAG_SHIFT) & TAG_MASK
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The tag this thread's next table draws (tests: two tables 2^11 apart).
+    pub(crate) static FIRST_TAG: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 struct Slot {

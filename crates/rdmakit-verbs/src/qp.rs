@@ -477,8 +477,11 @@ impl QueuePair {
         raws: &mut [RawSendWr<'a>],
         wrs: impl IntoIterator<Item = SendWr<'a>>,
     ) -> Result<()> {
+        // Declared before the lock, so that requests never pushed (after a refused one)
+        // drop after it: one may hold its region's last handle.
+        let mut wrs = wrs.into_iter();
         let mut q = self.inner.inflight.lock();
-        for (i, (raw, wr)) in raws.iter_mut().zip(wrs).enumerate() {
+        for (i, (raw, wr)) in raws.iter_mut().zip(&mut wrs).enumerate() {
             match q.push_send(wr.wr_id, wr.local.map(|l| l.mr)) {
                 Ok(id) => raw.wr_id = id,
                 Err(e) => {
@@ -524,22 +527,23 @@ impl QueuePair {
 
     /// Posts several receives with one provider call.
     pub fn post_recv_batch(&self, wrs: impl IntoIterator<Item = RecvWr>) -> Result<()> {
+        // Taken and checked before the lock: the caller's iterator runs unlocked, and
+        // requests not pushed (after a refused one) drop after the lock, as one may hold
+        // its region's last handle.
+        let mut wrs: Vec<RecvWr> = wrs.into_iter().collect();
+        for wr in &wrs {
+            self.check_same_device(wr.local.as_ref())?;
+        }
+        let mut raws: Vec<RawRecvWr> = wrs.iter().map(RecvWr::to_raw).collect();
         let mut q = self.inner.inflight.lock();
-        let mut raws = Vec::new();
-        for wr in wrs {
-            if let Err(e) = self.check_same_device(wr.local.as_ref()) {
-                q.unpush_recv(raws.len());
-                return Err(e);
-            }
-            let mut raw = wr.to_raw();
-            match q.push_recv(wr.wr_id, wr.local.map(|l| l.mr)) {
+        for (i, (raw, wr)) in raws.iter_mut().zip(&mut wrs).enumerate() {
+            match q.push_recv(wr.wr_id, wr.local.take().map(|l| l.mr)) {
                 Ok(id) => raw.wr_id = id,
                 Err(e) => {
-                    q.unpush_recv(raws.len());
+                    q.unpush_recv(i); // this batch's, pushed so far
                     return Err(e);
                 }
             }
-            raws.push(raw);
         }
         self.post_raw_recv(&mut q, &raws)
     }
@@ -651,5 +655,99 @@ mod tests {
         assert_eq!(*seen.borrow(), [(true, true); 4]);
         ON_RELEASE.set(None);
         assert_eq!(dst.read_u64(0).unwrap(), u64::from_ne_bytes([3; 8]), "the accepted writes landed");
+    }
+
+    /// A batch refused part-way: the requests after the refused one were never pushed, and
+    /// their regions (last handles) must also be deregistered after the in-flight lock.
+    #[test]
+    fn a_refused_batchs_unpushed_regions_are_deregistered_after_the_lock() {
+        let ctx = Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let caps = QpCaps::default().with_max_send_wr(1).with_max_recv_wr(2);
+        let (a, b) = (pd.create_qp(&cq, &cq, caps).unwrap(), pd.create_qp(&cq, &cq, caps).unwrap());
+        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let dst = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+        let inbox = || RecvWr::new(pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap().local().unwrap());
+        b.post_recv(inbox()).unwrap();
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let (registry, ta, tb, log) =
+            (cq.inner.clone(), a.inner.inflight.clone(), b.inner.inflight.clone(), seen.clone());
+        ON_RELEASE.set(Some(Box::new(move || {
+            log.borrow_mut().push((
+                registry.qps.try_lock().is_ok(),
+                ta.q.try_lock().is_ok(),
+                tb.q.try_lock().is_ok(),
+            ));
+        })));
+        let given_up = || {
+            let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+            SendWr::write(src.local().unwrap(), dst.remote().slice(0, 64).unwrap())
+        };
+        // Send batch: #1 pushed then unpushed, #2 refused (QueueFull), #3 never pushed.
+        let r = a.post_send_batch([given_up(), given_up(), given_up()]);
+        assert!(matches!(r, Err(Error::QueueFull { .. })), "{r:?}");
+        // post_send_array likewise.
+        let r = a.post_send_array([given_up(), given_up(), given_up()]);
+        assert!(matches!(r, Err(Error::QueueFull { .. })), "{r:?}");
+        // Receive batch, behind a receive posted before it: #1 fills the queue (depth 2).
+        let r = b.post_recv_batch([inbox(), inbox(), inbox()]);
+        assert!(matches!(r, Err(Error::QueueFull { .. })), "{r:?}");
+        ON_RELEASE.set(None);
+        assert_eq!(*seen.borrow(), [(true, true, true); 9]);
+        assert_eq!(
+            b.inner.inflight.outstanding(),
+            (0, 1),
+            "the refused batch took back its own receives only"
+        );
+    }
+
+    /// A QP destroyed with a receive posted leaves a completion of it in the CQ (a flush,
+    /// or one a provider had queued), and the provider gives its number to a new QP whose
+    /// table drew the same tag (tags come from 2^11 values): `create_qp` gives the new QP
+    /// another tag, and the old completion retires none of its requests.
+    #[test]
+    fn a_qp_created_under_a_recycled_number_is_not_reached_by_the_old_qps_completions() {
+        let ctx = Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let soft = ctx.backend().soft().unwrap().clone();
+        let caps = QpCaps::default().with_max_recv_wr(4);
+        let inbox = || RecvWr::new(pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap().local().unwrap());
+        let tag = 0x123 << 52;
+        let peer = pd.create_qp(&cq, &cq, caps).unwrap();
+        let to_peer = peer.address().unwrap();
+        soft.set_next_qpn(0x4242);
+        crate::inflight::FIRST_TAG.set(Some(tag));
+        let old = pd.create_qp(&cq, &cq, caps).unwrap();
+        assert_eq!((old.qp_num(), old.inner.inflight.tag()), (0x4242, tag));
+        old.connect(&to_peer, &ConnectOptions::default()).unwrap();
+        old.post_recv(inbox().wr_id(1)).unwrap();
+        // The provider's wr_id of that receive: sequence 1, the tag, the receive bit.
+        let stale = 1 | tag | 1 << 63;
+        drop(old);
+        soft.set_next_qpn(0x4242);
+        crate::inflight::FIRST_TAG.set(Some(tag));
+        let new = pd.create_qp(&cq, &cq, caps).unwrap();
+        assert_eq!(new.qp_num(), 0x4242, "the number was recycled");
+        assert_ne!(new.inner.inflight.tag(), tag, "the destroyed QP's tag was taken again");
+        new.connect(&to_peer, &ConnectOptions::default()).unwrap();
+        new.post_recv(inbox().wr_id(2)).unwrap();
+        let wc = WorkCompletion { wr_id: stale, qp_num: 0x4242, ..Default::default() };
+        assert!(leave_in_cq(&cq, wc));
+        let mut wcs = [WorkCompletion::default(); 4];
+        let n = cq.poll(&mut wcs).unwrap();
+        assert!(wcs[..n].iter().all(|wc| wc.wr_id != 2), "the new QP's receive was retired: {:?}", &wcs[..n]);
+        assert_eq!(new.inner.inflight.outstanding(), (0, 1));
+    }
+
+    /// Leaves `wc` in the soft CQ under `cq`, as a provider would.
+    fn leave_in_cq(cq: &CompletionQueue, wc: WorkCompletion) -> bool {
+        match &cq.inner.backend {
+            crate::cq::CqBackend::Soft(soft) => soft.push(wc),
+            #[cfg(rdmakit_verbs)]
+            crate::cq::CqBackend::Verbs(_) => unreachable!("a soft CQ"),
+        }
     }
 }

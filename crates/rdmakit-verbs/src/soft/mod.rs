@@ -378,6 +378,12 @@ impl SoftDevice {
         self.next_pd.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Sets the next QP number (tests: a number recycled, as providers do).
+    #[cfg(test)]
+    pub(crate) fn set_next_qpn(&self, n: u32) {
+        self.next_qpn.store(n, Ordering::Relaxed);
+    }
+
     fn alloc_qpn(&self) -> u32 {
         loop {
             let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
