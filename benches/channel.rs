@@ -1,7 +1,9 @@
 //! rdmakit-channel against raw verbs on the soft NIC, side by side in one run:
 //! - pipe `rwrite` latency at 8 B (post to completion, busy polling) vs a raw RDMA write
 //!   plus completion poll (goal ≤ 1.2×), in both notification modes, beside their floors in
-//!   raw verbs (a write with immediate; a data write plus an inline flag write);
+//!   raw verbs (a write with immediate; a data write plus an inline flag write), and the
+//!   floor of the pipe's own 8-byte post (an inline write with immediate, signalled one in
+//!   16);
 //! - pipe bandwidth at 1 MiB, 8 writes in flight, reader releasing, vs 8 raw writes in
 //!   flight (goal ≥ 0.95×);
 //! - a persistent put-handle round trip vs a send/recv ping-pong of the same size (CkDirect's
@@ -139,6 +141,31 @@ fn pipe_latency(c: &mut Criterion) {
                     )
                     .expect("post");
                 black_box(spin(&raw.ca));
+                timed += t.elapsed();
+                black_box(spin(&raw.cb)); // the reader's receive, untimed
+            }
+            timed
+        })
+    });
+    // The floor of an 8-byte rwrite as the pipe posts it: an inline write with immediate,
+    // signalled one in 16 and its completion reaped then, the source bytes on the stack
+    // (the pipe copies them from the caller's region first). Between this row and
+    // `pipe_rwrite` is the pipe's own cost: ring allocation, credits, its state lock.
+    g.bench_function("raw_write_imm_inline_lazy", |bch| {
+        bch.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for i in 0..iters {
+                raw.b.post_recv(RecvWr::new(rinbox.local().expect("l"))).expect("recv");
+                let word = i.to_le_bytes();
+                let t = Instant::now();
+                let wr =
+                    SendWr::write_inline(&word, rdst.remote().slice(0, 8).expect("r")).with_imm(i as u32);
+                if i % 16 == 15 {
+                    raw.a.post_send(wr).expect("post");
+                    black_box(spin(&raw.ca));
+                } else {
+                    raw.a.post_send(wr.unsignaled()).expect("post");
+                }
                 timed += t.elapsed();
                 black_box(spin(&raw.cb)); // the reader's receive, untimed
             }
