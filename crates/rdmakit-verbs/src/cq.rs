@@ -199,7 +199,8 @@ impl CompletionQueue {
 
     /// Moves up to `out.len()` completions into `out` and returns how many. Never blocks.
     ///
-    /// Completions of a QP that was already destroyed are discarded.
+    /// Completions of a QP that was already destroyed are discarded; 0 means the queue
+    /// was empty (a batch that held only discarded completions is followed by another).
     ///
     /// # Errors
     /// [`Error::CqOverrun`] once the queue has overrun (completions were lost); the error
@@ -209,63 +210,74 @@ impl CompletionQueue {
         // Regions whose last handle a retired request held: deregistered after the locks.
         let mut graves = Vec::new();
         let mut qps = self.inner.qps.lock().expect("cq registry lock");
-        let n = self.inner.backend.poll(out)?;
-        // Empty only if nothing came: a short batch can also be cut by a provider error
-        // after some completions (reported at the next poll).
-        if n == 0 && !out.is_empty() {
-            qps.drained();
-        }
         let mut kept = 0;
-        // Completions come in runs of one QP: lock its in-flight table once per run.
-        let mut current: Option<(u32, crate::inflight::Locked<'_>)> = None;
-        for i in 0..n {
-            let mut wc = out[i];
-            if current.as_ref().is_none_or(|(qpn, _)| *qpn != wc.qp_num) {
-                // Release the previous QP's lock before taking the next.
-                if let Some((_, mut q)) = current.take() {
-                    q.take_graves(&mut graves);
+        loop {
+            let n = self.inner.backend.poll(out)?;
+            // Empty only if nothing came: a short batch can also be cut by a provider error
+            // after some completions (reported at the next poll).
+            if n == 0 && !out.is_empty() {
+                qps.drained();
+            }
+            // Completions come in runs of one QP: lock its in-flight table once per run.
+            let mut current: Option<(u32, crate::inflight::Locked<'_>)> = None;
+            for i in 0..n {
+                let mut wc = out[i];
+                if current.as_ref().is_none_or(|(qpn, _)| *qpn != wc.qp_num) {
+                    // Release the previous QP's lock before taking the next.
+                    if let Some((_, mut q)) = current.take() {
+                        q.take_graves(&mut graves);
+                    }
+                    current = qps.get(&wc.qp_num).map(|inf| (wc.qp_num, inf.lock()));
                 }
-                current = qps.get(&wc.qp_num).map(|inf| (wc.qp_num, inf.lock()));
+                let known = current.as_mut().is_some_and(|(_, q)| q.complete(&mut wc));
+                if known {
+                    out[kept] = wc;
+                    kept += 1;
+                } else {
+                    tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
+                }
             }
-            let known = current.as_mut().is_some_and(|(_, q)| q.complete(&mut wc));
-            if known {
-                out[kept] = wc;
-                kept += 1;
-            } else {
-                tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
+            if let Some((_, q)) = current.as_mut() {
+                q.take_graves(&mut graves);
+            }
+            drop(current);
+            // A full batch of discarded completions: more may wait behind it, and a caller
+            // taking 0 for "empty" could go to sleep on them.
+            if kept > 0 || n < out.len() {
+                break;
             }
         }
-        if let Some((_, q)) = current.as_mut() {
-            q.take_graves(&mut graves);
-        }
-        drop(current);
         drop(qps);
         drop(graves);
         Ok(kept)
     }
 
     /// Polls one completion: [`poll`](Self::poll) for one, without its batch loop (a
-    /// latency loop's every poll comes here).
+    /// latency loop's every poll comes here). `None` means the queue was empty.
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
         let mut graves = Vec::new();
         let mut qps = self.inner.qps.lock().expect("cq registry lock");
-        let Some(mut wc) = self.inner.backend.poll_one()? else {
-            qps.drained();
-            return Ok(None);
+        let found = loop {
+            let Some(mut wc) = self.inner.backend.poll_one()? else {
+                qps.drained();
+                break None;
+            };
+            let known = qps.get(&wc.qp_num).is_some_and(|inf| {
+                let mut q = inf.lock();
+                let known = q.complete(&mut wc);
+                q.take_graves(&mut graves);
+                known
+            });
+            if known {
+                break Some(wc);
+            }
+            // Discarded: look behind it (a `None` here would read as "empty", and
+            // `poll_or_arm` would sleep with completions waiting).
+            tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
         };
-        let known = qps.get(&wc.qp_num).is_some_and(|inf| {
-            let mut q = inf.lock();
-            let known = q.complete(&mut wc);
-            q.take_graves(&mut graves);
-            known
-        });
         drop(qps);
         drop(graves);
-        if known {
-            return Ok(Some(wc));
-        }
-        tracing::debug!(qp_num = wc.qp_num, "discarding a completion of a destroyed QP");
-        Ok(None)
+        Ok(found)
     }
 
     /// Polls one completion; if there is none, arms the channel so the next one signals
@@ -488,6 +500,8 @@ impl Drop for CqInner {
 mod registry_tests {
     use super::*;
 
+    const RECV_BIT: u64 = 1 << 63;
+
     /// The soft NIC's CQ under `cq`, to leave completions in as a provider would.
     fn soft(cq: &CompletionQueue) -> &SoftCq {
         match &cq.inner.backend {
@@ -529,11 +543,14 @@ mod registry_tests {
         assert_ne!(new.tag(), old.tag(), "the destroyed QP's tag was taken again");
         let mine = new.lock().push_send(2, None).unwrap();
         assert_eq!(stale, mine & !(0x7ff << 52) | old.tag(), "the same sequence number");
-        assert!(soft(&cq).push(completion(stale, qpn)));
-        assert_eq!(cq.poll_one().unwrap(), None, "the destroyed QP's completion is discarded");
-        assert_eq!(new.outstanding(), (1, 0), "and retires nothing of the new QP");
-        assert!(soft(&cq).push(completion(mine, qpn)));
-        assert_eq!(cq.poll_one().unwrap().map(|wc| wc.wr_id), Some(2));
+        let old_wc = WorkCompletion { byte_len: 111, ..completion(stale, qpn) };
+        assert!(soft(&cq).push(old_wc));
+        assert!(soft(&cq).push(WorkCompletion { wr_id: stale | RECV_BIT, ..old_wc }));
+        assert!(soft(&cq).push(WorkCompletion { byte_len: 222, ..completion(mine, qpn) }));
+        // The destroyed QP's completions are discarded, and retire nothing of the new QP:
+        // what comes is the new QP's own.
+        let wc = cq.poll_one().unwrap().unwrap();
+        assert_eq!((wc.wr_id, wc.byte_len), (2, 222));
         // Until a poll finds the CQ empty, the old tag stays ruled out; then it is free.
         let mut avoid = Vec::new();
         cq.tags_in_use(qpn, &mut avoid);
@@ -547,6 +564,32 @@ mod registry_tests {
         avoid.clear();
         cq.tags_in_use(qpn, &mut avoid);
         assert_eq!(avoid, []);
+    }
+
+    /// Completions of destroyed QPs ahead of a live one: the polls skip them and return the
+    /// live one, never an "empty" answer a waiter would sleep on.
+    #[test]
+    fn discarded_completions_do_not_hide_the_ones_behind_them() {
+        let cq = Context::open_soft().create_cq(16).unwrap();
+        let qpn = 0x79;
+        let live = table(&cq, qpn, None);
+        for want in [1, 2] {
+            let mine = live.lock().push_send(want, None).unwrap();
+            for stale in [0x5 << 52 | 1, 0x6 << 52 | 1, 0x7 << 52 | 1] {
+                assert!(soft(&cq).push(completion(stale, 0x9999)), "a destroyed QP's");
+            }
+            assert!(soft(&cq).push(completion(mine, qpn)));
+            if want == 1 {
+                assert_eq!(cq.poll_one().unwrap().map(|wc| wc.wr_id), Some(1));
+            } else {
+                let mut wcs = [WorkCompletion::default(); 2];
+                assert_eq!(cq.poll(&mut wcs).unwrap(), 1);
+                assert_eq!(wcs[0].wr_id, 2);
+            }
+        }
+        assert_eq!(cq.poll_one().unwrap(), None);
+        let mut wcs = [WorkCompletion::default(); 2];
+        assert_eq!(cq.poll(&mut wcs).unwrap(), 0);
     }
 
     /// The number of a destroyed QP comes back to the provider before the QP is

@@ -709,7 +709,8 @@ mod tests {
     /// another tag, and the old completion retires none of its requests.
     #[test]
     fn a_qp_created_under_a_recycled_number_is_not_reached_by_the_old_qps_completions() {
-        let ctx = Context::open_soft();
+        // A device of its own: other tests' QPs must not take (or be given) its numbers.
+        let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(16).unwrap();
         let soft = ctx.backend().soft().unwrap().clone();
