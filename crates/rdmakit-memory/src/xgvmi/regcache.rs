@@ -321,6 +321,12 @@ impl RangeCache {
         let end = start.checked_add(len as u64).filter(|_| len > 0).ok_or_else(|| {
             Error::InvalidArgument(format!("range of {len} bytes at {start:#x} is empty or wraps"))
         })?;
+        // `register_raw`'s rule, checked here too: a hit would not reach it.
+        if !start.is_multiple_of(8) || !len.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "range of {len} bytes at {start:#x}: address and length must be multiples of 8"
+            )));
+        }
         let mut st = self.lock();
         st.clock += 1;
         let now = st.clock;

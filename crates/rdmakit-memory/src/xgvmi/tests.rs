@@ -476,6 +476,13 @@ fn range_cache_registers_the_applications_memory() {
         let s = cache.stats();
         assert_eq!((s.merged, s.entries), (3, 1));
         a.region().write_at(a.offset() + 8, &7u64.to_ne_bytes()).unwrap();
+        // Inside a cached registration, unaligned ranges are refused too, as on a miss
+        // (`register_raw`'s rule), not served.
+        let hits = cache.stats().hits;
+        for (off, len) in [(8 * 3 + 1, 8), (64, 12)] {
+            assert!(matches!(reg(off, len), Err(rdmakit_verbs::Error::InvalidArgument(_))), "{off}+{len}");
+        }
+        assert_eq!(cache.stats().hits, hits);
 
         // A peer writes into the application's buffer through the cached registration.
         let cq = ctx.create_cq(4).unwrap();
