@@ -70,6 +70,9 @@ pub(crate) struct MkeyState {
     kind: Kind,
     /// The regions the key maps now (kept registered while bound).
     bound: Mutex<Vec<MemoryRegion>>,
+    /// What the key's owner asked to outlive it ([`IndirectMkey::keep_alive`]): dropped
+    /// with this state, after the key is destroyed (never, if destroying it failed).
+    kept: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// One KSM entry: `len` bytes of `region` from `offset`, made with [`new`](Self::new) or
@@ -163,7 +166,7 @@ fn mkey_region(
     access: AccessFlags,
 ) -> MemoryRegion {
     let (backend, key) = keys;
-    let state = MkeyState { kind, bound: Mutex::new(bound) };
+    let state = MkeyState { kind, bound: Mutex::new(bound), kept: Mutex::new(Vec::new()) };
     MemoryRegion::assemble(pd, (backend, key, key), MrMemory::Mkey(Arc::new(state)), access, range)
 }
 
@@ -499,6 +502,15 @@ impl IndirectMkey {
     /// True while the key maps something (bound, not invalidated).
     pub fn is_bound(&self) -> bool {
         !state(&self.region).bound.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    /// Keeps `owner` alive for as long as the key exists: it is dropped after the key is
+    /// destroyed, when the last clone of [`region`](Self::region) goes (and never, if the
+    /// provider refused to destroy the key). For what the key's addresses depend on, such as
+    /// the address range a KSM key's base was reserved in: while a clone of the region
+    /// lets peers use the key, that range stays reserved.
+    pub fn keep_alive(&self, owner: impl std::any::Any + Send + Sync) {
+        state(&self.region).kept.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(owner));
     }
 
     /// Opens the key to other vHCAs of the NIC, which may alias it presenting `access_key`

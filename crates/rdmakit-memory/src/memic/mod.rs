@@ -147,15 +147,18 @@ impl Memic {
     }
 }
 
-/// A region on the NIC. Fields drop in order: the key, then the registration, the device
-/// memory, and last the address reservation the key pointed into.
+/// A region on the NIC. Fields drop in order: the key, then the registration and the
+/// device memory. The address reservation the key points into is the key's own
+/// ([`IndirectMkey::keep_alive`]): a clone of the key's region, which lets peers use the
+/// key, keeps the range reserved too, so no other region can take the address meanwhile.
 #[derive(Debug)]
 struct NicRegion {
     key: IndirectMkey,
     mapping: Mapping,
     dm_mr: MemoryRegion,
     dm: DeviceMemory,
-    reservation: Reservation,
+    /// The reserved range's start.
+    reserved: u64,
 }
 
 impl NicRegion {
@@ -180,7 +183,9 @@ impl NicRegion {
             }
             Err(e) => return Err(e),
         };
-        Ok(NicRegion { key, mapping, dm_mr, dm, reservation })
+        let reserved = reservation.addr();
+        key.keep_alive(reservation);
+        Ok(NicRegion { key, mapping, dm_mr, dm, reserved })
     }
 }
 
@@ -277,7 +282,7 @@ impl MemicRegion {
     /// The reserved virtual address the region appears at, if it is on the NIC.
     pub fn reserved_addr(&self) -> Option<u64> {
         match &self.backing {
-            Backing::Nic(n) => Some(n.reservation.addr()),
+            Backing::Nic(n) => Some(n.reserved),
             Backing::Host(_) => None,
         }
     }

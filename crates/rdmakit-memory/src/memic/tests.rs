@@ -67,6 +67,47 @@ fn nic_region_has_a_unique_address_and_takes_remote_atomics() {
     assert!(r2.read_at(60, &mut got).is_err(), "CPU copies are bounds-checked too");
 }
 
+/// A clone of a region's key outlives the region: the key still works for peers, so its
+/// address stays reserved, and a region made meanwhile gets another address (two live keys
+/// at one address would break the addresses' uniqueness).
+#[test]
+fn a_clone_of_the_key_keeps_its_address_reserved() {
+    let pd = device(256 << 10);
+    let memic = Memic::open(&pd);
+    let r = memic.alloc(4096, Placement::NicRequired).unwrap();
+    let addr = r.reserved_addr().unwrap();
+    let key = r.region().clone();
+    drop(r);
+    let (qp, cq, _peer) = qp_pair(&pd);
+    let res = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    qp.post_send(SendWr::fetch_add(res.local().unwrap(), key.remote().slice(0, 8).unwrap(), 5)).unwrap();
+    cq.wait(WAIT).unwrap().ok().unwrap();
+    assert!(mapped(addr), "the address of a key still in use was given up");
+    let mut later = Vec::new();
+    for _ in 0..4 {
+        let other = memic.alloc(4096, Placement::NicRequired).unwrap();
+        assert_ne!(other.reserved_addr(), Some(addr), "the address of a key still in use was given again");
+        later.push(other);
+    }
+    // Through the clone, the key still reaches the first region's memory.
+    qp.post_send(SendWr::fetch_add(res.local().unwrap(), key.remote().slice(0, 8).unwrap(), 1)).unwrap();
+    cq.wait(WAIT).unwrap().ok().unwrap();
+    assert_eq!(res.read_u64(0).unwrap(), 5);
+    // (Whether the range is unmapped once the clone goes is not checked here: a test
+    // running in parallel may map that range again at once.)
+    drop(later);
+    drop(key);
+}
+
+/// Whether `addr` lies in a mapping of this process (`/proc/self/maps`).
+fn mapped(addr: u64) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().filter_map(|l| l.split_whitespace().next()?.split_once('-')).any(|(lo, hi)| {
+        let (lo, hi) = (u64::from_str_radix(lo, 16).unwrap(), u64::from_str_radix(hi, 16).unwrap());
+        (lo..hi).contains(&addr)
+    })
+}
+
 #[test]
 fn exhaustion_and_the_size_limit_are_typed_errors() {
     let pd = device(4096);
