@@ -396,3 +396,50 @@ fn headless_chromium_sees_the_gauge_move() {
     assert_eq!(report["ok"], true);
     dg.wait().unwrap();
 }
+
+/// `datagen` (serving many clients) takes at most 64 at once, a thread each: more are
+/// closed at once, and a place comes free when a client goes. (A client opening
+/// connections in a loop would otherwise make a thread per connection.)
+#[test]
+fn datagen_serves_a_bounded_number_of_clients_at_once() {
+    use std::io::Read;
+    use std::net::TcpStream;
+    let mut child = Command::new(BIN)
+        .args(["datagen", "--rate", "0.1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("datagen");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
+    // Served: its first byte comes. Refused: closed without a byte.
+    let first_byte = |c: &mut TcpStream| {
+        c.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 1];
+        matches!(c.read(&mut b), Ok(1))
+    };
+    let mut served: Vec<TcpStream> = (0..64)
+        .map(|i| {
+            let mut c = TcpStream::connect(&addr).unwrap();
+            assert!(first_byte(&mut c), "client {i} was not served");
+            c
+        })
+        .collect();
+    let mut extra = TcpStream::connect(&addr).unwrap();
+    assert!(!first_byte(&mut extra), "a 65th client was served");
+    // One goes: its thread notices at its next write, and a new client gets its place.
+    drop(served.pop());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        if first_byte(&mut c) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no place came free");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -11,6 +11,9 @@ use super::Error;
 /// different phases and a chunk written into the wrong slot changes the checksum.
 const PERIOD: usize = 65_521;
 
+/// Clients `datagen` serves at once (a thread each).
+pub(crate) const MAX_CLIENTS: usize = 64;
+
 /// A deterministic byte stream: byte `p` of the stream is `table[p % PERIOD]`.
 pub struct Pattern {
     /// The period twice over, so any window of up to `PERIOD` bytes is contiguous.
@@ -141,7 +144,8 @@ fn say(line: &str) {
 }
 
 /// `datagen`: serves the pattern to each TCP client (one at a time with `once`, otherwise
-/// a thread per client). Prints its address first, and one line per finished client.
+/// a thread per client, at most [`MAX_CLIENTS`] at once). Prints its address first, and
+/// one line per finished client.
 pub fn datagen(
     listen: SocketAddr,
     rate_mb: Option<f64>,
@@ -167,11 +171,21 @@ pub fn datagen(
         let _ = s.shutdown(std::net::Shutdown::Write);
         say(&format!("datagen: sent {} bytes to {peer}, crc32 {:#010x}", sent.bytes, sent.crc32));
     };
+    let serving = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut failing = false;
     for conn in listener.incoming() {
         let s = match conn {
-            Ok(s) => s,
+            Ok(s) => {
+                failing = false;
+                s
+            }
             Err(e) => {
-                eprintln!("datagen: accept: {e}");
+                // Out of descriptors (EMFILE) fails again at once while the client waits in
+                // the backlog: wait instead of spinning a core.
+                if !std::mem::replace(&mut failing, true) {
+                    eprintln!("datagen: accept: {e}; trying again every 100 ms");
+                }
+                std::thread::sleep(Duration::from_millis(100));
                 continue;
             }
         };
@@ -179,7 +193,19 @@ pub fn datagen(
             serve(s);
             return Ok(());
         }
-        std::thread::spawn(move || serve(s));
+        // A thread per client, up to MAX_CLIENTS at once: more are closed at once.
+        use std::sync::atomic::Ordering::AcqRel;
+        if serving.fetch_add(1, AcqRel) >= MAX_CLIENTS {
+            serving.fetch_sub(1, AcqRel);
+            let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+            eprintln!("datagen: {MAX_CLIENTS} clients served already; {peer} refused");
+            continue; // dropping `s` closes it
+        }
+        let serving = serving.clone();
+        std::thread::spawn(move || {
+            serve(s);
+            serving.fetch_sub(1, AcqRel);
+        });
     }
     Ok(())
 }
