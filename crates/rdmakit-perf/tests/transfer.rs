@@ -397,6 +397,45 @@ fn headless_chromium_sees_the_gauge_move() {
     dg.wait().unwrap();
 }
 
+/// A `datagen` serving many clients (it never exits on its own): killed when dropped, a
+/// failed test's included. Its address, from its first line.
+struct Datagen(Child, String);
+
+impl Datagen {
+    fn start(args: &[&str]) -> Datagen {
+        let mut child = Command::new(BIN)
+            .arg("datagen")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("datagen");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
+        // Its lines per finished client: read, so that it never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        Datagen(child, addr)
+    }
+}
+
+impl Drop for Datagen {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Whether `c` is served: its first byte comes within 10 s (a refused client reads an
+/// error or nothing).
+fn first_byte(c: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    c.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    let mut b = [0u8; 1];
+    matches!(c.read(&mut b), Ok(1))
+}
+
 /// `datagen` (serving many clients) takes at most 64 at once, a thread each: more are
 /// closed at once, and a place comes free when a client goes. (A client opening
 /// connections in a loop would otherwise make a thread per connection.)
@@ -404,42 +443,65 @@ fn headless_chromium_sees_the_gauge_move() {
 fn datagen_serves_a_bounded_number_of_clients_at_once() {
     use std::io::Read;
     use std::net::TcpStream;
-    let mut child = Command::new(BIN)
-        .args(["datagen", "--rate", "0.1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("datagen");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
-    // Served: its first byte comes. Refused: closed without a byte.
-    let first_byte = |c: &mut TcpStream| {
-        c.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
-        let mut b = [0u8; 1];
-        matches!(c.read(&mut b), Ok(1))
-    };
+    let dg = Datagen::start(&["--rate", "0.1"]);
+    let addr = &dg.1;
     let mut served: Vec<TcpStream> = (0..64)
         .map(|i| {
-            let mut c = TcpStream::connect(&addr).unwrap();
+            let mut c = TcpStream::connect(addr).unwrap();
             assert!(first_byte(&mut c), "client {i} was not served");
             c
         })
         .collect();
-    let mut extra = TcpStream::connect(&addr).unwrap();
-    assert!(!first_byte(&mut extra), "a 65th client was served");
+    // Refused: reset, so that it reads an error rather than an empty stream it could take
+    // for the data.
+    let mut extra = TcpStream::connect(addr).unwrap();
+    extra.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    let mut b = [0u8; 1];
+    let r = extra.read(&mut b);
+    assert!(matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset), "a 65th client: {r:?}");
     // One goes: its thread notices at its next write, and a new client gets its place.
     drop(served.pop());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let mut c = TcpStream::connect(&addr).unwrap();
+        let mut c = TcpStream::connect(addr).unwrap();
         if first_byte(&mut c) {
             break;
         }
         assert!(std::time::Instant::now() < deadline, "no place came free");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let _ = child.kill();
-    let _ = child.wait();
+}
+
+/// Clients that connect and then stop reading (the socket buffers fill at once and each
+/// serving thread blocks in its write) do not hold the 64 places for ever: a client that
+/// takes no bytes for `--write-timeout` seconds is dropped.
+#[test]
+fn datagen_frees_the_places_of_clients_that_stop_reading() {
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let dg = Datagen::start(&["--write-timeout", "2"]);
+    let addr = &dg.1;
+    // 64 clients take a byte each, then read nothing more (but stay connected).
+    let stalled: Vec<TcpStream> = (0..64)
+        .map(|i| {
+            let mut c = TcpStream::connect(addr).unwrap();
+            assert!(first_byte(&mut c), "client {i} was not served");
+            c
+        })
+        .collect();
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(30);
+    loop {
+        let mut c = TcpStream::connect(addr).unwrap();
+        if first_byte(&mut c) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "64 clients that stopped reading still hold every place after {:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    drop(stalled);
 }

@@ -158,6 +158,9 @@ pub struct DatagenArgs {
     /// Serve one client, then exit.
     #[arg(long)]
     once: bool,
+    /// Drop a client that accepts no bytes for this many seconds (it frees its place).
+    #[arg(long, default_value_t = 60)]
+    write_timeout: u64,
 }
 
 /// The result line.
@@ -209,7 +212,7 @@ pub fn main(a: &TransferArgs) -> ExitCode {
 
 /// Runs `datagen`.
 pub fn datagen_main(a: &DatagenArgs) -> ExitCode {
-    match source::datagen(a.listen, a.rate, a.bytes, a.once) {
+    match source::datagen(a.listen, a.rate, a.bytes, a.once, Duration::from_secs(a.write_timeout.max(1))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("rdmakit-perf: datagen: {e}");

@@ -151,6 +151,7 @@ pub fn datagen(
     rate_mb: Option<f64>,
     bytes: Option<u64>,
     once: bool,
+    write_timeout: Duration,
 ) -> Result<(), Error> {
     let listener = TcpListener::bind(listen)
         .map_err(|source| Error::Input { what: format!("listen on {listen}"), source })?;
@@ -167,6 +168,8 @@ pub fn datagen(
     let serve = move |mut s: TcpStream| {
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
         let _ = s.set_nodelay(true);
+        // A client that stops reading must not hold its place (and thread) for ever.
+        let _ = s.set_write_timeout(Some(write_timeout));
         let sent = stream(&mut s, bytes, rate);
         let _ = s.shutdown(std::net::Shutdown::Write);
         say(&format!("datagen: sent {} bytes to {peer}, crc32 {:#010x}", sent.bytes, sent.crc32));
@@ -199,13 +202,25 @@ pub fn datagen(
             serving.fetch_sub(1, AcqRel);
             let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
             eprintln!("datagen: {MAX_CLIENTS} clients served already; {peer} refused");
-            continue; // dropping `s` closes it
+            // A reset, not a clean end: a client must not take an empty stream for the data.
+            let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+            continue; // dropping `s` resets it
         }
-        let serving = serving.clone();
-        std::thread::spawn(move || {
+        // Gives the place back however the thread ends (a panic included), or if it
+        // cannot be started.
+        struct Place(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Place {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
+        }
+        let place = Place(serving.clone());
+        if let Err(e) = std::thread::Builder::new().spawn(move || {
+            let _place = place;
             serve(s);
-            serving.fetch_sub(1, AcqRel);
-        });
+        }) {
+            eprintln!("datagen: cannot start a thread for a client: {e}");
+        }
     }
     Ok(())
 }
