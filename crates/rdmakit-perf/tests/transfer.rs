@@ -17,12 +17,14 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Starts `datagen --once` and returns it with its address.
-fn datagen(args: &[&str]) -> (Child, String, BufReader<std::process::ChildStdout>) {
+/// Starts `datagen` with `args` and returns it with its address (its first line) and the
+/// rest of its output. `stderr`: where its complaints go.
+fn spawn_datagen(args: &[&str], stderr: Stdio) -> (Child, String, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(BIN)
-        .args(["datagen", "--once"])
+        .arg("datagen")
         .args(args)
         .stdout(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .expect("datagen");
     let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -30,6 +32,11 @@ fn datagen(args: &[&str]) -> (Child, String, BufReader<std::process::ChildStdout
     out.read_line(&mut line).unwrap();
     let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
     (child, addr, out)
+}
+
+/// Starts `datagen --once` and returns it with its address.
+fn datagen(args: &[&str]) -> (Child, String, BufReader<std::process::ChildStdout>) {
+    spawn_datagen(&[&["--once"], args].concat(), Stdio::inherit())
 }
 
 /// The CRC datagen reports for the client it served.
@@ -403,17 +410,7 @@ struct Datagen(Child, String);
 
 impl Datagen {
     fn start(args: &[&str]) -> Datagen {
-        let mut child = Command::new(BIN)
-            .arg("datagen")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("datagen");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        let addr = line.trim().strip_prefix("datagen: listening on ").expect("address line").to_owned();
+        let (child, addr, mut out) = spawn_datagen(args, Stdio::null());
         // Its lines per finished client: read, so that it never blocks on a full pipe.
         std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
         Datagen(child, addr)

@@ -524,6 +524,15 @@ mod registry_tests {
         inflight
     }
 
+    /// A CQ with a table registered as QP `qpn`, one send request posted on it (its
+    /// provider `wr_id` returned).
+    fn with_one_request(qpn: u32) -> (CompletionQueue, u32, Arc<Inflight>, u64) {
+        let cq = Context::open_soft().create_cq(16).unwrap();
+        let old = table(&cq, qpn, None);
+        let wr_id = old.lock().push_send(1, None).unwrap();
+        (cq, qpn, old, wr_id)
+    }
+
     fn completion(wr_id: u64, qp_num: u32) -> WorkCompletion {
         WorkCompletion { wr_id, qp_num, ..Default::default() }
     }
@@ -534,10 +543,7 @@ mod registry_tests {
     /// none of its requests (it would release a buffer the NIC may still write).
     #[test]
     fn a_recycled_qp_number_does_not_take_a_destroyed_qps_completion() {
-        let cq = Context::open_soft().create_cq(16).unwrap();
-        let qpn = 0x77;
-        let old = table(&cq, qpn, None);
-        let stale = old.lock().push_send(1, None).unwrap();
+        let (cq, qpn, old, stale) = with_one_request(0x77);
         cq.unregister(qpn, &old);
         let new = table(&cq, qpn, Some(old.tag()));
         assert_ne!(new.tag(), old.tag(), "the destroyed QP's tag was taken again");
@@ -597,10 +603,7 @@ mod registry_tests {
     /// leaves the new one's registration (its completions would all be discarded).
     #[test]
     fn a_late_unregistration_leaves_the_qp_that_took_the_number() {
-        let cq = Context::open_soft().create_cq(16).unwrap();
-        let qpn = 0x78;
-        let old = table(&cq, qpn, None);
-        let stale = old.lock().push_send(1, None).unwrap();
+        let (cq, qpn, old, stale) = with_one_request(0x78);
         let new = table(&cq, qpn, Some(old.tag()));
         assert_ne!(new.tag(), old.tag(), "the registered QP's tag was taken");
         cq.unregister(qpn, &old);

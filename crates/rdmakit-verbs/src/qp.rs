@@ -601,6 +601,17 @@ mod tests {
     use crate::mr::ON_RELEASE;
     use crate::*;
 
+    /// Two QPs with `caps`, connected to each other, on one CQ of the shared soft device.
+    fn shallow_pair(caps: QpCaps) -> (ProtectionDomain, CompletionQueue, QueuePair, QueuePair) {
+        let ctx = Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let (a, b) = (pd.create_qp(&cq, &cq, caps).unwrap(), pd.create_qp(&cq, &cq, caps).unwrap());
+        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        (pd, cq, a, b)
+    }
+
     /// A request can hold its region's last handle (the caller moved the region in), and
     /// releasing it deregisters the region: a system call, or on the soft NIC a wait for
     /// its accesses. That happens after the CQ's registry and the QP's in-flight table are
@@ -608,13 +619,7 @@ mod tests {
     /// (`poll_one` and `poll`), and on a post refused for a full queue.
     #[test]
     fn a_requests_last_region_handle_is_deregistered_after_the_locks() {
-        let ctx = Context::open_soft();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16).unwrap();
-        let caps = QpCaps::default().with_max_send_wr(1).with_max_recv_wr(1);
-        let (a, b) = (pd.create_qp(&cq, &cq, caps).unwrap(), pd.create_qp(&cq, &cq, caps).unwrap());
-        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
-        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let (pd, cq, a, b) = shallow_pair(QpCaps::default().with_max_send_wr(1).with_max_recv_wr(1));
         let dst = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
         // Whether the registry and `a`'s table were free at each deregistration.
         let seen = Rc::new(RefCell::new(Vec::new()));
@@ -661,13 +666,7 @@ mod tests {
     /// their regions (last handles) must also be deregistered after the in-flight lock.
     #[test]
     fn a_refused_batchs_unpushed_regions_are_deregistered_after_the_lock() {
-        let ctx = Context::open_soft();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16).unwrap();
-        let caps = QpCaps::default().with_max_send_wr(1).with_max_recv_wr(2);
-        let (a, b) = (pd.create_qp(&cq, &cq, caps).unwrap(), pd.create_qp(&cq, &cq, caps).unwrap());
-        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
-        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let (pd, cq, a, b) = shallow_pair(QpCaps::default().with_max_send_wr(1).with_max_recv_wr(2));
         let dst = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
         let inbox = || RecvWr::new(pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap().local().unwrap());
         b.post_recv(inbox()).unwrap();
