@@ -73,10 +73,10 @@ impl Registry {
 
     /// Remembers the tag of `inflight`, a destroyed QP's table, if completions of its
     /// requests may still come.
+    /// (A number's list holds each tag once: at most 2^11 entries.)
     fn retire(&mut self, qpn: u32, inflight: &Inflight) {
-        if inflight.outstanding() != (0, 0) {
+        if let Some(tag) = inflight.tag_if_outstanding() {
             let tags = self.retired.entry(qpn).or_default();
-            let tag = inflight.tag();
             if !tags.contains(&tag) {
                 tags.push(tag);
             }

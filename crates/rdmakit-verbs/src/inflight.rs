@@ -59,7 +59,7 @@ struct Slot {
     seq: u64,
     user_wr_id: u64,
     /// Keeps the local buffer registered and allocated until the request completes.
-    _mr: Option<MemoryRegion>,
+    mr: Option<MemoryRegion>,
 }
 
 pub(crate) struct Queues {
@@ -153,6 +153,13 @@ impl Inflight {
         }
     }
 
+    /// The tag of a destroyed QP's table whose requests may still complete (some were
+    /// outstanding), under one lock; `None` if none was.
+    pub fn tag_if_outstanding(&self) -> Option<u64> {
+        let q = self.lock();
+        (!q.send.is_empty() || !q.recv.is_empty()).then_some(q.tag)
+    }
+
     /// Sets the tag (tests: a table that drew another's tag, 2^11 tables later).
     #[cfg(test)]
     pub fn force_tag(&self, tag: u64) {
@@ -190,7 +197,7 @@ impl Queues {
             };
             let Some(slot) = slot else { return false };
             wc.wr_id = slot.user_wr_id;
-            self.bury(slot._mr);
+            self.bury(slot.mr);
             return true;
         }
         // The completion retires the unsignalled requests before it, but only once it is
@@ -204,11 +211,11 @@ impl Queues {
         };
         for _ in 0..at {
             let earlier = self.send.pop_front().expect("earlier slots"); // unsignalled ones
-            self.bury(earlier._mr);
+            self.bury(earlier.mr);
         }
         let slot = self.send.pop_front().expect("the slot found");
         wc.wr_id = slot.user_wr_id;
-        self.bury(slot._mr);
+        self.bury(slot.mr);
         self.send_len.store(self.send.len(), Ordering::Relaxed);
         true
     }
@@ -239,7 +246,7 @@ impl Queues {
         }
         let seq = self.next_seq;
         self.next_seq = (seq + 1) & SEQ_MASK;
-        self.send.push_back(Slot { seq, user_wr_id, _mr: mr });
+        self.send.push_back(Slot { seq, user_wr_id, mr });
         self.send_len.store(self.send.len(), Ordering::Relaxed);
         Ok(seq | self.tag)
     }
@@ -252,7 +259,7 @@ impl Queues {
         }
         let seq = self.next_seq;
         self.next_seq = (seq + 1) & SEQ_MASK;
-        self.recv.push_back(Slot { seq, user_wr_id, _mr: mr });
+        self.recv.push_back(Slot { seq, user_wr_id, mr });
         Ok(seq | self.tag | RECV_BIT)
     }
 
@@ -260,7 +267,7 @@ impl Queues {
     pub fn unpush_send(&mut self, n: usize) {
         for _ in 0..n.min(self.send.len()) {
             let slot = self.send.pop_back().expect("a slot");
-            self.bury(slot._mr);
+            self.bury(slot.mr);
         }
         self.send_len.store(self.send.len(), Ordering::Relaxed);
     }
@@ -269,7 +276,7 @@ impl Queues {
     pub fn unpush_recv(&mut self, n: usize) {
         for _ in 0..n.min(self.recv.len()) {
             let slot = self.recv.pop_back().expect("a slot");
-            self.bury(slot._mr);
+            self.bury(slot.mr);
         }
     }
 }
