@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 use rdmakit_verbs::soft::wire::{self, Frame};
 use rdmakit_verbs::*;
 
+mod common;
+use common::anonymous;
+
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -1125,24 +1128,6 @@ unsafe fn raw_under_key(
     let key = pd.create_indirect_mkey(0, len as u64, AccessFlags::LOCAL_WRITE).unwrap();
     umr.bind(&key, &[rdmakit_verbs::mlx5::KsmEntry::whole(&raw)]).unwrap();
     (umr, key)
-}
-
-/// `len` bytes of fresh anonymous memory of our own (for `register_raw`), unmapped by the
-/// caller.
-fn anonymous(len: usize) -> *mut libc::c_void {
-    // SAFETY: a plain anonymous mapping, no address asked for.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
-    mem
 }
 
 // ---- a stalled responder: alive, but never reads ----

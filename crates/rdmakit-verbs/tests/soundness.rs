@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use rdmakit_verbs::*;
 
+mod common;
+
 const LEN: usize = 256 << 20;
 
 /// A connected loopback pair on the default soft device, each QP on its own CQ.
@@ -46,6 +48,29 @@ fn started(mr: &MemoryRegion) {
     }
 }
 
+/// `b`'s receive 1 (`big`, `LEN` bytes) being filled by `writer`'s send; receives `more`
+/// (into `small`) were posted behind it before the send.
+struct Filling {
+    b: QueuePair,
+    cb: CompletionQueue,
+    big: MemoryRegion,
+    small: MemoryRegion,
+    writer: std::thread::JoinHandle<WorkCompletion>,
+}
+
+fn receive_being_filled(more: &[u64]) -> Filling {
+    let (pd, a, ca, b, cb) = pair();
+    let big = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
+    for &id in more {
+        b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(id)).unwrap();
+    }
+    let writer = send_big(&pd, a, ca);
+    started(&big);
+    Filling { b, cb, big, small, writer }
+}
+
 /// `register_raw`'s contract: the caller's memory is theirs again once the region's last
 /// handle is dropped. So the drop must wait for a peer's RDMA write that already resolved
 /// the key and is still landing; afterwards nothing more lands. (Before, the drop returned
@@ -53,18 +78,7 @@ fn started(mr: &MemoryRegion) {
 #[test]
 fn dropping_a_raw_region_waits_for_a_write_still_landing() {
     let (pd, a, ca, _b, _cb) = pair();
-    // SAFETY: a plain anonymous mapping of our own.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
+    let mem = common::anonymous(LEN);
     // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
     // region (the only handle, never cloned nor used in a local work request) is dropped.
     let target =
@@ -107,13 +121,7 @@ fn dropping_a_raw_region_waits_for_a_write_still_landing() {
 /// completions come in the order its requests were posted.
 #[test]
 fn a_flushed_later_receive_does_not_release_one_still_being_filled() {
-    let (pd, a, ca, b, cb) = pair();
-    let big = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
-    b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(2)).unwrap();
-    let writer = send_big(&pd, a, ca);
-    started(&big);
+    let Filling { b, cb, big, small, writer } = receive_being_filled(&[2]);
     b.modify_to_error().unwrap();
     b.post_recv(RecvWr::new(small.local().unwrap()).wr_id(3)).unwrap();
     let writing = !writer.is_finished();
@@ -223,12 +231,7 @@ fn dropping_an_idle_raw_region_does_not_wait_for_an_unrelated_transfer() {
 /// none of them polled) instead of piling up in memory.
 #[test]
 fn flushes_held_back_beyond_the_cq_overrun_it() {
-    let (pd, a, ca, b, cb) = pair();
-    let big = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    let small = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvWr::new(big.slice(0, LEN as u32).unwrap()).wr_id(1)).unwrap();
-    let writer = send_big(&pd, a, ca);
-    started(&big);
+    let Filling { b, cb, big: _big, small, writer } = receive_being_filled(&[]);
     b.modify_to_error().unwrap();
     let cap = cb.capacity() as u64;
     for i in 0..4 * cap {
