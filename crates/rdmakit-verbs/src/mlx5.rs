@@ -72,7 +72,7 @@ pub(crate) struct MkeyState {
     bound: Mutex<Vec<MemoryRegion>>,
     /// What the key's owner asked to outlive it ([`IndirectMkey::keep_alive`]): dropped
     /// with this state, after the key is destroyed (never, if destroying it failed).
-    kept: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
+    kept: Mutex<Vec<Box<dyn std::any::Any + Send>>>,
 }
 
 /// One KSM entry: `len` bytes of `region` from `offset`, made with [`new`](Self::new) or
@@ -509,7 +509,7 @@ impl IndirectMkey {
     /// provider refused to destroy the key). For what the key's addresses depend on, such as
     /// the address range a KSM key's base was reserved in: while a clone of the region
     /// lets peers use the key, that range stays reserved.
-    pub fn keep_alive(&self, owner: impl std::any::Any + Send + Sync) {
+    pub fn keep_alive(&self, owner: impl std::any::Any + Send) {
         state(&self.region).kept.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(owner));
     }
 
