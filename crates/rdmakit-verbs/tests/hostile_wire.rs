@@ -1858,3 +1858,51 @@ fn a_same_host_requester_asking_for_keys_gets_a_bounded_number_of_grants_of_its_
     l.write(&v, 64, 2);
     assert!(eventually(Duration::from_secs(5), || fds() <= fds_before + 2), "descriptors leaked");
 }
+
+#[test]
+fn a_same_host_requester_of_another_user_is_refused_before_it_attaches() {
+    // A process of another user with all the secrets of a connected requester: it
+    // connects to the victim's same-host socket (abstract sockets have no permission
+    // check) and passes its rings, a Hello and a key request. It must get no answer and no
+    // region file: a memfd's inode is mode 0777, so another user could reopen a read-only
+    // grant for writing. Run as root, the attacker is one thread switched to `nobody`
+    // (raw syscalls: per thread, unlike glibc's wrappers); otherwise this cannot be staged.
+    use rdmakit_verbs::soft::shm::send_fd;
+    use std::os::fd::AsRawFd;
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: acting as another user needs root");
+        return;
+    }
+    let _g = serial();
+    let v = Victim::new();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let mut bytes = true_hello(&pep, &vep);
+    bytes.extend_from_slice(&frame(&Frame::KeyRequest { rkey: v.mr.rkey() }));
+    let (fd, map) = attacker_rings(&bytes);
+    let map = map as usize;
+    let (closed, answered) = std::thread::spawn(move || {
+        // SAFETY: plain syscalls changing this thread's credentials only.
+        unsafe {
+            assert_eq!(libc::syscall(libc::SYS_setresgid, 65534, 65534, 65534), 0);
+            assert_eq!(libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534), 0);
+        }
+        let s = local_attacker(&vep);
+        let _ = send_fd(s.as_raw_fd(), &fd); // may find the socket closed already
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // The device closes the connection: a read sees its end (or a reset).
+        let mut b = [0u8; 1];
+        let closed = match (&s).read(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            Ok(_) => false, // a descriptor or a byte came: the device answered
+        };
+        // SAFETY: word 256/8 of the rings' control page is the response ring's head.
+        let head = unsafe { (map as *const u8).add(256).cast::<u64>().read_volatile() };
+        (closed, head)
+    })
+    .join()
+    .unwrap();
+    assert!(closed, "the device kept another user's connection");
+    assert_eq!(answered, 0, "the device answered another user's Hello");
+}

@@ -40,9 +40,13 @@
 //! writable mappings (`F_SEAL_FUTURE_WRITE`), whatever descriptor a peer reopens. A
 //! read-only grant of a region registered with remote write (the QP allows only reads) is
 //! passed and mapped read-only, but the peer could reopen it for writing: that limit is
-//! honoured by rdmakit, not enforced by the kernel. Grants go only to the QP the region's PD and access flags admit, over
-//! a link whose peer proved it is the connected QP and runs as this user (who could already
-//! read and write this process's memory through `/proc`). After deregistration the region's
+//! honoured by rdmakit, not enforced by the kernel; likewise a write grant passes the
+//! region's read-write file, which the peer could also read. Grants go only to the QP the
+//! region's PD and access flags admit, over a link whose peer proved it is the connected QP
+//! and runs as this user (checked by the device when it accepts the connection: another
+//! user could reopen a region file beyond its grant, since a memfd's inode is mode 0777; a
+//! process of this user could already read and write this process's memory through
+//! `/proc`, unless a ptrace policy such as Yama's forbids it). After deregistration the region's
 //! pages are never used again by this process (each region has its own memfd): a late
 //! write lands in pages nobody reads, which stay allocated while a peer maps them.
 //! There is a window between a requester's checks and its copy: a write racing the
@@ -53,7 +57,10 @@
 //! rest are heap-allocated as before and use the rings). A link keeps at most
 //! `MAX_GRANTS` (64) grants and asks for at most two at a time, and remembers up to 4096
 //! refused keys; a device gives at most 64 grants per connection over its life. Peers'
-//! files mapped here (grants, status files) share the region files' budget. After `fork`
+//! files mapped here (grants, status files) share the region files' budget, and the bytes
+//! grants map, each exactly the pages of the region it names, total at most the host's
+//! physical memory (a sparse file commits nothing, so without that bound a hostile peer
+//! could take the address space). After `fork`
 //! a child shares such a region's pages instead of getting a copy, and uses neither the
 //! status file nor direct placement (it is not the process that made them).
 //!
@@ -506,6 +513,35 @@ fn take_mapping() -> bool {
 /// address space).
 const MAX_GRANT_MAP: u64 = 1 << 40;
 
+/// Bytes of peers' region files mapped in this process by grants. Mapping a shared file
+/// commits no memory, so without this bound a hostile responder could answer every ask
+/// with a huge sparse file and take the address space, until this process's own
+/// allocations fail; see [`grant_bytes_budget`].
+static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// The most bytes grants may map at once in this process: the host's physical memory (at
+/// least 1 GiB). Honest peers' regions are memory of this host, so they fit; beyond it a
+/// grant is refused and its key stays on the rings.
+fn grant_bytes_budget() -> u64 {
+    static BUDGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let (pages, size) =
+            unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+        let ram = u64::try_from(pages).ok().zip(u64::try_from(size).ok()).map(|(p, s)| p.saturating_mul(s));
+        ram.unwrap_or(0).max(1 << 30)
+    })
+}
+
+/// Takes `n` bytes from the grants' budget; false when they are not there.
+fn take_grant_bytes(n: u64) -> bool {
+    MAPPED_BYTES
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(n).filter(|&u| u <= grant_bytes_budget())
+        })
+        .is_ok()
+}
+
 /// A region of the peer, mapped here by a grant.
 struct Grant {
     rkey: u32,
@@ -530,6 +566,7 @@ impl Drop for Grant {
         // table, or a copy in progress through a `Target`) is gone.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
         MAPPED.fetch_sub(1, Ordering::AcqRel);
+        MAPPED_BYTES.fetch_sub(self.map_len as u64, Ordering::AcqRel);
     }
 }
 
@@ -618,10 +655,20 @@ pub(crate) struct Target {
 /// can never fault), and not one of this process's own files.
 fn check_file(fd: &OwnedFd, len: usize) -> io::Result<()> {
     let id = check_sealed(fd, len, "a granted file")?;
-    if OURS.lock().expect("our files").contains(&id) || super::shm::is_ours(id) {
+    if is_any_of_ours(id) {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "a granted file of our own"));
     }
     Ok(())
+}
+
+/// Whether the file with identity `id` (device, inode) is one this process made: a region
+/// file, a link's rings, or a flag page. A peer handing one back (it may hold one through a
+/// grant or its own link) must not have this process use its own memory as the peer's:
+/// every descriptor a peer passes is checked against all three.
+pub(crate) fn is_any_of_ours(id: (u64, u64)) -> bool {
+    // One lock at a time (a guard in a `||` chain would live to the end of it).
+    let region = OURS.lock().expect("our files").contains(&id);
+    region || super::shm::is_ours(id) || super::flags::is_made(id)
 }
 
 /// Checks a descriptor a peer passed is shared memory (tmpfs: a hugetlbfs file could fault
@@ -757,12 +804,12 @@ impl GrantTable {
         let (Some(fd), Some(status)) = (fd, status) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant without its files"));
         };
-        let map = usize::try_from(map_len).ok().filter(|&m| {
-            m.is_multiple_of(PAGE)
-                && m > 0
-                && map_len <= MAX_GRANT_MAP
+        // Exactly the region's pages, as the device makes its region files: a grant that
+        // maps more than it names only takes address space.
+        let map = usize::try_from(map_len).ok().filter(|_| {
+            map_len <= MAX_GRANT_MAP
                 && addr.checked_add(len).is_some()
-                && len <= m as u64
+                && len.max(1).checked_next_multiple_of(PAGE as u64) == Some(map_len)
         });
         let (Some(map_len), true) = (map, (1..SLOTS as u32).contains(&slot) && tag != 0) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "a grant of a bad size or slot"));
@@ -787,13 +834,21 @@ impl GrantTable {
                 }
             }
         }
+        if !take_grant_bytes(map_len as u64) {
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                "the budget of bytes peers may map is spent",
+            ));
+        }
         if !take_mapping() {
+            MAPPED_BYTES.fetch_sub(map_len as u64, Ordering::AcqRel);
             return Err(over());
         }
         let base = match map_shared(&fd, map_len, access.contains(AccessFlags::REMOTE_WRITE)) {
             Ok(b) => b,
             Err(e) => {
                 MAPPED.fetch_sub(1, Ordering::AcqRel);
+                MAPPED_BYTES.fetch_sub(map_len as u64, Ordering::AcqRel);
                 return Err(e);
             }
         };
@@ -942,6 +997,8 @@ mod tests {
         bad(3, msg_for(&f, 3, w, 8, PAGE), Some(f), status(), "another size than stated");
         let f = memfd(PAGE, true);
         bad(4, msg_for(&f, 4, w, PAGE as u64 + 1, PAGE), Some(f), status(), "a range past the file");
+        let f = memfd(2 * PAGE, true);
+        bad(14, msg_for(&f, 14, w, 8, 2 * PAGE), Some(f), status(), "a mapping past the region's pages");
         bad(5, msg(5, w, 8, PAGE), None, status(), "no memfd");
         let f = memfd(PAGE, true);
         bad(6, msg_for(&f, 6, w, 8, PAGE), Some(f), None, "no status file");
@@ -974,6 +1031,35 @@ mod tests {
         assert!(t.insert(GrantMsg { access: 0, ..msg(12, w, 0, 0) }, None, None).is_err());
         assert_eq!(t.target(12, 0, 8, w).err(), Some(Miss::Ring));
         assert!(t.grants.is_empty() && t.status.is_none());
+    }
+
+    /// A hostile responder answering asks with huge sparse files (mapping them commits no
+    /// memory) takes at most the grants' byte budget of this process's address space: past
+    /// it, grants are refused and their keys stay on the rings; bytes come back when a
+    /// grant is dropped.
+    #[test]
+    fn grants_map_at_most_the_byte_budget() {
+        let r = AccessFlags::REMOTE_READ;
+        let budget = grant_bytes_budget();
+        // Two of these do not fit together, whatever small grants other tests hold.
+        let half = (budget / 2 + PAGE as u64).next_multiple_of(PAGE as u64);
+        let grant = |t: &mut GrantTable, rkey: u32, len: u64| {
+            let f = memfd(len as usize, true);
+            t.asked(rkey);
+            t.insert(msg_for(&f, rkey, r, len, len as usize), Some(f), Some(memfd(STATUS_LEN, true)))
+        };
+        let mut t = GrantTable::default();
+        grant(&mut t, 1, half).expect("half the budget is granted");
+        let e = grant(&mut t, 2, half).expect_err("a second half is past the budget");
+        assert_eq!(e.kind(), io::ErrorKind::OutOfMemory, "{e}");
+        assert_eq!(t.target(2, 0, 8, r).err(), Some(Miss::Ring), "the key stays on the rings");
+        // The reviewer's attack: 1 TiB files named for 8-byte keys, or as whole regions.
+        if MAX_GRANT_MAP > budget {
+            assert!(grant(&mut t, 3, MAX_GRANT_MAP).is_err(), "a 1 TiB region past the budget");
+        }
+        drop(t);
+        let mut t = GrantTable::default();
+        grant(&mut t, 1, half).expect("the bytes came back with the grant");
     }
 
     /// The list storage of the forked child of the life-word test (its own copy).

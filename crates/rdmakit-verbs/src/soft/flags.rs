@@ -237,7 +237,7 @@ fn new_page(pid: u32) -> io::Result<FlagPage> {
 }
 
 /// Whether `id` is a page this process made.
-fn is_made(id: FileId) -> bool {
+pub(crate) fn is_made(id: FileId) -> bool {
     MADE.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|w| w.upgrade().is_some_and(|p| p.id == id))
 }
 
@@ -249,7 +249,7 @@ pub(crate) fn accept(fd: OwnedFd, bit: u64) -> io::Result<Flag> {
         |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("same-host peer's flag page {what}"));
     let bit = u32::try_from(bit).ok().filter(|&b| b < BITS).ok_or_else(|| bad("bit is out of range"))?;
     let id = super::direct::check_sealed(&fd, PAGE, "same-host peer's flag page")?;
-    if is_made(id) {
+    if super::direct::is_any_of_ours(id) {
         return Err(bad("is one of this process's own"));
     }
     let mut taken = TAKEN.lock().unwrap_or_else(|e| e.into_inner());

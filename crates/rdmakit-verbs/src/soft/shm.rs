@@ -827,7 +827,7 @@ fn check_memfd(fd: &OwnedFd, max_ring: usize) -> io::Result<usize> {
     if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    if ours(&st) {
+    if super::direct::is_any_of_ours(file_id(&st)) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "same-host peer passed back one of our own memfds",
@@ -854,10 +854,6 @@ static OURS: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new(
 
 fn file_id(st: &libc::stat) -> (u64, u64) {
     (st.st_dev, st.st_ino)
-}
-
-fn ours(st: &libc::stat) -> bool {
-    OURS.lock().expect("memfd registry").contains(&file_id(st))
 }
 
 /// Whether the file with identity `id` (device, inode) is one of this process's rings.
@@ -936,10 +932,25 @@ fn send_fds(sock: RawFd, fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
-/// The pid of the process at the other end of `sock` (the one that listened, for a
-/// connecting socket).
-pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
-    peer_cred(sock).map(|(pid, _)| pid)
+/// The pid of the process at the other end of `sock`, an accepted same-host connection,
+/// if it runs as this process's user; `PermissionDenied` if it runs as another.
+///
+/// A device gives same-host requesters its regions' files ([`super::direct`]), which a
+/// process of another user could reopen beyond what was granted (a memfd's inode is mode
+/// 0777), and its abstract socket has no permission check of its own. An honest requester
+/// of another user never attaches (it checks the listener the same way, in [`connect`],
+/// and uses TCP), so refusing one costs nothing.
+pub(crate) fn peer_pid_of_this_user(sock: RawFd) -> io::Result<u32> {
+    let (pid, uid) = peer_cred(sock)?;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if uid != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("same-host requester pid {pid} runs as user {uid}, not {me}"),
+        ));
+    }
+    Ok(pid)
 }
 
 /// The pid and user of the process at the other end of `sock`.
@@ -1098,6 +1109,25 @@ impl ShmConn {
 #[cfg(not(miri))]
 mod tests {
     use super::*;
+
+    /// A region file of this process that a peer holds through a write grant, handed back
+    /// as its rings or its flag page, is refused: the device would use its own registered
+    /// memory as the peer's.
+    #[test]
+    fn a_region_file_of_ours_is_refused_as_rings_or_flag_page() {
+        use crate::AccessFlags;
+        use crate::soft::direct::RegionFile;
+        let Some(rings) = RegionFile::create(map_len(MIN_RING), true) else {
+            panic!("no region file: the status file could not be made");
+        };
+        let fd = rings.fd_for(AccessFlags::REMOTE_WRITE).unwrap();
+        let e = check_memfd(&fd, MAX_RING).expect_err("our region as rings");
+        assert!(e.to_string().contains("our own"), "{e}");
+        let page = RegionFile::create(super::super::flags::PAGE, true).unwrap();
+        let fd = page.fd_for(AccessFlags::REMOTE_WRITE).unwrap();
+        let e = super::super::flags::accept(fd, 0).err().expect("our region as a flag page");
+        assert!(e.to_string().contains("own"), "{e}");
+    }
 
     #[test]
     fn bytes_cross_the_rings_in_order_through_wraps() {

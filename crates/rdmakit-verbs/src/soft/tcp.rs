@@ -252,8 +252,15 @@ impl Listening {
             }
             Listening::Local(l, max_ring) => {
                 let (s, _) = l.accept()?;
-                let pid = shm::peer_pid(s.as_raw_fd()).unwrap_or(0);
-                Ok((Conn::Unattached(s, *max_ring), PeerKey::Pid(pid)))
+                // Only processes of this user attach (see `peer_pid_of_this_user`); any
+                // other is closed here, before it can pass a descriptor or a Hello.
+                match shm::peer_pid_of_this_user(s.as_raw_fd()) {
+                    Ok(pid) => Ok((Conn::Unattached(s, *max_ring), PeerKey::Pid(pid))),
+                    Err(e) => {
+                        warn_limited!(error = %e, "soft NIC: same-host connection refused");
+                        Err(std::io::ErrorKind::ConnectionAborted.into())
+                    }
+                }
             }
         }
     }
