@@ -457,10 +457,14 @@ impl PutEndpoint {
     /// handle `desc` (their lengths must match), and tells the receiver where to signal
     /// readiness.
     pub fn assoc_local_buffer(&self, desc: &HandleDesc, send_buf: LocalSlice) -> Result<SendHandle> {
+        // A descriptor built here rather than decoded gets `decode`'s checks too (a sentinel
+        // handle's buffer is whole aligned words, 8 bytes or more; no region overflows).
+        if HandleDesc::decode(&desc.encode())? != *desc {
+            return Err(ChannelError::Invalid("a handle descriptor whose id uses the sentinel flag's bit"));
+        }
         if u64::from(send_buf.len()) != desc.buf.len {
             return Err(ChannelError::Invalid("the send buffer's length differs from the handle's"));
         }
-        // (A sentinel descriptor's buffer is 8 bytes or more: `decode` checked it.)
         let last_word = send_buf.offset() + u64::from(send_buf.len()).saturating_sub(8);
         let inner = &self.inner;
         let (id, epoch) = inner.driver.with(|st| -> Result<(u32, u32)> {
@@ -533,14 +537,19 @@ impl PutEndpoint {
             if let Some((id, incarnation, mut cb, buf)) = job.take() {
                 cb(&buf);
                 fired += 1;
-                inner.driver.with(|st| {
+                let orphan = inner.driver.with(|st| {
                     // Not if the callback destroyed the handle (and the slot was reused).
-                    if let Some(Some(e)) = st.recv.get_mut(id as usize)
-                        && e.incarnation == incarnation
-                    {
-                        e.callback = Some(cb);
+                    match st.recv.get_mut(id as usize) {
+                        Some(Some(e)) if e.incarnation == incarnation => {
+                            e.callback = Some(cb);
+                            None
+                        }
+                        _ => Some(cb),
                     }
                 });
+                // Dropped without the lock: it may own handles of this endpoint, whose drop
+                // takes the lock.
+                drop(orphan);
             }
         }
         if fired == 0 && !watched {
@@ -861,12 +870,14 @@ impl RecvHandle {
 
 impl Drop for RecvHandle {
     fn drop(&mut self) {
-        self.ep.inner.driver.with(|st| {
+        let entry = self.ep.inner.driver.with(|st| {
             st.queued.retain(|&i| i != self.id);
-            if let Some(slot) = st.recv.get_mut(self.id as usize) {
-                *slot = None;
-            }
+            st.recv.get_mut(self.id as usize).and_then(Option::take)
         });
+        // Dropped after the lock: the callback is the application's and may own other
+        // handles of this endpoint (their drop takes the lock), and the buffer's last
+        // handle deregisters it.
+        drop(entry);
     }
 }
 
@@ -976,10 +987,20 @@ impl SendHandle {
     }
 
     /// Ends the association and tells the receiver. Fails only with the connection: the
-    /// message waits for room in the send queue however full it is (one per handle).
+    /// message waits for room in the send queue however full it is (one per handle). A
+    /// sentinel association (CkDirect's scheme) told the receiver nothing, and ends
+    /// without a message.
     pub fn deassociate(self) -> Result<()> {
         let inner = &self.ep.inner;
-        let assoc = inner.driver.with(|st| st.send[self.id as usize].as_ref().map(|e| (e.desc.id, e.epoch)));
+        // A sentinel association told the receiver nothing (CkDirect's scheme): nothing to
+        // undo there. Sent anyway, its deassociation would be queued beyond the backlog's
+        // bound, with no association message bounding it.
+        let assoc = inner.driver.with(|st| {
+            st.send[self.id as usize]
+                .as_ref()
+                .filter(|e| e.desc.sentinel.is_none())
+                .map(|e| (e.desc.id, e.epoch))
+        });
         if let Some((handle, epoch)) = assoc {
             inner.driver.with(|st| st.ctl.send_owed(&Message::Deassoc { handle, epoch }))?;
         }
@@ -1025,17 +1046,67 @@ fn post_sequenced_put(
 
 impl Drop for SendHandle {
     fn drop(&mut self) {
-        self.ep.inner.driver.with(|st| {
-            if let Some(slot) = st.send.get_mut(self.id as usize) {
-                *slot = None;
-            }
-        });
+        let entry = self.ep.inner.driver.with(|st| st.send.get_mut(self.id as usize).and_then(Option::take));
+        // After the lock: the source buffer's last handle deregisters it.
+        drop(entry);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_descriptor_built_by_hand_gets_the_checks_of_a_decoded_one() {
+        use rdmakit_verbs::{ConnectOptions, Context, QpCaps};
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let ctx = pd.context();
+        let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+        let caps = QpCaps::default().with_max_inline_data(64);
+        let (a, b) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let sender = PutEndpoint::new(a, ca, PollMode::Busy).unwrap();
+        let receiver = PutEndpoint::new(b, cb, PollMode::Busy).unwrap();
+        let buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+        let h = receiver.create_handle_with(&buf, |_| {}, 7, Detection::Sentinel).unwrap();
+        let good = h.desc().unwrap();
+        let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+        // A sentinel handle over 4 bytes: its last word would lie partly outside the slice.
+        let short = HandleDesc { buf: RemoteRegion { len: 4, ..good.buf }, ..good };
+        let r = sender.assoc_local_buffer(&short, sbuf.slice(0, 4).unwrap());
+        assert!(matches!(r, Err(ChannelError::Protocol(_))), "{:?}", r.err());
+        // An id with the flag's bit, which the peer would read as another handle.
+        let odd = HandleDesc { id: good.id | SENTINEL_BIT, sentinel: None, ..good };
+        let r = sender.assoc_local_buffer(&odd, sbuf.local().unwrap());
+        assert!(matches!(r, Err(ChannelError::Invalid(_))), "{:?}", r.err());
+        sender.assoc_local_buffer(&good, sbuf.local().unwrap()).expect("the handle's own descriptor");
+    }
+
+    #[test]
+    fn sentinel_associations_ended_in_a_loop_do_not_grow_the_control_backlog() {
+        use rdmakit_verbs::{ConnectOptions, Context, QpCaps};
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let ctx = pd.context();
+        let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+        let caps = QpCaps::default().with_max_inline_data(64);
+        let (a, b) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
+        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+        let sender = PutEndpoint::new(a, ca, PollMode::Busy).unwrap();
+        let receiver = PutEndpoint::new(b, cb, PollMode::Busy).unwrap();
+        let buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
+        let h = receiver.create_handle_with(&buf, |_| {}, 7, Detection::Sentinel).unwrap();
+        let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+        // The receiver never runs, so nothing the sender queues leaves its backlog.
+        let before = sender.inner.driver.with(|st| st.ctl.backlog_len());
+        for _ in 0..5000 {
+            let sh = sender.assoc_local_buffer(&h.desc().unwrap(), sbuf.local().unwrap()).unwrap();
+            sh.deassociate().unwrap();
+        }
+        let after = sender.inner.driver.with(|st| st.ctl.backlog_len());
+        assert_eq!(after, before, "sentinel associations queue nothing");
+    }
 
     #[test]
     fn words_of_another_epoch_count_as_zero() {

@@ -949,3 +949,79 @@ fn junk_from_the_peer_does_not_flood_the_log() {
     let warnings = text.lines().filter(|l| l.contains("WARN")).count();
     assert!(warnings < 10, "{delivered} junk messages gave {warnings} warnings:\n{text}");
 }
+
+/// Runs `f` on a thread; fails if it has not returned in 5 s (a deadlock).
+fn returns_in_time(what: &str, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok(), "{what} deadlocked");
+}
+
+#[test]
+fn a_handle_whose_callback_owns_another_handle_can_be_dropped() {
+    // An application keeps a handle in another's callback (say, to ready it when the first
+    // fires). Dropping the first drops the callback, and with it the second handle, whose
+    // own drop takes the endpoint's lock: the first must not hold it then.
+    returns_in_time("dropping the handle", || {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let (_sender, receiver) = endpoints(&pd);
+        let (b1, b2) = (
+            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+        );
+        let inner = receiver.create_handle(&b2, |_| {}, 0).unwrap();
+        let outer = receiver
+            .create_handle(
+                &b1,
+                move |_| {
+                    let _ = inner.is_marked();
+                },
+                0,
+            )
+            .unwrap();
+        drop(outer);
+        // The endpoint still works.
+        let again = receiver.create_handle(&b1, |_| {}, 0).unwrap();
+        assert!(again.desc().is_ok());
+    });
+}
+
+#[test]
+fn a_callback_that_destroys_its_own_handle_is_dropped_without_the_lock() {
+    // The callback destroys its own handle while it runs (through shared state), and owns
+    // another handle: `ready_poll` cannot put the callback back, and drops it, and with it
+    // the other handle, whose drop takes the endpoint's lock.
+    returns_in_time("ready_poll", || {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let (sender, receiver) = endpoints(&pd);
+        let (b1, b2) = (
+            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+        );
+        let own: Arc<Mutex<Option<RecvHandle>>> = Arc::default();
+        let inner = receiver.create_handle(&b2, |_| {}, 0).unwrap();
+        let own2 = own.clone();
+        let h = receiver
+            .create_handle(
+                &b1,
+                move |_| {
+                    let _ = inner.is_marked();
+                    drop(own2.lock().unwrap().take()); // destroys this very handle
+                },
+                0,
+            )
+            .unwrap();
+        let desc = h.desc().unwrap();
+        h.ready_poll_q().unwrap();
+        *own.lock().unwrap() = Some(h);
+        let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
+        let sh = sender.assoc_local_buffer(&desc, sbuf.local().unwrap()).unwrap();
+        sh.put().unwrap();
+        assert_eq!(spin_poll(&receiver, 1), 1);
+        assert!(own.lock().unwrap().is_none(), "the callback destroyed its handle");
+        assert_eq!(receiver.ready_poll().unwrap(), 0, "the endpoint still works");
+    });
+}
