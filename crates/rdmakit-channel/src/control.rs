@@ -740,6 +740,18 @@ impl ControlSlots {
         self.posted == self.done && self.backlog.is_empty()
     }
 
+    /// Requests posted so far (messages, keep-alives, the owner's own requests).
+    #[cfg(test)]
+    pub fn requests_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Messages waiting in the backlog.
+    #[cfg(test)]
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.len()
+    }
+
     /// Whether a message can be sent now: posted, or queued in the backlog (which is not
     /// full). A message that cannot is the caller's to keep and send later.
     pub fn can_send(&self) -> bool {

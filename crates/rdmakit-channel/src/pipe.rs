@@ -277,6 +277,12 @@ struct State {
     ring_bytes: u64,
     imm_ready: VecDeque<(u64, u64)>,
     consumed: u64,
+    /// `consumed` as the last credit sent told the writer.
+    credited: u64,
+    /// The writer asked for credit when there was none to give: the next release or
+    /// consumed message is returned at once (an empty answer would only make it ask
+    /// again, and the two ends would trade messages as fast as they can while "waiting").
+    writer_waiting: bool,
     // ---- publish / rread
     next_pub: u64,
     published_in: VecDeque<Published>,
@@ -441,6 +447,8 @@ impl Pipe {
             owner,
             imm_ready: VecDeque::new(),
             consumed: 0,
+            credited: 0,
+            writer_waiting: false,
             next_pub: 1,
             published_in: VecDeque::new(),
             reads: VecDeque::new(),
@@ -724,7 +732,9 @@ impl Pipe {
                 Some(Ok(id))
             })
             .await?;
-        // Dropped before the answer: the publication stays alive, marked abandoned.
+        // Dropped before the answer was taken: the publication stays alive, marked
+        // abandoned; or, if the answer already came (another call applied it), the answer
+        // is thrown away, which nobody else would take.
         struct Abandon<'a>(&'a Inner, u64, bool);
         impl Drop for Abandon<'_> {
             fn drop(&mut self) {
@@ -733,6 +743,7 @@ impl Pipe {
                         if let Some(p) = st.publishing.get_mut(&self.1) {
                             p.abandoned = true;
                         }
+                        st.read_done.retain(|(i, _)| *i != self.1);
                     });
                 }
             }
@@ -966,6 +977,10 @@ impl Inner {
         };
         let owner = st.owner.as_mut().expect("a ring has an owner");
         let r = owner.register(&AllocNotice::new(HEAP, block)).and_then(|()| owner.consume(block.addr));
+        if r.is_ok() && st.writer_waiting {
+            // A notification slot came free for a writer that waits for one.
+            self.return_all_credits(st);
+        }
         Some(match r {
             Ok(_) => Ok((mr, block.addr, len)),
             Err(e) => {
@@ -1053,7 +1068,7 @@ impl Inner {
             let ring = st.ring_bytes;
             let due = owner.pending_free_blocks() >= (self.config.slots as usize / 4).max(1)
                 || owner.pending_free_bytes() >= ring / 4;
-            if due {
+            if due || st.writer_waiting {
                 self.flush_credits(st);
             }
         });
@@ -1076,6 +1091,8 @@ impl Inner {
                 st.ctl.fail(format!("returning credit failed: {e}"));
                 return;
             }
+            st.credited = st.consumed;
+            st.writer_waiting = false;
         }
     }
 
@@ -1153,14 +1170,20 @@ impl Inner {
 
     /// Returns every released block and the notification slots taken so far, now (as a
     /// blocked writer's `NeedCredit` asks): the frees in batches, or a credit of the
-    /// notification slots alone when nothing was freed.
+    /// notification slots alone when nothing was freed; when there is neither, the writer
+    /// is answered at the next release or consumed message instead.
     fn return_all_credits(&self, st: &mut State) {
         if st.owner.as_ref().is_some_and(|o| o.pending_free_blocks() > 0) {
             self.flush_credits(st);
+        } else if st.consumed == st.credited {
+            st.writer_waiting = true;
         } else if !st.ctl.can_send() {
             st.credits_owed = true;
         } else if let Err(e) = st.ctl.send(&Message::Credit { consumed: st.consumed, batch: None }) {
             st.ctl.fail(format!("returning credit failed: {e}"));
+        } else {
+            st.credited = st.consumed;
+            st.writer_waiting = false;
         }
     }
 
@@ -1344,6 +1367,72 @@ impl Drop for RecvGuard {
     fn drop(&mut self) {
         if !self.released {
             self.pipe.release(self.addr);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmakit_verbs::Context;
+    use std::future::Future;
+
+    /// A writer blocked on ring space the reader holds, while the reader's end waits for a
+    /// message: the two ends exchange nothing but keep-alives (they used to trade requests
+    /// for credit and empty credits as fast as they could), and the writer goes on as soon
+    /// as the reader releases a block.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_blocked_writer_and_a_waiting_reader_are_quiet_until_a_release() {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let cfg = PipeConfig::default().with_ring_len(4096);
+        let (a, b) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+        let src = pd.alloc_mr(512, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            a.rwrite(src.slice(0, 512).unwrap()).await.0.unwrap();
+            held.push(b.recv_timeout(Duration::from_secs(5)).await.unwrap());
+        }
+        let (a2, b2, s2) = (a.clone(), b.clone(), src.slice(0, 512).unwrap());
+        let writer = tokio::spawn(async move { a2.rwrite(s2).await.0 });
+        let reader = tokio::spawn(async move { b2.recv_timeout(Duration::from_secs(20)).await.map(drop) });
+        tokio::time::sleep(Duration::from_millis(300)).await; // the request for credit, answered or not
+        let sent = |p: &Pipe| p.inner.driver.with(|st| st.ctl.requests_sent());
+        let before = (sent(&a), sent(&b));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (wrote, read) = (sent(&a) - before.0, sent(&b) - before.1);
+        // Keep-alives (every 100 ms with nothing in flight) and little else.
+        assert!(wrote <= 30 && read <= 30, "requests in a second of waiting: writer {wrote}, reader {read}");
+        assert!(!writer.is_finished(), "the ring is full: the writer waits");
+        drop(held.pop()); // one block released
+        let r = tokio::time::timeout(Duration::from_secs(5), writer).await;
+        r.expect("the writer went on after the release").unwrap().unwrap();
+        reader.await.unwrap().expect("the reader got the message");
+    }
+
+    /// A `publish` dropped after another call applied its answer (the peer's `ReadDone`)
+    /// leaves no answer behind: nobody would ever take it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publish_dropped_after_its_answer_came_leaves_nothing_behind() {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let (a, b) = Pipe::pair(&pd, PipeConfig::default(), PipeConfig::default()).await.unwrap();
+        let data = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).unwrap();
+        let dst = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        for _ in 0..3 {
+            let mut publish = Box::pin(a.publish(data.slice(0, 8).unwrap()));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(publish.as_mut().poll(&mut cx).is_pending(), "published, not yet read");
+            let (n, _) = b.rread(dst.local().unwrap()).await;
+            assert_eq!(n.unwrap(), 8);
+            // Another call on the publishing end takes the peer's answer in.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while a.inner.driver.with(|st| st.read_done.is_empty()) {
+                assert!(std::time::Instant::now() < deadline, "the answer never came");
+                a.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            drop(publish);
+            let (publishing, answers) = a.inner.driver.with(|st| (st.publishing.len(), st.read_done.len()));
+            assert_eq!((publishing, answers), (0, 0), "what a dropped publish left behind");
         }
     }
 }

@@ -153,8 +153,10 @@ impl AsyncWrite for PipeStream {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         ready!(self.poll_inflight(cx))?;
         if !self.shut {
-            self.shut = true;
+            // Shut only once the end-of-stream is under way: if it cannot start, a later
+            // shutdown tries again rather than report success with nothing sent.
             self.start(KIND_EOF, &[])?;
+            self.shut = true;
         }
         self.poll_inflight(cx)
     }
