@@ -43,7 +43,10 @@
 //! the next request: a heap created, a segment added, or, for an immediate `rmalloc`, its
 //! block confirmed and left allocated, unused. A malformed message is reported
 //! ([`ChannelError::Malformed`], [`ChannelError::Protocol`]) without losing the messages
-//! behind it.
+//! behind it; one met while a call waits for its own answer or for its writes to go out is
+//! not that call's error: the call goes on, and the next call that takes messages in
+//! (`poll_messages`, `rmalloc`, `write`, `create_heap`, `recv_block`, `try_recv_block`)
+//! reports it.
 //!
 //! # Example: rmalloc, write, consume, rfree between two endpoints
 //!
@@ -336,6 +339,11 @@ pub struct HeapEndpoint {
     answers: VecDeque<Answer>,
     /// Per heap, the requests whose answers are late, oldest first.
     owed: HashMap<HeapId, VecDeque<Owed>>,
+    /// The first error a peer's message caused while a call waited for its own answer or
+    /// for its requests to go out. That call goes on (its answer still pairs with its
+    /// request, and what it posted stays posted); the next call that takes messages in
+    /// reports this one.
+    stashed: Option<ChannelError>,
     /// The connection the QP came from, kept open while the endpoint lives.
     _conn: Option<rdmakit_verbs::cm::Connection>,
 }
@@ -363,6 +371,7 @@ impl HeapEndpoint {
             owned_bytes: 0,
             answers: VecDeque::new(),
             owed: HashMap::new(),
+            stashed: None,
             _conn: None,
         })
     }
@@ -393,6 +402,7 @@ impl HeapEndpoint {
         if self.allocating.contains_key(&heap) {
             return Err(ChannelError::Protocol(format!("heap {heap:?} exists already")));
         }
+        self.take_stashed()?;
         self.ctl.send(&Message::HeapCreate { config, len: initial_len })?;
         match self.wait_answer(heap, Owed::Create(config))? {
             Answer::Grant(_, seg) => {
@@ -478,6 +488,7 @@ impl HeapEndpoint {
     pub fn write(&mut self, heap: HeapId, block: &RemoteBlock, offset: u64, src: LocalSlice) -> Result<()> {
         let sync = self.allocator(heap)?.config().sync();
         let dst = block.region().slice(offset, src.len())?;
+        self.take_stashed()?;
         self.ctl.check()?;
         // The send queue may be full of answers to the peer's requests (they wait in the
         // backlog behind it): wait for completions to make room, within the time-out.
@@ -547,6 +558,7 @@ impl HeapEndpoint {
     /// endpoint's timeout. The block is now in use by the consumer: read it with
     /// [`read`](Self::read), then [`rfree`](Self::rfree) it.
     pub fn recv_block(&mut self, heap: HeapId) -> Result<LandedBlock> {
+        self.take_stashed()?;
         let deadline = Instant::now() + self.timeout;
         loop {
             if let Some(owned) = self.owned.get_mut(&heap)
@@ -622,7 +634,7 @@ impl HeapEndpoint {
     /// error is returned) but the messages behind it are kept and every slot reposted.
     pub fn poll_messages(&mut self) -> Result<()> {
         let mut wcs = [rdmakit_verbs::WorkCompletion::default(); 16];
-        let mut first: Option<ChannelError> = None;
+        let mut first: Option<ChannelError> = self.stashed.take();
         loop {
             let n = self.cq.poll(&mut wcs)?;
             for wc in &wcs[..n] {
@@ -659,6 +671,32 @@ impl HeapEndpoint {
         r.and_then(|()| self.ctl.check())
     }
 
+    /// [`progress_until`](Self::progress_until) for a call waiting for its own answer or
+    /// completions: an error a message of the peer caused, while the endpoint still works,
+    /// is not this call's; it is stashed for the next call, and the wait goes on (failing
+    /// here would leave this call's answer to pair with the next request, or make the
+    /// caller post again what is already posted).
+    fn progress_for_own(&mut self, deadline: Instant) -> Result<()> {
+        match self.progress_until(deadline) {
+            Err(
+                e @ (ChannelError::Protocol(_)
+                | ChannelError::Malformed(_)
+                | ChannelError::Heap(_)
+                | ChannelError::UnknownHeap(_)
+                | ChannelError::TooLarge { .. }),
+            ) if self.ctl.check().is_ok() => {
+                self.stashed.get_or_insert(e);
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Reports (once) the error a peer's message caused during an earlier call's wait.
+    fn take_stashed(&mut self) -> Result<()> {
+        self.stashed.take().map_or(Ok(()), Err)
+    }
+
     /// Waits for the answer to the request just sent for `heap` (`owed` says what it was).
     /// Timed out, the request is remembered as owed: its answer, when it comes, is taken for
     /// it ([`take_late`](Self::take_late)), not for this heap's next request.
@@ -668,7 +706,7 @@ impl HeapEndpoint {
             if let Some(i) = self.answers.iter().position(|a| answer_heap(a) == heap) {
                 return Ok(self.answers.remove(i).expect("index from position"));
             }
-            if let Err(e) = self.progress_until(deadline) {
+            if let Err(e) = self.progress_for_own(deadline) {
                 if matches!(e, ChannelError::Timeout(_)) {
                     let q = self.owed.entry(heap).or_default();
                     if q.len() >= MAX_ANSWERS {
@@ -712,7 +750,7 @@ impl HeapEndpoint {
     fn drain_sends(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         while !self.ctl.idle() {
-            self.progress_until(deadline)?;
+            self.progress_for_own(deadline)?;
         }
         Ok(())
     }

@@ -675,3 +675,37 @@ fn blocks_a_peer_makes_the_owner_hold_are_bounded() {
     assert!(matches!(e, ChannelError::Protocol(_)), "{e}");
     assert!((64..80).contains(&i), "refused at block {i}");
 }
+
+/// A peer's message that is an error (here: a block over this owner's limit) arrives while
+/// an immediate `rmalloc` waits for its acknowledgement. The `rmalloc` still gets its own
+/// answer; the next call reports the error; and the answers after it still pair with
+/// their requests (they used to shift by one: `rmalloc(4096)` got the 64-byte block).
+#[test]
+fn an_error_from_another_message_during_a_wait_leaves_answers_paired() {
+    use rdmakit_memory::heap::SyncMode;
+    let (mut w, mut r, pd) = in_process(OwnerLimits::default().with_max_blocks(2));
+    let y = HeapId(1); // r owns it, w allocates in it, immediate
+    let x = HeapId(2); // w owns it (at most 2 blocks held), r allocates in it
+    create(&mut w, &mut r, HeapConfig::new(y, AllocPolicy::BestFit).with_sync(SyncMode::Immediate), 64 << 10);
+    create(&mut r, &mut w, HeapConfig::new(x, AllocPolicy::NextFit), 64 << 10);
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let blocks: Vec<_> = (0..3).map(|_| r.rmalloc(x, 8).unwrap()).collect();
+    for b in &blocks[..2] {
+        r.write(x, b, 0, src.local().unwrap()).unwrap();
+    }
+    w.poll_messages().unwrap(); // w holds 2 blocks of x: its limit
+    let first = std::thread::scope(|s| {
+        let t = s.spawn(|| w.rmalloc(y, 64));
+        std::thread::sleep(Duration::from_millis(300));
+        // A third block of x (over w's limit), then, while its notice goes out, r answers
+        // w's allocation.
+        r.write(x, &blocks[2], 0, src.local().unwrap()).unwrap();
+        t.join().unwrap()
+    });
+    let first = first.expect("the allocation got its own answer");
+    assert!(first.len >= 64, "{first:?}");
+    let e = w.poll_messages().expect_err("the next call reports the peer's error");
+    assert!(matches!(&e, ChannelError::Protocol(m) if m.contains("more than 2 blocks")), "{e}");
+    let second = while_serving(&mut r, || w.rmalloc(y, 4096)).unwrap();
+    assert!(second.len >= 4096, "rmalloc(4096) got a block of {} bytes", second.len);
+}
