@@ -207,6 +207,9 @@ impl CompletionQueue {
     /// is sticky. Other provider failures as [`Error::Os`].
     #[doc(alias = "ibv_poll_cq")]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0); // (the loop below ends on a short batch, which an empty one is not)
+        }
         // Regions whose last handle a retired request held: deregistered after the locks.
         let mut graves = Vec::new();
         let mut qps = self.inner.qps.lock().expect("cq registry lock");
@@ -293,7 +296,8 @@ impl CompletionQueue {
     /// Blocks the thread until a completion arrives or `timeout` passes, sleeping on the
     /// completion channel (no busy polling).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<WorkCompletion> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             if let Some(wc) = self.poll_or_arm()? {
                 return Ok(wc);

@@ -418,17 +418,22 @@ fn bind_entries(umr: &UmrBackend, key: &MemoryRegion, entries: &[KsmEntry]) -> R
     Ok(())
 }
 
+/// The range and access every indirect key must have: at least one byte, `base + len`
+/// within the address space (a region's bounds arithmetic relies on it), valid flags.
+fn check_indirect(base: u64, len: u64, access: AccessFlags) -> Result<()> {
+    access.validate()?;
+    if len == 0 || base.checked_add(len).is_none() {
+        return Err(Error::InvalidArgument(format!("indirect key range {base:#x}+{len} is empty or wraps")));
+    }
+    Ok(())
+}
+
 impl ProtectionDomain {
     /// Creates a free indirect mkey covering `len` bytes from `base` (`mlx5dv_create_mkey`
     /// with `MLX5DV_MKEY_INIT_ATTR_FLAGS_INDIRECT`). Bind it with a [`UmrQueue`].
     #[doc(alias = "mlx5dv_create_mkey")]
     pub fn create_indirect_mkey(&self, base: u64, len: u64, access: AccessFlags) -> Result<IndirectMkey> {
-        access.validate()?;
-        if len == 0 || base.checked_add(len).is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "indirect key range {base:#x}+{len} is empty or wraps"
-            )));
-        }
+        check_indirect(base, len, access)?;
         UmrBackend::create_indirect_mkey(self, base, len, access)
     }
 
@@ -447,6 +452,9 @@ impl ProtectionDomain {
     ) -> Result<IndirectMkey> {
         let len = entries.iter().try_fold(0u64, |a, e| a.checked_add(e.len));
         let len = len.ok_or_else(|| Error::InvalidArgument("KSM entries overflow".into()))?;
+        // The same rules as any indirect key, for every provider: no key of no bytes, none
+        // whose range wraps the address space, valid access flags.
+        check_indirect(base, len, access)?;
         UmrBackend::create_ksm_mkey(self, base, len, entries, access)
     }
 

@@ -692,10 +692,7 @@ impl MemoryRegion {
                 Ok(())
             },
             MrMemory::Device { dm, offset: base } => dm.copy_to(base + offset, data),
-            MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
-            MrMemory::Mkey(_) => Err(Error::Unsupported(
-                "no CPU access through an mlx5 indirect or alias key: copy through the region it maps".into(),
-            )),
+            MrMemory::DmaBuf | MrMemory::Mkey(_) => Err(self.no_cpu_access()),
         }
     }
 
@@ -713,10 +710,17 @@ impl MemoryRegion {
                 Ok(())
             },
             MrMemory::Device { dm, offset: base } => dm.copy_from(base + offset, out),
-            MrMemory::DmaBuf => Err(Error::Unsupported("no CPU access to a dma-buf region".into())),
-            MrMemory::Mkey(_) => Err(Error::Unsupported(
+            MrMemory::DmaBuf | MrMemory::Mkey(_) => Err(self.no_cpu_access()),
+        }
+    }
+
+    /// Why the CPU cannot copy to or from this region (a dma-buf or an mlx5 key).
+    fn no_cpu_access(&self) -> Error {
+        match &self.inner.mem {
+            MrMemory::DmaBuf => Error::Unsupported("no CPU access to a dma-buf region".into()),
+            _ => Error::Unsupported(
                 "no CPU access through an mlx5 indirect or alias key: copy through the region it maps".into(),
-            )),
+            ),
         }
     }
 
@@ -767,12 +771,18 @@ impl MemoryRegion {
                 shared_mem::fill(b.ptr(), byte, self.len());
                 Ok(())
             },
-            _ => self.write_at(0, &vec![byte; self.len()]),
+            MrMemory::Device { .. } => self.write_at(0, &vec![byte; self.len()]),
+            // Before allocating: a key's region may name a range far larger than memory.
+            MrMemory::DmaBuf | MrMemory::Mkey(_) => Err(self.no_cpu_access()),
         }
     }
 
     /// Copies the whole region out.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
+        // Before allocating: a key's region may name a range far larger than memory.
+        if matches!(self.inner.mem, MrMemory::DmaBuf | MrMemory::Mkey(_)) {
+            return Err(self.no_cpu_access());
+        }
         let mut v = vec![0u8; self.len()];
         self.read_at(0, &mut v)?;
         Ok(v)

@@ -14,6 +14,15 @@
 //! access to shared memory is an aligned `AtomicU64` operation (partial words merged by
 //! compare-exchange), so copies never race mixed-size with the NIC's 8-byte atomics.
 //!
+//! What the x86-64 path relies on is the hardware's definition, not Rust's: Rust's model
+//! calls an atomic access racing another atomic access *of a different size* undefined
+//! (even where the hardware does not), and a byte-wise copy can race the soft NIC's 8-byte
+//! atomics (a peer's fetch-and-add on a word the application writes at the same time, or
+//! a sequence word loaded while a write lands). On x86-64 that race is defined: each byte
+//! access is atomic and an aligned 8-byte locked operation is atomic as a whole, so the
+//! outcome is a torn or an untorn value, as on a NIC. A target without that guarantee uses
+//! the word path, which has no mixed-size race at all.
+//!
 //! **Order.** A copy into shared memory stores the *last aligned word* it touches last,
 //! with release ordering, after the rest (the bulk) is stored. Protocols that poll a
 //! sequence word placed at the end of a write (a pipe's flag-mode mailbox, a put handle's
@@ -83,11 +92,14 @@ impl Dst {
 /// Copies `len` bytes from `src` to `dst`.
 ///
 /// # Safety
-/// `src` must be valid for reads and `dst` for writes of `len` bytes for the whole call,
-/// and the ranges must not overlap. `Private` memory must not be accessed by anyone else
-/// during the call. `Shared` memory must satisfy the padding invariant: it lies in an
-/// allocation that starts 8-byte aligned and whose size is a multiple of 8, and others
-/// access it only atomically (through this module or [`atomic_u64`]).
+/// `src` must be valid for reads and `dst` for writes of `len` bytes for the whole call.
+/// The ranges may overlap only when both are `Shared` (a loopback write within one region:
+/// every byte is then read and written atomically, and what an overlapped byte ends up
+/// holding is unspecified, as on a NIC); a `Private` range must not overlap the other.
+/// `Private` memory must not be accessed by anyone else during the call. `Shared` memory
+/// must satisfy the padding invariant: it lies in an allocation that starts 8-byte aligned
+/// and whose size is a multiple of 8, and others access it only atomically (through this
+/// module or [`atomic_u64`]).
 #[inline]
 pub(crate) unsafe fn copy(src: Src, dst: Dst, len: usize) {
     // SAFETY: forwarded contract.

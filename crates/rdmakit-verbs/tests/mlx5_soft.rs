@@ -234,3 +234,31 @@ fn refused_binds_leave_the_key_free() -> Result<()> {
     assert!(key.is_bound());
     Ok(())
 }
+
+#[test]
+fn a_ksm_key_gets_the_checks_of_any_indirect_key() -> Result<()> {
+    // A KSM key whose range wraps the address space, one of no bytes, and one with remote
+    // write but not local write are refused as `create_indirect_mkey` refuses them (a
+    // wrapping key's slices used to overflow the bounds arithmetic when posted).
+    let pd = Context::open_soft().alloc_pd()?;
+    let mr = pd.alloc_mr(4096, AccessFlags::ALL_REMOTE)?;
+    let wraps = pd.create_ksm_mkey(u64::MAX - 7, &[KsmEntry::whole(&mr)], AccessFlags::ALL_REMOTE);
+    assert!(matches!(wraps, Err(Error::InvalidArgument(_))), "{:?}", wraps.err());
+    let empty = pd.create_ksm_mkey(0x1000, &[], AccessFlags::ALL_REMOTE);
+    assert!(matches!(empty, Err(Error::InvalidArgument(_))), "{:?}", empty.err());
+    let no_local = pd.create_ksm_mkey(0x1000, &[KsmEntry::whole(&mr)], AccessFlags::REMOTE_WRITE);
+    assert!(no_local.is_err(), "remote write without local write");
+    pd.create_ksm_mkey(0x1000, &[KsmEntry::whole(&mr)], AccessFlags::ALL_REMOTE)?;
+    Ok(())
+}
+
+#[test]
+fn cpu_copies_of_a_key_region_fail_before_allocating_its_length() -> Result<()> {
+    // A key may name a terabyte; `to_vec` and `fill` used to allocate that much before
+    // finding that the CPU cannot copy through a key (the allocation aborted the process).
+    let pd = Context::open_soft().alloc_pd()?;
+    let key = pd.create_indirect_mkey(0x1000, 1 << 40, AccessFlags::ALL_REMOTE)?;
+    assert!(matches!(key.region().to_vec(), Err(Error::Unsupported(_))));
+    assert!(matches!(key.region().fill(1), Err(Error::Unsupported(_))));
+    Ok(())
+}

@@ -244,3 +244,29 @@ fn flushes_held_back_beyond_the_cq_overrun_it() {
     assert!(writing, "the race window was missed (the copy finished before the posts)");
     assert!(matches!(polled, Err(Error::CqOverrun { .. })), "{polled:?}");
 }
+
+#[test]
+fn a_poll_into_no_room_returns_at_once_and_leaves_the_cq_usable() {
+    // An empty output slice used to loop for ever, holding the CQ's registry lock. All on
+    // a thread of its own: a hang fails this test instead of blocking it (dropping the QPs
+    // takes that lock).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (_pd, _a, ca, _b, _cb) = pair();
+        let empty = ca.poll(&mut []).map_err(|e| e.to_string());
+        let _ = tx.send((empty, ca.poll_one().map(|wc| wc.is_none()).map_err(|e| e.to_string())));
+    });
+    let got = rx.recv_timeout(Duration::from_secs(5)).expect("poll(&mut []) returned");
+    assert_eq!(got, (Ok(0), Ok(true)));
+}
+
+#[test]
+fn a_wait_without_practical_end_is_one_without_deadline() {
+    // `Duration::MAX` overflowed the clock (a panic); it now waits like `None`.
+    let (pd, a, ca, _b, _cb) = pair();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    a.post_send(SendWr::write(src.local().unwrap(), dst.remote().slice(0, 8).unwrap())).unwrap();
+    let wc = ca.wait(Some(Duration::MAX)).unwrap();
+    assert!(wc.status.is_success());
+}
