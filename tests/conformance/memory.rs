@@ -71,7 +71,10 @@ fn memic_nic_preferred(env: &Env) -> Result<(), Failed> {
             check_eq!(Some(region.remote().addr), region.reserved_addr());
             check!(region.remote().addr != 0, "the reserved address is never 0");
         }
-        (ProviderKind::Verbs, Location::Nic, Mapping::ZeroBased) => check_eq!(region.remote().addr, 0),
+        (ProviderKind::Verbs, Location::Nic, Mapping::ZeroBased) => {
+            check_eq!(region.remote().addr, 0);
+            check!(region.reserved_addr().is_none(), "a zero-based key is not at its reservation");
+        }
         (_, Location::Host, Mapping::Host) => {
             check!(region.reserved_addr().is_none(), "a host region has no reservation");
             check!(region.remote().addr != 0, "a host region has its buffer's address");

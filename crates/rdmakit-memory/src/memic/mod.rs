@@ -279,11 +279,13 @@ impl MemicRegion {
         }
     }
 
-    /// The reserved virtual address the region appears at, if it is on the NIC.
+    /// The reserved virtual address the region appears at: with
+    /// [`Mapping::ReservedAddress`] only (a zero-based key is addressed from 0, and host
+    /// memory at its own address; see [`remote`](Self::remote) for what peers use).
     pub fn reserved_addr(&self) -> Option<u64> {
         match &self.backing {
-            Backing::Nic(n) => Some(n.reserved),
-            Backing::Host(_) => None,
+            Backing::Nic(n) if n.mapping == Mapping::ReservedAddress => Some(n.reserved),
+            _ => None,
         }
     }
 

@@ -24,11 +24,14 @@
 //!   incarnation of the host key; a different uuid under the same map key means the host
 //!   key was destroyed and its number reused, so the cached alias is stale and is destroyed
 //!   and re-created. Only pool keys are cached. The `export_gen` is fresh at every bind and
-//!   ordered across the host (its monotonic clock): once the DPU has imported a newer export
-//!   of a key, an older one (whose buffer the host has taken back, and which the shared alias
-//!   no longer reaches) is refused, whether the key was re-bound or destroyed and its number
-//!   given to a new incarnation, and an import held across the re-bind fails
-//!   [`AliasCache::check_current`] instead of writing into the next export's buffer.
+//!   ordered across the host and its reboots (boot time plus monotonic clock): once the DPU
+//!   has imported a newer export of a key, an older one (whose buffer the host has taken
+//!   back, and which the shared alias no longer reaches) is refused, whether the key was
+//!   re-bound or destroyed and its number given to a new incarnation, and an import held
+//!   across the re-bind fails
+//!   [`AliasCache::check_current`] once the DPU has imported a newer export of that key
+//!   (until then the DPU cannot know of the re-bind, and a held alias reaches the new
+//!   buffer: the host must not re-bind a key while the DPU may still use an export of it).
 //! - a [`RangeCache`] registers the application's own buffers by address range, as UCX's
 //!   rcache that the talk reuses on host and DPU: a lookup inside a cached registration is a
 //!   hit (an ordered-map lookup and a reference count), a miss registers the range merged

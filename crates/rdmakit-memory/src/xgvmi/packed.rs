@@ -13,9 +13,9 @@ pub struct PackedKey {
     /// the DPU's cached alias of it keeps serving.
     pub uuid: u64,
     /// The incarnation of this export: fresh at every bind and increasing across the whole
-    /// host (its monotonic clock), so the DPU refuses an export of a key that the host has
-    /// since re-bound to another buffer, or destroyed and re-created under the same number
-    /// (see [`AliasCache::import`](super::AliasCache::import)).
+    /// host and its reboots (its boot time plus its monotonic clock), so the DPU refuses an
+    /// export of a key that the host has since re-bound to another buffer, or destroyed and
+    /// re-created under the same number (see [`AliasCache::import`](super::AliasCache::import)).
     pub export_gen: u64,
     /// Address of the region's first byte through this key (0: pool keys are zero-based).
     pub addr: u64,

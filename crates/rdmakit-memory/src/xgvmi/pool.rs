@@ -119,12 +119,18 @@ struct Inner<O: HostKeyOps> {
     next_uuid: AtomicU64,
 }
 
-/// A fresh export generation ([`PackedKey::export_gen`]): the host's monotonic clock in
-/// nanoseconds, made strictly increasing within this process. Generations are so ordered
-/// across every pool and process of the host, not only within one key incarnation: an
-/// incarnation created after another was destroyed (perhaps by another pool, with the
-/// number the device recycled) exports later generations, which lets a DPU refuse a late
-/// export of the destroyed one ([`AliasCache::import`](super::AliasCache::import)).
+/// A fresh export generation ([`PackedKey::export_gen`]): the host's boot time (the
+/// kernel's `btime`, in seconds since the epoch) plus its monotonic clock, in nanoseconds,
+/// made strictly increasing within this process. Generations are so ordered across every
+/// pool and process of the host, not only within one key incarnation: an incarnation
+/// created after another was destroyed (perhaps by another pool, with the number the device
+/// recycled) exports later generations, which lets a DPU refuse a late export of the
+/// destroyed one ([`AliasCache::import`](super::AliasCache::import)). The boot time keeps
+/// that order across a reboot of the host while the DPU's cache lives on (a BlueField's
+/// Arm cores keep running): the monotonic clock alone restarts near 0, and every key
+/// number the device handed out again would have been refused as stale until evicted.
+/// (A wall clock stepped back by more than the host's uptime between two boots would
+/// still break that order; without `/proc/stat`, the monotonic clock alone is used.)
 #[allow(unsafe_code)] // reads the monotonic clock, which std's opaque `Instant` does not expose
 fn next_export_gen() -> u64 {
     static LAST: AtomicU64 = AtomicU64::new(0);
@@ -136,6 +142,7 @@ fn next_export_gen() -> u64 {
     } else {
         0
     };
+    let now = now.saturating_add(boot_epoch_ns());
     let mut last = LAST.load(Ordering::Relaxed);
     loop {
         let next = now.max(last.saturating_add(1));
@@ -144,6 +151,17 @@ fn next_export_gen() -> u64 {
             Err(seen) => last = seen,
         }
     }
+}
+
+/// The host's boot time in nanoseconds since the Unix epoch (`btime` of `/proc/stat`, read
+/// once: every process of one boot reads the same value), or 0 where it cannot be read.
+fn boot_epoch_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let secs = stat.lines().find_map(|l| l.strip_prefix("btime ")?.trim().parse::<u64>().ok());
+        secs.map_or(0, |s| s.saturating_mul(1_000_000_000))
+    })
 }
 
 /// A LIFO pool of UMR mkeys opened to other vHCAs (the host side of cross-GVMI).

@@ -314,7 +314,12 @@ impl RangeCache {
     /// until the caller has called [`invalidate`](Self::invalidate) on it (or dropped the
     /// cache) **and** dropped every [`RangeRegistration`] and work request using it. This is
     /// [`ProtectionDomain::register_raw`]'s contract, extended to the cache's lifetime: an idle
-    /// cached registration still lets the NIC and peers reach the memory.
+    /// cached registration still lets the NIC and peers reach the memory. And `addr` must
+    /// carry the provenance of the whole allocation it lies in (derived from the
+    /// allocation's own pointer, e.g. `vec.as_mut_ptr().add(off)`, not from a sub-slice's
+    /// `as_mut_ptr()`): a miss merges the cached ranges that overlap `addr..addr + len` into
+    /// one registration, based at `addr` moved to the union's start, and the NIC then
+    /// reaches the union through that pointer.
     #[allow(unsafe_code)] // registers memory the application owns: its contract is the caller's
     pub unsafe fn register(&self, addr: std::ptr::NonNull<u8>, len: usize) -> Result<RangeRegistration> {
         let start = addr.as_ptr() as u64;
@@ -362,8 +367,8 @@ impl RangeCache {
             folded.push(e.region);
         }
         st.stats.misses += 1;
-        // The caller's pointer, moved to the union's start: it keeps the provenance of the
-        // caller's allocation, which holds the whole union (see above).
+        // The caller's pointer, moved to the union's start: it carries the provenance of the
+        // caller's whole allocation (the contract), which holds the whole union (see above).
         let base = std::ptr::NonNull::new(addr.as_ptr().with_addr(lo as usize))
             .expect("a range start inside the caller's allocation");
         // SAFETY: every byte of lo..hi lies in one allocation, in ranges some caller

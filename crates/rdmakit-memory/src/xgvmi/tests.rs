@@ -303,6 +303,19 @@ fn a_stale_export_of_a_rebound_key_is_refused() {
     assert_eq!(PackedKey::decode(&p1.encode()).unwrap().export_gen, p1.export_gen);
 }
 
+#[test]
+fn export_generations_follow_the_wall_clock_so_a_rebooted_host_stays_newer() {
+    // The generation is the host's boot time plus its monotonic clock: about the wall clock
+    // (to the second of `btime`), so a host that rebooted while the DPU's cache lived on
+    // exports later generations than before, instead of restarting near 0 and having every
+    // recycled key number refused as stale.
+    let pool = UmrMkeyPool::new(Model::default(), PoolConfig::new(1, SECRET)).unwrap();
+    let generation = pool.export(&region(1)).unwrap().packed().export_gen;
+    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let off = (i128::from(generation) - wall as i128).abs();
+    assert!(off < 120_000_000_000, "generation {generation} is {off} ns from the wall clock {wall}");
+}
+
 fn e1_key(a: &ImportedAlias<Alias>) -> u64 {
     a.key.map_key()
 }
