@@ -144,6 +144,15 @@ pub enum Error {
     /// key presenting the wrong access key, or a key not opened to other vHCAs).
     #[error("permission denied: {0}")]
     PermissionDenied(String),
+    /// A bounded table is full of entries still in use: nothing could be evicted to make
+    /// room (for example a DPU's alias cache whose every alias an import holds).
+    #[error("{what} is full: {limit} entries, all in use")]
+    LimitReached {
+        /// The table.
+        what: &'static str,
+        /// Its bound.
+        limit: u64,
+    },
     /// A descriptor received from a peer could not be decoded.
     #[error("malformed {what}: {reason}")]
     Malformed {

@@ -34,6 +34,9 @@ pub struct AliasStats {
     pub refused_stale: u64,
     /// Aliases in the cache now.
     pub cached: u64,
+    /// Aliases nobody held, dropped to keep the cache within its capacity (what the cache
+    /// had seen of their keys is kept, so late exports of them stay refused).
+    pub evicted: u64,
 }
 
 /// An imported key: the alias (shared with the cache for pool keys) and the packed key.
@@ -48,6 +51,9 @@ pub struct ImportedAlias<A> {
 }
 
 struct Entry<A> {
+    /// When it was last imported (the table's tick): the least recently used idle alias
+    /// goes first when the cache is full.
+    last_used: u64,
     uuid: u64,
     /// The access key the firmware accepted when it made the alias: a later packed key is
     /// served this alias only if it presents the same one.
@@ -58,11 +64,24 @@ struct Entry<A> {
 }
 
 impl<A> Entry<A> {
-    /// Whether `key` is older than what this entry has seen of its key: an earlier export of
-    /// this incarnation (re-bound since), or an export of an incarnation no newer than this
-    /// one (destroyed, its number since given to this one). Either's alias would reach a
-    /// newer buffer. (Equal generations of two incarnations cannot both be genuine: the
-    /// cached one stays.)
+    fn seen(&self) -> Seen {
+        Seen { uuid: self.uuid, latest_gen: self.latest_gen }
+    }
+}
+
+/// What the cache has seen of a key: its incarnation and the newest export generation.
+#[derive(Clone, Copy)]
+struct Seen {
+    uuid: u64,
+    latest_gen: u64,
+}
+
+impl Seen {
+    /// Whether `key` is older than what was seen of its key: an earlier export of this
+    /// incarnation (re-bound since), or an export of an incarnation no newer than this one
+    /// (destroyed, its number since given to this one). Either's alias would reach a newer
+    /// buffer. (Equal generations of two incarnations cannot both be genuine: the cached one
+    /// stays.)
     fn is_newer_than(&self, key: &PackedKey) -> bool {
         key.export_gen < self.latest_gen || (key.uuid != self.uuid && key.export_gen == self.latest_gen)
     }
@@ -75,22 +94,116 @@ fn stale_export(key: &PackedKey, latest: u64) -> Error {
     ))
 }
 
-/// The map and its counters, under one lock.
-type Table<A> = (HashMap<u64, Entry<A>>, AliasStats);
+/// The aliases the cache holds by default ([`AliasCache::with_capacity`]).
+pub const DEFAULT_ALIAS_CAPACITY: usize = 16 * 1024;
+
+/// Keys whose alias was evicted, remembered per alias the cache may hold.
+const FORGOTTEN_PER_ALIAS: usize = 16;
+
+/// The maps and counters, under one lock.
+struct Table<A> {
+    /// The cached aliases, at most `capacity`.
+    live: HashMap<u64, Entry<A>>,
+    /// Keys whose idle alias was evicted: what was seen of each, so that a late export of
+    /// one stays refused (at most `capacity * FORGOTTEN_PER_ALIAS`).
+    evicted: HashMap<u64, Seen>,
+    /// The newest generation among evicted keys forgotten to keep `evicted` bounded: an
+    /// export no newer than this, of a key the cache knows nothing of, is refused (it may
+    /// be a late export of a forgotten one; the host exports it again, with a new
+    /// generation).
+    floor: u64,
+    /// Counts imports (for `last_used`).
+    tick: u64,
+    stats: AliasStats,
+}
+
+impl<A> Table<A> {
+    /// For a key with no cached alias: refused if it is a late export of an evicted key,
+    /// or older than every key forgotten since.
+    fn refuse_forgotten(&mut self, key: &PackedKey) -> Result<()> {
+        let latest = match self.evicted.get(&key.map_key()) {
+            Some(seen) if seen.is_newer_than(key) => seen.latest_gen,
+            Some(_) => return Ok(()),
+            None if key.export_gen <= self.floor => self.floor,
+            None => return Ok(()),
+        };
+        self.stats.refused_stale += 1;
+        Err(stale_export(key, latest))
+    }
+
+    /// Evicts the least recently used aliases no import holds, an eighth of `capacity` (at
+    /// least one), remembering what was seen of their keys. Returns them, to be dropped
+    /// (destroyed) after the lock.
+    fn evict_idle(&mut self, capacity: usize) -> Vec<Arc<A>> {
+        let mut idle: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .filter(|(_, e)| Arc::strong_count(&e.alias) == 1)
+            .map(|(&k, e)| (e.last_used, k))
+            .collect();
+        let n = (capacity / 8).max(1).min(idle.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        idle.select_nth_unstable(n - 1); // the n least recently used first
+        let mut out = Vec::with_capacity(n);
+        for &(_, k) in idle.iter().take(n) {
+            if let Some(e) = self.live.remove(&k) {
+                self.evicted.insert(k, e.seen());
+                out.push(e.alias);
+            }
+        }
+        self.stats.evicted += out.len() as u64;
+        // What is remembered is bounded too: the oldest half goes, and the floor rises to
+        // the newest generation forgotten.
+        let bound = capacity.saturating_mul(FORGOTTEN_PER_ALIAS);
+        if self.evicted.len() > bound {
+            let mut gens: Vec<u64> = self.evicted.values().map(|s| s.latest_gen).collect();
+            let mid = gens.len() / 2;
+            let (_, &mut cut, _) = gens.select_nth_unstable(mid);
+            self.evicted.retain(|_, s| s.latest_gen > cut);
+            self.floor = self.floor.max(cut);
+        }
+        out
+    }
+}
 
 /// A hash map from host keys to their aliases on the DPU, as UCX's cross-GVMI map.
 ///
 /// A hit is a hash lookup and an `Arc` clone. An alias stays usable while anyone holds it;
 /// the cache drops its reference when the entry turns stale or is evicted.
+///
+/// The cache is bounded: at most its capacity of aliases (firmware objects of the DPU's
+/// function), [`DEFAULT_ALIAS_CAPACITY`] unless [`with_capacity`](Self::with_capacity)
+/// says otherwise. When full, the least recently imported aliases that no import holds are
+/// dropped (the host's keys may be long destroyed: nothing tells the DPU); an import
+/// that finds every alias held is refused ([`Error::LimitReached`]). What the cache had
+/// seen of an evicted key stays (about 24 bytes, up to 16 per alias of capacity), so that
+/// a late export of it is still refused; beyond that the oldest are forgotten, and an
+/// export older than the newest forgotten one, of a key the cache knows nothing of, is
+/// refused too (the host exports it again).
 pub struct AliasCache<O: AliasOps> {
     ops: O,
+    capacity: usize,
     map: Mutex<Table<O::Alias>>,
 }
 
 impl<O: AliasOps> AliasCache<O> {
-    /// An empty cache over `ops`.
+    /// An empty cache over `ops`, holding at most [`DEFAULT_ALIAS_CAPACITY`] aliases.
     pub fn new(ops: O) -> Self {
-        AliasCache { ops, map: Mutex::new((HashMap::new(), AliasStats::default())) }
+        Self::with_capacity(ops, DEFAULT_ALIAS_CAPACITY)
+    }
+
+    /// An empty cache over `ops`, holding at most `capacity` aliases (at least 1).
+    pub fn with_capacity(ops: O, capacity: usize) -> Self {
+        let table = Table {
+            live: HashMap::new(),
+            evicted: HashMap::new(),
+            floor: 0,
+            tick: 0,
+            stats: AliasStats::default(),
+        };
+        AliasCache { ops, capacity: capacity.max(1), map: Mutex::new(table) }
     }
 
     /// The device operations.
@@ -117,14 +230,15 @@ impl<O: AliasOps> AliasCache<O> {
         }
         if !key.pooled {
             let alias = Arc::new(self.ops.create_alias(key)?);
-            self.lock().1.uncached += 1;
+            self.lock().stats.uncached += 1;
             return Ok(ImportedAlias { alias, key: *key, hit: false });
         }
         let mk = key.map_key();
         {
             let mut g = self.lock();
-            let (map, stats) = &mut *g;
-            if let Some(e) = map.get_mut(&mk) {
+            let t = &mut *g;
+            t.tick += 1;
+            if let Some(e) = t.live.get_mut(&mk) {
                 if e.uuid == key.uuid && e.access_key != key.access_key {
                     return Err(Error::PermissionDenied(format!(
                         "packed key {:#x} (vHCA {}) presents another access key than its alias was made with",
@@ -132,15 +246,18 @@ impl<O: AliasOps> AliasCache<O> {
                     )));
                 }
                 // Refused without a firmware command.
-                if e.is_newer_than(key) {
-                    stats.refused_stale += 1;
+                if e.seen().is_newer_than(key) {
+                    t.stats.refused_stale += 1;
                     return Err(stale_export(key, e.latest_gen));
                 }
                 if e.uuid == key.uuid {
                     e.latest_gen = key.export_gen;
-                    stats.hits += 1;
+                    e.last_used = t.tick;
+                    t.stats.hits += 1;
                     return Ok(ImportedAlias { alias: e.alias.clone(), key: *key, hit: true });
                 }
+            } else {
+                t.refuse_forgotten(key)?;
             }
             // A newer incarnation (or none cached): a new alias below. The cached one is
             // replaced only once the firmware has accepted the new packed key, so a forged
@@ -150,35 +267,54 @@ impl<O: AliasOps> AliasCache<O> {
         // BlueField-3); other imports proceed meanwhile.
         let alias = Arc::new(self.ops.create_alias(key)?);
         let mut g = self.lock();
-        let (map, stats) = &mut *g;
-        // A concurrent import of the same incarnation may have won the race: keep one.
+        let t = &mut *g;
+        // Idle aliases evicted to make room, and the entry of an older incarnation that this
+        // one replaces: destroyed (when their last Arc goes) after the lock is released, as
+        // firmware commands.
+        let mut dropped = Vec::new();
+        // Looked at again: another import may have changed the table meanwhile.
+        if !t.live.contains_key(&mk) {
+            t.refuse_forgotten(key)?;
+            if t.live.len() >= self.capacity {
+                dropped = t.evict_idle(self.capacity);
+                if t.live.len() >= self.capacity {
+                    drop(g);
+                    return Err(Error::LimitReached { what: "the alias cache", limit: self.capacity as u64 });
+                }
+            }
+            t.evicted.remove(&mk);
+        }
+        let tick = t.tick;
         let fresh = || Entry {
+            last_used: tick,
             uuid: key.uuid,
             access_key: key.access_key,
             latest_gen: key.export_gen,
             alias: alias.clone(),
         };
-        let entry = map.entry(mk).or_insert_with(fresh);
-        // The replaced entry of an older incarnation; its alias is destroyed (when its last
-        // Arc goes) after the lock is released: a firmware command.
-        // Looked at again: another import may have changed the entry meanwhile.
-        if entry.is_newer_than(key) {
-            stats.refused_stale += 1;
-            return Err(stale_export(key, entry.latest_gen));
+        // A concurrent import of the same incarnation may have won the race: keep one.
+        let entry = t.live.entry(mk).or_insert_with(fresh);
+        if entry.seen().is_newer_than(key) {
+            t.stats.refused_stale += 1;
+            let e = stale_export(key, entry.latest_gen);
+            drop(g);
+            drop(dropped);
+            return Err(e);
         }
-        let mut replaced = None;
-        if entry.uuid != key.uuid {
-            replaced = Some(std::mem::replace(entry, fresh()));
+        let replaced = entry.uuid != key.uuid;
+        if replaced {
+            dropped.push(std::mem::replace(entry, fresh()).alias);
         }
         entry.latest_gen = key.export_gen;
+        entry.last_used = tick;
         let imported = ImportedAlias { alias: entry.alias.clone(), key: *key, hit: false };
-        if replaced.is_some() {
-            stats.stale += 1;
+        if replaced {
+            t.stats.stale += 1;
         } else {
-            stats.misses += 1;
+            t.stats.misses += 1;
         }
         drop(g);
-        drop(replaced);
+        drop(dropped);
         Ok(imported)
     }
 
@@ -193,7 +329,7 @@ impl<O: AliasOps> AliasCache<O> {
             return Ok(());
         }
         let g = self.lock();
-        match g.0.get(&key.map_key()) {
+        match g.live.get(&key.map_key()) {
             Some(e) if e.uuid == key.uuid && e.latest_gen == key.export_gen => Ok(()),
             Some(e) if e.uuid == key.uuid => Err(stale_export(key, e.latest_gen)),
             _ => Err(Error::PermissionDenied(format!(
@@ -203,16 +339,20 @@ impl<O: AliasOps> AliasCache<O> {
         }
     }
 
-    /// Drops the cached alias of `(vhca_id, mkey)`, if any (when the host says the key is
-    /// gone for good).
+    /// Drops the cached alias of `(vhca_id, mkey)`, if any, and what the cache remembers of
+    /// the key (when the host says the key is gone for good).
     pub fn evict(&self, vhca_id: u32, mkey: u32) -> bool {
+        let mk = (u64::from(vhca_id) << 32) | u64::from(mkey);
         let mut g = self.lock();
-        g.0.remove(&((u64::from(vhca_id) << 32) | u64::from(mkey))).is_some()
+        g.evicted.remove(&mk);
+        let gone = g.live.remove(&mk);
+        drop(g);
+        gone.is_some() // (its alias destroyed here, after the lock)
     }
 
     /// The counters.
     pub fn stats(&self) -> AliasStats {
         let g = self.lock();
-        AliasStats { cached: g.0.len() as u64, ..g.1 }
+        AliasStats { cached: g.live.len() as u64, ..g.stats }
     }
 }

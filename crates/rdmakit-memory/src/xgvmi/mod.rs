@@ -88,7 +88,7 @@ mod regcache;
 #[allow(unsafe_code)] // the range cache test registers the test's own memory
 mod tests;
 
-pub use alias::{AliasCache, AliasOps, AliasStats, ImportedAlias};
+pub use alias::{AliasCache, AliasOps, AliasStats, DEFAULT_ALIAS_CAPACITY, ImportedAlias};
 pub use device::{DpuFunction, HostFunction};
 pub use packed::{PackedKey, PackedKeyError};
 pub use pool::{Export, HostKeyOps, PoolConfig, PoolStats, UmrMkeyPool};

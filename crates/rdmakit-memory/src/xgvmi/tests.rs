@@ -269,6 +269,62 @@ fn alias_cache_hits_misses_and_stale_incarnations() {
     assert_eq!(dpu.created.get(), 2);
 }
 
+/// The cache holds at most its capacity of aliases: held ones are never evicted (an import
+/// that finds every alias held is refused), idle ones go least recently used first, and a
+/// late export of an evicted key is still refused.
+#[test]
+fn the_alias_cache_is_bounded_and_remembers_what_it_evicted() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(64, SECRET)).unwrap();
+    let dpu = Dpu { host: model.clone(), created: Rc::default() };
+    let cache = AliasCache::with_capacity(dpu.clone(), 4);
+    let exports: Vec<_> = (0..6).map(|i| pool.export(&region(i)).unwrap()).collect();
+    let packed: Vec<PackedKey> = exports.iter().map(|e| e.packed()).collect();
+    let held: Vec<_> = packed[..4].iter().map(|p| cache.import(p).unwrap()).collect();
+    let Err(err) = cache.import(&packed[4]) else { panic!("a fifth alias while four are held") };
+    assert!(matches!(err, Error::LimitReached { limit: 4, .. }), "{err}");
+    assert_eq!((cache.stats().cached, cache.stats().evicted), (4, 0));
+    drop(held);
+    cache.import(&packed[0]).unwrap(); // used again: now the most recent
+    let a4 = cache.import(&packed[4]).unwrap();
+    assert!(!a4.hit);
+    let s = cache.stats();
+    assert_eq!((s.cached, s.evicted), (4, 1));
+    // Key 1 was the least recently used: it went, and key 0 stayed.
+    assert!(cache.import(&packed[0]).unwrap().hit);
+    // A late export of the evicted key (older than the one seen) is refused without a
+    // firmware command; the export it had seen is taken again.
+    let created = dpu.created.get();
+    let late = PackedKey { export_gen: packed[1].export_gen - 1, ..packed[1] };
+    let Err(err) = cache.import(&late) else { panic!("a late export of an evicted key") };
+    assert!(err.to_string().contains("stale export"), "{err}");
+    assert_eq!(dpu.created.get(), created);
+    assert!(!cache.import(&packed[1]).unwrap().hit);
+    drop(exports);
+}
+
+/// What the cache remembers of evicted keys is bounded too: beyond it the oldest are
+/// forgotten, and an export no newer than them, of a key the cache knows nothing of, is
+/// refused (the host exports it again).
+#[test]
+fn forgotten_keys_raise_a_floor_under_unknown_exports() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(64, SECRET)).unwrap();
+    let cache = AliasCache::with_capacity(Dpu { host: model.clone(), created: Rc::default() }, 1);
+    let exports: Vec<_> = (0..40).map(|i| pool.export(&region(i)).unwrap()).collect();
+    for e in &exports {
+        cache.import(&e.packed()).unwrap(); // each evicts the one before
+    }
+    let s = cache.stats();
+    assert_eq!((s.cached, s.evicted), (1, 39));
+    let Err(err) = cache.import(&exports[0].packed()) else { panic!("an export older than the forgotten") };
+    assert!(err.to_string().contains("stale export"), "{err}");
+    // Exported again, it is newer than anything forgotten.
+    drop(exports);
+    let again = pool.export(&region(0)).unwrap();
+    cache.import(&again.packed()).unwrap();
+}
+
 /// Every bind of a pool key is a new export generation: once the DPU has imported the newer
 /// export, the older one (whose buffer the host has taken back) is refused, and an import
 /// held across the re-bind reports itself stale instead of writing into the new buffer.
