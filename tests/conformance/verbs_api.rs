@@ -38,6 +38,7 @@ pub const CASES: &[Case] = &[
     case("connect_options_path_fields", connect_options_path_fields),
     case("inline_write", inline_write),
     case("batch_post_keeps_order", batch_post_order),
+    case("fenced_write_carries_what_an_earlier_read_brought", fenced_write_after_read),
     case("array_post_is_one_call_in_order_and_all_or_nothing", array_post),
     case("prepared_requests_post_as_built_ones", prepared_requests),
     case("async_completion_wait", async_wait),
@@ -124,6 +125,30 @@ fn write_read_round_trip(env: &Env) -> Result<(), Failed> {
         check_eq!((wc.wr_id, wc.opcode, wc.byte_len), (100 + i as u64, WcOpcode::RDMA_READ, len32));
         back.read_at(0, &mut got)?;
         check!(got == data, "read of {len} bytes: data differs");
+    }
+    Ok(())
+}
+
+/// A read into a buffer, then a fenced write of that buffer (`IBV_SEND_FENCE`): the write
+/// starts after the read has completed, so it carries what the read brought, whatever the
+/// round trip of the read costs.
+fn fenced_write_after_read(env: &Env) -> Result<(), Failed> {
+    let p = env.pair()?;
+    let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    let remote = p.pd.alloc_mr(128, AccessFlags::ALL_REMOTE)?;
+    for round in 1..=10u8 {
+        remote.write_at(0, &[round; 64])?;
+        local.fill(0)?;
+        p.a.post_send(SendWr::read(local.slice(0, 64)?, remote.remote().slice(0, 64)?).unsignaled())?;
+        p.a.post_send(SendWr::write(local.slice(0, 64)?, remote.remote().slice(64, 64)?).fence())?;
+        wait_ok(&p.cq_a)?;
+        let mut got = [0u8; 64];
+        remote.read_at(64, &mut got)?;
+        check!(
+            got == [round; 64],
+            "round {round}: the fenced write carried {:?}, not the read's bytes",
+            &got[..4]
+        );
     }
     Ok(())
 }

@@ -1906,3 +1906,31 @@ fn a_same_host_requester_of_another_user_is_refused_before_it_attaches() {
     assert!(closed, "the device kept another user's connection");
     assert_eq!(answered, 0, "the device answered another user's Hello");
 }
+
+#[test]
+fn a_fenced_request_waits_for_the_reads_before_it_over_the_wire() {
+    // A read from the peer into our buffer, then a fenced write of that buffer back to the
+    // peer: the write must carry what the read brought (IBV_SEND_FENCE). Over the wire the
+    // read's answer takes a round trip, and without the fence the write went first, with
+    // the buffer's old bytes. Each round writes new bytes at the peer first.
+    let _g = serial();
+    let v = Victim::new();
+    let l = legit(&v);
+    let wait = |what: &str| {
+        let wc = l.cq.wait(Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(wc.status.is_success(), "{what}: {wc:?}");
+    };
+    for round in 1..=20u8 {
+        v.mr.write_at(0, &[round; 8]).unwrap();
+        l.src.write_at(0, &[0; 8]).unwrap();
+        let read = SendWr::read(l.src.slice(0, 8).unwrap(), v.mr.remote().slice(0, 8).unwrap());
+        let write = SendWr::write(l.src.slice(0, 8).unwrap(), v.mr.remote().slice(64, 8).unwrap()).fence();
+        l.qp.post_send(read).unwrap();
+        l.qp.post_send(write).unwrap();
+        wait("the read");
+        wait("the fenced write");
+        let mut landed = [0u8; 8];
+        v.mr.read_at(64, &mut landed).unwrap();
+        assert_eq!(landed, [round; 8], "round {round}: the fenced write carried what the read brought");
+    }
+}

@@ -188,6 +188,8 @@ struct Pending {
     remote_addr: u64,
     rkey: u32,
     signaled: bool,
+    /// Waits for every earlier read and atomic of the QP to complete (`IBV_SEND_FENCE`).
+    fence: bool,
 }
 
 impl Pending {
@@ -200,6 +202,7 @@ impl Pending {
             remote_addr: wr.remote_addr,
             rkey: wr.rkey,
             signaled: wr.signaled,
+            fence: wr.fence,
         }
     }
 
@@ -212,7 +215,7 @@ impl Pending {
             remote_addr: self.remote_addr,
             rkey: self.rkey,
             signaled: self.signaled,
-            fence: false,
+            fence: self.fence,
             solicited: false,
         }
     }
@@ -763,6 +766,17 @@ impl SoftQp {
 
     /// Executes the request at the head of the send queue and handles its outcome.
     fn run_head(&self, sq: &mut Sq, wr: &RawSendWr<'_>, d: &mut Deferred) -> Step {
+        // A fenced request starts once every earlier read and atomic has completed (their
+        // answers run the queue again): it may use what they bring back. Requests run in
+        // order, so only those sent and unanswered can still be under way.
+        if wr.fence
+            && sq
+                .sent
+                .iter()
+                .any(|s| matches!(s.p.op, RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }))
+        {
+            return Step::Held;
+        }
         // Same-host: placed directly when a grant allows it (see `super::direct`).
         let mut placed = None;
         if let Some(Link::Tcp(link)) = &sq.link
