@@ -353,7 +353,7 @@ impl HeapEndpoint {
     /// preferably, `max_recv_wr >= RECV_SLOTS`), whose send and receive completions both go
     /// to `cq`, which must hold `max_send_wr + RECV_SLOTS` completions (refused with
     /// [`ChannelError::QueueTooSmall`] otherwise). Posts the receive buffers. `timeout`
-    /// bounds every wait for the peer.
+    /// bounds every wait for the peer (one longer than a year counts as a year).
     pub fn new(qp: QueuePair, cq: CompletionQueue, limits: OwnerLimits, timeout: Duration) -> Result<Self> {
         let pd = qp.pd().clone();
         let config =
@@ -365,7 +365,9 @@ impl HeapEndpoint {
             cq,
             pd,
             limits,
-            timeout,
+            // Deadlines are `now + timeout`: a year stands for any longer one (`Duration::MAX`
+            // would overflow the clock).
+            timeout: timeout.min(Duration::from_secs(365 * 24 * 3600)),
             allocating: HashMap::new(),
             owned: HashMap::new(),
             owned_bytes: 0,

@@ -1934,3 +1934,22 @@ fn a_fenced_request_waits_for_the_reads_before_it_over_the_wire() {
         assert_eq!(landed, [round; 8], "round {round}: the fenced write carried what the read brought");
     }
 }
+
+#[test]
+fn connection_manager_waits_take_a_duration_too_long_for_the_clock() {
+    // `Duration::MAX` for "no end" used to overflow the clock (a panic) in the soft CM's
+    // accept, connect and disconnect waits.
+    let _g = serial();
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let listener = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let forever = cm::CmOptions::default().with_timeout(Duration::MAX);
+    let client = std::thread::spawn({
+        let pd = pd.clone();
+        move || cm::connect(&pd, addr, &forever, b"x").map(drop)
+    });
+    let conn = listener.accept_timeout(&pd, &forever, b"y", Some(Duration::MAX)).unwrap();
+    client.join().unwrap().unwrap(); // connected, then dropped: a disconnect
+    assert!(conn.wait_disconnected(Duration::MAX).unwrap(), "the peer's disconnect is seen");
+}

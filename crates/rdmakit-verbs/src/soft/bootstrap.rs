@@ -193,7 +193,7 @@ pub(crate) struct SoftIncoming(TcpStream);
 impl SoftIncoming {
     /// Reads the request within `budget` (which also bounds the rest of the handshake).
     pub fn read_request(mut self, max_data: usize, budget: Duration) -> Result<SoftRequest> {
-        let deadline = Instant::now() + budget;
+        let deadline = deadline_after(budget);
         let _ = self.0.set_write_timeout(Some(budget));
         let hello = read_hello(&mut self.0, false, max_data, deadline, budget)?;
         Ok(SoftRequest { s: self.0, deadline, budget, hello })
@@ -232,7 +232,7 @@ impl SoftRequest {
 pub(crate) fn connect(addr: SocketAddr, budget: Duration) -> Result<SoftConnecting> {
     let s = TcpStream::connect_timeout(&addr, budget).map_err(|e| refused(addr, e))?;
     let _ = s.set_write_timeout(Some(budget));
-    Ok(SoftConnecting { s, deadline: Instant::now() + budget, budget })
+    Ok(SoftConnecting { s, deadline: deadline_after(budget), budget })
 }
 
 /// A requester's TCP connection, the request not sent yet.
@@ -293,8 +293,16 @@ impl SoftConn {
     }
 }
 
+/// `Instant::now() + d`, for a `d` that may be too long to add to the clock (a caller's
+/// `Duration::MAX` for "no end"): at most a century away.
+fn deadline_after(d: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(d.min(CENTURY)).unwrap_or(now)
+}
+
 fn wait_readable(fd: i32, wait: Duration) -> Result<bool> {
-    let deadline = Instant::now() + wait;
+    let deadline = deadline_after(wait);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };

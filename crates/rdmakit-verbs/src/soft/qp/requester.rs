@@ -176,7 +176,8 @@ impl SoftQp {
                     tracing::debug!(qp = self.qpn, psn, "soft NIC: response after the QP failed; dropped");
                 } else {
                     // Not the oldest outstanding request: a confused or hostile peer.
-                    tracing::error!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
+                    // Rate-limited: the peer decides how many of these it sends.
+                    crate::warn_limited!(qp = self.qpn, psn, "soft NIC: response out of order; ignored");
                 }
                 return;
             }
