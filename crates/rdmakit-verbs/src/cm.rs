@@ -368,7 +368,12 @@ fn soft_requesting_qp(
     let (qp, cq) = new_qp(pd, opts)?;
     qp.modify_to_init(&opts.connect)?;
     let ep = qp.address_with(&opts.connect)?;
-    Ok((qp, cq, ep, crate::soft::random()))
+    // The token the request carries is the one the acceptor's QP will present: installed
+    // now, as its Hello may arrive before the reply (a QP not yet connected takes only
+    // Hellos with its token).
+    let token: Token = crate::soft::random();
+    qp.set_soft_rx_token(token);
+    Ok((qp, cq, ep, token))
 }
 
 /// The soft requester's QP once the reply came (over a connection from `origin`):

@@ -229,6 +229,14 @@ impl QpBackend {
         }
     }
 
+    fn set_soft_rx_token(&self, rx: [u8; 16]) {
+        match self {
+            QpBackend::Soft(q) => q.set_rx_token(rx),
+            #[cfg(rdmakit_verbs)]
+            QpBackend::Verbs(_) => {}
+        }
+    }
+
     #[cfg(rdmakit_verbs)]
     fn verbs(&self) -> Option<&crate::rdma::Qp> {
         match self {
@@ -589,6 +597,11 @@ impl QueuePair {
     /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
     pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
         self.inner.backend.set_soft_tokens(rx, tx);
+    }
+
+    /// The soft provider's token a peer must present, alone (see `SoftQp::set_rx_token`).
+    pub(crate) fn set_soft_rx_token(&self, rx: [u8; 16]) {
+        self.inner.backend.set_soft_rx_token(rx);
     }
 }
 

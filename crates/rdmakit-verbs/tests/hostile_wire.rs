@@ -771,7 +771,7 @@ fn a_burst_of_hellos_from_one_address_waits_for_its_qps() {
         .iter()
         .map(|e| {
             let mut s = attacker(e.lid);
-            s.write_all(&guessed_hello(&me, e)).unwrap();
+            s.write_all(&true_hello(&me, e)).unwrap(); // each with its QP's token, as a real peer
             s
         })
         .collect();
@@ -882,7 +882,9 @@ fn a_peer_that_always_closes_is_dialed_a_bounded_number_of_times_then_the_reques
 #[test]
 fn hellos_waiting_for_one_qp_are_bounded() {
     // What a legitimate peer never does: many complete Hellos for the same QP before it is
-    // connected. At most MAX_AWAITING_PER_QP (4) wait; the others are closed at once.
+    // connected, each with its token (one who was handed the endpoint). At most
+    // MAX_AWAITING_PER_QP (4) wait; the others are closed at once. (Without the token they
+    // do not wait at all: see `hellos_without_the_token_cannot_crowd_out_...`.)
     let _g = serial();
     let v = Victim::new();
     let (_qps, eps) = unconnected(&v, 1);
@@ -890,7 +892,7 @@ fn hellos_waiting_for_one_qp_are_bounded() {
     let mut conns: Vec<TcpStream> = (0..10u8)
         .map(|i| {
             let mut s = attacker_from(2 + i, eps[0].lid);
-            s.write_all(&guessed_hello(&me, &eps[0])).unwrap();
+            s.write_all(&true_hello(&me, &eps[0])).unwrap();
             std::thread::sleep(Duration::from_millis(20)); // in order
             s
         })
@@ -1952,4 +1954,50 @@ fn connection_manager_waits_take_a_duration_too_long_for_the_clock() {
     let conn = listener.accept_timeout(&pd, &forever, b"y", Some(Duration::MAX)).unwrap();
     client.join().unwrap().unwrap(); // connected, then dropped: a disconnect
     assert!(conn.wait_disconnected(Duration::MAX).unwrap(), "the peer's disconnect is seen");
+}
+
+#[test]
+fn hellos_without_the_token_cannot_crowd_out_a_qp_not_yet_connected() {
+    // Anyone guessing a QP number (they are sequential) sent four Hellos with no token to
+    // a QP not connected yet: they were kept waiting for it (up to 30 s), filled its places,
+    // and the real peer's Hello, which came next, was dropped. They are refused now; the
+    // real peer, whose Hello carries the QP's token, still waits for it to connect.
+    let _g = serial();
+    let v = Victim::new();
+    let vqp = v.pd.create_qp(&v.cq, &v.cq, QpCaps::default()).unwrap();
+    let vep = vqp.address().unwrap();
+    let guessed = frame(&Frame::Hello {
+        src_gid: [7; 16],
+        src_qpn: 1,
+        dst_qpn: vep.qp_num,
+        src_psn: 0,
+        dst_psn: 0,
+        token: [0; 16],
+    });
+    let mut squatters: Vec<TcpStream> = (0..4u8)
+        .map(|i| {
+            let mut s = attacker_from(30 + i, vep.lid);
+            s.write_all(&guessed).unwrap();
+            s
+        })
+        .collect();
+    for s in &mut squatters {
+        assert_eq!(read_reply(s, Duration::from_secs(5)), Some(Frame::HelloAck { status: 1 }), "refused");
+    }
+    // The real requester connects before the victim's QP does, and writes.
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"through!").unwrap();
+    qp.connect(&far(&vep), &ConnectOptions::default().with_timeout(18).with_retry_cnt(7)).unwrap();
+    qp.post_send(SendWr::write(src.local().unwrap(), v.mr.remote().slice(0, 8).unwrap())).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    vqp.connect(&qp.address().unwrap(), &opts()).unwrap();
+    let wc = cq.wait(Some(Duration::from_secs(20))).expect("a completion");
+    assert!(wc.status.is_success(), "the real peer's write: {wc:?}");
+    let mut landed = [0u8; 8];
+    v.mr.read_at(0, &mut landed).unwrap();
+    assert_eq!(&landed, b"through!");
 }

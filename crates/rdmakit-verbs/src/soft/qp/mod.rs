@@ -446,6 +446,12 @@ impl SoftQp {
         *self.tokens.lock().expect("tokens") = Tokens { rx, tx: Some(tx) };
     }
 
+    /// Sets the token a peer must present (the requester's side of the soft bootstrap, before
+    /// it sends its request: the peer may dial before the reply has come back here).
+    pub fn set_rx_token(&self, rx: [u8; 16]) {
+        self.tokens.lock().expect("tokens").rx = rx;
+    }
+
     /// Whether `token` is this QP's connection token (compared in constant time).
     fn takes_token(&self, token: &[u8; 16]) -> bool {
         let rx = self.tokens.lock().expect("tokens").rx;
@@ -464,7 +470,14 @@ impl SoftQp {
         token: &[u8; 16],
     ) -> Auth {
         match self.state.load(Ordering::Acquire) {
-            RESET | INIT => return Auth::NotYet,
+            // Not connected yet: the Hello may wait for the QP, but only if it carries what
+            // the QP knows from its creation (its token and initial PSN, both in its
+            // endpoint): else anyone guessing a QP number could hold the places of Hellos
+            // waiting for it, and crowd out its real peer.
+            RESET | INIT => {
+                let known = self.takes_token(token) & (self.psn == dst_psn);
+                return if known { Auth::NotYet } else { Auth::Refused };
+            }
             RTR | RTS => {}
             _ => return Auth::Refused,
         }
