@@ -2001,3 +2001,37 @@ fn hellos_without_the_token_cannot_crowd_out_a_qp_not_yet_connected() {
     v.mr.read_at(0, &mut landed).unwrap();
     assert_eq!(&landed, b"through!");
 }
+
+#[test]
+fn a_responder_flooding_key_grants_nobody_asked_for_sets_no_timers() {
+    // Each grant, asked for or not, used to schedule a run of the QP's queue on the timer
+    // thread, and each left a timer entry for the whole transport budget: 200,000 grants
+    // piled up about 27,000 entries. Only a grant answering an ask runs the queue now.
+    let _g = serial();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let responder = fake_peer(port);
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    qp.connect(&responder, &ConnectOptions::default().with_timeout(20).with_retry_cnt(7)).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    qp.post_send(SendWr::write(src.local().unwrap(), RemoteSlice::new(0x1000, 8, 1))).unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    assert!(matches!(read_reply(&mut s, Duration::from_secs(10)), Some(Frame::Hello { .. })));
+    s.write_all(&frame(&Frame::HelloAck { status: 0 })).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rdmakit_verbs::soft::pending_timers();
+    let one =
+        frame(&Frame::KeyGrant { rkey: 9, access: 0, addr: 0, len: 0, map_len: 0, slot: 0, tag: 0, ino: 0 });
+    let burst: Vec<u8> = one.iter().copied().cycle().take(one.len() * 20_000).collect();
+    let mut most = before;
+    for _ in 0..10 {
+        s.write_all(&burst).unwrap();
+        most = most.max(rdmakit_verbs::soft::pending_timers());
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    most = most.max(rdmakit_verbs::soft::pending_timers());
+    assert!(most <= before + 8, "timers piled up: {before} -> {most}");
+}

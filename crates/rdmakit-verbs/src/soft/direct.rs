@@ -749,6 +749,11 @@ impl GrantTable {
         at + GRANT_WAIT
     }
 
+    /// Whether an ask for `rkey` is unanswered.
+    pub(crate) fn is_asked(&self, rkey: u32) -> bool {
+        self.asked.iter().any(|a| a.rkey == rkey)
+    }
+
     /// Forgets an ask that could not be sent (asked again later).
     pub(crate) fn unask(&mut self, rkey: u32) {
         self.asked.retain(|a| a.rkey != rkey);

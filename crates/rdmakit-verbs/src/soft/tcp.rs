@@ -2142,15 +2142,22 @@ impl EventLoop {
                                 };
                                 let msg =
                                     direct::GrantMsg { rkey, access, addr, len, map_len, slot, tag, ino };
-                                let taken = c.shared.grants.lock().expect("grants").insert(msg, fd, status);
+                                let (asked, taken) = {
+                                    let mut grants = c.shared.grants.lock().expect("grants");
+                                    (grants.is_asked(rkey), grants.insert(msg, fd, status))
+                                };
                                 if let Err(e) = taken {
                                     warn_limited!(error = %e, "soft NIC: a key grant not taken; that key stays on the ring");
                                 }
                                 // Accesses waiting for the answer go now (directly or not),
                                 // run by the timer thread: the QP's lock may be held by a
                                 // thread making a bulk copy, which the loop must not wait for.
+                                // Only for an answer to an ask (at most two at a time): a
+                                // grant nobody asked for changes nothing, and a flood of them
+                                // would keep the timer thread busy with this QP.
                                 match c.qp.upgrade() {
-                                    Some(qp) => qp.kick_soon(),
+                                    Some(qp) if asked => qp.kick_soon(),
+                                    Some(_) => {}
                                     None => return false,
                                 }
                             }

@@ -32,6 +32,8 @@ impl SoftQp {
                 Vec::new(),
             ),
             Frame::Read { psn, len, .. } if len > wire::MAX_MESSAGE => {
+                // An invalid request, as any other: the responder goes to error too.
+                self.responder_error(d);
                 (psn, Outcome::Done(WcStatus::REM_INV_REQ_ERR, 0), Vec::new())
             }
             Frame::Read { psn, addr, rkey, len } => {
