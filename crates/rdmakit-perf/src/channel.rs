@@ -33,8 +33,12 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn config(p: &Params) -> PipeConfig {
-    // Room for `window` messages of `size` bytes in the ring, twice over.
-    let ring = (u64::from(p.size.next_multiple_of(8)) * u64::from(p.window.max(1)) * 2).max(1 << 20);
+    // Room for `window` messages of `size` bytes in the ring, twice over, within 1..=256 MiB
+    // (what pipe-bw's defaults ask: 1 MiB messages, a window of 128): a server sizes its
+    // ring from what a client asks for, and 8 MiB messages with a window of 2000 would be
+    // 32 GiB. A writer beyond the ring waits for credit.
+    let ring =
+        (u64::from(p.size.next_multiple_of(8)) * u64::from(p.window.max(1)) * 2).clamp(1 << 20, 256 << 20);
     let default = PipeConfig::default();
     // Notification slots for the window, and never fewer than a pipe has by default: the
     // reader returns credit when a quarter of its slots wait, so the 2 slots a window of 1
@@ -111,16 +115,19 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
     runtime()?.block_on(async {
         let pipe = pipe(side, p).await?;
         match p.test {
+            // A live client that stops sending (its pipe still answers keep-alives) would
+            // hold the server for ever: each message is waited for `STUCK` at most, as the
+            // verbs tests' servers wait.
             Test::PipeLat => {
                 let src = side.buf.slice(0, p.size)?;
                 for _ in 0..p.iters {
-                    drop(pipe.recv().await.map_err(chan)?);
+                    drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
                     pipe.rwrite(src.clone()).await.0.map_err(chan)?;
                 }
             }
             Test::PipeBw => {
                 for _ in 0..p.iters {
-                    drop(pipe.recv().await.map_err(chan)?);
+                    drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
                 }
                 let ack = side.buf.slice(0, 1)?;
                 pipe.rwrite(ack).await.0.map_err(chan)?;

@@ -456,7 +456,7 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         Test::SendLat => 236,
         _ => 0,
     });
-    Ok(Params {
+    let p = Params {
         test,
         size,
         iters,
@@ -472,7 +472,13 @@ fn validate(test: Test, o: &Opts) -> Result<Params> {
         cq_mod: o.cq_mod.unwrap_or(0),
         sentinel: o.sentinel,
         placement: o.placement,
-    })
+    };
+    // The rules a server applies to what it receives (the checks above say them in the
+    // CLI's terms first).
+    match p.combination_error() {
+        Some(e) => Err(bad(e)),
+        None => Ok(p),
+    }
 }
 
 fn join<T>(h: std::thread::ScopedJoinHandle<'_, Result<T>>) -> Result<T> {
@@ -506,10 +512,17 @@ fn serve_one(ctx: &Context, o: &Opts, addr: SocketAddr, copts: &ConnectOptions) 
         let (q, side) = rig::server(ctx, &listener, copts, o.placement, Some(NEXT_QP_WAIT)).map_err(|e| {
             bad(format!("the client asked for {} QPs and connected {}: {e}", p.qps, sides.len()))
         })?;
-        if q.test != p.test || q.qps != p.qps {
+        // Every QP runs the first one's parameters: the others must ask for the same (each
+        // was checked against its own, such as a bidirectional run's buffer size).
+        if q.encode() != p.encode() {
             return Err(Error::Malformed {
                 what: "test parameters",
-                reason: format!("QP {} asked for {} on {} QPs", sides.len(), q.test.name(), q.qps),
+                reason: format!(
+                    "QP {} asked for other parameters than QP 1 ({} on {} QPs)",
+                    sides.len() + 1,
+                    q.test.name(),
+                    q.qps
+                ),
             });
         }
         sides.push(side);

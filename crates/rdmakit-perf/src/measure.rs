@@ -19,7 +19,7 @@ use rdmakit_verbs::*;
 use crate::rig::{self, Params, Side, Test};
 
 /// How long one wait may take before the run is declared stuck.
-const STUCK: Duration = Duration::from_secs(30);
+pub(crate) const STUCK: Duration = Duration::from_secs(30);
 
 /// The last byte of a write-lat ping that ends a size (stamps are 1..=250).
 const STOP: u8 = 255;
@@ -717,23 +717,25 @@ fn peak_rate(posted: &[Instant], completed: &[Instant], size: u32) -> f64 {
     if best.is_finite() && best > 0.0 { f64::from(size) / best } else { 0.0 }
 }
 
-/// Where the bidirectional report lands in a buffer.
-fn report_at(len: u64) -> u64 {
-    len - rig::REPORT_LEN as u64
+/// Where the bidirectional report lands in a buffer (its last `REPORT_LEN` bytes); an
+/// error for a buffer too small to hold one (a peer's, as it described it).
+fn report_at(len: u64) -> Result<u64> {
+    len.checked_sub(rig::REPORT_LEN as u64)
+        .ok_or_else(|| err(&format!("a buffer of {len} bytes has no room for the bidirectional report")))
 }
 
 /// Writes this side's figures into the peer's buffer (bidirectional runs). Each side of a
 /// bidirectional run sends its report and then waits for the peer's, so neither starts the
 /// next size of a sweep before the other has finished this one.
 fn send_report(side: &Side, bw: &Bw) -> Result<()> {
-    let at = report_at(side.peer_buf.len);
+    let at = report_at(side.peer_buf.len)?;
     side.qp.post_send(SendWr::write_inline(&bw.encode(), side.peer_buf.slice(at, 40)?))?;
     reap(&side.cq).map(drop)
 }
 
 /// Waits for the peer's report, and clears it for the next size.
 fn peer_report(side: &Side) -> Result<Bw> {
-    let at = report_at(side.buf.len() as u64);
+    let at = report_at(side.buf.len() as u64)?;
     let start = Instant::now();
     let mut b = [0u8; 40];
     loop {

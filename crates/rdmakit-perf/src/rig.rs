@@ -253,7 +253,31 @@ impl Params {
                 p.duration, p.margin
             ));
         }
-        Ok(p)
+        p.combination_error().map_or(Ok(p), Err)
+    }
+
+    /// What the CLI refuses about this combination of test and flags, if anything: a
+    /// server applies the same rules to what a client sends, which never went through the
+    /// CLI's checks if the client is not `rdmakit-perf` (a pipe test on 64 QPs, say).
+    pub fn combination_error(&self) -> Option<String> {
+        let t = self.test;
+        let raw_bw = matches!(t, Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw);
+        if t.is_atomic() && (self.size != 8 || self.all) {
+            return Some(format!("{}: atomics move 8 bytes, at one size", t.name()));
+        }
+        if self.sentinel && (t != Test::PutLat || self.all || !self.size.is_multiple_of(8)) {
+            return Some("sentinel puts are for put-lat at one size that is a multiple of 8".into());
+        }
+        if t == Test::PutLat && self.size < 8 {
+            return Some("put-lat moves at least 8 bytes".into());
+        }
+        if t.is_channel() && (self.all || self.duration > 0) {
+            return Some(format!("{}: no sweep or timed run for a channel test", t.name()));
+        }
+        if !raw_bw && (self.bidir || self.qps != 1) {
+            return Some(format!("{}: bidirectional runs and several QPs are for bandwidth tests", t.name()));
+        }
+        None
     }
 }
 

@@ -274,3 +274,74 @@ fn a_gauge_out_of_descriptors_does_not_spin() {
     let _ = child.wait();
     assert!(used < 0.5, "the gauge used {used:.2} s of CPU in 2 s while out of descriptors");
 }
+
+const PIPE_LAT: u8 = 8;
+const PIPE_BW: u8 = 9;
+
+/// A pipe test on several QPs (the CLI refuses it; a client may send it anyway, and each
+/// QP's ring was the client's to size): refused at the handshake.
+#[test]
+fn a_pipe_test_on_several_qps_is_refused() {
+    refused_at_the_handshake(|b| request(PIPE_BW, 8 << 20, 5, 1000, 2, 0, 0, 0, b), 1 << 16, "several QPs");
+}
+
+/// A second QP asking for other parameters than the first (which the server runs on every
+/// QP): here a small buffer without the bidirectional flag, while the first asked for a
+/// bidirectional run, whose report needs 64 bytes. Refused, where it used to panic.
+#[test]
+fn a_second_qp_with_other_parameters_than_the_first_is_refused() {
+    let (mut srv, addr, err) = server(&["write-bw", "--server", "127.0.0.1:0"]);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let big = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
+    let tiny = pd.alloc_mr(32, AccessFlags::ALL_REMOTE).unwrap();
+    let first =
+        cm::connect(&pd, addr, &cm_opts(), &request(WRITE_BW, 8, 5, 1, 2, BIDIR, 0, 0, &big.remote()));
+    let _first = first.expect("the first QP connects");
+    let _second = cm::connect(&pd, addr, &cm_opts(), &request(WRITE_BW, 8, 5, 1, 2, 0, 0, 0, &tiny.remote()));
+    let status = exits_within(&mut srv, Duration::from_secs(30));
+    let said = err.join().unwrap();
+    assert!(!said.contains("panicked"), "the server panicked:\n{said}");
+    assert!(status.is_some_and(|s| !s.success()), "the server went on:\n{said}");
+    assert!(said.contains("other parameters than QP 1"), "{said}");
+}
+
+/// A pipe-lat client that completes the pipe's hello and then sends nothing, its process
+/// alive (its pipe answers keep-alives): the server gives up after 30 s, as every other
+/// server loop does, instead of waiting for ever.
+#[test]
+fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
+    use rdmakit_channel::{NotifyMode, Pipe, PipeConfig};
+    let (mut srv, addr, err) = server(&["pipe-lat", "--server", "127.0.0.1:0"]);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let buf = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
+    let caps = rdmakit_verbs::QpCaps::default()
+        .with_max_send_wr(256)
+        .with_max_recv_wr(168)
+        .with_max_inline_data(256);
+    let opts = cm_opts().with_caps(caps);
+    let conn =
+        cm::connect(&pd, addr, &opts, &request(PIPE_LAT, 8, 1000, 1, 1, 0, 0, 0, &buf.remote())).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let config = PipeConfig::default().with_notify(NotifyMode::WriteImm);
+    let pipe =
+        rt.block_on(Pipe::connect(conn.qp().clone(), conn.cq().clone(), config)).expect("the pipe's hello");
+    // Silent, alive: the runtime keeps the pipe answering while the server waits.
+    let status = rt.block_on(async {
+        let started = Instant::now();
+        loop {
+            if let Some(s) = srv.try_wait().unwrap() {
+                break Some(s);
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                let _ = srv.kill();
+                let _ = srv.wait();
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    drop((pipe, conn));
+    let said = err.join().unwrap();
+    assert!(status.is_some(), "the server still waits for a silent client after 60 s:\n{said}");
+    assert!(said.contains("timed out") || said.contains("Timeout"), "{said}");
+}
