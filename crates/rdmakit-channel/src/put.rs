@@ -1056,8 +1056,9 @@ impl Drop for SendHandle {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_descriptor_built_by_hand_gets_the_checks_of_a_decoded_one() {
+    /// A sender and a receiver endpoint on one soft device, and a sentinel handle (value 7)
+    /// of the receiver over 16 bytes.
+    fn sentinel_handle() -> (rdmakit_verbs::ProtectionDomain, PutEndpoint, PutEndpoint, RecvHandle) {
         use rdmakit_verbs::{ConnectOptions, Context, QpCaps};
         let pd = Context::open_soft().alloc_pd().unwrap();
         let ctx = pd.context();
@@ -1070,6 +1071,12 @@ mod tests {
         let receiver = PutEndpoint::new(b, cb, PollMode::Busy).unwrap();
         let buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
         let h = receiver.create_handle_with(&buf, |_| {}, 7, Detection::Sentinel).unwrap();
+        (pd, sender, receiver, h)
+    }
+
+    #[test]
+    fn a_descriptor_built_by_hand_gets_the_checks_of_a_decoded_one() {
+        let (pd, sender, _receiver, h) = sentinel_handle();
         let good = h.desc().unwrap();
         let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
         // A sentinel handle over 4 bytes: its last word would lie partly outside the slice.
@@ -1085,18 +1092,7 @@ mod tests {
 
     #[test]
     fn sentinel_associations_ended_in_a_loop_do_not_grow_the_control_backlog() {
-        use rdmakit_verbs::{ConnectOptions, Context, QpCaps};
-        let pd = Context::open_soft().alloc_pd().unwrap();
-        let ctx = pd.context();
-        let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-        let caps = QpCaps::default().with_max_inline_data(64);
-        let (a, b) = (pd.create_qp(&ca, &ca, caps).unwrap(), pd.create_qp(&cb, &cb, caps).unwrap());
-        a.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
-        b.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
-        let sender = PutEndpoint::new(a, ca, PollMode::Busy).unwrap();
-        let receiver = PutEndpoint::new(b, cb, PollMode::Busy).unwrap();
-        let buf = pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap();
-        let h = receiver.create_handle_with(&buf, |_| {}, 7, Detection::Sentinel).unwrap();
+        let (pd, sender, _receiver, h) = sentinel_handle();
         let sbuf = pd.alloc_mr(16, AccessFlags::LOCAL_WRITE).unwrap();
         // The receiver never runs, so nothing the sender queues leaves its backlog.
         let before = sender.inner.driver.with(|st| st.ctl.backlog_len());
