@@ -2317,6 +2317,7 @@ fn try_auth(p: &mut Pending, device: &Weak<SoftDevice>, served: &AtomicUsize) ->
         Some(qp) => match qp.authenticate(src_gid, *src_qpn, *src_psn, *dst_psn, token) {
             Auth::Accepted if served.load(Ordering::Acquire) >= MAX_SERVED => {
                 warn_limited!(peer = %p.ip, "soft NIC: too many served connections; refused");
+                qp.release_claim(); // not served: the QP may be served later
                 None
             }
             Auth::Accepted => Some(qp),
@@ -2335,7 +2336,12 @@ fn try_auth(p: &mut Pending, device: &Weak<SoftDevice>, served: &AtomicUsize) ->
     let sent = write_frame(&mut p.s, &Frame::HelloAck { status }, &mut scratch).is_ok();
     match auth {
         Some(qp) if sent => Next::Serve(qp),
-        _ => Next::Drop,
+        Some(qp) => {
+            // Not answered, not served: the requester dials again with the same Hello.
+            qp.release_claim();
+            Next::Drop
+        }
+        None => Next::Drop,
     }
 }
 

@@ -490,6 +490,14 @@ impl SoftQp {
         if ok && !self.claimed.swap(true, Ordering::AcqRel) { Auth::Accepted } else { Auth::Refused }
     }
 
+    /// Gives back the claim of a Hello that was `Accepted` and then not served after all (the
+    /// device serves too many connections, or the answer could not be written): the
+    /// requester, which dials again with the same Hello, must not find the QP taken by
+    /// nobody.
+    pub fn release_claim(&self) {
+        self.claimed.store(false, Ordering::Release);
+    }
+
     /// Moves to ERR, closing the same-host gate if this QP serves one.
     fn set_err(&self) {
         self.state.store(ERR, Ordering::Release);
@@ -1428,6 +1436,32 @@ mod last_word_tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+    use crate::{ConnectOptions, Context, QpCaps};
+
+    /// One requester connection per QP: a second Hello is refused while the first holds the
+    /// claim, and accepted once a claim that was not served is given back.
+    #[test]
+    fn a_claim_not_served_is_given_back() {
+        let ctx = Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let a = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        let b = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        let (ea, eb) = (a.address().unwrap(), b.address().unwrap());
+        a.connect(&eb, &ConnectOptions::default()).unwrap();
+        b.connect(&ea, &ConnectOptions::default()).unwrap();
+        let qp = SoftDevice::default_device().find_qp(eb.qp_num).expect("b is on the default device");
+        let hello = || qp.authenticate(&ea.gid, ea.qp_num, ea.psn, eb.psn, &eb.token);
+        assert!(matches!(hello(), Auth::Accepted));
+        assert!(matches!(hello(), Auth::Refused), "the QP serves one requester connection");
+        qp.release_claim();
+        assert!(matches!(hello(), Auth::Accepted), "the claim came back");
     }
 }
 
