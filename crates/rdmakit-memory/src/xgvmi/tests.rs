@@ -360,6 +360,7 @@ fn a_stale_export_of_a_rebound_key_is_refused() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the boot time comes from /proc/stat, which Miri's isolation refuses")]
 fn export_generations_follow_the_wall_clock_so_a_rebooted_host_stays_newer() {
     // The generation is the host's boot time plus its monotonic clock: about the wall clock
     // (to the second of `btime`), so a host that rebooted while the DPU's cache lived on
