@@ -354,7 +354,7 @@ fn soft_accepting_qp(
     check_declared(&peer.endpoint, origin, "requester")?;
     let (qp, cq) = new_qp(pd, opts)?;
     let token: Token = crate::soft::random();
-    qp.set_soft_tokens(token, peer.token);
+    qp.set_soft_tokens(token, Some(peer.token));
     qp.connect(&peer.endpoint, &opts.connect)?;
     let ep = qp.address_with(&opts.connect)?;
     Ok((qp, cq, ep, token))
@@ -372,7 +372,7 @@ fn soft_requesting_qp(
     // now, as its Hello may arrive before the reply (a QP not yet connected takes only
     // Hellos with its token).
     let token: Token = crate::soft::random();
-    qp.set_soft_rx_token(token);
+    qp.set_soft_tokens(token, None);
     Ok((qp, cq, ep, token))
 }
 
@@ -392,7 +392,7 @@ fn soft_replied(
         });
     }
     check_declared(&reply.endpoint, origin, "listener")?;
-    qp.set_soft_tokens(token, reply.token);
+    qp.set_soft_tokens(token, Some(reply.token));
     qp.connect(&reply.endpoint, &opts.connect)?;
     Ok(reply.private_data)
 }

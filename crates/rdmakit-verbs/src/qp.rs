@@ -221,17 +221,9 @@ impl QpBackend {
         }
     }
 
-    fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
+    fn set_soft_tokens(&self, rx: [u8; 16], tx: Option<[u8; 16]>) {
         match self {
             QpBackend::Soft(q) => q.set_tokens(rx, tx),
-            #[cfg(rdmakit_verbs)]
-            QpBackend::Verbs(_) => {}
-        }
-    }
-
-    fn set_soft_rx_token(&self, rx: [u8; 16]) {
-        match self {
-            QpBackend::Soft(q) => q.set_rx_token(rx),
             #[cfg(rdmakit_verbs)]
             QpBackend::Verbs(_) => {}
         }
@@ -595,13 +587,8 @@ fn initial_psn() -> u32 {
 impl QueuePair {
     /// Sets the soft NIC connection tokens the soft bootstrap exchanged (`rx`: what the
     /// peer presents to us; `tx`: what we present to it). No-op on verbs QPs.
-    pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
+    pub(crate) fn set_soft_tokens(&self, rx: [u8; 16], tx: Option<[u8; 16]>) {
         self.inner.backend.set_soft_tokens(rx, tx);
-    }
-
-    /// The soft provider's token a peer must present, alone (see `SoftQp::set_rx_token`).
-    pub(crate) fn set_soft_rx_token(&self, rx: [u8; 16]) {
-        self.inner.backend.set_soft_rx_token(rx);
     }
 }
 

@@ -441,15 +441,11 @@ impl SoftQp {
     }
 
     /// Sets the connection tokens the soft bootstrap exchanged (before RTR): they replace
-    /// this QP's own token and the one in the peer's endpoint.
-    pub fn set_tokens(&self, rx: [u8; 16], tx: [u8; 16]) {
-        *self.tokens.lock().expect("tokens") = Tokens { rx, tx: Some(tx) };
-    }
-
-    /// Sets the token a peer must present (the requester's side of the soft bootstrap, before
-    /// it sends its request: the peer may dial before the reply has come back here).
-    pub fn set_rx_token(&self, rx: [u8; 16]) {
-        self.tokens.lock().expect("tokens").rx = rx;
+    /// this QP's own token and, when `tx` is given, the one in the peer's endpoint. The
+    /// requester sets its own (`tx` not known yet) before it sends its request: the peer
+    /// may dial before the reply has come back here.
+    pub fn set_tokens(&self, rx: [u8; 16], tx: Option<[u8; 16]>) {
+        *self.tokens.lock().expect("tokens") = Tokens { rx, tx };
     }
 
     /// Whether `token` is this QP's connection token (compared in constant time).
