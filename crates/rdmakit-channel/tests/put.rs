@@ -960,19 +960,26 @@ fn returns_in_time(what: &str, f: impl FnOnce() + Send + 'static) {
     assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok(), "{what} deadlocked");
 }
 
+/// Endpoints on one soft device, a 16-byte buffer for the handle under test, and another
+/// handle of the receiver (over a buffer of its own) for that handle's callback to own.
+fn with_inner_handle() -> (ProtectionDomain, PutEndpoint, PutEndpoint, MemoryRegion, RecvHandle) {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let (sender, receiver) = endpoints(&pd);
+    let (b1, b2) = (
+        pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+        pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
+    );
+    let inner = receiver.create_handle(&b2, |_| {}, 0).unwrap();
+    (pd, sender, receiver, b1, inner)
+}
+
 #[test]
 fn a_handle_whose_callback_owns_another_handle_can_be_dropped() {
     // An application keeps a handle in another's callback (say, to ready it when the first
     // fires). Dropping the first drops the callback, and with it the second handle, whose
     // own drop takes the endpoint's lock: the first must not hold it then.
     returns_in_time("dropping the handle", || {
-        let pd = Context::open_soft().alloc_pd().unwrap();
-        let (_sender, receiver) = endpoints(&pd);
-        let (b1, b2) = (
-            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
-            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
-        );
-        let inner = receiver.create_handle(&b2, |_| {}, 0).unwrap();
+        let (_pd, _sender, receiver, b1, inner) = with_inner_handle();
         let outer = receiver
             .create_handle(
                 &b1,
@@ -995,14 +1002,8 @@ fn a_callback_that_destroys_its_own_handle_is_dropped_without_the_lock() {
     // another handle: `ready_poll` cannot put the callback back, and drops it, and with it
     // the other handle, whose drop takes the endpoint's lock.
     returns_in_time("ready_poll", || {
-        let pd = Context::open_soft().alloc_pd().unwrap();
-        let (sender, receiver) = endpoints(&pd);
-        let (b1, b2) = (
-            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
-            pd.alloc_mr(16, AccessFlags::ALL_REMOTE).unwrap(),
-        );
+        let (pd, sender, receiver, b1, inner) = with_inner_handle();
         let own: Arc<Mutex<Option<RecvHandle>>> = Arc::default();
-        let inner = receiver.create_handle(&b2, |_| {}, 0).unwrap();
         let own2 = own.clone();
         let h = receiver
             .create_handle(
