@@ -65,7 +65,7 @@ use crate::rdma::cm::CmConn;
 use crate::rdma::cm::connector::CmConnector;
 #[cfg(rdmakit_verbs)]
 use crate::rdma::cm::listener::{CmListener, CmRequest};
-use crate::soft::bootstrap::{self, Hello, Origin, SoftConn, SoftIncoming, SoftListener, Token};
+use crate::soft::bootstrap::{self, Hello, Origin, SoftConn, SoftListener, SoftRequest, Token};
 use crate::types::{ConnectOptions, ProviderKind, QpAddress, QpCaps};
 
 /// The most private data a connect, accept or reject carries (the rdma_cm limit for a
@@ -229,6 +229,16 @@ impl Listener {
 
     /// Waits for the next connection request, creates a QP and CQ on `pd` for it,
     /// connects, and answers with `private_data`. Blocks until a request arrives.
+    ///
+    /// On soft, the requests of every connection are read at once, each within
+    /// [`CmOptions::timeout`] from its TCP accept (the `opts` of the call that took it), and
+    /// at most 64 at a time (past that the oldest is dropped): a client that connects and
+    /// says nothing, or trickles its request, delays no other. Such a connection is closed
+    /// and logged at debug level, not returned as an error, and one whose request is still
+    /// incomplete when a call returns is read on by the next call. From a complete request
+    /// on, the handshake is this call's: a requester that stalls after its request holds the
+    /// call until its deadline, and that is returned as an error. A server that must not be
+    /// held even so runs its handshakes concurrently with [`AsyncListener`].
     pub fn accept(&self, pd: &ProtectionDomain, opts: &CmOptions, private_data: &[u8]) -> Result<Connection> {
         self.accept_timeout(pd, opts, private_data, None)
     }
@@ -285,7 +295,7 @@ impl Listener {
     ) -> Result<Connection> {
         check_private_data(private_data)?;
         self.backend.check_pd(pd)?;
-        self.backend.incoming(wait)?.accept(pd, opts, private_data, before_answer)
+        self.backend.incoming(wait, opts.timeout)?.accept(pd, opts, private_data, before_answer)
     }
 }
 
@@ -437,8 +447,8 @@ enum ListenerBackend {
 
 /// A request that arrived and is not answered yet.
 enum Incoming {
-    /// A TCP connection whose request is not read yet.
-    Soft(SoftIncoming),
+    /// A TCP connection whose request has been read.
+    Soft(SoftRequest),
     #[cfg(rdmakit_verbs)]
     Verbs(CmRequest),
 }
@@ -476,9 +486,11 @@ impl ListenerBackend {
         }
     }
 
-    fn incoming(&self, wait: Option<Duration>) -> Result<Incoming> {
+    /// The next request, within `wait`; on soft, `budget` is each connection's for its
+    /// whole handshake.
+    fn incoming(&self, wait: Option<Duration>, budget: Duration) -> Result<Incoming> {
         Ok(match self {
-            ListenerBackend::Soft(l) => Incoming::Soft(l.accept(wait)?),
+            ListenerBackend::Soft(l) => Incoming::Soft(l.next_request(wait, MAX_PRIVATE_DATA, budget)?),
             #[cfg(rdmakit_verbs)]
             ListenerBackend::Verbs(l) => Incoming::Verbs(l.get_request(wait)?),
         })
@@ -507,8 +519,7 @@ impl Incoming {
         before_answer: impl FnOnce(&QueuePair, &[u8]) -> Result<()>,
     ) -> Result<Connection> {
         match self {
-            Incoming::Soft(inc) => {
-                let mut req = inc.read_request(MAX_PRIVATE_DATA, opts.timeout)?;
+            Incoming::Soft(mut req) => {
                 let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello, req.origin()?)?;
                 let peer_data = std::mem::take(&mut req.hello.private_data);
                 // On an error the request is dropped unanswered: its stream closes, and the

@@ -964,7 +964,9 @@ fn bootstrap_slow_loris_cannot_hold_accept() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     trickle.join().unwrap();
     println!("bootstrap slow loris: accept returned {:?} after {took:?}", r.as_ref().err());
-    assert!(r.is_err(), "a trickling client completed a handshake");
+    // The trickling client is dropped at its 2 s deadline, and the call waits on for
+    // others until its own 5 s are over.
+    assert!(matches!(r, Err(rdmakit_verbs::Error::Timeout(_))), "a trickling client completed a handshake");
     assert!(took < Duration::from_secs(6), "a trickling client held accept for {took:?}");
     // A legitimate connection to the same listener still works.
     let server = std::thread::spawn(move || {
@@ -975,6 +977,71 @@ fn bootstrap_slow_loris_cannot_hold_accept() {
     let c = cm::connect(&cpd, addr, &cm::CmOptions::default(), b"yo").unwrap();
     assert_eq!(c.peer_private_data(), b"hi");
     assert_eq!(server.join().unwrap(), b"yo");
+}
+
+/// The blocking listener reads every connection's request at once: clients that connect and
+/// say nothing (each would hold a serial accept for its 30 s budget) delay no real client
+/// that comes after them, and the connection works.
+#[test]
+fn silent_connections_do_not_delay_the_next_client_of_a_blocking_listener() {
+    let _g = serial();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = l.local_addr().unwrap();
+    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(30));
+    let silent: Vec<TcpStream> = (0..3).map(|_| attacker(addr.port())).collect();
+    let start = Instant::now();
+    let client = std::thread::spawn(move || {
+        // After the silent ones have surely reached the listener's queue.
+        std::thread::sleep(Duration::from_millis(200));
+        let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+        let c = cm::connect(&cpd, addr, &cm::CmOptions::default(), b"cli").unwrap();
+        (cpd, c)
+    });
+    let conn = l.accept_timeout(&pd, &opts, b"srv", Some(Duration::from_secs(10)));
+    let took = start.elapsed();
+    let (cpd, cconn) = client.join().unwrap();
+    println!("blocking listener: a client behind 3 silent connections accepted after {took:?}");
+    let conn = conn.expect("the real client is accepted");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(conn.peer_private_data(), b"cli");
+    assert_eq!(cconn.peer_private_data(), b"srv");
+    let dst = pd.alloc_mr(8, AccessFlags::ALL_REMOTE).unwrap();
+    let src = cpd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write_at(0, b"rdmakit!").unwrap();
+    cconn.qp().post_send(SendWr::write(src.local().unwrap(), dst.remote().slice(0, 8).unwrap())).unwrap();
+    cconn.cq().wait(Some(Duration::from_secs(10))).unwrap().ok().unwrap();
+    assert_eq!(dst.to_vec().unwrap(), b"rdmakit!");
+    drop(silent);
+}
+
+/// More silent connections than a call keeps: the oldest are dropped for newer ones, so a
+/// real client still gets in, and the dropped ones are closed.
+#[test]
+fn more_silent_connections_than_a_listener_keeps_do_not_lock_out_a_client() {
+    let _g = serial();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = l.local_addr().unwrap();
+    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(30));
+    // 64 is what one call keeps (`MAX_PENDING` in the soft bootstrap).
+    let mut silent: Vec<TcpStream> = (0..64 + 8).map(|_| attacker(addr.port())).collect();
+    let client = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+        cm::connect(&cpd, addr, &cm::CmOptions::default(), b"cli").map(|c| (cpd, c))
+    });
+    let conn = l.accept_timeout(&pd, &opts, b"srv", Some(Duration::from_secs(10)));
+    let client = client.join().unwrap();
+    let conn = conn.expect("the real client is accepted");
+    assert_eq!(conn.peer_private_data(), b"cli");
+    assert_eq!(client.expect("the client connects").1.peer_private_data(), b"srv");
+    // The first ones connected were dropped: they read end-of-file.
+    let first = &mut silent[0];
+    first.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(first.read(&mut [0u8; 8]).unwrap(), 0, "the oldest silent connection was closed");
 }
 
 // ---- accept errors (EMFILE) back off ----

@@ -21,6 +21,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -162,41 +163,207 @@ fn read_hello(
     Ok(hello)
 }
 
+/// Most connections a blocking listener call reads requests from at once. Past it, the one
+/// accepted first is dropped: a request arrives one round trip after its connection, so the
+/// oldest one still incomplete is the likeliest to be silent.
+pub(crate) const MAX_PENDING: usize = 64;
+
 /// A bootstrap listener (blocking).
-pub(crate) struct SoftListener(TcpListener);
+///
+/// It reads the requests of every connection it has accepted at once (non-blocking sockets
+/// and `poll`), so a client that connects and says nothing, or trickles its request, delays
+/// no other: each connection has its own deadline, a call keeps at most [`MAX_PENDING`],
+/// and those still incomplete when a call returns wait for the next call.
+pub(crate) struct SoftListener {
+    l: TcpListener,
+    /// Connections whose request is incomplete, between calls. A call takes them all and
+    /// gives back what it leaves, so concurrent calls never read the same socket.
+    pending: Mutex<Vec<Pending>>,
+}
 
-impl SoftListener {
-    pub fn bind(addr: SocketAddr) -> Result<SoftListener> {
-        TcpListener::bind(addr).map(SoftListener).map_err(io_err("bind"))
-    }
+/// A connection whose request is still arriving.
+struct Pending {
+    s: TcpStream,
+    /// The request's bytes so far.
+    got: Vec<u8>,
+    /// The request's length in all: its fixed part until that has been read, then with the
+    /// private data the fixed part announced (checked against the limit first).
+    need: usize,
+    /// The end of its budget, counted from its accept; the rest of its handshake shares it.
+    deadline: Instant,
+    budget: Duration,
+}
 
-    pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.0.local_addr().map_err(io_err("getsockname"))
-    }
-
-    /// The next TCP connection (`Error::Timeout` if none within `wait`), its request not
-    /// yet read.
-    pub fn accept(&self, wait: Option<Duration>) -> Result<SoftIncoming> {
-        if let Some(w) = wait
-            && !wait_readable(self.0.as_raw_fd(), w)?
-        {
-            return Err(Error::Timeout(w));
+impl Pending {
+    /// Reads what has arrived: true once the request is complete.
+    fn advance(&mut self, max_data: usize) -> Result<bool> {
+        loop {
+            let have = self.got.len();
+            self.got.resize(self.need, 0);
+            let r = (&self.s).read(&mut self.got[have..]);
+            let n = match r {
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(Error::Os { call: "read handshake", source: eof });
+                }
+                Ok(n) => n,
+                Err(e) => {
+                    self.got.truncate(have);
+                    match e.kind() {
+                        std::io::ErrorKind::Interrupted => continue,
+                        std::io::ErrorKind::WouldBlock => return Ok(false),
+                        _ => return Err(Error::Os { call: "read handshake", source: e }),
+                    }
+                }
+            };
+            self.got.truncate(have + n);
+            if self.got.len() < self.need {
+                continue;
+            }
+            if self.need == REQUEST_HEAD {
+                let (_, len) = decode_head(&self.got, false, max_data)?;
+                self.need += len;
+            }
+            if self.got.len() == self.need {
+                return Ok(true);
+            }
         }
-        let (s, _) = self.0.accept().map_err(io_err("accept"))?;
-        Ok(SoftIncoming(s))
+    }
+
+    /// The complete request, its stream blocking again for the rest of the handshake.
+    fn into_request(self, max_data: usize) -> Result<SoftRequest> {
+        let (mut hello, _) = decode_head(&self.got[..REQUEST_HEAD], false, max_data)?;
+        hello.private_data = self.got[REQUEST_HEAD..].to_vec();
+        self.s.set_nonblocking(false).map_err(io_err("fcntl"))?;
+        let left = self.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let _ = self.s.set_write_timeout(Some(left));
+        Ok(SoftRequest { s: self.s, deadline: self.deadline, budget: self.budget, hello })
     }
 }
 
-/// A bootstrap connection whose request is not read yet.
-pub(crate) struct SoftIncoming(TcpStream);
+/// A call's own connections: given back to the listener when the call returns.
+struct Taken<'a> {
+    from: &'a Mutex<Vec<Pending>>,
+    v: Vec<Pending>,
+}
 
-impl SoftIncoming {
-    /// Reads the request within `budget` (which also bounds the rest of the handshake).
-    pub fn read_request(mut self, max_data: usize, budget: Duration) -> Result<SoftRequest> {
-        let deadline = deadline_after(budget);
-        let _ = self.0.set_write_timeout(Some(budget));
-        let hello = read_hello(&mut self.0, false, max_data, deadline, budget)?;
-        Ok(SoftRequest { s: self.0, deadline, budget, hello })
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut shared = self.from.lock().unwrap_or_else(|e| e.into_inner());
+        shared.append(&mut self.v);
+        // Calls that ran at once may have left more than one call keeps: the oldest go.
+        if shared.len() > MAX_PENDING {
+            shared.sort_by_key(|p| p.deadline);
+            let extra = shared.len() - MAX_PENDING;
+            shared.drain(..extra);
+        }
+    }
+}
+
+impl SoftListener {
+    pub fn bind(addr: SocketAddr) -> Result<SoftListener> {
+        let l = TcpListener::bind(addr).map_err(io_err("bind"))?;
+        l.set_nonblocking(true).map_err(io_err("fcntl"))?;
+        Ok(SoftListener { l, pending: Mutex::new(Vec::new()) })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.l.local_addr().map_err(io_err("getsockname"))
+    }
+
+    /// The next complete request (`Error::Timeout` if none within `wait`; `None`: no end).
+    /// Each connection has `budget` from its accept for its request (at most `max_data`
+    /// bytes of private data), and the rest of its handshake shares that deadline.
+    /// A connection that fails before its request is complete (closed, malformed, out of
+    /// time, or dropped for a newer one) is not the caller's error: it is closed and logged
+    /// here, and the call goes on. Errors are the listener's own (its socket failing).
+    pub fn next_request(
+        &self,
+        wait: Option<Duration>,
+        max_data: usize,
+        budget: Duration,
+    ) -> Result<SoftRequest> {
+        let until = wait.map(deadline_after);
+        let shared = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut mine = Taken { from: &self.pending, v: shared };
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(MAX_PENDING + 1);
+        loop {
+            let now = Instant::now();
+            mine.v.retain(|p| {
+                let live = p.deadline > now;
+                if !live {
+                    tracing::debug!(budget = ?p.budget, "soft CM: a connection sent no complete request in time");
+                }
+                live
+            });
+            if let Some(u) = until
+                && now >= u
+            {
+                return Err(Error::Timeout(wait.unwrap_or_default()));
+            }
+            fds.clear();
+            fds.push(libc::pollfd { fd: self.l.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            fds.extend(mine.v.iter().map(|p| libc::pollfd {
+                fd: p.s.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+            let wake = mine.v.iter().map(|p| p.deadline).chain(until).min();
+            poll_fds(&mut fds, wake)?;
+            // The connections first (from the last, for `swap_remove`): a complete request
+            // is answered before new connections are taken.
+            for i in (0..mine.v.len()).rev() {
+                if fds[i + 1].revents == 0 {
+                    continue;
+                }
+                match mine.v[i].advance(max_data) {
+                    Ok(false) => {}
+                    Ok(true) => return mine.v.swap_remove(i).into_request(max_data),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "soft CM: a connection's request failed");
+                        mine.v.swap_remove(i);
+                    }
+                }
+            }
+            if fds[0].revents != 0 {
+                self.take_connections(&mut mine.v, budget)?;
+            }
+        }
+    }
+
+    /// Accepts what the listening socket holds, up to [`MAX_PENDING`] a round.
+    fn take_connections(&self, v: &mut Vec<Pending>, budget: Duration) -> Result<()> {
+        for _ in 0..MAX_PENDING {
+            let s = match self.l.accept() {
+                Ok((s, _)) => s,
+                Err(e) => match e.kind() {
+                    std::io::ErrorKind::WouldBlock => return Ok(()),
+                    // Gone before it was taken: not this listener's error.
+                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted => continue,
+                    _ => return Err(Error::Os { call: "accept", source: e }),
+                },
+            };
+            if s.set_nonblocking(true).is_err() {
+                continue;
+            }
+            if v.len() >= MAX_PENDING {
+                let oldest = v.iter().enumerate().min_by_key(|(_, p)| p.deadline).map(|(i, _)| i);
+                if let Some(i) = oldest {
+                    tracing::debug!(
+                        "soft CM: {MAX_PENDING} requests incomplete; the oldest connection is dropped"
+                    );
+                    v.swap_remove(i);
+                }
+            }
+            v.push(Pending {
+                s,
+                got: Vec::new(),
+                need: REQUEST_HEAD,
+                deadline: deadline_after(budget),
+                budget,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -318,6 +485,32 @@ fn wait_readable(fd: i32, wait: Duration) -> Result<bool> {
             return Err(Error::Os { call: "poll", source: e });
         }
     }
+}
+
+/// Waits until one of `fds` is readable (or fails), or until `wake` (`None`: no end).
+fn poll_fds(fds: &mut [libc::pollfd], wake: Option<Instant>) -> Result<()> {
+    let n = libc::nfds_t::try_from(fds.len())
+        .map_err(|_| Error::InvalidArgument("too many sockets to poll".into()))?;
+    let ms = match wake {
+        // Rounded up, so that a deadline is past when poll returns.
+        Some(w) => {
+            let left = w.saturating_duration_since(Instant::now());
+            left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+        }
+        None => -1,
+    };
+    // SAFETY: `fds` is a valid, initialised slice of `n` pollfds that lives across the
+    // call, so poll reads and writes only it.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), n, ms) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Os { call: "poll", source: e });
+        }
+        // Interrupted: the caller's loop looks again.
+        fds.iter_mut().for_each(|f| f.revents = 0);
+    }
+    Ok(())
 }
 
 // ---- on tokio ----
