@@ -28,6 +28,11 @@ out=BENCHMARKS.md
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 
+# The rdma-core provider must be in the binary the rxe sections run (and the soft sections
+# then run the same one): install what it builds with, and have the build fail rather than
+# quietly leave it out. Exported, so that the scripts below build the same thing.
+scripts/dev.sh deps rdma
+export RDMAKIT_SYS_VERBS=require
 cargo build --release --quiet -p rdmakit-perf
 perf=target/release/rdmakit-perf
 

@@ -9,6 +9,8 @@
 #                           VM (scripts/rxe-vm.sh), ThreadSanitizer and AddressSanitizer tiers, and
 #                           Miri on the soft NIC's core and the memory crate.
 #   scripts/dev.sh deps     only install the system packages
+#   scripts/dev.sh deps rdma  only those the rdma-core provider builds with (no browser): what
+#                           the benchmark scripts install before they build rdmakit-perf
 #   scripts/dev.sh sanitizers [thread|address]  only the sanitizer tiers (both, or the one named)
 #
 # Each tier that cannot run here says so and why, loudly; a tier that runs and fails makes
@@ -21,7 +23,8 @@ cd "$here"
 
 # rdma-core headers and libraries (libibverbs, librdmacm, libmlx5) and libclang for bindgen;
 # chromium for the web gauge's real-browser test.
-PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config libclang-dev chromium)
+RDMA_PKGS=(libibverbs-dev librdmacm-dev ibverbs-providers rdma-core pkg-config libclang-dev)
+PKGS=("${RDMA_PKGS[@]}" chromium)
 
 say() { printf '\n==> %s\n' "$*"; }
 warn() { printf '\n!!! %s\n' "$*" >&2; }
@@ -307,6 +310,7 @@ examples_tier() {
 
 case "${1:-}" in
 deps)
+    if [ "${2:-}" = rdma ]; then PKGS=("${RDMA_PKGS[@]}"); fi
     deps
     ;;
 sanitizers)

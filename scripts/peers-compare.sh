@@ -34,7 +34,11 @@ out="$here/target/peers-compare"
 if [ "${RDMAKIT_IN_RXE_VM:-}" != 1 ]; then
     cd "$here"
     mkdir -p "$out"
-    cargo build --release --quiet -p rdmakit-perf
+    # The rdma-core provider must be in the binary: install what it builds with, and have
+    # the build fail rather than quietly leave it out (rdmakit-perf would then only say,
+    # inside the VM, that it is not built in).
+    scripts/dev.sh deps rdma
+    RDMAKIT_SYS_VERBS=require cargo build --release --quiet -p rdmakit-perf
     for p in $peers; do
         # async-rdma's rdma-sys runs bindgen 0.59, which panics on libclang 16+, and ibverbs-sys
         # 0.3.2's bindgen 0.71 makes empty structs with libclang 22 (its build then fails on

@@ -35,7 +35,11 @@ results=target/perftest-compare
 
 if [ "${RDMAKIT_IN_RXE_VM:-}" != 1 ]; then
     cd "$here"
-    cargo build --release --quiet -p rdmakit-perf
+    # The rdma-core provider must be in the binary: install what it builds with, and have
+    # the build fail rather than quietly leave it out (rdmakit-perf would then only say,
+    # inside the VM, that it is not built in).
+    scripts/dev.sh deps rdma
+    RDMAKIT_SYS_VERBS=require cargo build --release --quiet -p rdmakit-perf
     mkdir -p "$results"
     export RDMAKIT_RXE_RW_DIRS="${RDMAKIT_RXE_RW_DIRS:+$RDMAKIT_RXE_RW_DIRS:}$here/$results"
     exec scripts/rxe-vm.sh "$0" "$@"
