@@ -938,14 +938,32 @@ fn region_deregistered_mid_transfer() {
 
 // ---- the soft CM bootstrap: a trickling client cannot hold accept ----
 
-#[test]
-fn bootstrap_slow_loris_cannot_hold_accept() {
-    let _g = serial();
+/// A blocking CM listener on a soft device of its own, and options giving each connection
+/// `budget` for its handshake.
+fn cm_listener(budget: Duration) -> (ProtectionDomain, cm::Listener, std::net::SocketAddr, cm::CmOptions) {
     let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = l.local_addr().unwrap();
-    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(2));
+    (pd, l, addr, cm::CmOptions::default().with_timeout(budget))
+}
+
+/// A real client that connects to `addr` after 200 ms (once connections opened before it
+/// have surely reached the listener's queue), sending `cli`.
+fn late_client(
+    addr: std::net::SocketAddr,
+) -> std::thread::JoinHandle<Result<(ProtectionDomain, cm::Connection)>> {
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
+        cm::connect(&cpd, addr, &cm::CmOptions::default(), b"cli").map(|c| (cpd, c))
+    })
+}
+
+#[test]
+fn bootstrap_slow_loris_cannot_hold_accept() {
+    let _g = serial();
+    let (pd, l, addr, opts) = cm_listener(Duration::from_secs(2));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();
     let trickle = std::thread::spawn(move || {
@@ -985,23 +1003,13 @@ fn bootstrap_slow_loris_cannot_hold_accept() {
 #[test]
 fn silent_connections_do_not_delay_the_next_client_of_a_blocking_listener() {
     let _g = serial();
-    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = l.local_addr().unwrap();
-    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(30));
+    let (pd, l, addr, opts) = cm_listener(Duration::from_secs(30));
     let silent: Vec<TcpStream> = (0..3).map(|_| attacker(addr.port())).collect();
     let start = Instant::now();
-    let client = std::thread::spawn(move || {
-        // After the silent ones have surely reached the listener's queue.
-        std::thread::sleep(Duration::from_millis(200));
-        let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
-        let c = cm::connect(&cpd, addr, &cm::CmOptions::default(), b"cli").unwrap();
-        (cpd, c)
-    });
+    let client = late_client(addr);
     let conn = l.accept_timeout(&pd, &opts, b"srv", Some(Duration::from_secs(10)));
     let took = start.elapsed();
-    let (cpd, cconn) = client.join().unwrap();
+    let (cpd, cconn) = client.join().unwrap().expect("the client connects");
     println!("blocking listener: a client behind 3 silent connections accepted after {took:?}");
     let conn = conn.expect("the real client is accepted");
     assert!(took < Duration::from_secs(10), "took {took:?}");
@@ -1021,18 +1029,10 @@ fn silent_connections_do_not_delay_the_next_client_of_a_blocking_listener() {
 #[test]
 fn more_silent_connections_than_a_listener_keeps_do_not_lock_out_a_client() {
     let _g = serial();
-    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let l = cm::Listener::bind(&ctx, "127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = l.local_addr().unwrap();
-    let opts = cm::CmOptions::default().with_timeout(Duration::from_secs(30));
+    let (pd, l, addr, opts) = cm_listener(Duration::from_secs(30));
     // 64 is what one call keeps (`MAX_PENDING` in the soft bootstrap).
     let mut silent: Vec<TcpStream> = (0..64 + 8).map(|_| attacker(addr.port())).collect();
-    let client = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(200));
-        let cpd = Context::open_soft_with(SoftConfig::default()).unwrap().alloc_pd().unwrap();
-        cm::connect(&cpd, addr, &cm::CmOptions::default(), b"cli").map(|c| (cpd, c))
-    });
+    let client = late_client(addr);
     let conn = l.accept_timeout(&pd, &opts, b"srv", Some(Duration::from_secs(10)));
     let client = client.join().unwrap();
     let conn = conn.expect("the real client is accepted");
