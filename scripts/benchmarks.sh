@@ -24,7 +24,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
-out=BENCHMARKS.md
+out_file=BENCHMARKS.md
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 
@@ -41,19 +41,30 @@ machine="$(nproc) CPUs ($cpu), $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 104857
 load=$(cut -d' ' -f1-3 /proc/loadavg)
 
 section() { # section TITLE LABEL COMMAND...
-    local title=$1 label=$2
+    local title=$1 label=$2 started out rc=0
     shift 2
     echo "running: $*" >&2
+    started="$(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg) at the start"
+    out=$(mktemp)
+    "$@" >"$out" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        # Loudly, with what the command said: the table would otherwise be lost with $tmp.
+        cat "$out" >&2
+        rm -f "$out"
+        echo "benchmarks.sh: \`$*\` failed (exit $rc); $out_file is left as it was" >&2
+        exit "$rc"
+    fi
     {
         echo "## $title ($label)"
         echo
-        echo "\`$*\` — $(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg) at the start"
+        echo "\`$*\` — $started"
         echo
         echo '```'
-        "$@" 2>&1
+        cat "$out"
         echo '```'
         echo
     } >>"$tmp"
+    rm -f "$out"
 }
 
 {
@@ -197,6 +208,6 @@ else
     printf '## The seeds on rdma-core (rxe)\n\nNot run this time (RDMAKIT_BENCH_RXE=0).\n\n' >>"$tmp"
 fi
 
-mv "$tmp" "$out"
+mv "$tmp" "$out_file"
 trap - EXIT
-echo "wrote $out" >&2
+echo "wrote $out_file" >&2
