@@ -26,7 +26,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 out_file=BENCHMARKS.md
 tmp=$(mktemp)
-trap 'rm -f "$tmp"' EXIT
+# One section's output, while its command runs.
+sect=$(mktemp)
+trap 'rm -f "$tmp" "$sect"' EXIT
 
 # The rdma-core provider must be in the binary the rxe sections run (and the soft sections
 # then run the same one): install what it builds with, and have the build fail rather than
@@ -41,16 +43,14 @@ machine="$(nproc) CPUs ($cpu), $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 104857
 load=$(cut -d' ' -f1-3 /proc/loadavg)
 
 section() { # section TITLE LABEL COMMAND...
-    local title=$1 label=$2 started out rc=0
+    local title=$1 label=$2 started rc=0
     shift 2
     echo "running: $*" >&2
     started="$(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg) at the start"
-    out=$(mktemp)
-    "$@" >"$out" 2>&1 || rc=$?
+    "$@" >"$sect" 2>&1 || rc=$?
     if [ "$rc" -ne 0 ]; then
         # Loudly, with what the command said: the table would otherwise be lost with $tmp.
-        cat "$out" >&2
-        rm -f "$out"
+        cat "$sect" >&2
         echo "benchmarks.sh: \`$*\` failed (exit $rc); $out_file is left as it was" >&2
         exit "$rc"
     fi
@@ -60,11 +60,10 @@ section() { # section TITLE LABEL COMMAND...
         echo "\`$*\` — $started"
         echo
         echo '```'
-        cat "$out"
+        cat "$sect"
         echo '```'
         echo
     } >>"$tmp"
-    rm -f "$out"
 }
 
 {
@@ -209,5 +208,6 @@ else
 fi
 
 mv "$tmp" "$out_file"
+rm -f "$sect"
 trap - EXIT
 echo "wrote $out_file" >&2

@@ -147,17 +147,12 @@ fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant, budget: Dur
     Ok(())
 }
 
-fn read_hello(
-    s: &mut TcpStream,
-    with_status: bool,
-    max_data: usize,
-    deadline: Instant,
-    budget: Duration,
-) -> Result<Hello> {
+/// A reply (the requester's side; the listener reads requests without blocking, in
+/// [`Pending::advance`]).
+fn read_reply(s: &mut TcpStream, max_data: usize, deadline: Instant, budget: Duration) -> Result<Hello> {
     let mut head = [0u8; REQUEST_HEAD + 1];
-    let head = if with_status { &mut head[..] } else { &mut head[..REQUEST_HEAD] };
-    read_by(s, head, deadline, budget)?;
-    let (mut hello, len) = decode_head(head, with_status, max_data)?;
+    read_by(s, &mut head, deadline, budget)?;
+    let (mut hello, len) = decode_head(&head, true, max_data)?;
     hello.private_data = vec![0u8; len];
     read_by(s, &mut hello.private_data, deadline, budget)?;
     Ok(hello)
@@ -424,7 +419,7 @@ impl SoftConnecting {
         max_data: usize,
     ) -> Result<(SoftReplied, Hello)> {
         self.s.write_all(&encode(None, ep, token, data)?).map_err(io_err("write handshake"))?;
-        let hello = read_hello(&mut self.s, true, max_data, self.deadline, self.budget)?;
+        let hello = read_reply(&mut self.s, max_data, self.deadline, self.budget)?;
         Ok((SoftReplied(self.s), hello))
     }
 }
@@ -470,19 +465,14 @@ fn deadline_after(d: Duration) -> Instant {
 
 fn wait_readable(fd: i32, wait: Duration) -> Result<bool> {
     let deadline = deadline_after(wait);
+    let mut pfd = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `pfd` is one valid, initialised pollfd on this stack frame and the count
-        // passed is 1, so poll reads and writes only it.
-        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if r >= 0 {
-            return Ok(r > 0);
+        poll_fds(&mut pfd, Some(deadline))?;
+        if pfd[0].revents != 0 {
+            return Ok(true);
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::Os { call: "poll", source: e });
+        if Instant::now() >= deadline {
+            return Ok(false);
         }
     }
 }
