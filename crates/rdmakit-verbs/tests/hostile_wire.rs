@@ -936,6 +936,232 @@ fn region_deregistered_mid_transfer() {
     l2.write(&v, 0, 9);
 }
 
+// ---- large reads: answered from the region, not copied ----
+
+/// Sends a read of `len` bytes at `target` from the phantom requester `pep`, and reads the
+/// response's header and fixed fields (not its data): the answer's status and how many data
+/// bytes follow.
+fn start_read(s: &mut TcpStream, pep: &QpAddress, target: RemoteRegion, len: u32) -> (u32, usize) {
+    let read = Frame::Read { psn: pep.psn, addr: target.addr, rkey: target.rkey, len };
+    s.write_all(&frame(&read)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut h = [0u8; wire::HEADER];
+    s.read_exact(&mut h).expect("the read is answered");
+    let (kind, total) = wire::decode_header(&h).unwrap();
+    let fixed_len = wire::data_offset(kind).expect("an answer with data");
+    let mut fixed = vec![0u8; fixed_len];
+    s.read_exact(&mut fixed).unwrap();
+    match wire::decode_payload_split(kind, &fixed, Vec::new()) {
+        Ok(Frame::Ack { psn, status, .. }) if psn == pep.psn => (status, total as usize - fixed_len),
+        other => panic!("not the read's answer: {other:?}"),
+    }
+}
+
+/// Peers that read large regions and then take their answers slowly, or never: each answer
+/// is sent from the responder's region as the peer takes it. Before, the responder's loop
+/// zeroed and copied a buffer of the read's size for each (a pause for every connection of
+/// the process), and kept it until the peer took it or the send timeout ended the
+/// connection: six silent peers held 288 MiB.
+#[test]
+fn large_reads_that_peers_do_not_take_cost_the_responder_no_copies() {
+    let _g = serial();
+    const LEN: u32 = 48 << 20;
+    const PEERS: usize = 6;
+    let v = Victim::new();
+    let region = v.pd.alloc_mr(LEN as usize, AccessFlags::ALL_REMOTE).unwrap();
+    region.fill(7).unwrap();
+    // One read first: the wire and its buffers are up, and the region is resident, before
+    // the baseline.
+    let (_vqp0, vep0, pep0, _ctx0, _p0) = phantom(&v);
+    let mut s0 = speaking_for(&pep0, &vep0);
+    assert_eq!(start_read(&mut s0, &pep0, region.remote(), 4096), (0, 4096));
+    let before = rss_mib();
+    let mut silent = Vec::new();
+    for _ in 0..PEERS {
+        let (vqp, vep, pep, ctx, p) = phantom(&v);
+        let mut s = speaking_for(&pep, &vep);
+        let (status, data) = start_read(&mut s, &pep, region.remote(), LEN);
+        assert_eq!((status, data), (0, LEN as usize), "the read is served");
+        // The first bytes are the region's.
+        let mut first = [0u8; 4096];
+        s.read_exact(&mut first).unwrap();
+        assert_eq!(first, [7u8; 4096]);
+        silent.push((s, vqp, ctx, p));
+    }
+    let after = rss_mib();
+    println!("{PEERS} reads of {} MiB not taken: responder RSS {before} -> {after} MiB", LEN >> 20);
+    assert!(
+        after < before + u64::from(LEN >> 20),
+        "{PEERS} untaken reads of {} MiB grew the responder by {} MiB",
+        LEN >> 20,
+        after.saturating_sub(before)
+    );
+    // The victim still serves others.
+    let l = legit(&v);
+    l.write(&v, 0, 3);
+}
+
+/// A read answered from a caller-owned region (`register_raw`) to a peer that takes it
+/// slowly: deregistering the region does not wait for the peer, and the peer gets the
+/// region's content as it was at the deregistration, not what the caller writes after.
+#[test]
+fn a_large_read_being_answered_does_not_hold_a_raw_regions_deregistration() {
+    let _g = serial();
+    const LEN: usize = 16 << 20;
+    let v = Victim::new();
+    let mem = anonymous(LEN);
+    // SAFETY: `mem..mem + LEN` is our own mapping, allocated, readable and writable; it is
+    // only written below once the region is deregistered, and unmapped after that.
+    let raw = unsafe {
+        v.pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::ALL_REMOTE)
+    }
+    .unwrap();
+    raw.fill(1).unwrap();
+    let (_vqp, vep, pep, _ctx, _p) = phantom(&v);
+    let mut s = speaking_for(&pep, &vep);
+    assert_eq!(start_read(&mut s, &pep, raw.remote(), LEN as u32), (0, LEN));
+    let mut got = vec![0u8; LEN];
+    s.read_exact(&mut got[..4096]).unwrap();
+    // The peer stops taking; the caller asks for its memory back.
+    let t0 = Instant::now();
+    drop(raw);
+    let took = t0.elapsed();
+    // SAFETY: the region is deregistered: the memory is ours alone again.
+    unsafe { std::ptr::write_bytes(mem.cast::<u8>(), 2, LEN) };
+    s.read_exact(&mut got[4096..]).expect("the rest of the answer");
+    // SAFETY: our mapping, which no region refers to any more.
+    unsafe { libc::munmap(mem, LEN) };
+    let later = got.iter().filter(|&&b| b != 1).count();
+    println!("deregistration with a read being answered took {took:?}; {later} bytes not the region's at it");
+    assert!(took < Duration::from_secs(5), "the deregistration waited {took:?} for the peer");
+    assert_eq!(later, 0, "the answer carried bytes written after the deregistration");
+}
+
+/// A responder answering in two parts, and the requester QP connected to it.
+struct TwoPartAnswer {
+    responder: std::thread::JoinHandle<()>,
+    /// Says when the first part is sent.
+    sent: std::sync::mpsc::Receiver<()>,
+    /// The rest goes on the first message; the connection ends on the second.
+    go: std::sync::mpsc::Sender<()>,
+    _ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+/// A [`patient_requester`] and the responder it talks to, which answers the first request
+/// (a read of `len` bytes) with `first` bytes of 0xab, then the rest once told.
+fn answering_in_two_parts(len: usize, first: usize) -> TwoPartAnswer {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (sent_tx, sent) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    let responder = std::thread::spawn(move || {
+        let mut s = accept_requester(&listener);
+        let Some(Frame::Read { psn, len: asked, .. }) = read_reply(&mut s, Duration::from_secs(10)) else {
+            panic!("expected a read")
+        };
+        assert_eq!(asked as usize, len);
+        let mut head = frame(&Frame::Ack { psn, status: 0, data: Vec::new() });
+        let fixed = head.len() - wire::HEADER;
+        head[4..8].copy_from_slice(&u32::try_from(fixed + len).unwrap().to_le_bytes());
+        let chunk = vec![0xabu8; 1 << 20];
+        let send = |s: &mut TcpStream, from: usize, to: usize| {
+            let mut at = from;
+            while at < to {
+                let n = (to - at).min(chunk.len());
+                if s.write_all(&chunk[..n]).is_err() {
+                    return; // the requester closed: nothing more to send
+                }
+                at += n;
+            }
+        };
+        s.write_all(&head).unwrap();
+        send(&mut s, 0, first);
+        let _ = sent_tx.send(());
+        let _ = go_rx.recv();
+        send(&mut s, first, len);
+        let _ = go_rx.recv();
+    });
+    let (_ctx, pd, cq, qp) = patient_requester(port, 16);
+    TwoPartAnswer { responder, sent, go, _ctx, pd, cq, qp }
+}
+
+/// A large read's answer lands in the read's buffer as it arrives: the requester keeps no
+/// buffer of the answer's size (before, it grew one to the whole answer, then copied it in
+/// one go on the wire's loop, a pause for every connection of the process).
+#[test]
+fn a_large_read_answer_lands_in_place_as_it_arrives() {
+    let _g = serial();
+    const LEN: usize = 48 << 20;
+    const FIRST: usize = 40 << 20;
+    let TwoPartAnswer { responder, sent, go, _ctx, pd, cq, qp } = answering_in_two_parts(LEN, FIRST);
+    let dst = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    dst.fill(0).unwrap();
+    let before = rss_mib();
+    let wr = SendWr::read(dst.local().unwrap(), RemoteSlice::new(0x1000, LEN as u32, 1));
+    qp.post_send(wr.wr_id(5)).unwrap();
+    sent.recv_timeout(Duration::from_secs(30)).expect("the first part is sent");
+    let landed = eventually(Duration::from_secs(5), || {
+        let mut b = [0u8; 1];
+        dst.read_at(FIRST as u64 - 1, &mut b).unwrap();
+        b[0] == 0xab
+    });
+    let mid = rss_mib();
+    go.send(()).unwrap();
+    let wc = cq.wait(Some(Duration::from_secs(30))).expect("the read completes");
+    let _ = go.send(());
+    responder.join().unwrap();
+    println!(
+        "{} of a {} MiB answer in: requester RSS {before} -> {mid} MiB; landed as it came: {landed}",
+        FIRST >> 20,
+        LEN >> 20
+    );
+    assert!(
+        mid < before + 16,
+        "{} MiB of an answer grew the requester by {} MiB",
+        FIRST >> 20,
+        mid.saturating_sub(before)
+    );
+    assert!(landed, "the answer's first part was not in the buffer before the rest came");
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::SUCCESS));
+    let mut all = vec![0u8; LEN];
+    dst.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|&b| b == 0xab), "the answer landed whole");
+}
+
+/// A read's answer landing in place stops when the read is flushed and its buffer's region
+/// deregistered: the deregistration does not wait for the responder, and the rest of the
+/// answer, arriving once the memory is unmapped, lands nowhere (a write there would crash
+/// this test).
+#[test]
+fn a_read_answer_arriving_after_its_region_is_gone_lands_nowhere() {
+    let _g = serial();
+    const LEN: usize = 16 << 20;
+    const FIRST: usize = 1 << 20;
+    let TwoPartAnswer { responder, sent, go, _ctx, pd, cq, qp } = answering_in_two_parts(LEN, FIRST);
+    let mem = one_request_on_raw_memory(&pd, &qp, LEN, SendWr::read);
+    sent.recv_timeout(Duration::from_secs(30)).expect("the first part is sent");
+    std::thread::sleep(Duration::from_millis(200));
+    // The application gives up on the read: the flush, reaped, releases the region.
+    qp.modify_to_error().unwrap();
+    let t0 = Instant::now();
+    let wc = cq.wait(Some(Duration::from_secs(60))).unwrap();
+    let took = t0.elapsed();
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WR_FLUSH_ERR));
+    // SAFETY: our mapping, which no region refers to any more.
+    unsafe { libc::munmap(mem, LEN) };
+    // The rest of the answer comes now.
+    go.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = go.send(());
+    responder.join().unwrap();
+    println!("flush reaped in {took:?} with an answer part-way in");
+    assert!(took < Duration::from_secs(5), "reaping the flush waited {took:?} for the responder");
+    drop(qp);
+}
+
 // ---- the soft CM bootstrap: a trickling client cannot hold accept ----
 
 /// A blocking CM listener on a soft device of its own, and options giving each connection
@@ -1248,6 +1474,29 @@ fn stalled_responder_does_not_leak_threads_or_fds() {
     assert!(back, "threads {thr0} -> {thr1}, fds {fd0} -> {fd1}: the link leaked");
 }
 
+/// Fresh anonymous memory of `len` bytes registered with `register_raw`, and one request
+/// (`op`, work request id 9) posted over all of it to the remote range at 0x1000, key 1:
+/// the request then holds the region's only handle. Returns the memory, which the caller
+/// unmaps once the request is reaped.
+fn one_request_on_raw_memory(
+    pd: &ProtectionDomain,
+    qp: &QueuePair,
+    len: usize,
+    op: impl FnOnce(LocalSlice, RemoteSlice) -> SendWr<'static>,
+) -> *mut libc::c_void {
+    let mem = anonymous(len);
+    // SAFETY: `mem..mem + len` is allocated, readable and writable, and stays so until the
+    // region and the work request using it are gone (the caller reaps the request before
+    // it unmaps the memory).
+    let region = unsafe {
+        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), len, AccessFlags::LOCAL_WRITE)
+    }
+    .unwrap();
+    let wr = op(region.slice(0, len as u32).unwrap(), RemoteSlice::new(0x1000, len as u32, 1));
+    qp.post_send(wr.wr_id(9)).unwrap();
+    mem
+}
+
 // ---- a slow reader does not hold a deregistration ----
 
 /// A responder that accepts our Hello and then reads what we send a little at a time, never
@@ -1275,16 +1524,7 @@ fn a_slow_reader_does_not_hold_a_raw_regions_deregistration() {
         }
     });
     let (_ctx, pd, cq, qp) = patient_requester(port, 16);
-    let mem = anonymous(LEN);
-    // SAFETY: `mem..mem + LEN` is allocated, readable and writable, and stays so until the
-    // region and the work request using it are gone (the flush below, reaped).
-    let src = unsafe {
-        pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::LOCAL_WRITE)
-    }
-    .unwrap();
-    let wr = SendWr::write(src.slice(0, LEN as u32).unwrap(), RemoteSlice::new(0x1000, LEN as u32, 1));
-    qp.post_send(wr.wr_id(9)).unwrap();
-    drop(src); // the work request holds the region now
+    let mem = one_request_on_raw_memory(&pd, &qp, LEN, SendWr::write);
     assert!(
         eventually(Duration::from_secs(10), || read.load(std::sync::atomic::Ordering::Relaxed) > 0),
         "the payload never started to go out"

@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use mio::net::UnixStream;
 
 use super::flags::{self, Flag};
-use super::qp::Placement;
+use super::qp::{Held, Placement};
 use crate::shared_mem::{self, Dst, Src};
 
 /// Environment variable: `0` keeps processes of one host on TCP.
@@ -469,8 +469,14 @@ impl ShmConn {
     /// no private buffer between the ring and the region.
     ///
     /// # Safety
-    /// `at + max` must not exceed `p.len()`.
-    pub(crate) unsafe fn read_placed(&mut self, p: &Placement, at: usize, max: usize) -> io::Result<usize> {
+    /// `at + max` must not exceed `p.len()`, and `held` must come from `p`'s `hold`.
+    pub(crate) unsafe fn read_placed(
+        &mut self,
+        p: &Placement,
+        held: &Held,
+        at: usize,
+        max: usize,
+    ) -> io::Result<usize> {
         if max == 0 {
             return Ok(0);
         }
@@ -484,10 +490,11 @@ impl ShmConn {
         let first = n.min(ring - from);
         let data = self.map.data(self.rx);
         // SAFETY: both ring ranges stay in the ring (as in `read`); the caller keeps
-        // `at + n <= p.len()`. The peer's bytes land as opaque bytes, torn at worst.
+        // `at + n <= p.len()` and gives `p`'s own leave. The peer's bytes land as opaque
+        // bytes, torn at worst.
         unsafe {
-            p.land_from(at, Src::Shared(data.add(from)), first);
-            p.land_from(at + first, Src::Shared(data), n - first);
+            p.land_from(held, at, Src::Shared(data.add(from)), first);
+            p.land_from(held, at + first, Src::Shared(data), n - first);
         }
         self.consumed(n);
         Ok(n)

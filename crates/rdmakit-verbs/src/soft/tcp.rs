@@ -59,7 +59,7 @@ use super::SoftDevice;
 use super::direct::{self, GrantTable, Miss};
 use super::flags::FlagPage;
 use super::mr::MrEntry;
-use super::qp::{Auth, Deferred, Placement, Requester, SharedTail, SoftQp, TailCopies};
+use super::qp::{Auth, Deferred, Placement, Requester, ResponseData, SharedTail, SoftQp, TailCopies};
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
 use crate::shared_mem::Src;
@@ -737,8 +737,9 @@ impl Io {
         }
     }
 
-    /// Queues a request whose payload, as `tail`, is still in the requester's region.
-    fn push_request(&mut self, f: Frame, tail: Option<SharedTail>, scratch: &mut Vec<u8>) {
+    /// Queues a frame whose data, as `tail`, is still in a registered region: a request's
+    /// payload in the requester's, or a read's response in the responder's.
+    fn push_with_tail(&mut self, f: Frame, tail: Option<SharedTail>, scratch: &mut Vec<u8>) {
         let Some(tail) = tail else { return self.push_frame(f, scratch) };
         self.start_output();
         scratch.clear();
@@ -1932,14 +1933,15 @@ impl EventLoop {
             // Same-host rings: a write's data being placed goes from the ring straight to
             // its target region.
             if let (Conn::Shm(c), Some((p, done))) = (&mut s.io.s, s.io.rd.placing()) {
-                if !p.still_valid() {
+                let Some(held) = p.hold() else {
                     // Revoked mid-frame: the reader discards the rest (read through the
                     // buffer below) and the write is answered as refused.
                     s.io.rd.revoke();
                     continue;
-                }
-                // SAFETY: at most what is left of the placement, from where it stands.
-                match unsafe { c.read_placed(p, done, p.len() - done) } {
+                };
+                // SAFETY: at most what is left of the placement, from where it stands, under
+                // its own leave.
+                match unsafe { c.read_placed(p, &held, done, p.len() - done) } {
                     Ok(0) => {
                         warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
                         // Answers already queued still go out if the ring takes them now.
@@ -1950,7 +1952,9 @@ impl EventLoop {
                         if let Some(got) = s.io.rd.placed(n) {
                             match answer(s, got) {
                                 None => return false,
-                                Some(Some(reply)) => s.io.push_frame(reply, &mut self.scratch),
+                                Some(Some((reply, tail))) => {
+                                    s.io.push_with_tail(reply, tail, &mut self.scratch)
+                                }
                                 Some(None) => {}
                             }
                         }
@@ -2028,7 +2032,7 @@ impl EventLoop {
                 continue;
             }
             match answer(s, got)? {
-                Some(reply) => s.io.push_frame(reply, &mut self.scratch),
+                Some((reply, tail)) => s.io.push_with_tail(reply, tail, &mut self.scratch),
                 None => continue,
             }
         }
@@ -2060,7 +2064,7 @@ impl EventLoop {
                 // A TCP link holds its requests until the peer accepts its Hello (`Dial`).
                 while c.dial.is_none() && c.io.out_bytes <= OUT_HIGH {
                     let Some((f, tail)) = q.pop_front() else { break };
-                    c.io.push_request(f, tail, &mut self.scratch);
+                    c.io.push_with_tail(f, tail, &mut self.scratch);
                 }
                 // Under the queue's lock, where the QP looks before posting directly: what
                 // the loop took goes first.
@@ -2103,7 +2107,17 @@ impl EventLoop {
                         // An answer carries at most what the oldest outstanding request
                         // asked for.
                         let limit = |_: u8, _: &[u8]| qp.upgrade().map_or(0, |q| q.response_data_limit());
-                        match c.io.rd.feed(&mut rest, limit, false) {
+                        // A large read's answer lands in the read's buffer as it arrives:
+                        // never stored whole, nor copied in one go on this loop.
+                        let place =
+                            |kind: u8, fixed: &[u8], data_len: usize| match wire::decode_payload(kind, fixed)
+                            {
+                                Ok(Frame::Ack { psn, status: 0, .. }) if data_len >= PLACE_MIN => {
+                                    qp.upgrade()?.place_response(psn, data_len)
+                                }
+                                _ => None,
+                            };
+                        match c.io.rd.feed_placing(&mut rest, limit, false, place) {
                             Ok(None) => {}
                             Ok(Some(Got::Frame(Frame::HelloAck { status: 0 }))) => {
                                 c.io.rd.accept = Accept::Responses;
@@ -2161,13 +2175,16 @@ impl EventLoop {
                                     None => return false,
                                 }
                             }
-                            Ok(Some(Got::Frame(f))) => match c.qp.upgrade() {
-                                Some(qp) => qp.on_remote_response(f),
-                                None => return false,
-                            },
-                            Ok(Some(Got::Refused { .. } | Got::Placed { .. })) => {
-                                c.dial = None;
-                                return false;
+                            Ok(Some(got @ (Got::Frame(_) | Got::Placed { .. } | Got::Refused { .. }))) => {
+                                let (f, data) = match got {
+                                    Got::Frame(f) => (f, ResponseData::InFrame),
+                                    Got::Placed { frame, .. } => (frame, ResponseData::Placed),
+                                    Got::Refused { frame, .. } => (frame, ResponseData::Cut),
+                                };
+                                match c.qp.upgrade() {
+                                    Some(qp) => qp.on_remote_response(f, data),
+                                    None => return false,
+                                }
                             }
                             Err(e) => {
                                 warn_limited!(error = %e, "soft NIC: bad response; link dropped");
@@ -2234,14 +2251,14 @@ impl EventLoop {
 
 /// The answer to a request that came in whole. `None`: the connection ends; `Some(None)`:
 /// nothing is answered (the request is dropped, as a NIC drops such packets).
-fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
+fn answer(s: &mut ServedConn, got: Got) -> Option<Option<(Frame, Option<SharedTail>)>> {
     Some(match got {
         Got::Placed { frame, .. } => {
             let psn = request_psn(&frame)?;
             let target = s.qp.upgrade()?;
             let Some(reply) = target.placed_write_done(&s.requester, psn) else { return Some(None) };
             s.expected = next_psn(psn);
-            Some(reply)
+            Some((reply, None))
         }
         Got::Refused { frame, data_len } => {
             let psn = request_psn(&frame)?;
@@ -2253,7 +2270,7 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
                 return Some(None);
             };
             s.expected = next_psn(psn);
-            Some(reply)
+            Some((reply, None))
         }
         Got::Frame(frame) => {
             let psn = request_psn(&frame)?;
@@ -2266,10 +2283,11 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<Frame>> {
             let target = s.qp.upgrade()?;
             // `None`: the target QP is not connected to this requester (any more): drop, as
             // a NIC drops such packets; the requester times out.
-            let Some(reply) = target.serve_remote(&s.requester, frame, &mut s.held) else {
+            let same_host = s.io.s.is_shm();
+            let Some(reply) = target.serve_remote(&s.requester, frame, &mut s.held, same_host) else {
                 return Some(None);
             };
-            if !matches!(reply, Frame::RnrNak { .. }) {
+            if !matches!(reply.0, Frame::RnrNak { .. }) {
                 s.expected = next_psn(psn);
             }
             Some(reply)
@@ -2801,18 +2819,26 @@ impl FrameReader {
                 }
             }
         }
-        if let Some((p, done)) = b.place.as_ref()
-            && !p.still_valid()
-        {
-            // Revoked mid-frame: the rest is discarded and the write answered as refused
-            // (with the status the target check now gives).
-            b.discard = Some(p.len() - done);
-            b.place = None;
-        }
-        if let Some((p, done)) = b.place.as_mut() {
+        // The leave to land this piece, kept while it lands.
+        let held = match b.place.as_ref() {
+            Some((p, done)) => {
+                let held = p.hold();
+                if held.is_none() {
+                    // Revoked mid-frame: the rest is discarded and the frame comes out as
+                    // refused (a write is answered with the status the target check now
+                    // gives; a read completes with a protection error).
+                    b.discard = Some(p.len() - done);
+                    b.place = None;
+                }
+                held
+            }
+            None => None,
+        };
+        if let (Some((p, done)), Some(held)) = (b.place.as_mut(), held.as_ref()) {
             let take = (p.len() - *done).min(input.len());
-            // SAFETY: `*done + take <= p.len()`, the placement's checked length.
-            unsafe { p.land(*done, &input[..take]) };
+            // SAFETY: `*done + take <= p.len()`, the placement's checked length; `held` is
+            // its own leave.
+            unsafe { p.land(held, *done, &input[..take]) };
             *done += take;
             *input = &input[take..];
             if *done < p.len() {

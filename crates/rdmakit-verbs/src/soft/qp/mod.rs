@@ -19,6 +19,7 @@
 //! deferred until the first is released.
 
 mod requester;
+pub(crate) use requester::ResponseData;
 mod responder;
 
 use std::collections::VecDeque;
@@ -1070,7 +1071,13 @@ const SHARED_TAIL_MIN: u32 = 128 * 1024;
 /// itself, so only payloads small enough to batch are worth a copy of their own.
 const SHARED_TAIL_MIN_SAME_HOST: u32 = 2 * 1024;
 
-/// A request's payload left in its registered region, for the link to send from there.
+/// The size from which a payload goes out from its region as a [`SharedTail`].
+fn tail_min(same_host: bool) -> u32 {
+    if same_host { SHARED_TAIL_MIN_SAME_HOST } else { SHARED_TAIL_MIN }
+}
+
+/// A payload left in its registered region, for the connection to send from there: a
+/// request's (the requester's region) or a read response's (the responder's).
 pub(crate) struct SharedTail {
     pub ptr: *mut u8,
     pub len: usize,
@@ -1180,27 +1187,40 @@ impl TailCopies {
     }
 }
 
-/// Where a remote write's data lands as it arrives off the wire: a target checked against
-/// the responder's registration (QP access, key, PD, region access, bounds) for the whole
-/// length, kept alive while the data lands.
+/// Where a frame's data lands as it arrives off the wire, so that it is never stored whole:
+/// a remote write's into its target region, or a read's response into the requester's
+/// buffer. The range was checked, for the whole length, when the placement was chosen, and
+/// is checked again before each piece lands ([`hold`](Placement::hold)).
 pub(crate) struct Placement {
     ptr: *mut u8,
     len: usize,
-    _entry: Option<Arc<MrEntry>>,
-    /// What was checked, to check again before each piece lands: a region deregistered,
-    /// a key invalidated or a QP moved out of RTR/RTS meanwhile stops the data.
-    qp: Weak<SoftQp>,
-    from: ([u8; 16], u32),
-    addr: u64,
-    rkey: u32,
-    /// The write's last aligned word, held back until its last byte has arrived and then
+    whose: Whose,
+    /// The data's last aligned word, held back until its last byte has arrived and then
     /// landed whole, last (see [`LastWord`]).
     last: std::cell::RefCell<LastWord>,
 }
 
-// SAFETY: `ptr` points into memory `_entry` keeps alive; it is only written through
-// `shared_mem` (as a NIC writes registered memory), never through a Rust reference, so the
-// wire's thread may hold it.
+/// Whose memory a [`Placement`] writes, and what must still hold for a piece to land there.
+enum Whose {
+    /// A remote write's target in this responder's region (QP access, key, PD, region
+    /// access, bounds checked), the entry held for the whole write: a region deregistered,
+    /// a key invalidated or a QP moved out of RTR/RTS meanwhile stops the data.
+    Target { entry: Option<Arc<MrEntry>>, qp: Weak<SoftQp>, from: ([u8; 16], u32), addr: u64, rkey: u32 },
+    /// A read's response landing in this requester's own buffer (the oldest outstanding
+    /// request's, read `psn`). The entry is held only while a piece lands: a deregistration
+    /// revokes the read's target and waits for no responder; the rest is then discarded.
+    Response { entry: Weak<MrEntry>, qp: Weak<SoftQp>, psn: u32 },
+}
+
+/// Leave for a [`Placement`] to take a piece now, kept while the piece lands: the region
+/// stays registered until it is dropped.
+pub(crate) struct Held {
+    _entry: Option<Arc<MrEntry>>,
+}
+
+// SAFETY: `ptr` points into memory the entry keeps alive (held by the placement, or by the
+// `Held` a piece lands under); it is only written through `shared_mem` (as a NIC writes
+// registered memory), never through a Rust reference, so the wire's thread may hold it.
 unsafe impl Send for Placement {}
 
 /// The bytes of a write that fall in the aligned word holding its last byte.
@@ -1249,36 +1269,45 @@ impl Placement {
         self.len
     }
 
-    /// Whether the target still takes this write: the QP serves the requester and the key
-    /// allows the whole range *in the same region, at the same place*, as when the
-    /// placement was chosen. An indirect key invalidated and bound elsewhere meanwhile
-    /// resolves again, but to other bytes: the rest of the write must not land in the
-    /// region the key no longer maps.
-    pub(crate) fn still_valid(&self) -> bool {
-        let Some(qp) = self.qp.upgrade() else { return false };
-        let from = Requester::remote(self.from.0, self.from.1);
-        let len = u32::try_from(self.len).unwrap_or(u32::MAX);
-        if !qp.accepts_from(&from) {
-            return false;
-        }
-        match qp.target(self.addr, self.rkey, len, AccessFlags::REMOTE_WRITE) {
-            Ok((ptr, entry)) => {
-                let same_region = match (&entry, &self._entry) {
+    /// Whether the data may still land, and if so the leave to land a piece under.
+    ///
+    /// A write's target: the QP serves the requester and the key allows the whole range *in
+    /// the same region, at the same place*, as when the placement was chosen (an indirect
+    /// key invalidated and bound elsewhere meanwhile resolves again, but to other bytes: the
+    /// rest of the write must not land in the region the key no longer maps).
+    ///
+    /// A read's response: the read is still the QP's oldest outstanding request, and its
+    /// buffer's region was not deregistered meanwhile.
+    pub(crate) fn hold(&self) -> Option<Held> {
+        match &self.whose {
+            Whose::Target { entry: then, qp, from, addr, rkey } => {
+                let qp = qp.upgrade()?;
+                let from = Requester::remote(from.0, from.1);
+                let len = u32::try_from(self.len).unwrap_or(u32::MAX);
+                if !qp.accepts_from(&from) {
+                    return None;
+                }
+                let (ptr, now) = qp.target(*addr, *rkey, len, AccessFlags::REMOTE_WRITE).ok()?;
+                let same_region = match (&now, then) {
                     (Some(now), Some(then)) => Arc::ptr_eq(now, then),
                     (None, None) => true,
                     _ => false,
                 };
-                ptr == self.ptr && same_region
+                (ptr == self.ptr && same_region).then_some(Held { _entry: None })
             }
-            Err(_) => false,
+            Whose::Response { entry, qp, psn } => {
+                let entry = entry.upgrade()?;
+                qp.upgrade()?.awaits_response_in(*psn, &entry).then_some(Held { _entry: Some(entry) })
+            }
         }
     }
 
-    /// Lands `data` at offset `at` of the target.
+    /// Lands `data` at offset `at` of the target, under `_held` (from [`hold`](Self::hold)).
     ///
     /// # Safety
-    /// `at + data.len()` must not exceed [`len`](Self::len).
-    pub(crate) unsafe fn land(&self, at: usize, data: &[u8]) {
+    /// `at + data.len()` must not exceed [`len`](Self::len), and `_held` must come from this
+    /// placement's `hold`.
+    pub(crate) unsafe fn land(&self, _held: &Held, at: usize, data: &[u8]) {
         // SAFETY: `data` is private memory valid for its length; the caller's contract.
         unsafe { self.land_piece(at, Src::Private(data.as_ptr()), data.len(), false) }
     }
@@ -1294,8 +1323,9 @@ impl Placement {
         let (direct, held_from) = last.split(at, n);
         if direct > 0 {
             // SAFETY: the target is valid for `len` bytes (checked registration kept alive
-            // by `_entry`) and `at + direct <= len`; registered memory is only written
-            // through `shared_mem`; `src` is valid for `n >= direct` bytes (caller).
+            // by the placement's entry or the caller's `Held`) and `at + direct <= len`;
+            // registered memory is only written through `shared_mem`; `src` is valid for
+            // `n >= direct` bytes (caller).
             unsafe {
                 let dst = Dst::Shared(self.ptr.add(at));
                 if across_cores {
@@ -1334,8 +1364,9 @@ impl Placement {
     ///
     /// # Safety
     /// `src` must be valid for reads of `n` bytes (shared memory read byte-wise atomically),
-    /// and `at + n` must not exceed [`len`](Self::len).
-    pub(crate) unsafe fn land_from(&self, at: usize, src: Src, n: usize) {
+    /// `at + n` must not exceed [`len`](Self::len), and `_held` must come from this
+    /// placement's [`hold`](Self::hold).
+    pub(crate) unsafe fn land_from(&self, _held: &Held, at: usize, src: Src, n: usize) {
         // SAFETY: forwarded contract.
         unsafe { self.land_piece(at, src, n, true) }
     }

@@ -100,7 +100,7 @@ impl SoftQp {
         psn: u32,
         same_host: bool,
     ) -> std::result::Result<(Frame, Option<LocalTarget>, Option<SharedTail>), WcStatus> {
-        let tail_min = if same_host { SHARED_TAIL_MIN_SAME_HOST } else { SHARED_TAIL_MIN };
+        let tail_min = tail_min(same_host);
         let len = wr.len();
         if len > wire::MAX_MESSAGE {
             return Err(WcStatus::LOC_LEN_ERR);
@@ -160,8 +160,32 @@ impl SoftQp {
         }
     }
 
-    /// A response from the remote responder (called by the link's reader thread).
-    pub fn on_remote_response(&self, f: Frame) {
+    /// Where the data of the response to read `psn`, `len` bytes, lands as it arrives: the
+    /// read's own buffer, if the read is the oldest outstanding request, its region still
+    /// registered and `len` what it asked for. `None`: the response is read as any other
+    /// (and checked when it is whole).
+    pub fn place_response(&self, psn: u32, len: usize) -> Option<Placement> {
+        let sq = self.sq.lock().expect("sq lock");
+        let s = sq.sent.front().filter(|s| s.psn == psn && matches!(s.p.op, RawOp::Read))?;
+        let t = s.target.as_ref().filter(|t| t.len as usize == len && len > 0)?;
+        let entry = Arc::downgrade(t.entry.as_ref()?);
+        let last = std::cell::RefCell::new(super::LastWord::new(t.ptr as usize, len));
+        Some(Placement { ptr: t.ptr, len, whose: Whose::Response { entry, qp: self.me.clone(), psn }, last })
+    }
+
+    /// Whether read `psn` is still the oldest outstanding request, its buffer in the region
+    /// whose entry is `entry` (not revoked by a deregistration).
+    pub(super) fn awaits_response_in(&self, psn: u32, entry: &Arc<MrEntry>) -> bool {
+        let sq = self.sq.lock().expect("sq lock");
+        sq.sent.front().is_some_and(|s| {
+            s.psn == psn
+                && s.target.as_ref().and_then(|t| t.entry.as_ref()).is_some_and(|e| Arc::ptr_eq(e, entry))
+        })
+    }
+
+    /// A response from the remote responder (called by the link's reader thread), its data
+    /// in the frame or, for a read's response, placed (or cut off) as it arrived (`data`).
+    pub fn on_remote_response(&self, f: Frame, landed: ResponseData) {
         let mut d = Deferred::default();
         {
             let mut sq = self.sq.lock().expect("sq lock");
@@ -189,6 +213,15 @@ impl SoftQp {
                     let mut len = 0;
                     if status.is_success() {
                         match (&s.target, s.p.op) {
+                            (Some(t), RawOp::Read) if !matches!(landed, ResponseData::InFrame) => {
+                                // Placed whole (checked against `t` when it started, before
+                                // each piece), or cut off when its region was deregistered.
+                                if t.entry.is_none() || matches!(landed, ResponseData::Cut) {
+                                    status = WcStatus::LOC_PROT_ERR;
+                                } else {
+                                    len = t.len;
+                                }
+                            }
                             (Some(t), RawOp::Read | RawOp::FetchAdd { .. } | RawOp::CompareSwap { .. }) => {
                                 if t.entry.is_none() {
                                     // The local region was deregistered meanwhile.
@@ -251,4 +284,17 @@ fn direct_need(wr: &RawSendWr<'_>) -> Option<AccessFlags> {
         RawOp::Read => Some(AccessFlags::REMOTE_READ),
         _ => None,
     }
+}
+
+/// Where a response's data is, for [`SoftQp::on_remote_response`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ResponseData {
+    /// In the frame.
+    InFrame,
+    /// A read's response, landed in the read's buffer as it arrived
+    /// ([`SoftQp::place_response`]).
+    Placed,
+    /// A read's response whose placement stopped part-way (its buffer's region was
+    /// deregistered): the rest was discarded.
+    Cut,
 }

@@ -13,9 +13,38 @@ impl SoftQp {
     /// drops packets for a QP that is not connected to their sender. What follows from it
     /// (receive completions if `d` holds them, QPs to kick) is left in `d` for the caller
     /// to release once the response is written.
-    pub fn serve_remote(&self, from: &Requester<'_>, f: Frame, d: &mut Deferred) -> Option<Frame> {
+    ///
+    /// A read of `same_host`'s tail size or more is answered from the region itself: the
+    /// response comes with its data as a [`SharedTail`], which the connection sends from
+    /// the region as the peer takes it (as a NIC reads the responder's memory while it
+    /// sends the response). A peer's read then costs the loop neither a copy nor memory of
+    /// its size, however slowly the peer takes it.
+    pub fn serve_remote(
+        &self,
+        from: &Requester<'_>,
+        f: Frame,
+        d: &mut Deferred,
+        same_host: bool,
+    ) -> Option<(Frame, Option<SharedTail>)> {
         if !self.accepts_from(from) {
             return None;
+        }
+        if let Frame::Read { psn, addr, rkey, len } = f
+            && len >= tail_min(same_host)
+            && len <= wire::MAX_MESSAGE
+        {
+            return Some(match self.target(addr, rkey, len, AccessFlags::REMOTE_READ) {
+                Ok((ptr, Some(entry))) => {
+                    let ack = Frame::Ack { psn, status: WcStatus::SUCCESS.0, data: Vec::new() };
+                    (ack, Some(SharedTail::new(ptr, len as usize, entry)))
+                }
+                // A length of 0 has no region (and does not come here).
+                Ok((_, None)) => (Frame::Ack { psn, status: WcStatus::SUCCESS.0, data: Vec::new() }, None),
+                Err(status) => {
+                    self.responder_error(d);
+                    (Frame::Ack { psn, status: status.0, data: Vec::new() }, None)
+                }
+            });
         }
         let (psn, outcome, data) = match f {
             Frame::Write { psn, addr, rkey, imm, data } => {
@@ -58,14 +87,15 @@ impl SoftQp {
             }
             _ => return None,
         };
-        Some(match outcome {
+        let reply = match outcome {
             Outcome::Done(status, _) => {
                 let data = if status.is_success() { data } else { Vec::new() };
                 Frame::Ack { psn, status: status.0, data }
             }
             Outcome::Rnr => Frame::RnrNak { psn },
             Outcome::NoResponse => return None,
-        })
+        };
+        Some((reply, None))
     }
 
     /// A grant of key `rkey` to a same-host requester `from` (see `super::super::direct`):
@@ -115,7 +145,8 @@ impl SoftQp {
         let (ptr, entry) = self.target(addr, rkey, n, AccessFlags::REMOTE_WRITE).ok()?;
         let me = self.me.clone();
         let last = std::cell::RefCell::new(super::LastWord::new(ptr as usize, len));
-        Some(Placement { ptr, len, _entry: entry, qp: me, from: (from.gid, from.qpn), addr, rkey, last })
+        let whose = Whose::Target { entry, qp: me, from: (from.gid, from.qpn), addr, rkey };
+        Some(Placement { ptr, len, whose, last })
     }
 
     /// The answer to a write whose data landed through [`place_write`](Self::place_write).
