@@ -1037,6 +1037,71 @@ fn a_large_read_being_answered_does_not_hold_a_raw_regions_deregistration() {
     assert_eq!(later, 0, "the answer carried bytes written after the deregistration");
 }
 
+/// The header and fixed fields of a send of `len` data bytes from the phantom `pep` (its
+/// first request), for a test to send the data after.
+fn send_head(pep: &QpAddress, len: usize) -> Vec<u8> {
+    let mut head = frame(&Frame::Send { psn: pep.psn, imm: None, data: Vec::new() });
+    let fixed = head.len() - wire::HEADER;
+    head[4..8].copy_from_slice(&u32::try_from(fixed + len).unwrap().to_le_bytes());
+    head
+}
+
+/// Peers sending large messages that no posted receive can take, and stalling inside them:
+/// the responder stores none of their data (before, each connection stored up to 64 MiB of
+/// such a send until it was whole or its 30 s ran out: four peers, 200 MiB), and answers
+/// each as before once it is whole: RNR with no receive posted, a length error with one
+/// too small.
+#[test]
+fn sends_no_receive_can_take_are_not_stored() {
+    let _g = serial();
+    const LEN: usize = 60 << 20;
+    const SENT: usize = 50 << 20;
+    const PEERS: usize = 4;
+    let v = Victim::new();
+    let chunk = vec![0x5au8; 1 << 20];
+    let before = rss_mib();
+    let mut stalled = Vec::new();
+    for _ in 0..PEERS {
+        let (vqp, vep, pep, ctx, p) = phantom(&v);
+        let mut s = speaking_for(&pep, &vep);
+        s.write_all(&send_head(&pep, LEN)).unwrap();
+        for _ in 0..SENT >> 20 {
+            s.write_all(&chunk).unwrap();
+        }
+        stalled.push((s, pep, vqp, ctx, p));
+    }
+    // The loop takes in what the sockets hold.
+    std::thread::sleep(Duration::from_millis(300));
+    let after = rss_mib();
+    println!("{PEERS} sends stalled {} MiB in: responder RSS {before} -> {after} MiB", SENT >> 20);
+    // No receive posted: once whole, the send is answered RNR (the requester sends it again).
+    let (s, pep, ..) = &mut stalled[0];
+    for _ in 0..(LEN - SENT) >> 20 {
+        s.write_all(&chunk).unwrap();
+    }
+    let answer = read_reply(s, Duration::from_secs(10));
+    assert_eq!(answer, Some(Frame::RnrNak { psn: pep.psn }));
+    // A receive too small: its completion says so, and the sender gets a request error.
+    let (s, pep, vqp, ..) = &mut stalled[1];
+    vqp.post_recv(RecvWr::new(v.mr.slice(0, 4096).unwrap()).wr_id(77)).unwrap();
+    for _ in 0..(LEN - SENT) >> 20 {
+        s.write_all(&chunk).unwrap();
+    }
+    let answer = read_reply(s, Duration::from_secs(10));
+    let wc = v.cq.wait(Some(Duration::from_secs(10))).expect("the receive completes");
+    assert!(
+        matches!(answer, Some(Frame::Ack { psn, status, .. }) if psn == pep.psn && status == WcStatus::REM_INV_REQ_ERR.0),
+        "{answer:?}"
+    );
+    assert_eq!((wc.wr_id, wc.status), (77, WcStatus::LOC_LEN_ERR));
+    assert!(
+        after < before + (SENT >> 20) as u64,
+        "{PEERS} stalled sends of {} MiB grew the responder by {} MiB",
+        SENT >> 20,
+        after.saturating_sub(before)
+    );
+}
+
 /// A responder answering in two parts, and the requester QP connected to it.
 struct TwoPartAnswer {
     responder: std::thread::JoinHandle<()>,

@@ -2000,13 +2000,14 @@ impl EventLoop {
         while !rest.is_empty() && s.io.out_bytes <= OUT_HIGH {
             let qp = &s.qp;
             // A write's data may not exceed what its target region can take from its
-            // address (nothing if the key is not valid for it): more would be refused
-            // anyway, so it is not stored.
-            let limit =
-                |_: u8, fixed: &[u8]| match (wire::decode_payload(wire::KIND_WRITE, fixed), qp.upgrade()) {
-                    (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
-                    _ => wire::MAX_MESSAGE as usize,
-                };
+            // address (nothing if the key is not valid for it), nor a send's what the
+            // receive at the head of the queue can take (nothing if none is posted): more
+            // would be refused anyway, so it is not stored.
+            let limit = |kind: u8, fixed: &[u8]| match (wire::decode_payload(kind, fixed), qp.upgrade()) {
+                (Ok(Frame::Write { addr, rkey, .. }), Some(t)) => t.write_data_limit(addr, rkey),
+                (Ok(Frame::Send { .. }), Some(t)) => t.send_data_limit(),
+                _ => wire::MAX_MESSAGE as usize,
+            };
             // A write in sequence, from the connected requester, to a target its key allows:
             // its data lands in the region as it arrives (no copy kept here).
             let (requester, expected) = (&s.requester, s.expected);
@@ -2266,10 +2267,14 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<(Frame, Option<SharedTa
                 return Some(None);
             }
             let target = s.qp.upgrade()?;
-            let Some(reply) = target.refuse_write(&s.requester, frame, data_len, &mut s.held) else {
-                return Some(None);
+            let refused = match frame {
+                Frame::Send { .. } => target.refuse_send(&s.requester, frame, data_len, &mut s.held),
+                _ => target.refuse_write(&s.requester, frame, data_len, &mut s.held),
             };
-            s.expected = next_psn(psn);
+            let Some(reply) = refused else { return Some(None) };
+            if !matches!(reply, Frame::RnrNak { .. }) {
+                s.expected = next_psn(psn);
+            }
             Some((reply, None))
         }
         Got::Frame(frame) => {
