@@ -98,6 +98,9 @@ section "The same over the TCP wire (the same-host path off)" soft \
     env RDMAKIT_SOFT_SHM=0 "$perf" scaling --pairs 1,4,16,64,256,1024 --runs 3
 section "Idle connections between two processes: memory per QP pair" soft \
     "$perf" scaling --idle --pairs 1,256,1024
+section "One peer's large reads and another peer's 8-byte writes to the same process (TCP wire)" soft \
+    "$perf" bystander
+section "The same through the same-host rings" soft "$perf" bystander --same-host
 section "rpipe: rwrite PUT_W_SYNC vs 2PUT, rread, allocation policies through pipes, the rmalloc/rpipe paper's tables" soft \
     "$perf" rpipe-seed
 cat >>"$tmp" <<'NOTE'

@@ -11,6 +11,7 @@
 //! column layouts so the figures can be pasted beside `ib_write_bw`/`ib_write_lat`'s, or
 //! JSON lines with `--json`.
 
+mod bystander;
 mod channel;
 mod contended;
 mod limits;
@@ -145,6 +146,12 @@ enum Cmd {
     /// The peer process of `scaling` (spawned by it).
     #[command(hide = true)]
     ScalingPeer(scaling::PeerArgs),
+    /// The soft NIC across three processes: one peer's 8-byte write latency to a process,
+    /// alone and while another peer keeps large reads from that process outstanding.
+    Bystander(bystander::BystanderArgs),
+    /// A child process of `bystander` (spawned by it).
+    #[command(hide = true)]
+    BystanderPeer(bystander::PeerArgs),
 }
 
 /// The mode: loopback (neither), or one side of a two-process run.
@@ -771,6 +778,8 @@ fn main() -> ExitCode {
         Some(Cmd::FaddContended(c)) => fadd_contended(c),
         Some(Cmd::Scaling(a)) => scaling::main(a),
         Some(Cmd::ScalingPeer(a)) => scaling::peer(a),
+        Some(Cmd::Bystander(a)) => bystander::main(a),
+        Some(Cmd::BystanderPeer(a)) => bystander::peer(a),
         Some(Cmd::Limits { json, runs }) => limits(*json, *runs),
         Some(Cmd::Transfer(t)) => return transfer::main(t),
         Some(Cmd::Datagen(d)) => return transfer::datagen_main(d),

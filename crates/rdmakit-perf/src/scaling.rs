@@ -53,11 +53,11 @@ const MSG: u32 = 8;
 /// QPs connected per step (see `measure`).
 const CHUNK: usize = 128;
 
-fn io(call: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+pub(crate) fn io(call: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Os { call, source }
 }
 
-fn bad(what: impl Into<String>) -> Error {
+pub(crate) fn bad(what: impl Into<String>) -> Error {
     Error::InvalidArgument(what.into())
 }
 
@@ -93,11 +93,11 @@ fn status(pid: &str) -> (u64, u64) {
     (field("Threads:"), field("VmRSS:"))
 }
 
-fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Result<Vec<u8>> {
+pub(crate) fn unhex(s: &str) -> Result<Vec<u8>> {
     let s = s.trim();
     if !s.len().is_multiple_of(2) {
         return Err(bad("odd hex length"));
@@ -120,7 +120,7 @@ fn qps(ctx: &Context, pd: &ProtectionDomain, n: u32) -> Result<Vec<(QueuePair, C
         .collect()
 }
 
-fn read_line(r: &mut impl BufRead) -> Result<String> {
+pub(crate) fn read_line(r: &mut impl BufRead) -> Result<String> {
     let mut l = String::new();
     if r.read_line(&mut l).map_err(io("read from the peer"))? == 0 {
         return Err(bad("the peer closed its output"));

@@ -182,3 +182,28 @@ fn limits_reports_every_comparison() {
     assert_eq!(count("--use-event"), 4);
     assert_eq!(rows.iter().filter(|r| r["unit"] == "us").count(), 2, "two latency rows");
 }
+
+#[test]
+fn bystander_prints_both_phases_on_both_paths() {
+    for same_host in [false, true] {
+        let mut args = vec!["bystander", "--read-size", "1048576", "--window", "2", "--seconds", "0.3"];
+        if same_host {
+            args.push("--same-host");
+        }
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains(if same_host { "same-host rings" } else { "TCP wire" }), "{text}");
+        for phase in ["alone", "beside reads"] {
+            let row = text
+                .lines()
+                .find(|l| l.starts_with(phase))
+                .unwrap_or_else(|| panic!("no {phase} row: {text}"));
+            let writes: u64 = row[phase.len()..].split_whitespace().next().unwrap().parse().unwrap();
+            assert!(writes > 0, "{row}");
+        }
+        let rate = text.lines().find(|l| l.starts_with("beside/alone")).expect("the ratio line");
+        let gbs: f64 = rate.split(": ").last().unwrap().trim_end_matches(" GB/s").parse().unwrap();
+        assert!(gbs > 0.0, "the reads moved nothing: {rate}");
+    }
+}

@@ -439,6 +439,8 @@ const PLACE_MIN: usize = 4096;
 const SHM_READ: usize = 4096;
 /// Reads per connection per turn of the loop before the others get theirs.
 const READS_PER_TURN: usize = 8;
+/// Bytes a connection writes per turn of the loop before the others get theirs.
+const WRITE_PER_TURN: usize = 64 * 1024;
 /// Sleeps of the loop after which a same-host ring with no input in any of them is no
 /// longer polled on waking: it waits for its doorbell again. Only for rings the loop polls
 /// on their own: those with a bit in a flag page (`super::flags`) are never polled.
@@ -783,18 +785,31 @@ impl Io {
 
     /// Writes queued output until done or the socket is full. Err: the connection failed.
     fn flush(&mut self) -> std::io::Result<()> {
+        self.flush_up_to(usize::MAX).map(drop)
+    }
+
+    /// [`flush`](Self::flush), stopping once `budget` bytes are written (a turn's share of
+    /// the loop: a large answer to a peer that takes it fast must not keep the loop from
+    /// every other connection); returns the bytes written.
+    fn flush_up_to(&mut self, budget: usize) -> std::io::Result<usize> {
+        let mut written = 0;
         while let Some(c) = self.out.front_mut() {
+            if written >= budget {
+                return Ok(written);
+            }
+            let left = budget - written;
             let r = match c {
-                Chunk::Bytes(b, off) => self.s.write(&b[*off..]),
+                Chunk::Bytes(b, off) => self.s.write(&b[*off..(*off + left).min(b.len())]),
                 // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the region's
                 // entry) lives, and `*off < t.len`; it is only read, as opaque bytes.
                 Chunk::Tail(t, off) => unsafe {
-                    self.s.write_raw(Src::Shared(t.ptr.add(*off)), t.len - *off)
+                    self.s.write_raw(Src::Shared(t.ptr.add(*off)), (t.len - *off).min(left))
                 },
             };
             match r {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
+                    written += n;
                     self.last_progress = Instant::now();
                     self.out_bytes -= n;
                     let done = match c {
@@ -813,13 +828,18 @@ impl Io {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     self.writable = false;
-                    return Ok(());
+                    return Ok(written);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
-        Ok(())
+        Ok(written)
+    }
+
+    /// Output is left that the socket could take now: the connection wants another turn.
+    fn more_to_write(&self) -> bool {
+        !self.out.is_empty() && self.writable
     }
 
     /// The peer has not taken our bytes for [`SEND_TIMEOUT`].
@@ -1907,8 +1927,16 @@ impl EventLoop {
             {
                 std::thread::sleep(d);
             }
-            if !s.io.out.is_empty() && s.io.writable && s.io.flush().is_err() {
-                return false;
+            if !s.io.out.is_empty() && s.io.writable {
+                match s.io.flush_up_to(WRITE_PER_TURN) {
+                    Err(_) => return false,
+                    // Its share of the turn is used: the rest on the next.
+                    Ok(_) if s.io.more_to_write() => {
+                        self.again.push(i);
+                        return true;
+                    }
+                    Ok(_) => {}
+                }
             }
             // The answers are written (or wait for room): their requests' completions go.
             s.held.release();
@@ -2058,7 +2086,8 @@ impl EventLoop {
     }
 
     fn drive_link_with(&mut self, i: usize, c: &mut LinkConn, rbuf: &mut [u8]) -> bool {
-        // Output: what the QP queued, within the bound.
+        // Output: what the QP queued, within the bound and the turn's share.
+        let mut budget = WRITE_PER_TURN;
         loop {
             {
                 let mut q = c.shared.queue.lock().expect("link queue");
@@ -2078,8 +2107,13 @@ impl EventLoop {
             if c.io.out.is_empty() || !c.io.writable {
                 break;
             }
-            if c.io.flush().is_err() {
-                return false;
+            match c.io.flush_up_to(budget) {
+                Err(_) => return false,
+                Ok(n) => budget -= n.min(budget),
+            }
+            if budget == 0 && c.io.more_to_write() {
+                self.again.push(i);
+                break;
             }
             if !c.io.writable {
                 break;
@@ -3433,6 +3467,42 @@ mod tests {
             // Panics if the two readers disagree.
             fuzz_read_frames(&b);
         }
+    }
+
+    /// A connection with a large answer queued, to a peer that takes it as fast as it comes,
+    /// writes at most its turn's share and then says it wants another turn: the loop goes
+    /// round its other connections between shares.
+    #[test]
+    fn a_large_output_goes_out_a_turns_share_at_a_time() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut theirs, _) = l.accept().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let mut io = Io::new(Conn::Tcp(MioStream::from_std(ours)), Accept::Requests);
+        let data = vec![7u8; 4 * WRITE_PER_TURN];
+        io.push_frame(Frame::Ack { psn: 1, status: 0, data }, &mut Vec::new());
+        let queued = io.out_bytes;
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; queued];
+            theirs.read_exact(&mut got).unwrap();
+            got
+        });
+        let mut turns = 0;
+        while io.out_bytes > 0 {
+            let n = io.flush_up_to(WRITE_PER_TURN).unwrap();
+            assert!(n <= WRITE_PER_TURN, "a turn wrote {n} bytes");
+            if io.out_bytes > 0 {
+                assert!(!io.writable || io.more_to_write(), "output left and no turn asked for");
+            }
+            if !io.writable {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                io.writable = true;
+            }
+            turns += 1;
+        }
+        let got = reader.join().unwrap();
+        assert!(turns >= 4, "{queued} bytes went out in {turns} turns");
+        assert!(got[got.len() - 4 * WRITE_PER_TURN..].iter().all(|&b| b == 7));
     }
 
     #[test]
