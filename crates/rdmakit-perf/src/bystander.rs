@@ -137,7 +137,7 @@ fn parse_latency(line: &str) -> Result<Latency> {
     Ok(Latency { n: num(1)? as usize, median: num(2)?, p99: num(3)?, max: num(4)? })
 }
 
-/// One writer run against `qp` (a fresh QP of this process each time).
+/// One run of a writer child, on a fresh QP of this process: its latencies.
 fn writer_run(
     pd: &ProtectionDomain,
     cq: &CompletionQueue,

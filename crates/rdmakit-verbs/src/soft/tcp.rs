@@ -2088,6 +2088,8 @@ impl EventLoop {
     fn drive_link_with(&mut self, i: usize, c: &mut LinkConn, rbuf: &mut [u8]) -> bool {
         // Output: what the QP queued, within the bound and the turn's share.
         let mut budget = WRITE_PER_TURN;
+        // Another turn is asked for (once) when this one's share of output is used.
+        let mut another_turn = false;
         loop {
             {
                 let mut q = c.shared.queue.lock().expect("link queue");
@@ -2113,6 +2115,7 @@ impl EventLoop {
             }
             if budget == 0 && c.io.more_to_write() {
                 self.again.push(i);
+                another_turn = true;
                 break;
             }
             if !c.io.writable {
@@ -2234,7 +2237,7 @@ impl EventLoop {
                 Err(_) => return false,
             }
         }
-        if c.io.readable {
+        if c.io.readable && !another_turn {
             self.again.push(i);
         }
         true
