@@ -557,6 +557,61 @@ fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
     assert_eq!(landed, 0, "data landed after the target QP left RTS");
 }
 
+/// A writer that stalls inside a large write to a caller-owned region (`register_raw`) does
+/// not hold the region's deregistration until its frame times out: the data lands a piece
+/// at a time, each under its own check, and the rest, arriving once the memory is unmapped,
+/// lands nowhere (a write there would crash this test).
+#[test]
+fn a_writer_stalling_inside_a_write_does_not_hold_a_raw_regions_deregistration() {
+    let _g = serial();
+    const LEN: usize = 1 << 20;
+    let v = Victim::new();
+    let mem = anonymous(LEN);
+    // SAFETY: `mem..mem + LEN` is our own mapping; it is unmapped only once the region is
+    // deregistered.
+    let raw = unsafe {
+        v.pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::ALL_REMOTE)
+    }
+    .unwrap();
+    let target = raw.remote();
+    let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
+    let mut s = speaking_for(&pep, &vep);
+    let data_len = 64 * 1024;
+    let w = frame(&Frame::Write {
+        psn: pep.psn,
+        addr: target.addr,
+        rkey: target.rkey,
+        imm: None,
+        data: vec![0xaa; data_len],
+    });
+    let first = w.len() - data_len + 16 * 1024;
+    s.write_all(&w[..first]).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let mut b = [0u8; 8];
+            raw.read_at(16 * 1024 - 8, &mut b).unwrap();
+            b == [0xaa; 8]
+        }),
+        "the first 16 KiB did not land as they arrived"
+    );
+    // The writer stalls; the application takes its memory back.
+    let t0 = Instant::now();
+    drop(raw);
+    let took = t0.elapsed();
+    // SAFETY: the region is deregistered: the mapping is ours alone.
+    unsafe { libc::munmap(mem, LEN) };
+    s.write_all(&w[first..]).unwrap();
+    let reply = read_reply(&mut s, Duration::from_secs(2));
+    println!("deregistration with a write stalled inside took {took:?}; the write's answer: {reply:?}");
+    assert!(took < Duration::from_secs(5), "the deregistration waited {took:?} for the stalled writer");
+    assert!(
+        !matches!(reply, Some(Frame::Ack { status: 0, .. })),
+        "a write to a deregistered region was acknowledged"
+    );
+    // The victim still serves others.
+    legit(&v).write(&v, 0, 5);
+}
+
 /// The same through an indirect (UMR) key that the application takes away from its region
 /// and binds to another one while the write is in flight: the rest must not land in the
 /// region the key no longer maps, and the write fails as one to an invalid key. (Found by

@@ -1203,24 +1203,26 @@ pub(crate) struct Placement {
 /// Whose memory a [`Placement`] writes, and what must still hold for a piece to land there.
 enum Whose {
     /// A remote write's target in this responder's region (QP access, key, PD, region
-    /// access, bounds checked), the entry held for the whole write: a region deregistered,
-    /// a key invalidated or a QP moved out of RTR/RTS meanwhile stops the data.
-    Target { entry: Option<Arc<MrEntry>>, qp: Weak<SoftQp>, from: ([u8; 16], u32), addr: u64, rkey: u32 },
+    /// access, bounds checked again before each piece): a region deregistered, a key
+    /// invalidated or a QP moved out of RTR/RTS meanwhile stops the data. The entry is held
+    /// only while a piece lands (the `Weak` keeps its allocation, so its address names no
+    /// other region): a deregistration waits for no writer stalled inside its frame.
+    Target { entry: Option<Weak<MrEntry>>, qp: Weak<SoftQp>, from: ([u8; 16], u32), addr: u64, rkey: u32 },
     /// A read's response landing in this requester's own buffer (the oldest outstanding
     /// request's, read `psn`). The entry is held only while a piece lands: a deregistration
     /// revokes the read's target and waits for no responder; the rest is then discarded.
     Response { entry: Weak<MrEntry>, qp: Weak<SoftQp>, psn: u32 },
 }
 
-/// Leave for a [`Placement`] to take a piece now, kept while the piece lands: the region
-/// stays registered until it is dropped.
+/// Leave for a [`Placement`] to take a piece now, kept while the piece lands: it holds the
+/// region's entry, so the memory stays registered until it is dropped.
 pub(crate) struct Held {
     _entry: Option<Arc<MrEntry>>,
 }
 
-// SAFETY: `ptr` points into memory the entry keeps alive (held by the placement, or by the
-// `Held` a piece lands under); it is only written through `shared_mem` (as a NIC writes
-// registered memory), never through a Rust reference, so the wire's thread may hold it.
+// SAFETY: `ptr` is written only under a `Held`, whose entry keeps the memory alive; it is
+// only written through `shared_mem` (as a NIC writes registered memory), never through a
+// Rust reference, so the wire's thread may hold it.
 unsafe impl Send for Placement {}
 
 /// The bytes of a write that fall in the aligned word holding its last byte.
@@ -1289,11 +1291,11 @@ impl Placement {
                 }
                 let (ptr, now) = qp.target(*addr, *rkey, len, AccessFlags::REMOTE_WRITE).ok()?;
                 let same_region = match (&now, then) {
-                    (Some(now), Some(then)) => Arc::ptr_eq(now, then),
+                    (Some(now), Some(then)) => std::ptr::eq(Arc::as_ptr(now), then.as_ptr()),
                     (None, None) => true,
                     _ => false,
                 };
-                (ptr == self.ptr && same_region).then_some(Held { _entry: None })
+                (ptr == self.ptr && same_region).then_some(Held { _entry: now })
             }
             Whose::Response { entry, qp, psn } => {
                 let entry = entry.upgrade()?;
@@ -1308,7 +1310,8 @@ impl Placement {
     /// `at + data.len()` must not exceed [`len`](Self::len), and `_held` must come from this
     /// placement's `hold`.
     pub(crate) unsafe fn land(&self, _held: &Held, at: usize, data: &[u8]) {
-        // SAFETY: `data` is private memory valid for its length; the caller's contract.
+        // SAFETY: `data` is private memory valid for its length; the caller's contract (its
+        // `Held` is `_held`).
         unsafe { self.land_piece(at, Src::Private(data.as_ptr()), data.len(), false) }
     }
 
@@ -1316,14 +1319,15 @@ impl Placement {
     /// copy, and the held word whole once the piece ends the write.
     ///
     /// # Safety
-    /// `src` valid for reads of `n` bytes; `at + n <= len`.
+    /// `src` valid for reads of `n` bytes; `at + n <= len`; the caller holds a [`Held`] from
+    /// this placement's [`hold`](Self::hold).
     unsafe fn land_piece(&self, at: usize, src: Src, n: usize, across_cores: bool) {
         debug_assert!(at + n <= self.len);
         let mut last = self.last.borrow_mut();
         let (direct, held_from) = last.split(at, n);
         if direct > 0 {
             // SAFETY: the target is valid for `len` bytes (checked registration kept alive
-            // by the placement's entry or the caller's `Held`) and `at + direct <= len`;
+            // by the caller's `Held`) and `at + direct <= len`;
             // registered memory is only written through `shared_mem`; `src` is valid for
             // `n >= direct` bytes (caller).
             unsafe {

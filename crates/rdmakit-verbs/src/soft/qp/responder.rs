@@ -145,6 +145,7 @@ impl SoftQp {
         let (ptr, entry) = self.target(addr, rkey, n, AccessFlags::REMOTE_WRITE).ok()?;
         let me = self.me.clone();
         let last = std::cell::RefCell::new(super::LastWord::new(ptr as usize, len));
+        let entry = entry.as_ref().map(Arc::downgrade);
         let whose = Whose::Target { entry, qp: me, from: (from.gid, from.qpn), addr, rkey };
         Some(Placement { ptr, len, whose, last })
     }
