@@ -502,17 +502,15 @@ fn replayed_and_out_of_order_psns_are_refused() {
     assert_eq!(&got[32..40], &[0u8; 8], "a first frame with a wrong PSN wrote the region");
 }
 
-/// A 64 KiB write to `target` (whose bytes are `watch`'s), sent by the phantom requester
-/// `pep` in two parts: the first 16 KiB, which must land as they arrive; then `between`
-/// runs; then the rest. Returns the victim's answer and how many of the rest landed in
-/// `watch`.
-fn write_in_two_parts(
+/// Sends the first 16 KiB of a 64 KiB write of 0xaa to `target` (whose bytes are
+/// `watch`'s) as the phantom requester `pep`, and waits until they have landed. Returns the
+/// connection and the bytes of the frame still to send.
+fn first_part_of_a_write(
     pep: &QpAddress,
     vep: &QpAddress,
     target: RemoteRegion,
     watch: &MemoryRegion,
-    between: impl FnOnce(),
-) -> (Option<Frame>, usize) {
+) -> (TcpStream, Vec<u8>) {
     let mut s = speaking_for(pep, vep);
     let data_len = 64 * 1024;
     let w = frame(&Frame::Write {
@@ -532,8 +530,24 @@ fn write_in_two_parts(
         }),
         "the first 16 KiB did not land as they arrived"
     );
+    (s, w[first..].to_vec())
+}
+
+/// A 64 KiB write to `target` (whose bytes are `watch`'s), sent by the phantom requester
+/// `pep` in two parts: the first 16 KiB, which must land as they arrive; then `between`
+/// runs; then the rest. Returns the victim's answer and how many of the rest landed in
+/// `watch`.
+fn write_in_two_parts(
+    pep: &QpAddress,
+    vep: &QpAddress,
+    target: RemoteRegion,
+    watch: &MemoryRegion,
+    between: impl FnOnce(),
+) -> (Option<Frame>, usize) {
+    let (mut s, rest) = first_part_of_a_write(pep, vep, target, watch);
+    let data_len = 64 * 1024;
     between();
-    s.write_all(&w[first..]).unwrap();
+    s.write_all(&rest).unwrap();
     let reply = read_reply(&mut s, Duration::from_secs(1));
     let mut rest = vec![0u8; data_len - 16 * 1024];
     watch.read_at(16 * 1024, &mut rest).unwrap();
@@ -557,6 +571,21 @@ fn a_write_landing_as_it_arrives_stops_when_its_target_is_revoked() {
     assert_eq!(landed, 0, "data landed after the target QP left RTS");
 }
 
+/// A region of the victim's over fresh anonymous memory of `len` bytes (`register_raw`,
+/// remote access), and the memory: the caller touches it through the region only while the
+/// region lives, and unmaps it once the region is dropped.
+fn caller_owned(v: &Victim, len: usize) -> (MemoryRegion, *mut libc::c_void) {
+    let mem = anonymous(len);
+    // SAFETY: `mem..mem + len` is a fresh mapping of ours, allocated, readable and
+    // writable; the caller keeps it mapped, and writes it only through the region, until
+    // the region is deregistered.
+    let raw = unsafe {
+        v.pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), len, AccessFlags::ALL_REMOTE)
+    }
+    .unwrap();
+    (raw, mem)
+}
+
 /// A writer that stalls inside a large write to a caller-owned region (`register_raw`) does
 /// not hold the region's deregistration until its frame times out: the data lands a piece
 /// at a time, each under its own check, and the rest, arriving once the memory is unmapped,
@@ -566,41 +595,16 @@ fn a_writer_stalling_inside_a_write_does_not_hold_a_raw_regions_deregistration()
     let _g = serial();
     const LEN: usize = 1 << 20;
     let v = Victim::new();
-    let mem = anonymous(LEN);
-    // SAFETY: `mem..mem + LEN` is our own mapping; it is unmapped only once the region is
-    // deregistered.
-    let raw = unsafe {
-        v.pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::ALL_REMOTE)
-    }
-    .unwrap();
-    let target = raw.remote();
+    let (raw, mem) = caller_owned(&v, LEN);
     let (_vqp, vep, pep, _pctx, _p) = phantom(&v);
-    let mut s = speaking_for(&pep, &vep);
-    let data_len = 64 * 1024;
-    let w = frame(&Frame::Write {
-        psn: pep.psn,
-        addr: target.addr,
-        rkey: target.rkey,
-        imm: None,
-        data: vec![0xaa; data_len],
-    });
-    let first = w.len() - data_len + 16 * 1024;
-    s.write_all(&w[..first]).unwrap();
-    assert!(
-        eventually(Duration::from_secs(5), || {
-            let mut b = [0u8; 8];
-            raw.read_at(16 * 1024 - 8, &mut b).unwrap();
-            b == [0xaa; 8]
-        }),
-        "the first 16 KiB did not land as they arrived"
-    );
+    let (mut s, rest) = first_part_of_a_write(&pep, &vep, raw.remote(), &raw);
     // The writer stalls; the application takes its memory back.
     let t0 = Instant::now();
     drop(raw);
     let took = t0.elapsed();
     // SAFETY: the region is deregistered: the mapping is ours alone.
     unsafe { libc::munmap(mem, LEN) };
-    s.write_all(&w[first..]).unwrap();
+    s.write_all(&rest).unwrap();
     let reply = read_reply(&mut s, Duration::from_secs(2));
     println!("deregistration with a write stalled inside took {took:?}; the write's answer: {reply:?}");
     assert!(took < Duration::from_secs(5), "the deregistration waited {took:?} for the stalled writer");
@@ -1064,13 +1068,7 @@ fn a_large_read_being_answered_does_not_hold_a_raw_regions_deregistration() {
     let _g = serial();
     const LEN: usize = 16 << 20;
     let v = Victim::new();
-    let mem = anonymous(LEN);
-    // SAFETY: `mem..mem + LEN` is our own mapping, allocated, readable and writable; it is
-    // only written below once the region is deregistered, and unmapped after that.
-    let raw = unsafe {
-        v.pd.register_raw(std::ptr::NonNull::new(mem.cast()).unwrap(), LEN, AccessFlags::ALL_REMOTE)
-    }
-    .unwrap();
+    let (raw, mem) = caller_owned(&v, LEN);
     raw.fill(1).unwrap();
     let (_vqp, vep, pep, _ctx, _p) = phantom(&v);
     let mut s = speaking_for(&pep, &vep);

@@ -2304,11 +2304,9 @@ fn answer(s: &mut ServedConn, got: Got) -> Option<Option<(Frame, Option<SharedTa
                 return Some(None);
             }
             let target = s.qp.upgrade()?;
-            let refused = match frame {
-                Frame::Send { .. } => target.refuse_send(&s.requester, frame, data_len, &mut s.held),
-                _ => target.refuse_write(&s.requester, frame, data_len, &mut s.held),
+            let Some(reply) = target.refuse(&s.requester, frame, data_len, &mut s.held) else {
+                return Some(None);
             };
-            let Some(reply) = refused else { return Some(None) };
             if !matches!(reply, Frame::RnrNak { .. }) {
                 s.expected = next_psn(psn);
             }

@@ -171,59 +171,50 @@ impl SoftQp {
         end.saturating_sub(addr).min(u64::from(wire::MAX_MESSAGE)) as usize
     }
 
-    /// Answers a write whose `data_len` bytes of data were too many for its target (read
-    /// and dropped by the connection): the error the target check gives for that length,
-    /// and the responder error that follows, as if the data had been kept. Its receive
-    /// flush goes into `d`, behind the completions `d` holds, as [`serve_remote`]'s do.
+    /// Answers a write or a send whose `data_len` bytes of data were read and dropped by
+    /// the connection (more than its target or the head receive could take when its header
+    /// arrived), as if the data had been kept. Its receive completion or flush goes into
+    /// `d`, behind the completions `d` holds, as [`serve_remote`]'s do.
+    ///
+    /// - A write: the error the target check gives for that length, and the responder error
+    ///   that follows.
+    /// - A send: a receive still at the head and too small completes with `LOC_LEN_ERR` and
+    ///   the responder goes to error, as in `respond_send`; no receive posted is an RNR
+    ///   NAK. A receive large enough posted meanwhile is not taken: the answer is an RNR NAK
+    ///   too, and the requester's retry brings the data to it.
     ///
     /// [`serve_remote`]: Self::serve_remote
-    pub fn refuse_write(
-        &self,
-        from: &Requester<'_>,
-        f: Frame,
-        data_len: usize,
-        d: &mut Deferred,
-    ) -> Option<Frame> {
+    pub fn refuse(&self, from: &Requester<'_>, f: Frame, data_len: usize, d: &mut Deferred) -> Option<Frame> {
         if !self.accepts_from(from) {
             return None;
         }
-        let Frame::Write { psn, addr, rkey, .. } = f else { return None };
         let len = u32::try_from(data_len).unwrap_or(u32::MAX);
-        let status =
-            self.target(addr, rkey, len, AccessFlags::REMOTE_WRITE).err().unwrap_or(WcStatus::REM_ACCESS_ERR);
-        self.responder_error(d);
-        Some(Frame::Ack { psn, status: status.0, data: Vec::new() })
+        match f {
+            Frame::Write { psn, addr, rkey, .. } => {
+                let status = self
+                    .target(addr, rkey, len, AccessFlags::REMOTE_WRITE)
+                    .err()
+                    .unwrap_or(WcStatus::REM_ACCESS_ERR);
+                self.responder_error(d);
+                Some(Frame::Ack { psn, status: status.0, data: Vec::new() })
+            }
+            Frame::Send { psn, .. } => Some(self.refuse_send(psn, len, d)),
+            _ => None,
+        }
     }
 
     /// The most data bytes a send can bring now: what the receive at the head of the queue
     /// takes (0 if none is posted). A connection stores no more of a send's data than
     /// that (the rest is dropped as it arrives, and the send answered by
-    /// [`refuse_send`](Self::refuse_send)), so a peer's sends cost the responder at most the
+    /// [`refuse`](Self::refuse)), so a peer's sends cost the responder at most the
     /// receive buffers its application posted.
     pub fn send_data_limit(&self) -> usize {
         let rq = self.rq.lock().expect("rq lock");
         rq.posted.front().and_then(|r| r.sge).map_or(0, |s| s.len.min(wire::MAX_MESSAGE) as usize)
     }
 
-    /// Answers a send whose `data_len` bytes were more than the head receive could take when
-    /// its header arrived (read and dropped by the connection), as if the data had been
-    /// kept: a receive still at the head and too small completes with `LOC_LEN_ERR` and the
-    /// responder goes to error, as in `respond_send`; no receive posted is an RNR NAK. A
-    /// receive large enough posted meanwhile is not taken: the answer is an RNR NAK too,
-    /// and the requester's retry brings the data to it. The receive completion goes into
-    /// `d`, as [`serve_remote`](Self::serve_remote)'s do.
-    pub fn refuse_send(
-        &self,
-        from: &Requester<'_>,
-        f: Frame,
-        data_len: usize,
-        d: &mut Deferred,
-    ) -> Option<Frame> {
-        if !self.accepts_from(from) {
-            return None;
-        }
-        let Frame::Send { psn, .. } = f else { return None };
-        let len = u32::try_from(data_len).unwrap_or(u32::MAX);
+    /// [`refuse`](Self::refuse) for send `psn` of `len` bytes.
+    fn refuse_send(&self, psn: u32, len: u32, d: &mut Deferred) -> Frame {
         // Taken only if too small, under one lock: a receive that could take the data must
         // not be consumed by a send whose data is gone.
         let small = {
@@ -236,14 +227,14 @@ impl SoftQp {
                 None
             }
         };
-        Some(match small {
+        match small {
             Some(r) => {
                 self.complete_recv_via(d, r.wr_id, WcStatus::LOC_LEN_ERR, WcOpcode::RECV, len, None);
                 self.responder_error(d);
                 Frame::Ack { psn, status: WcStatus::REM_INV_REQ_ERR.0, data: Vec::new() }
             }
             None => Frame::RnrNak { psn },
-        })
+        }
     }
 
     /// A connected responder takes packets only from its own remote QP, in RTR or RTS.
