@@ -3474,6 +3474,7 @@ mod tests {
     /// writes at most its turn's share and then says it wants another turn: the loop goes
     /// round its other connections between shares.
     #[test]
+    #[cfg_attr(miri, ignore = "a TCP socket pair: Miri has no sockets; the native test run covers it")]
     fn a_large_output_goes_out_a_turns_share_at_a_time() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
