@@ -31,7 +31,8 @@ pub struct BystanderArgs {
     /// Reads the reader keeps outstanding.
     #[arg(long, default_value_t = 4)]
     window: u32,
-    /// Seconds of writes per phase (alone, then beside the reads).
+    /// Seconds of writes per phase (alone, then beside the reads); a phase also ends at
+    /// 4 million writes (the samples kept).
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
     /// Through the same-host rings (where reads and writes may also be placed directly,
@@ -39,6 +40,9 @@ pub struct BystanderArgs {
     #[arg(long)]
     same_host: bool,
 }
+
+/// The most latency samples a writer keeps.
+const MAX_SAMPLES: usize = 4_000_000;
 
 /// Which child this is.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,7 +261,8 @@ pub fn peer(a: &PeerArgs) -> Result<()> {
             let seconds = Duration::from_secs_f64(a.seconds.clamp(0.001, 3600.0));
             let mut lat = Vec::new();
             let end = Instant::now() + seconds;
-            while Instant::now() < end {
+            // The samples are bounded however long the phase (32 MiB of them).
+            while Instant::now() < end && lat.len() < MAX_SAMPLES {
                 let t = Instant::now();
                 qp.post_send(SendWr::write(buf.local()?, remote))?;
                 let wc = cq.wait(wait)?;
@@ -266,9 +271,8 @@ pub fn peer(a: &PeerArgs) -> Result<()> {
                 }
                 lat.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            lat.sort_by(f64::total_cmp);
-            let at = |q: f64| lat.get(((lat.len() - 1) as f64 * q) as usize).copied().unwrap_or(0.0);
-            say(&format!("LAT {} {} {} {}", lat.len(), at(0.5), at(0.99), at(1.0)))
+            let l = crate::report::lat_stats(&lat);
+            say(&format!("LAT {} {} {} {}", lat.len(), l.t_typical, l.p99, l.t_max))
         }
         Role::Read => {
             // Stop when the parent says so (or goes away).

@@ -16,17 +16,18 @@ use crate::rig::{Params, Placement, Test};
 
 /// Latency statistics, microseconds.
 #[derive(Serialize)]
-struct Lat {
-    t_min: f64,
-    t_max: f64,
-    t_typical: f64,
-    t_avg: f64,
-    t_stdev: f64,
-    p99: f64,
-    p99_9: f64,
+pub(crate) struct Lat {
+    pub(crate) t_min: f64,
+    pub(crate) t_max: f64,
+    pub(crate) t_typical: f64,
+    pub(crate) t_avg: f64,
+    pub(crate) t_stdev: f64,
+    pub(crate) p99: f64,
+    pub(crate) p99_9: f64,
 }
 
-fn lat_stats(v: &[f64]) -> Lat {
+/// The statistics of latency samples `v` (µs), percentiles as perftest takes them.
+pub(crate) fn lat_stats(v: &[f64]) -> Lat {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len().max(1) as f64;

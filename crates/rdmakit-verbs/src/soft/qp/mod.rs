@@ -1326,10 +1326,9 @@ impl Placement {
         let mut last = self.last.borrow_mut();
         let (direct, held_from) = last.split(at, n);
         if direct > 0 {
-            // SAFETY: the target is valid for `len` bytes (checked registration kept alive
-            // by the caller's `Held`) and `at + direct <= len`;
-            // registered memory is only written through `shared_mem`; `src` is valid for
-            // `n >= direct` bytes (caller).
+            // SAFETY: the target is valid for `len` bytes, its registration kept alive by
+            // the caller's `Held`, and `at + direct <= len`; `src` is valid for `n >= direct`
+            // bytes (caller); registered memory is only written through `shared_mem`.
             unsafe {
                 let dst = Dst::Shared(self.ptr.add(at));
                 if across_cores {
