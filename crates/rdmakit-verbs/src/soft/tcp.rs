@@ -38,16 +38,19 @@
 //! loop hands responses back to the QP. A link holds its frames until the peer accepts its
 //! Hello, and when a device closes it before that (over the bounds above, its QPs not
 //! connected yet), dials again with backoff until [`HELLO_TIMEOUT`] after its first dial
-//! (`Dial`; same-host rings first, then TCP). Served streams and links whose QP is gone end
-//! within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at once, which
-//! ends it even if the peer is alive but silent.
+//! (`Dial`; same-host rings first, then TCP). A process opens at most [`DIALS_PER_ADDR`]
+//! TCP connections to one address at a time, each until its Hello is written, and a device
+//! at its bound per address reads the Hellos that came since before it refuses: many QPs of
+//! one process connecting at once are not taken for a flood. Served streams and links whose
+//! QP is gone end within [`IDLE_CHECK`]. Dropping the link has the loop close its socket at
+//! once, which ends it even if the peer is alive but silent.
 //!
 //! Between processes of one host the same frames go through rings in shared memory
 //! instead (see [`super::shm`]): the device also listens on a Unix socket, a connection
 //! there carries a memfd and then only doorbells, and the loop serves it like a TCP one,
 //! with the same authentication, checks, bounds and timeouts (a [`Conn`] is either).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::fd::AsRawFd;
@@ -131,6 +134,12 @@ pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections with a complete `Hello` waiting for their QP do not count here: a host of
 /// legitimate peers connecting at once (one per QP) has as many of those as QPs being set up.
 pub(crate) const MAX_PENDING_PER_ADDR: usize = 16;
+/// TCP connections a process's wire has opening to one address, their Hello not written
+/// yet; the others wait their turn. Half a device's [`MAX_PENDING_PER_ADDR`]: a process
+/// connecting many QPs at once (a service with many clients, `rdmakit-perf scaling`) opened
+/// them all in one go, and the device, accepting them before their Hellos came, closed all
+/// but 16 and had the rest dial again.
+const DIALS_PER_ADDR: usize = MAX_PENDING_PER_ADDR / 2;
 /// Complete `Hello`s waiting for the same not-yet-connected QP (a legitimate peer sends one).
 pub(crate) const MAX_AWAITING_PER_QP: usize = 4;
 /// Unauthenticated connections kept per device.
@@ -555,8 +564,33 @@ struct Dial {
     hello: Vec<u8>,
     /// [`HELLO_TIMEOUT`] after the first dial.
     until: Instant,
+    /// Dialed once: a first dial held for a turn to its address ([`DIALS_PER_ADDR`])
+    /// starts its time when it goes.
+    dialed: bool,
     /// The wait before the next dial.
     backoff: Duration,
+}
+
+/// A TCP link's turn among the dials to its address ([`DIALS_PER_ADDR`]), held until its
+/// Hello is written; given back when dropped (with its link, on any path).
+struct Opening(Arc<AtomicUsize>);
+
+impl Opening {
+    /// A turn, if the address has one free (`count`: its links opening now).
+    fn take(count: &Arc<AtomicUsize>) -> Option<Opening> {
+        // Only the loop's thread takes and gives back turns: no race between look and add.
+        if count.load(Ordering::Relaxed) >= DIALS_PER_ADDR {
+            return None;
+        }
+        count.fetch_add(1, Ordering::Relaxed);
+        Some(Opening(count.clone()))
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A link waiting to dial again, off the loop's slab.
@@ -889,6 +923,8 @@ struct LinkConn {
     qp: Weak<SoftQp>,
     /// Until the peer accepts the Hello: how to dial again if it closes first.
     dial: Option<Dial>,
+    /// Until its Hello is written: its turn among the dials to its address.
+    opening: Option<Opening>,
 }
 
 /// A slab slot's standing in the loop's polling of same-host rings.
@@ -942,6 +978,11 @@ struct EventLoop {
     again: Vec<usize>,
     /// Links waiting to dial again.
     redials: Vec<Redial>,
+    /// Links due to dial whose address has [`DIALS_PER_ADDR`] opening: dialed, in order, as
+    /// those write their Hellos.
+    held_dials: VecDeque<Redial>,
+    /// By address: the links opening to it ([`Opening`]).
+    opening: HashMap<SocketAddr, Arc<AtomicUsize>>,
     /// Same-host connections whose rings the loop looks at on every turn until it sleeps
     /// (their peers post without doorbells meanwhile; see [`ShmConn::set_polled`]).
     polled: Vec<(usize, shm::Probe)>,
@@ -972,6 +1013,8 @@ impl EventLoop {
             listeners: Vec::new(),
             again: Vec::new(),
             redials: Vec::new(),
+            held_dials: VecDeque::new(),
+            opening: HashMap::new(),
             polled: Vec::new(),
             slots: Vec::new(),
             polled_input: false,
@@ -1160,7 +1203,7 @@ impl EventLoop {
         }
         for nl in inbox.links {
             let io = Io::new(nl.s, Accept::HelloAck);
-            self.add_link(LinkConn { io, shared: nl.shared, qp: nl.qp, dial: nl.dial });
+            self.add_link(LinkConn { io, shared: nl.shared, qp: nl.qp, dial: nl.dial, opening: None });
         }
         // First dials: due now (`redial_due` runs later in this turn).
         self.redials.extend(inbox.dials);
@@ -1263,15 +1306,17 @@ impl EventLoop {
         }
     }
 
-    /// Dials the links whose wait is over.
+    /// Dials the links whose wait is over: those held for a turn to their address first, in
+    /// order, then those whose backoff ended.
     fn redial_due(&mut self, now: Instant) {
-        if !self.redials.iter().any(|r| r.at <= now) {
+        if self.held_dials.is_empty() && !self.redials.iter().any(|r| r.at <= now) {
             return;
         }
         let (due, later): (Vec<Redial>, Vec<Redial>) =
             std::mem::take(&mut self.redials).into_iter().partition(|r| r.at <= now);
         self.redials = later;
-        for r in due {
+        let held = std::mem::take(&mut self.held_dials);
+        for r in held.into_iter().chain(due) {
             if r.shared.closed.load(Ordering::Acquire) || r.qp.strong_count() == 0 {
                 r.shared.fail();
                 continue;
@@ -1281,8 +1326,25 @@ impl EventLoop {
                 && let Some(conn) = shm::connect(&gid, &r.dial.hello, ring)
             {
                 let io = Io::new(Conn::Shm(Box::new(conn)), Accept::HelloAck);
-                self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial) });
+                self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial), opening: None });
                 continue;
+            }
+            let count = self.opening.entry(r.dial.addr).or_default();
+            let Some(opening) = Opening::take(count) else {
+                let mut r = r;
+                if r.dial.dialed && now >= r.dial.until {
+                    r.shared.fail();
+                } else {
+                    // Its rings were just tried: it waits for a TCP turn.
+                    r.dial.shm = None;
+                    self.held_dials.push_back(r);
+                }
+                continue;
+            };
+            let mut r = r;
+            if !r.dial.dialed {
+                r.dial.dialed = true;
+                r.dial.until = now + HELLO_TIMEOUT;
             }
             // Non-blocking: the Hello goes out when the socket first says it is writable.
             match MioStream::connect(r.dial.addr) {
@@ -1291,7 +1353,14 @@ impl EventLoop {
                     let mut io = Io::new(Conn::Tcp(s), Accept::HelloAck);
                     io.writable = false;
                     io.push_bytes(&r.dial.hello);
-                    self.add_link(LinkConn { io, shared: r.shared, qp: r.qp, dial: Some(r.dial) });
+                    let c = LinkConn {
+                        io,
+                        shared: r.shared,
+                        qp: r.qp,
+                        dial: Some(r.dial),
+                        opening: Some(opening),
+                    };
+                    self.add_link(c);
                 }
                 Err(e) => {
                     warn_limited!(addr = %r.dial.addr, error = %e, "soft NIC: dialing a peer again failed");
@@ -1306,6 +1375,8 @@ impl EventLoop {
                 }
             }
         }
+        // Addresses with no link opening are forgotten.
+        self.opening.retain(|_, c| Arc::strong_count(c) > 1);
     }
 
     fn on_event(&mut self, i: usize, readable: bool, writable: bool, hup: bool) {
@@ -1681,18 +1752,24 @@ impl EventLoop {
             }
             l.paused_until = None;
         }
+        // Whether this call read the Hellos of an address at its bound again (once: a peer
+        // holding silent connections must not make each of its connects cost that many reads).
+        let mut reread = false;
         while l.ready {
             match l.l.accept() {
                 Ok((s, ip)) => {
                     l.backoff = BACKOFF_MIN;
-                    let from_ip = l
-                        .pending
-                        .iter()
-                        .filter(|&&p| {
-                            matches!(&self.slab[p], Some(Entry::Pending(o)) if o.ip == ip && o.hello.is_none())
-                        })
-                        .count();
+                    let mut from_ip = self.unread_hellos_from(l, ip);
+                    if from_ip >= MAX_PENDING_PER_ADDR && !reread {
+                        // Counted before their Hellos came (a burst of connections is
+                        // accepted in one go): read those that came since.
+                        reread = true;
+                        self.read_hellos_from(l, ip);
+                        from_ip = self.unread_hellos_from(l, ip);
+                    }
                     if l.pending.len() >= MAX_PENDING || from_ip >= MAX_PENDING_PER_ADDR {
+                        #[cfg(test)]
+                        tests::REFUSED.fetch_add(1, Ordering::Relaxed);
                         warn_limited!(peer = %ip, "soft NIC: too many unauthenticated connections; refused");
                         continue; // dropping `s` closes it
                     }
@@ -1734,6 +1811,36 @@ impl EventLoop {
                     l.paused_until = Some(Instant::now() + l.backoff);
                     l.backoff = (l.backoff * 2).min(BACKOFF_MAX);
                     return;
+                }
+            }
+        }
+    }
+
+    /// Connections of listener `l` from `ip` whose Hello has not been read whole.
+    fn unread_hellos_from(&self, l: &Lst, ip: PeerKey) -> usize {
+        l.pending
+            .iter()
+            .filter(|&&p| matches!(&self.slab[p], Some(Entry::Pending(o)) if o.ip == ip && o.hello.is_none()))
+            .count()
+    }
+
+    /// Reads what arrived of the Hellos of `l`'s connections from `ip` (`l` is off the slab,
+    /// being served).
+    fn read_hellos_from(&mut self, l: &mut Lst, ip: PeerKey) {
+        for i in l.pending.clone() {
+            let unread = matches!(&self.slab[i], Some(Entry::Pending(p)) if p.ip == ip && p.hello.is_none());
+            let Some(Entry::Pending(mut p)) = self.slab[i].take_if(|_| unread) else { continue };
+            p.s.on_readable(false);
+            match self.read_hello_of(&mut p, &l.pending, &l.device, &l.served) {
+                Next::Keep => self.slab[i] = Some(Entry::Pending(p)),
+                Next::Drop => {
+                    l.pending.retain(|&x| x != i);
+                    self.remove(i, Entry::Pending(p));
+                }
+                Next::Serve(qp) => {
+                    l.pending.retain(|&x| x != i);
+                    let served = l.served.clone();
+                    self.start_serving(p, qp, &served, Some(i));
                 }
             }
         }
@@ -2127,6 +2234,11 @@ impl EventLoop {
         {
             sc.producer().set_loop_pending(false);
         }
+        // Until the peer accepts it, the Hello is all a TCP link writes: out, the next dial
+        // to the address may go (later in this turn, `redial_due`).
+        if c.opening.is_some() && c.io.out.is_empty() {
+            c.opening = None;
+        }
         // Input: responses, handed to the QP (which takes no lock of the loop's).
         for _ in 0..READS_PER_TURN {
             if !c.io.readable {
@@ -2502,11 +2614,13 @@ impl TcpLink {
         };
         let mut encoded = Vec::new();
         wire::encode(&hello, &mut encoded);
-        let dial = |shm| Dial {
+        // With rings (`shm`), the first dial is made here; over TCP, by the loop.
+        let dial = |shm: Option<_>| Dial {
             addr,
             shm,
             hello: encoded.clone(),
             until: Instant::now() + HELLO_TIMEOUT,
+            dialed: shm.is_some(),
             backoff: REDIAL_MIN,
         };
         if let Some(conn) = same_host.then(|| shm::connect(gid, &encoded, ring)).flatten() {
@@ -3154,13 +3268,22 @@ fn both_readers(
 mod tests {
     use super::*;
 
+    /// Connections refused for the per-device or per-address bound of unauthenticated ones.
+    pub(super) static REFUSED: AtomicUsize = AtomicUsize::new(0);
+
     /// An event loop of the test's own (not the process's wire) with one same-host link on
     /// it, and the device's end of its rings, which produces into the ring the link reads.
     #[cfg(not(miri))]
     fn add_link(lp: &mut EventLoop) -> (usize, ShmConn) {
         let (mine, peer) = shm::test_pair();
         let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
-        let c = LinkConn { io, shared: Arc::new(LinkShared::new(16)), qp: Weak::new(), dial: None };
+        let c = LinkConn {
+            io,
+            shared: Arc::new(LinkShared::new(16)),
+            qp: Weak::new(),
+            dial: None,
+            opening: None,
+        };
         (lp.insert(Entry::Link(c)), peer)
     }
 
@@ -3230,7 +3353,13 @@ mod tests {
     fn add_flagged_link(lp: &mut EventLoop, pair: (ShmConn, ShmConn)) -> (usize, ShmConn) {
         let (mine, peer) = pair;
         let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
-        let c = LinkConn { io, shared: Arc::new(LinkShared::new(16)), qp: Weak::new(), dial: None };
+        let c = LinkConn {
+            io,
+            shared: Arc::new(LinkShared::new(16)),
+            qp: Weak::new(),
+            dial: None,
+            opening: None,
+        };
         let i = lp.insert(Entry::Link(c));
         lp.watch_flag(i);
         (i, peer)
@@ -3505,6 +3634,93 @@ mod tests {
         let got = reader.join().unwrap();
         assert!(turns >= 4, "{queued} bytes went out in {turns} turns");
         assert!(got[got.len() - 4 * WRITE_PER_TURN..].iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "devices on the process's wire: sockets and threads")]
+    fn a_process_connecting_many_qps_at_once_is_never_refused() {
+        // 300 QPs of one process connect over TCP to 300 QPs of another device at once.
+        // Before, the wire opened the 300 sockets in one go; the device accepted them before
+        // their Hellos came, closed all but `MAX_PENDING_PER_ADDR` (16) as unauthenticated,
+        // and the rest dialed again: 284 refusals, a WARN storm and backoffs of up to 0.5 s.
+        use crate::{AccessFlags, ConnectOptions, Context, QpCaps, SendWr};
+        const N: usize = 300;
+        let cfg = crate::SoftConfig { same_host_shm: false, ..Default::default() };
+        let side = || {
+            let ctx = Context::open_soft_with(cfg.clone()).unwrap();
+            let pd = ctx.alloc_pd().unwrap();
+            let cq = ctx.create_cq(2 * N as u32).unwrap();
+            let qps: Vec<_> = (0..N).map(|_| pd.create_qp(&cq, &cq, QpCaps::default()).unwrap()).collect();
+            (ctx, pd, cq, qps)
+        };
+        let (_vctx, vpd, _vcq, vqps) = side();
+        let (_ctx, pd, cq, qps) = side();
+        let target = vpd.alloc_mr(8 * N, AccessFlags::ALL_REMOTE).unwrap();
+        let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+        let refused_before = REFUSED.load(Ordering::Relaxed);
+        let opts = ConnectOptions::default().with_timeout(18).with_retry_cnt(7);
+        for (vqp, qp) in vqps.iter().zip(&qps) {
+            vqp.connect(&qp.address().unwrap(), &opts).unwrap();
+        }
+        for (i, (vqp, qp)) in vqps.iter().zip(&qps).enumerate() {
+            // As a QP of another process sees it: a GID no device here has, so over TCP.
+            let mut far = vqp.address().unwrap();
+            far.gid[8..12].iter_mut().for_each(|b| *b ^= 0xa5);
+            qp.connect(&far, &opts).unwrap();
+            let dst = target.remote().slice(8 * i as u64, 8).unwrap();
+            qp.post_send(SendWr::write(src.local().unwrap(), dst).wr_id(i as u64)).unwrap();
+        }
+        for _ in 0..N {
+            let wc = cq.wait(Some(Duration::from_secs(20))).expect("every write completes");
+            assert!(wc.status.is_success(), "{wc:?}");
+        }
+        let refused = REFUSED.load(Ordering::Relaxed) - refused_before;
+        assert_eq!(refused, 0, "{refused} refusals for {N} connections from one process");
+    }
+
+    #[test]
+    #[cfg(not(miri))]
+    fn hellos_that_came_after_their_connections_were_accepted_are_read_before_refusing() {
+        // A burst from one host is accepted before its Hellos arrive: 16 connections without
+        // a Hello, the bound per address. Their Hellos come; before the loop's turn for them,
+        // a 17th connection is accepted. Before, it was refused for the 16 counted as silent.
+        let mut lp = test_loop();
+        let std_l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        std_l.set_nonblocking(true).unwrap();
+        let addr = std_l.local_addr().unwrap();
+        let li = lp.insert(Entry::Listener(Lst {
+            l: Listening::Tcp(MioListener::from_std(std_l)),
+            device: Weak::new(), // the Hellos are read, then dropped: no such device
+            pending: Vec::new(),
+            served: Arc::new(AtomicUsize::new(0)),
+            backoff: BACKOFF_MIN,
+            paused_until: None,
+            ready: true,
+        }));
+        let pending = |lp: &EventLoop| match &lp.slab[li] {
+            Some(Entry::Listener(l)) => l.pending.len(),
+            _ => unreachable!(),
+        };
+        let accept = |lp: &mut EventLoop| {
+            // The kernel's accept queue has them once `connect` returns; poll for it anyway.
+            std::thread::sleep(Duration::from_millis(20));
+            lp.on_event(li, true, false, false);
+        };
+        let mut socks: Vec<std::net::TcpStream> =
+            (0..MAX_PENDING_PER_ADDR).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+        accept(&mut lp);
+        assert_eq!(pending(&lp), MAX_PENDING_PER_ADDR, "accepted, their Hellos not come yet");
+        let hello =
+            Frame::Hello { src_gid: [1; 16], src_qpn: 1, dst_qpn: 2, src_psn: 3, dst_psn: 4, token: [5; 16] };
+        let mut bytes = Vec::new();
+        wire::encode(&hello, &mut bytes);
+        for s in &mut socks {
+            s.write_all(&bytes).unwrap();
+        }
+        let late = std::net::TcpStream::connect(addr).unwrap();
+        accept(&mut lp);
+        assert_eq!(pending(&lp), 1, "the 16 Hellos were read (and dropped: no device), the 17th kept");
+        drop(late);
     }
 
     #[test]
