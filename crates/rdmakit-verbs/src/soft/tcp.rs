@@ -3276,15 +3276,14 @@ mod tests {
     #[cfg(not(miri))]
     fn add_link(lp: &mut EventLoop) -> (usize, ShmConn) {
         let (mine, peer) = shm::test_pair();
-        let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
-        let c = LinkConn {
-            io,
-            shared: Arc::new(LinkShared::new(16)),
-            qp: Weak::new(),
-            dial: None,
-            opening: None,
-        };
-        (lp.insert(Entry::Link(c)), peer)
+        (lp.insert(Entry::Link(accepted_link(mine))), peer)
+    }
+
+    /// A same-host link over `rings` whose Hello was accepted, of no QP.
+    #[cfg(not(miri))]
+    fn accepted_link(rings: ShmConn) -> LinkConn {
+        let io = Io::new(Conn::Shm(Box::new(rings)), Accept::Responses);
+        LinkConn { io, shared: Arc::new(LinkShared::new(16)), qp: Weak::new(), dial: None, opening: None }
     }
 
     #[cfg(not(miri))]
@@ -3352,15 +3351,7 @@ mod tests {
     #[cfg(not(miri))]
     fn add_flagged_link(lp: &mut EventLoop, pair: (ShmConn, ShmConn)) -> (usize, ShmConn) {
         let (mine, peer) = pair;
-        let io = Io::new(Conn::Shm(Box::new(mine)), Accept::Responses);
-        let c = LinkConn {
-            io,
-            shared: Arc::new(LinkShared::new(16)),
-            qp: Weak::new(),
-            dial: None,
-            opening: None,
-        };
-        let i = lp.insert(Entry::Link(c));
+        let i = lp.insert(Entry::Link(accepted_link(mine)));
         lp.watch_flag(i);
         (i, peer)
     }
