@@ -562,10 +562,11 @@ struct Dial {
     shm: Option<([u8; 16], usize)>,
     /// The encoded Hello.
     hello: Vec<u8>,
-    /// [`HELLO_TIMEOUT`] after the first dial.
+    /// [`HELLO_TIMEOUT`] after the first dial (before it: after the link was made, the
+    /// most a first dial waits for a turn to its address, [`DIALS_PER_ADDR`]).
     until: Instant,
-    /// Dialed once: a first dial held for a turn to its address ([`DIALS_PER_ADDR`])
-    /// starts its time when it goes.
+    /// Dialed once: the first dial restarts `until`, so a wait for a turn does not shorten
+    /// the time the link has to be accepted.
     dialed: bool,
     /// The wait before the next dial.
     backoff: Duration,
@@ -1332,7 +1333,7 @@ impl EventLoop {
             let count = self.opening.entry(r.dial.addr).or_default();
             let Some(opening) = Opening::take(count) else {
                 let mut r = r;
-                if r.dial.dialed && now >= r.dial.until {
+                if now >= r.dial.until {
                     r.shared.fail();
                 } else {
                     // Its rings were just tried: it waits for a TCP turn.
