@@ -1615,6 +1615,49 @@ fn one_request_on_raw_memory(
     mem
 }
 
+/// A link waiting for its turn to dial (a process opens at most 8 TCP connections to one
+/// address at a time, each until its Hello is written) keeps its requests in its queue. A
+/// request there sending from a `register_raw` region must not keep the region's
+/// deregistration waiting for the turn: its payload is copied out, as it is for a link on
+/// the loop.
+#[test]
+fn a_link_waiting_for_a_turn_to_dial_does_not_hold_a_raw_regions_deregistration() {
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    const LEN: usize = 1 << 20;
+    // A listener whose accept queue is full and never drained: connects to it do not
+    // complete (the kernel drops their SYNs), so 8 links stay opening.
+    let hole = TcpListener::bind("127.0.0.1:0").unwrap();
+    // SAFETY: listen(2) on a socket this test owns, to shrink its accept queue to one.
+    assert_eq!(unsafe { libc::listen(hole.as_raw_fd(), 0) }, 0);
+    let port = hole.local_addr().unwrap().port();
+    let _queued = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qps: Vec<QueuePair> = (0..9)
+        .map(|_| {
+            let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+            qp.connect(&fake_peer(port), &ConnectOptions::default().with_timeout(0)).unwrap();
+            qp
+        })
+        .collect();
+    // The ninth waits for a turn; its write's payload (over 128 KiB) stays in the region.
+    let mem = one_request_on_raw_memory(&pd, &qps[8], LEN, SendWr::write);
+    std::thread::sleep(Duration::from_millis(100));
+    qps[8].modify_to_error().unwrap();
+    let t0 = Instant::now();
+    let wc = cq.wait(Some(Duration::from_secs(60))).unwrap();
+    let took = t0.elapsed();
+    println!("flush reaped in {took:?} while the link waited for a turn to dial");
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WR_FLUSH_ERR));
+    assert!(took < Duration::from_secs(1), "reaping the flush waited {took:?} for the link's turn");
+    // SAFETY: the request was reaped and its region deregistered (the copy-out is done): the
+    // memory is no longer read.
+    unsafe { libc::munmap(mem, LEN) };
+    drop(qps);
+}
+
 // ---- a slow reader does not hold a deregistration ----
 
 /// A responder that accepts our Hello and then reads what we send a little at a time, never

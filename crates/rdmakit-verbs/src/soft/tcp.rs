@@ -1230,7 +1230,7 @@ impl EventLoop {
 
     /// Copies every payload queued from the region whose entry is `entry` out of it (once
     /// per run of overlapping payloads: [`TailCopies`]), in connections' output and in
-    /// links' queues (on the loop or waiting to dial again).
+    /// links' queues (on the loop, waiting to dial again or for a turn to dial).
     fn copy_out(&mut self, entry: Weak<MrEntry>) {
         // The entry is held through both passes: the tails noted may go meanwhile (a QP
         // dropped clears its link's queue), and the copy reads the region. Gone already:
@@ -1250,7 +1250,8 @@ impl EventLoop {
             Some(Entry::Link(c)) => Some(&c.shared),
             _ => None,
         });
-        for shared in queues.chain(self.redials.iter().map(|r| &r.shared)) {
+        let waiting = self.redials.iter().chain(&self.held_dials).map(|r| &r.shared);
+        for shared in queues.chain(waiting) {
             for (_, tail) in shared.queue.lock().expect("link queue").iter_mut() {
                 if let Some(t) = tail {
                     f(t);
