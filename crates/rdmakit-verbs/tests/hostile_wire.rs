@@ -2240,6 +2240,53 @@ fn a_request_posted_before_the_link_is_up_waits_for_it_not_for_the_transport_tim
 }
 
 #[test]
+fn a_deep_queue_answered_steadily_is_not_taken_for_a_dead_peer() {
+    // Ten writes posted at once to a responder that answers one every 20 ms: each answer
+    // comes well within the transport budget (about 67 ms) of the one before, the last one
+    // 200 ms after the posts. An HCA restarts its transport timer on every acknowledgement
+    // that retires requests; before, the soft NIC timed each request from its own send,
+    // and the fourth failed with RETRY_EXC_ERR as if the peer were dead.
+    let _g = serial();
+    const N: u64 = 10;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let responder = std::thread::spawn(move || {
+        let mut s = accept_requester(&listener);
+        for _ in 0..N {
+            let Some(Frame::Write { psn, .. }) = read_reply(&mut s, Duration::from_secs(10)) else {
+                panic!("expected a write")
+            };
+            std::thread::sleep(Duration::from_millis(20));
+            s.write_all(&frame(&Frame::Ack { psn, status: 0, data: Vec::new() })).unwrap();
+        }
+        s
+    });
+    let ctx = Context::open_soft_with(SoftConfig::default()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let o = ConnectOptions::default().with_timeout(14).with_retry_cnt(0);
+    let budget = o.transport_budget().unwrap();
+    qp.connect(&fake_peer(port), &o).unwrap();
+    let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..N {
+        let dst = RemoteSlice::new(0x1000 + 8 * i, 8, 1);
+        qp.post_send(SendWr::write(src.local().unwrap(), dst).wr_id(i)).unwrap();
+    }
+    let t = Instant::now();
+    for i in 0..N {
+        let wc = cq.wait(Some(Duration::from_secs(10))).expect("each write completes");
+        assert_eq!(wc.wr_id, i);
+        assert!(
+            wc.status.is_success(),
+            "write {i} failed after {:?} (budget {budget:?}): {wc:?}",
+            t.elapsed()
+        );
+    }
+    let _s = responder.join().unwrap();
+}
+
+#[test]
 fn a_same_host_requester_asking_for_keys_gets_a_bounded_number_of_grants_of_its_own_keys() {
     // A requester with all the secrets asks for 100 grants of the one key its QP may use,
     // and for keys it has no right to: it gets at most `MAX_GRANTS` grants, each with one

@@ -176,6 +176,9 @@ pub(crate) fn targets_outstanding() -> bool {
 struct Sent {
     p: Pending,
     psn: u32,
+    /// When its transport timer started: when it was sent, or when the request before it
+    /// was answered if that came later (an HCA restarts the timer on every acknowledgement
+    /// that retires outstanding requests: a deep queue that moves is not a dead peer).
     at: Instant,
     target: Option<LocalTarget>,
 }

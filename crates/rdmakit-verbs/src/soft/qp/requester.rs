@@ -209,6 +209,10 @@ impl SoftQp {
                 Frame::Ack { status, data, .. } => {
                     let s = sq.sent.pop_front().expect("checked above");
                     sq.retry = None;
+                    // Progress: the timer of the next outstanding request runs from now.
+                    if let Some(next) = sq.sent.front_mut() {
+                        next.at = next.at.max(Instant::now());
+                    }
                     let mut status = WcStatus(status);
                     let mut len = 0;
                     if status.is_success() {
