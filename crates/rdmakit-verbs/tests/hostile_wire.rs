@@ -2241,11 +2241,11 @@ fn a_request_posted_before_the_link_is_up_waits_for_it_not_for_the_transport_tim
 
 #[test]
 fn a_deep_queue_answered_steadily_is_not_taken_for_a_dead_peer() {
-    // Ten writes posted at once to a responder that answers one every 20 ms: each answer
-    // comes well within the transport budget (about 67 ms) of the one before, the last one
-    // 200 ms after the posts. An HCA restarts its transport timer on every acknowledgement
+    // Ten writes posted at once to a responder that answers one every 30 ms: each answer
+    // comes well within the transport budget (about 134 ms) of the one before, the last one
+    // 300 ms after the posts. An HCA restarts its transport timer on every acknowledgement
     // that retires requests; before, the soft NIC timed each request from its own send,
-    // and the fourth failed with RETRY_EXC_ERR as if the peer were dead.
+    // and the fifth failed with RETRY_EXC_ERR as if the peer were dead.
     let _g = serial();
     const N: u64 = 10;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -2256,7 +2256,7 @@ fn a_deep_queue_answered_steadily_is_not_taken_for_a_dead_peer() {
             let Some(Frame::Write { psn, .. }) = read_reply(&mut s, Duration::from_secs(10)) else {
                 panic!("expected a write")
             };
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(30));
             s.write_all(&frame(&Frame::Ack { psn, status: 0, data: Vec::new() })).unwrap();
         }
         s
@@ -2265,7 +2265,7 @@ fn a_deep_queue_answered_steadily_is_not_taken_for_a_dead_peer() {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(16).unwrap();
     let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    let o = ConnectOptions::default().with_timeout(14).with_retry_cnt(0);
+    let o = ConnectOptions::default().with_timeout(15).with_retry_cnt(0);
     let budget = o.transport_budget().unwrap();
     qp.connect(&fake_peer(port), &o).unwrap();
     let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
