@@ -107,8 +107,7 @@ impl SoftQp {
         }
         let local = self.resolve_local(wr)?;
         let (data, tail) = match (&local.entry, wr.op) {
-            // Large payloads only: smaller ones are cheaper copied into the link's buffer,
-            // which batches many requests into one system call.
+            // From `tail_min` on: smaller payloads are cheaper copied into the frame.
             (Some(e), RawOp::Write { .. } | RawOp::Send { .. }) if len >= tail_min => {
                 (Vec::new(), Some(SharedTail::new(local.ptr, len as usize, e.clone())))
             }
