@@ -120,6 +120,22 @@ pub(crate) unsafe fn copy_across_cores(src: Src, dst: Dst, len: usize) {
     unsafe { copy_with(src, dst, len, true) }
 }
 
+/// Receives up to `len` bytes from socket `fd` (`recv(2)`, `MSG_DONTWAIT`) straight into
+/// shared memory at `dst`: the kernel writes them as a NIC's DMA does, from outside the
+/// program, in no promised order and without [`copy`]'s last-word release (a caller that
+/// needs it holds the last word back and lands it with [`copy`] afterwards). `Ok(0)`: the
+/// peer closed the stream.
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` bytes for the whole call and satisfy the
+/// padding invariant (see [`copy`]).
+#[cfg(unix)]
+pub(crate) unsafe fn recv(fd: std::os::fd::RawFd, dst: *mut u8, len: usize) -> std::io::Result<usize> {
+    // SAFETY: the caller vouches for `dst`; the kernel writes at most `len` bytes there.
+    let n = unsafe { libc::recv(fd, dst.cast(), len, libc::MSG_DONTWAIT) };
+    if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
+}
+
 #[inline]
 unsafe fn copy_with(src: Src, dst: Dst, len: usize, vectors: bool) {
     if len == 0 {

@@ -2170,6 +2170,49 @@ impl EventLoop {
                 }
                 continue;
             }
+            // TCP: a write's data being placed goes from the socket straight to its target,
+            // all but its last word (which lands last, read through the buffer below).
+            if let (Conn::Tcp(sock), Some((p, done))) = (&s.io.s, s.io.rd.placing()) {
+                let want = p.direct_span(done, rbuf.len());
+                if want > 0 {
+                    let Some(held) = p.hold() else {
+                        // Revoked mid-frame: as for rings, above.
+                        s.io.rd.revoke();
+                        continue;
+                    };
+                    // SAFETY: `want` is within the placement's direct span from `done`,
+                    // under its own leave.
+                    let r = unsafe { p.recv_direct(&held, sock.as_raw_fd(), done, want) };
+                    drop(held);
+                    match r {
+                        Ok(0) => {
+                            warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
+                            let _ = s.io.flush();
+                            return false;
+                        }
+                        Ok(n) => {
+                            // A short read drained the socket: what arrives later is a new edge.
+                            if n < want {
+                                s.io.readable = false;
+                            }
+                            // (Never the frame's end: its last word is still to come.)
+                            if let Some(got) = s.io.rd.placed(n) {
+                                match answer(s, got) {
+                                    None => return false,
+                                    Some(Some((reply, tail))) => {
+                                        s.io.push_with_tail(reply, tail, &mut self.scratch)
+                                    }
+                                    Some(None) => {}
+                                }
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => s.io.readable = false,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => return false,
+                    }
+                    continue;
+                }
+            }
             // Through rings, small reads: a large write's data is then mostly placed from
             // the ring (above) rather than through this buffer.
             let cap = if s.io.s.is_shm() { SHM_READ } else { rbuf.len() };

@@ -1369,6 +1369,35 @@ impl Placement {
         }
     }
 
+    /// How many of the `max` bytes from offset `at` on may be received straight into the
+    /// target ([`recv_direct`](Self::recv_direct)): all but the held last word's.
+    pub(crate) fn direct_span(&self, at: usize, max: usize) -> usize {
+        self.last.borrow().split(at, max).0
+    }
+
+    /// Receives up to `n` bytes of the data, from offset `at` on, straight from TCP socket
+    /// `fd` into the target: the socket's bytes land where they belong with no copy through
+    /// a buffer (the kernel's copy is the only one, as for a raw TCP stream). `Ok(0)`: the
+    /// peer closed the stream.
+    ///
+    /// # Safety
+    /// `n <= self.direct_span(at, n)` (so `at + n <= len`, and the held word is not
+    /// touched), and `_held` must come from this placement's [`hold`](Self::hold).
+    #[cfg(unix)]
+    pub(crate) unsafe fn recv_direct(
+        &self,
+        _held: &Held,
+        fd: std::os::fd::RawFd,
+        at: usize,
+        n: usize,
+    ) -> std::io::Result<usize> {
+        debug_assert!(n <= self.direct_span(at, n));
+        // SAFETY: the target is valid for `len` bytes, kept registered by the caller's
+        // `Held`, and `at + n` stays before the held word (caller); the kernel writes it as
+        // a NIC's DMA would, and the held word lands after it, last, through `land`.
+        unsafe { shared_mem::recv(fd, self.ptr.add(at), n) }
+    }
+
     /// Lands `n` bytes from `src` at offset `at` of the target, copied as memory another
     /// core wrote last (a same-host ring).
     ///
