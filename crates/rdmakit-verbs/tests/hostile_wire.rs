@@ -1016,46 +1016,41 @@ fn writes_and_reads_of_every_size_cross_the_tcp_wire_whole() {
     }
     assert!(at <= 1 << 20, "the victim's region holds them all");
     v.mr.fill(0).unwrap();
-    for (i, &(at, len)) in spans.iter().enumerate() {
-        let wr = SendWr::write(
-            l.src.slice(at as u64, len as u32).unwrap(),
-            v.mr.remote().slice(at as u64, len as u32).unwrap(),
-        );
-        l.qp.post_send(wr.wr_id(i as u64)).unwrap();
-    }
-    for i in 0..spans.len() {
-        let wc = l.cq.wait(Some(Duration::from_secs(10))).expect("every write completes");
-        assert!(wc.status.is_success(), "write {i}: {wc:?}");
-    }
-    for (i, &(at, len)) in spans.iter().enumerate() {
-        let mut back = vec![0u8; len];
-        v.mr.read_at(at as u64, &mut back).unwrap();
-        assert!(
-            back.iter().enumerate().all(|(k, &b)| b == pattern(i, k)),
-            "write {i} ({len} bytes) landed changed"
-        );
-    }
+    // Posts `wrs` (one per span), waits for every completion, and checks what `mr` holds
+    // at `base + at` afterwards.
+    let round = |what: &str, mr: &MemoryRegion, base: usize, wrs: Vec<SendWr>| {
+        for (i, wr) in wrs.into_iter().enumerate() {
+            l.qp.post_send(wr.wr_id(i as u64)).unwrap();
+        }
+        for i in 0..spans.len() {
+            let wc = l.cq.wait(Some(Duration::from_secs(10))).expect("every request completes");
+            assert!(wc.status.is_success(), "{what} {i}: {wc:?}");
+        }
+        for (i, &(at, len)) in spans.iter().enumerate() {
+            let mut back = vec![0u8; len];
+            mr.read_at((base + at) as u64, &mut back).unwrap();
+            assert!(
+                back.iter().enumerate().all(|(k, &b)| b == pattern(i, k)),
+                "{what} {i} ({len} bytes) changed"
+            );
+        }
+    };
+    let local = |at: usize, len: usize| l.src.slice(at as u64, len as u32).unwrap();
+    let far = |at: usize, len: usize| v.mr.remote().slice(at as u64, len as u32).unwrap();
+    round(
+        "write",
+        &v.mr,
+        0,
+        spans.iter().map(|&(at, len)| SendWr::write(local(at, len), far(at, len))).collect(),
+    );
     // And back: the victim answers reads of the same spans into the far half of `src`.
     let home = 2usize << 20;
-    for (i, &(at, len)) in spans.iter().enumerate() {
-        let wr = SendWr::read(
-            l.src.slice((home + at) as u64, len as u32).unwrap(),
-            v.mr.remote().slice(at as u64, len as u32).unwrap(),
-        );
-        l.qp.post_send(wr.wr_id(i as u64)).unwrap();
-    }
-    for i in 0..spans.len() {
-        let wc = l.cq.wait(Some(Duration::from_secs(10))).expect("every read completes");
-        assert!(wc.status.is_success(), "read {i}: {wc:?}");
-    }
-    for (i, &(at, len)) in spans.iter().enumerate() {
-        let mut back = vec![0u8; len];
-        l.src.read_at((home + at) as u64, &mut back).unwrap();
-        assert!(
-            back.iter().enumerate().all(|(k, &b)| b == pattern(i, k)),
-            "read {i} ({len} bytes) came back changed"
-        );
-    }
+    round(
+        "read",
+        &l.src,
+        home,
+        spans.iter().map(|&(at, len)| SendWr::read(local(home + at, len), far(at, len))).collect(),
+    );
 }
 
 // ---- large reads: answered from the region, not copied ----

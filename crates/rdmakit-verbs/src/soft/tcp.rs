@@ -962,6 +962,14 @@ impl Io {
     }
 }
 
+/// A requester's stream ended inside a frame: said, and the answers already queued go out
+/// if the stream takes them now. Always false (the connection ends).
+fn closed_inside_a_frame(s: &mut ServedConn) -> bool {
+    warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
+    let _ = s.io.flush();
+    false
+}
+
 /// Sets the length in an encoded header to its fixed part plus `extra` data bytes.
 fn patch_len(encoded: &mut [u8], extra: usize) {
     let len = u32::from_le_bytes([encoded[4], encoded[5], encoded[6], encoded[7]]) as usize + extra;
@@ -2148,21 +2156,10 @@ impl EventLoop {
                 // SAFETY: at most what is left of the placement, from where it stands, under
                 // its own leave.
                 match unsafe { c.read_placed(p, &held, done, p.len() - done) } {
-                    Ok(0) => {
-                        warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
-                        // Answers already queued still go out if the ring takes them now.
-                        let _ = s.io.flush();
-                        return false;
-                    }
+                    Ok(0) => return closed_inside_a_frame(s),
                     Ok(n) => {
-                        if let Some(got) = s.io.rd.placed(n) {
-                            match answer(s, got) {
-                                None => return false,
-                                Some(Some((reply, tail))) => {
-                                    s.io.push_with_tail(reply, tail, &mut self.scratch)
-                                }
-                                Some(None) => {}
-                            }
+                        if !self.placed(s, n) {
+                            return false;
                         }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => s.io.readable = false,
@@ -2185,25 +2182,15 @@ impl EventLoop {
                     let r = unsafe { p.recv_direct(&held, sock.as_raw_fd(), done, want) };
                     drop(held);
                     match r {
-                        Ok(0) => {
-                            warn_limited!(peer = ?s.peer, "soft NIC: connection closed inside a frame");
-                            let _ = s.io.flush();
-                            return false;
-                        }
+                        Ok(0) => return closed_inside_a_frame(s),
                         Ok(n) => {
                             // A short read drained the socket: what arrives later is a new edge.
                             if n < want {
                                 s.io.readable = false;
                             }
-                            // (Never the frame's end: its last word is still to come.)
-                            if let Some(got) = s.io.rd.placed(n) {
-                                match answer(s, got) {
-                                    None => return false,
-                                    Some(Some((reply, tail))) => {
-                                        s.io.push_with_tail(reply, tail, &mut self.scratch)
-                                    }
-                                    Some(None) => {}
-                                }
+                            // (Never the frame's end here: its last word is still to come.)
+                            if !self.placed(s, n) {
+                                return false;
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => s.io.readable = false,
@@ -2239,6 +2226,20 @@ impl EventLoop {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => return false,
             }
+        }
+    }
+
+    /// `n` more bytes of the write being placed landed: once it is whole, it is answered.
+    /// False: the connection ends.
+    fn placed(&mut self, s: &mut ServedConn, n: usize) -> bool {
+        let Some(got) = s.io.rd.placed(n) else { return true };
+        match answer(s, got) {
+            None => false,
+            Some(Some((reply, tail))) => {
+                s.io.push_with_tail(reply, tail, &mut self.scratch);
+                true
+            }
+            Some(None) => true,
         }
     }
 
