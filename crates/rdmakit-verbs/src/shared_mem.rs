@@ -129,7 +129,6 @@ pub(crate) unsafe fn copy_across_cores(src: Src, dst: Dst, len: usize) {
 /// # Safety
 /// `dst` must be valid for writes of `len` bytes for the whole call and satisfy the
 /// padding invariant (see [`copy`]).
-#[cfg(unix)]
 pub(crate) unsafe fn recv(fd: std::os::fd::RawFd, dst: *mut u8, len: usize) -> std::io::Result<usize> {
     // SAFETY: the caller vouches for `dst`; the kernel writes at most `len` bytes there.
     let n = unsafe { libc::recv(fd, dst.cast(), len, libc::MSG_DONTWAIT) };

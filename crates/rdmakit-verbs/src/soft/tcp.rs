@@ -53,7 +53,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -325,23 +325,52 @@ impl Conn {
         }
     }
 
-    /// Writes from `len` bytes at `src`.
+    /// Writes the pieces `parts` (`len` bytes at `src` each), in order, as far as the
+    /// stream takes them now, and returns the bytes written (`WouldBlock`: none). A socket
+    /// takes up to [`GATHER`] of them in one `sendmsg`, so that a payload left in its region
+    /// costs an entry of a call, not a call; rings copy them in one after the other.
     ///
     /// # Safety
-    /// `src` must be valid for reads of `len` bytes (they are read as opaque bytes).
-    unsafe fn write_raw(&mut self, src: Src, len: usize) -> std::io::Result<usize> {
+    /// Each `src` must be valid for reads of its `len` bytes for the whole call (they are
+    /// read as opaque bytes).
+    unsafe fn write_gathered(&mut self, parts: &[(Src, usize)]) -> std::io::Result<usize> {
         match self {
             Conn::Tcp(s) => {
+                let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; GATHER];
+                let n_iov = parts.len().min(GATHER);
+                for (v, &(src, len)) in iov.iter_mut().zip(parts) {
+                    *v = libc::iovec { iov_base: src.ptr().cast_mut().cast(), iov_len: len };
+                }
+                // SAFETY: a zeroed `msghdr` is valid (no name, no control data).
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov.as_mut_ptr();
+                msg.msg_iovlen = n_iov as _;
                 // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a full
                 // socket is WouldBlock (the loop never blocks).
-                // SAFETY: the caller vouches for `src`; the kernel only reads it.
-                let n = unsafe {
-                    libc::send(s.as_raw_fd(), src.ptr().cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
-                };
+                // SAFETY: `iov[..n_iov]` covers what the caller vouches for; the kernel only
+                // reads it.
+                let n =
+                    unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
                 if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
             }
-            // SAFETY: the caller vouches for `src`.
-            Conn::Shm(c) => unsafe { c.write_raw(src, len) },
+            Conn::Shm(c) => {
+                let mut written = 0;
+                for &(src, len) in parts {
+                    // SAFETY: the caller vouches for `src`.
+                    match unsafe { c.write_raw(src, len) } {
+                        Ok(n) => {
+                            written += n;
+                            if n < len {
+                                break;
+                            }
+                        }
+                        // What was written counts; the error comes again on the next call.
+                        Err(_) if written > 0 => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(written)
+            }
             Conn::Unattached(..) | Conn::Moving => Err(std::io::ErrorKind::NotConnected.into()),
         }
     }
@@ -416,7 +445,7 @@ impl Read for Conn {
 impl Write for Conn {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         // SAFETY: `buf` is valid for reads of its length.
-        unsafe { self.write_raw(Src::Private(buf.as_ptr()), buf.len()) }
+        unsafe { self.write_gathered(&[(Src::Private(buf.as_ptr()), buf.len())]) }
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -437,7 +466,7 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 const OUT_HIGH: usize = 256 * 1024;
 /// Small frames are appended to the last queued buffer while it is below this size.
 const COALESCE: usize = 64 * 1024;
-/// Queued chunks one `sendmsg` takes at most (a TCP socket's output).
+/// Queued chunks one write of a connection's output takes at most (one `sendmsg`).
 const GATHER: usize = 64;
 /// Data of at least this size is queued as its own buffer (moved, not copied).
 const OWN_CHUNK: usize = 16 * 1024;
@@ -829,25 +858,30 @@ impl Io {
     /// the loop: a large answer to a peer that takes it fast must not keep the loop from
     /// every other connection); returns the bytes written.
     fn flush_up_to(&mut self, budget: usize) -> std::io::Result<usize> {
-        if let Conn::Tcp(s) = &self.s {
-            let fd = s.as_raw_fd();
-            return self.flush_gathered(fd, budget);
-        }
         let mut written = 0;
-        while let Some(c) = self.out.front_mut() {
-            if written >= budget {
-                return Ok(written);
+        while !self.out.is_empty() && written < budget {
+            // The queued chunks from the front, within the budget.
+            let mut parts = [(Src::Private(std::ptr::null()), 0); GATHER];
+            let (mut n_parts, mut want) = (0, 0);
+            for c in self.out.iter().take(GATHER) {
+                let left = budget - written - want;
+                if left == 0 {
+                    break;
+                }
+                let (src, len) = match c {
+                    Chunk::Bytes(b, off) => (Src::Private(b[*off..].as_ptr()), b.len() - *off),
+                    // SAFETY: `*off < t.len` (a chunk written whole is popped), so the
+                    // pointer stays within the `t.len` bytes `t` keeps valid.
+                    Chunk::Tail(t, off) => (Src::Shared(unsafe { t.ptr.add(*off) }), t.len - *off),
+                };
+                let len = len.min(left);
+                parts[n_parts] = (src, len);
+                n_parts += 1;
+                want += len;
             }
-            let left = budget - written;
-            let r = match c {
-                Chunk::Bytes(b, off) => self.s.write(&b[*off..(*off + left).min(b.len())]),
-                // SAFETY: `t.ptr` is valid for `t.len` bytes while `t` (holding the region's
-                // entry) lives, and `*off < t.len`; it is only read, as opaque bytes.
-                Chunk::Tail(t, off) => unsafe {
-                    self.s.write_raw(Src::Shared(t.ptr.add(*off)), (t.len - *off).min(left))
-                },
-            };
-            match r {
+            // SAFETY: each part covers live bytes: a chunk's own buffer, or a tail's region
+            // kept valid by its chunk, which stays queued until the call returns.
+            match unsafe { self.s.write_gathered(&parts[..n_parts]) } {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     written += n;
@@ -861,63 +895,6 @@ impl Io {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
-        }
-        Ok(written)
-    }
-
-    /// [`flush_up_to`](Self::flush_up_to) for a TCP socket: up to [`GATHER`] queued chunks
-    /// (headers, payloads, a region's tails) go in one `sendmsg`, instead of one `send`
-    /// each, so that a payload left in its region costs an entry of the call, not a call.
-    fn flush_gathered(&mut self, fd: RawFd, budget: usize) -> std::io::Result<usize> {
-        let mut written = 0;
-        while !self.out.is_empty() && written < budget {
-            let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; GATHER];
-            let mut n_iov = 0;
-            let mut want = 0;
-            for c in self.out.iter().take(GATHER) {
-                let left = budget - written - want;
-                if left == 0 {
-                    break;
-                }
-                let (ptr, len) = match c {
-                    Chunk::Bytes(b, off) => (b[*off..].as_ptr(), b.len() - *off),
-                    // SAFETY: `*off < t.len` (a chunk written whole is popped), so the
-                    // pointer stays within the `t.len` bytes `t` keeps valid.
-                    Chunk::Tail(t, off) => (unsafe { t.ptr.add(*off) }.cast_const(), t.len - *off),
-                };
-                let len = len.min(left);
-                iov[n_iov] = libc::iovec { iov_base: ptr.cast_mut().cast(), iov_len: len };
-                n_iov += 1;
-                want += len;
-            }
-            // SAFETY: a zeroed `msghdr` is valid (no name, no control data).
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = n_iov as _;
-            // MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE; MSG_DONTWAIT: a full
-            // socket is WouldBlock (the loop never blocks).
-            // SAFETY: each entry of `iov[..n_iov]` covers live bytes: a chunk's own buffer,
-            // or a tail's region kept valid by the chunk, which stays queued until the call
-            // returns; the kernel only reads them (tails as opaque bytes, as `write_raw`).
-            let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                match e.kind() {
-                    std::io::ErrorKind::WouldBlock => {
-                        self.writable = false;
-                        return Ok(written);
-                    }
-                    std::io::ErrorKind::Interrupted => continue,
-                    _ => return Err(e),
-                }
-            }
-            let n = r as usize;
-            if n == 0 {
-                return Err(std::io::ErrorKind::WriteZero.into());
-            }
-            written += n;
-            self.last_progress = Instant::now();
-            self.consume(n);
         }
         Ok(written)
     }
@@ -3423,7 +3400,7 @@ mod tests {
         lp.slab[i] = Some(e);
     }
 
-    /// Gathered output (`flush_gathered`): many chunks of every size through a socket whose
+    /// Gathered output (`flush_up_to`, `Conn::write_gathered`): many chunks of every size through a socket whose
     /// send buffer is small, so that most calls take part of a chunk, arrive whole and in
     /// order; no call writes more than its budget; the queue's byte count ends at 0.
     #[test]

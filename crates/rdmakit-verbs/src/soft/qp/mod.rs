@@ -1383,7 +1383,6 @@ impl Placement {
     /// # Safety
     /// `n <= self.direct_span(at, n)` (so `at + n <= len`, and the held word is not
     /// touched), and `_held` must come from this placement's [`hold`](Self::hold).
-    #[cfg(unix)]
     pub(crate) unsafe fn recv_direct(
         &self,
         _held: &Held,
