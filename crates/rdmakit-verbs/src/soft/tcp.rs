@@ -3051,6 +3051,9 @@ impl FrameReader {
             b.checked = true;
             match if b.data_len > 0 { place(b.kind, &b.fixed, b.data_len) } else { None } {
                 Some(p) if p.len() == b.data_len => b.place = Some((p, 0)),
+                // No data fits any limit: the limit is not asked for (it may take a lock the
+                // QP holds while it posts, and most answers carry none).
+                _ if b.data_len == 0 => {}
                 _ => {
                     let limit = data_limit(b.kind, &b.fixed);
                     if b.data_len > limit {
