@@ -32,6 +32,8 @@ const RECV_WR: u64 = u64::MAX - 1;
 
 /// Above this many iterations perftest does not measure the peak bandwidth.
 pub const PEAK_MAX_ITERS: u32 = 20_000;
+/// Empty CQ polls of the bandwidth loop per clock read (for its stuck-peer deadline).
+const POLLS_PER_CLOCK: u32 = 256;
 
 /// A bandwidth result: rates, so that directions and QPs add up as perftest adds them.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -590,7 +592,13 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
     let mut stop_sent = !(send && p.test == Test::SendBw);
     let mut stop_done = stop_sent;
     let mut recv_done = !recv;
-    let mut last_progress = Instant::now();
+    // Empty polls since the last completion, and when the first clock read among them
+    // was: the clock is read only every `POLLS_PER_CLOCK` empty polls (perftest reads none
+    // while it polls; a read per empty poll made each of this loop's spins several times
+    // as long, and on a host with fewer cores than busy threads that is CPU a software
+    // NIC's threads need). The deadline thus runs from at most that many polls after the
+    // last completion.
+    let (mut empty_polls, mut stalled_since) = (0u32, None::<Instant>);
     let mut wcs = [WorkCompletion::default(); 16];
     let mut secs = 0.0;
     let cq_mod = u64::from(p.cq_mod_at(size, wait == CqWait::Event));
@@ -645,12 +653,15 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
             n = 1;
         }
         if n == 0 {
-            if last_progress.elapsed() > STUCK {
+            empty_polls = empty_polls.wrapping_add(1);
+            if empty_polls.is_multiple_of(POLLS_PER_CLOCK)
+                && stalled_since.get_or_insert_with(Instant::now).elapsed() > STUCK
+            {
                 return Err(Error::Timeout(STUCK));
             }
             continue;
         }
-        last_progress = Instant::now();
+        (empty_polls, stalled_since) = (0, None);
         for wc in &wcs[..n] {
             let wc = wc.ok()?;
             if wc.opcode == WcOpcode::RECV {
