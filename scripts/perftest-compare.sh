@@ -19,6 +19,11 @@
 # Bandwidth ratio = rdmakit / perftest (goal >= 0.95); latency ratio = rdmakit / perftest
 # on t_typical (goal <= 1.05). rxe under TCG emulation is slow in absolute terms: only the
 # ratios, measured in the same run on the same device, mean something.
+# Each row ends with the spread of each program's runs (fastest to slowest) and says when
+# each median lies inside the other program's runs: in this VM the runs of one program and
+# row can differ twofold (8-byte message rates of all three of perftest, rdmakit and a
+# variant fell near 0.017 or near 0.031 Mpps from run to run), so such a ratio of medians
+# is not a difference between the programs.
 # Each latency row is followed by a t_min row (the medians of the runs' fastest iterations),
 # a diagnosis without a goal: in this VM t_typical moves with where the scheduler puts the
 # two processes and rxe's kernel work (the same ib_read_lat gave 31 and 57 us t_typical in
@@ -101,6 +106,10 @@ json() { # json KEY LINE
     sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p" <<<"$2"
 }
 
+spread() { # spread: "min-max" of the numbers on stdin (blank lines skipped), "-" if none
+    sort -g | awk 'NF {v[++n] = $1} END {if (n == 0) print "-"; else printf "%s-%s\n", v[1], v[n]}'
+}
+
 median() { # median: of the numbers on stdin (blank lines, runs that gave nothing, skipped)
     sort -g | awk 'NF {v[++n] = $1} END {if (n == 0) print 0; else if (n % 2) print v[(n + 1) / 2]; else print (v[n / 2] + v[n / 2 + 1]) / 2}'
 }
@@ -131,22 +140,34 @@ compare() { # compare NAME UNIT KIND PERFTEST-TOOL PERFTEST-COL RDMAKIT-TEST JSO
     done
     p=$(printf '%s\n' "${ps[@]}" | median)
     r=$(printf '%s\n' "${rs[@]}" | median)
-    row "$name" "$unit" "$p" "$r" "$kind"
+    row "$name" "$unit" "$p" "$r" "$kind" \
+        "$(printf '%s\n' "${ps[@]}" | spread)" "$(printf '%s\n' "${rs[@]}" | spread)"
     last=("$tool" "$test" "$p" "$r")
     if [ "$kind" = lat ] && [ "$tmin" = 1 ]; then
-        row "  t_min" "$unit" "$(printf '%s\n' "${pmins[@]}" | median)" "$(printf '%s\n' "${rmins[@]}" | median)" min
+        row "  t_min" "$unit" "$(printf '%s\n' "${pmins[@]}" | median)" "$(printf '%s\n' "${rmins[@]}" | median)" min \
+            "$(printf '%s\n' "${pmins[@]}" | spread)" "$(printf '%s\n' "${rmins[@]}" | spread)"
     fi
 }
 
-row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat|min)
-    awk -v n="$1" -v u="$2" -v p="$3" -v r="$4" -v k="$5" 'BEGIN {
+row() { # row NAME UNIT PERFTEST RDMAKIT KIND(bw|lat|min) [PERFTEST-SPREAD RDMAKIT-SPREAD]
+    # The spreads ("min-max" of each program's runs) follow the goal: rates and latencies in
+    # this VM move between runs by more than the goals' margins (a program's runs of one
+    # row can differ twofold), and a ratio of medians says little where each median lies
+    # inside the other program's runs; the row then says so.
+    awk -v n="$1" -v u="$2" -v p="$3" -v r="$4" -v k="$5" -v ps="${6:--}" -v rs="${7:--}" 'BEGIN {
         ratio = (p > 0) ? r / p : 0
         if (k == "bw") goal = ratio >= 0.95 ? "met (>= 0.95)" : "missed (>= 0.95)"
         else if (k == "lat") goal = ratio <= 1.05 ? "met (<= 1.05)" : "missed (<= 1.05)"
         else goal = "(no goal: diagnosis)"
         # Message rates on rxe under TCG are hundredths of a Mpps: print enough digits.
         f = (u == "Mpps") ? "%12.5f" : "%12.2f"
-        printf "%-26s %-8s " f " " f " %8.3f  %s\n", n, u, p, r, ratio, goal
+        g = (u == "Mpps") ? "%.5f" : "%.2f"
+        runs = ""
+        if (ps != "-" && rs != "-" && split(ps, a, "-") == 2 && split(rs, b, "-") == 2) {
+            runs = sprintf("  runs: perftest " g "-" g ", rdmakit " g "-" g, a[1], a[2], b[1], b[2])
+            if (r >= a[1] && r <= a[2] && p >= b[1] && p <= b[2]) runs = runs ", each median inside the other'"'"'s runs"
+        }
+        printf "%-26s %-8s " f " " f " %8.3f  %s%s\n", n, u, p, r, ratio, goal, runs
     }'
 }
 
