@@ -139,8 +139,12 @@ for p in $peers; do
     fi
 done
 
+spread() { # "min-max" of the numbers on stdin, "-" if none
+    sort -g | awk '{v[NR] = $1} END {if (NR == 0) print "-"; else printf "%s-%s\n", v[1], v[NR]}'
+}
+
 # measure NAME UNIT KIND TEST KEY ARGS...: one row.
-declare -A cell
+declare -A cell spr
 rows=()
 measure() {
     local name=$1 unit=$2 kind=$3 test=$4 key=$5; shift 5
@@ -171,6 +175,7 @@ measure() {
         fi
         cell[$name/$t]=$(printf "%s" "${vals[$t]:-}" | { grep . || true; } | median)
         cell[$name, t_min/$t]=$(printf "%s" "${mins[$t]:-}" | { grep . || true; } | median)
+        spr[$name/$t]=$(printf "%s" "${vals[$t]:-}" | { grep . || true; } | spread)
     done
 }
 
@@ -213,6 +218,22 @@ for row in "${rows[@]}"; do
         ahead = (k == "lat") ? (ratio <= 1) : (ratio >= 1)
         printf " %8.3f  %s\n", ratio, ahead ? "rdmakit at or ahead" : "rdmakit behind"
     }'
+done
+# Each tool's runs, fastest to slowest: in this VM one program's runs of a row can differ
+# twofold, so a ratio of medians inside the others' spread is no difference between them.
+echo "runs (min-max of each row's runs per crate):"
+for row in "${rows[@]}"; do
+    IFS='|' read -r name unit kind <<<"$row"
+    [[ $name == *t_min ]] && continue
+    line=""
+    for t in rdmakit $peers; do
+        v=${spr[$name/$t]:--}
+        [ "$v" = - ] && continue
+        line+=$(awk -v v="$v" -v u="$unit" -v t="$t" 'BEGIN { split(v, a, "-")
+            g = (u == "Mpps") ? "%.5f" : (u == "usec" ? "%.1f" : "%.2f")
+            printf "  %s " g "-" g, t, a[1], a[2] }')
+    done
+    printf '  %-24s%s\n' "$name" "$line"
 done
 if [ -n "${why[*]+x}" ]; then
     echo "not measured (\"-\"):"
