@@ -10,6 +10,8 @@
 //!   ceiling). Goal: ≥ 0.8×.
 //! - 8-byte write latency across processes (both paths) versus in one process. Goal for
 //!   the same-host path: at most 2×.
+//! - In one process, a pipe's 8-byte `rwrite` versus a raw 8-byte write and its completion,
+//!   alternating in blocks (criterion's two rows, side by side). Goal: at most 1.2×.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -212,6 +214,19 @@ pub fn run(runs: u32) -> Result<Vec<Limit>> {
     let local = median(local);
     out.push(latency("same-host 8 B write latency vs in-process", median(same), local, 2.0));
     out.push(latency("TCP-wire 8 B write latency vs in-process", median(tcp), local, f64::INFINITY));
+    // Pipe rwrite against a raw write and its completion, interleaved (issue 12 item 2:
+    // at most 1.2x): each run alternates 200 blocks of 1000 of each.
+    // The second row is the floor of the pipe's notification mode (no goal: a diagnosis).
+    let (mut pipe, mut raw, mut imm) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (p, r, i) = crate::channel::rwrite_vs_raw(200, 1000)?;
+        pipe.push(p);
+        raw.push(r);
+        imm.push(i);
+    }
+    let pipe = median(pipe);
+    out.push(latency("pipe rwrite vs raw write + poll, in-process", pipe, median(raw), 1.2));
+    out.push(latency("pipe rwrite vs raw write-imm + poll", pipe, median(imm), f64::INFINITY));
     Ok(out)
 }
 
