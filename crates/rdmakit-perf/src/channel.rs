@@ -166,27 +166,29 @@ async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
 
 /// Pipe `rwrite` of 8 bytes against its floor in raw verbs, a raw 8-byte RDMA write and its
 /// completion, in one process on the soft NIC: the criterion group `channel/latency_8b`'s
-/// two rows, measured side by side. Criterion times each row in its own few seconds, and on
-/// a shared host the two windows differ by up to 30%, more than the 1.2× the pipe is
-/// allowed; here blocks of `block` operations of each alternate `rounds` times, so a
-/// slow moment slows both. Returns the mean µs per operation of each (pipe, raw).
+/// rows, measured side by side. Criterion times each row in its own few seconds, and on a
+/// shared host the two windows differ by up to 30%, more than the 1.2× the pipe is
+/// allowed; here blocks of `block` operations of each alternate `rounds` times, so a slow
+/// moment slows all of them.
 ///
 /// Timed as the criterion rows are: a clock pair around each operation; the pipe's reader
 /// takes and releases each message between two writes, untimed (the rpipe paper's rwrite
-/// is the writer's put and its completion). A third figure is the floor of the pipe's own
-/// notification, a raw write with immediate and its completion (it also consumes a receive
-/// of the reader, re-posted untimed, as the pipe's reader re-posts).
-pub(crate) fn rwrite_vs_raw(rounds: u32, block: u32) -> Result<(f64, f64, f64)> {
+/// is the writer's put and its completion). Returns the mean µs per operation of: a pipe
+/// notifying by write with immediate (PUT_W_SYNC), a pipe notifying by a flag write after
+/// the data (2PUT, the paper's "one put plus a flag"), a raw write, and a raw write with
+/// immediate (the floor of the first pipe's notification: it also consumes a receive of
+/// the reader, re-posted untimed, as the pipe's reader re-posts).
+pub(crate) fn rwrite_vs_raw(rounds: u32, block: u32) -> Result<[f64; 4]> {
     use rdmakit_verbs::{AccessFlags, ConnectOptions, Context, QpCaps, RecvWr, SendWr};
     let rt = runtime()?;
     let pd = Context::open_soft().alloc_pd()?;
-    let cfg = PipeConfig::default()
-        .with_notify(NotifyMode::WriteImm)
-        .with_poll(PollMode::Busy)
-        .with_ring_len(1 << 20);
-    let (w, r) = rt.block_on(Pipe::pair(&pd, cfg, cfg)).map_err(chan)?;
+    let pair = |notify| {
+        let cfg = PipeConfig::default().with_notify(notify).with_poll(PollMode::Busy).with_ring_len(1 << 20);
+        rt.block_on(Pipe::pair(&pd, cfg, cfg)).map_err(chan)
+    };
+    let pipes = [pair(NotifyMode::WriteImm)?, pair(NotifyMode::Flag)?];
     let src = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
-    // The raw floor: a QP pair of its own, a write of 8 bytes and a busy poll of its CQ.
+    // The raw floors: a QP pair of their own, a write of 8 bytes and a busy poll of its CQ.
     let ctx = pd.context().clone();
     let (ca, cb) = (ctx.create_cq(4096)?, ctx.create_cq(4096)?);
     let caps = QpCaps::default().with_max_send_wr(256).with_max_recv_wr(256).with_max_inline_data(64);
@@ -195,34 +197,35 @@ pub(crate) fn rwrite_vs_raw(rounds: u32, block: u32) -> Result<(f64, f64, f64)> 
     b.connect(&a.address()?, &ConnectOptions::default())?;
     let (rsrc, rdst) = (pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?, pd.alloc_mr(8, AccessFlags::ALL_REMOTE)?);
     let inbox = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
-    let zero = std::time::Duration::ZERO;
-    let (mut pipe_t, mut raw_t, mut imm_t) = (zero, zero, zero);
+    let mut t = [std::time::Duration::ZERO; 4];
     for _ in 0..rounds {
-        rt.block_on(async {
-            for _ in 0..block {
-                let t = Instant::now();
-                let (res, _) = w.rwrite(src.local()?).await;
-                pipe_t += t.elapsed();
-                res.map_err(chan)?;
-                drop(r.recv().await.map_err(chan)?);
-            }
-            Ok::<_, Error>(())
-        })?;
+        for (k, (w, r)) in pipes.iter().enumerate() {
+            rt.block_on(async {
+                for _ in 0..block {
+                    let at = Instant::now();
+                    let (res, _) = w.rwrite(src.local()?).await;
+                    t[k] += at.elapsed();
+                    res.map_err(chan)?;
+                    drop(r.recv().await.map_err(chan)?);
+                }
+                Ok::<_, Error>(())
+            })?;
+        }
         for _ in 0..block {
-            let t = Instant::now();
+            let at = Instant::now();
             a.post_send(SendWr::write(rsrc.local()?, rdst.remote().slice(0, 8)?))?;
             ca.spin(crate::measure::STUCK)?.ok()?;
-            raw_t += t.elapsed();
+            t[2] += at.elapsed();
         }
         for i in 0..block {
             b.post_recv(RecvWr::new(inbox.local()?))?;
-            let t = Instant::now();
+            let at = Instant::now();
             a.post_send(SendWr::write(rsrc.local()?, rdst.remote().slice(0, 8)?).with_imm(i))?;
             ca.spin(crate::measure::STUCK)?.ok()?;
-            imm_t += t.elapsed();
+            t[3] += at.elapsed();
             cb.spin(crate::measure::STUCK)?.ok()?;
         }
     }
-    let us = |t: std::time::Duration| t.as_secs_f64() * 1e6 / (f64::from(rounds) * f64::from(block.max(1)));
-    Ok((us(pipe_t), us(raw_t), us(imm_t)))
+    let ops = f64::from(rounds) * f64::from(block.max(1));
+    Ok(t.map(|d| d.as_secs_f64() * 1e6 / ops))
 }

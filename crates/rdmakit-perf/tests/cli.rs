@@ -169,7 +169,7 @@ fn limits_reports_every_comparison() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(rows.len(), 14);
+    assert_eq!(rows.len(), 15);
     for r in &rows {
         assert!(
             r["rdmakit_mb_per_sec"].as_f64().unwrap() > 0.0 && r["limit_mb_per_sec"].as_f64().unwrap() > 0.0,
@@ -180,8 +180,8 @@ fn limits_reports_every_comparison() {
     assert_eq!(count("raw TCP"), 4);
     assert_eq!(count("same-host"), 5);
     assert_eq!(count("--use-event"), 4);
-    assert_eq!(rows.iter().filter(|r| r["unit"] == "us").count(), 4, "four latency rows");
-    assert_eq!(count("pipe rwrite"), 2);
+    assert_eq!(rows.iter().filter(|r| r["unit"] == "us").count(), 5, "five latency rows");
+    assert_eq!(count("pipe rwrite"), 3);
 }
 
 #[test]
