@@ -92,7 +92,8 @@ enum Cmd {
     /// rates, and a check of the final count).
     FaddContended(Contention),
     /// The soft NIC against this machine's limits: memcpy in-process, a raw TCP stream
-    /// across processes (ratios, goals 0.5x and 0.8x).
+    /// across processes (ratios, goals 0.5x and 0.8x), 8-byte write latency across
+    /// processes, and a pipe's rwrite against a raw write side by side (goal 1.2x).
     Limits {
         /// Print JSON lines instead of a table.
         #[arg(long)]
