@@ -232,8 +232,10 @@ impl Listener {
     ///
     /// On soft, the requests of every connection are read at once, each within
     /// [`CmOptions::timeout`] from its TCP accept (the `opts` of the call that took it), and
-    /// at most 64 at a time (past that the oldest is dropped): a client that connects and
-    /// says nothing, or trickles its request, delays no other. Such a connection is closed
+    /// at most 64 at a time (past that the one whose request has come least far is dropped,
+    /// the oldest of those): a client that connects and says nothing, or trickles its
+    /// request, delays no other, and a flood of silent connections drops its own rather
+    /// than a client that has begun its request. Such a connection is closed
     /// and logged at debug level, not returned as an error, and one whose request is still
     /// incomplete when a call returns is read on by the next call. From a complete request
     /// on, the handshake is this call's: a requester that stalls after its request holds the

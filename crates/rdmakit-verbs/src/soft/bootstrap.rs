@@ -158,9 +158,11 @@ fn read_reply(s: &mut TcpStream, max_data: usize, deadline: Instant, budget: Dur
     Ok(hello)
 }
 
-/// Most connections a blocking listener call reads requests from at once. Past it, the one
-/// accepted first is dropped: a request arrives one round trip after its connection, so the
-/// oldest one still incomplete is the likeliest to be silent.
+/// Most connections a blocking listener call reads requests from at once. Past it, one is
+/// dropped ([`Pending::keep_rank`]): the one whose request has come least far, and of
+/// those the one accepted first (a request arrives one round trip after its connection, so
+/// the oldest one still silent is the likeliest to stay so). A flood of connections that
+/// say nothing thus drops each other, not a client that has begun its request.
 pub(crate) const MAX_PENDING: usize = 64;
 
 /// A bootstrap listener (blocking).
@@ -190,6 +192,12 @@ struct Pending {
 }
 
 impl Pending {
+    /// Where it stands when connections must be dropped: the lowest goes first (see
+    /// [`MAX_PENDING`]).
+    fn keep_rank(&self) -> (usize, Instant) {
+        (self.got.len(), self.deadline)
+    }
+
     /// Reads what has arrived: true once the request is complete.
     fn advance(&mut self, max_data: usize) -> Result<bool> {
         loop {
@@ -246,9 +254,10 @@ impl Drop for Taken<'_> {
     fn drop(&mut self) {
         let mut shared = self.from.lock().unwrap_or_else(|e| e.into_inner());
         shared.append(&mut self.v);
-        // Calls that ran at once may have left more than one call keeps: the oldest go.
+        // Calls that ran at once may have left more than one call keeps: the lowest ranked
+        // go.
         if shared.len() > MAX_PENDING {
-            shared.sort_by_key(|p| p.deadline);
+            shared.sort_by_key(Pending::keep_rank);
             let extra = shared.len() - MAX_PENDING;
             shared.drain(..extra);
         }
@@ -342,10 +351,10 @@ impl SoftListener {
                 continue;
             }
             if v.len() >= MAX_PENDING {
-                let oldest = v.iter().enumerate().min_by_key(|(_, p)| p.deadline).map(|(i, _)| i);
-                if let Some(i) = oldest {
+                let last = v.iter().enumerate().min_by_key(|(_, p)| p.keep_rank()).map(|(i, _)| i);
+                if let Some(i) = last {
                     tracing::debug!(
-                        "soft CM: {MAX_PENDING} requests incomplete; the oldest connection is dropped"
+                        "soft CM: {MAX_PENDING} requests incomplete; the one least far along is dropped"
                     );
                     v.swap_remove(i);
                 }
@@ -652,5 +661,45 @@ mod nonblocking {
             write_all(&self.0, &READY).await?;
             into_conn(self.0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::ProviderKind;
+
+    /// A flood of silent connections past [`MAX_PENDING`] drops silent ones, not a client
+    /// that has begun its request (it has shown it talks; the flood's connections have
+    /// not), even when that client is older than all of them.
+    #[test]
+    fn a_flood_of_silent_connections_does_not_evict_a_client_that_has_begun_its_request() {
+        let l = SoftListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let ep = QpAddress {
+            provider: ProviderKind::Soft,
+            lid: 0,
+            gid: [1; 16],
+            qp_num: 7,
+            psn: 9,
+            token: [2; 16],
+        };
+        let req = encode(None, &ep, &[3; TOKEN_LEN], b"cli").unwrap();
+        std::thread::scope(|s| {
+            let got = s.spawn(|| l.next_request(Some(Duration::from_secs(20)), 64, Duration::from_secs(30)));
+            let mut real = TcpStream::connect(addr).unwrap();
+            real.write_all(&req[..4]).unwrap();
+            // Accepted and its first bytes read (generous: a loaded or sanitized run).
+            std::thread::sleep(Duration::from_secs(1));
+            let flood: Vec<TcpStream> =
+                (0..MAX_PENDING * 2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+            // Accepted too: more than a call keeps, so some were dropped.
+            std::thread::sleep(Duration::from_millis(500));
+            real.write_all(&req[4..]).unwrap();
+            let r = got.join().unwrap().expect("the client that had begun is served");
+            assert_eq!(r.hello.private_data, b"cli");
+            assert_eq!(r.hello.endpoint, ep);
+            drop(flood);
+        });
     }
 }
