@@ -597,11 +597,12 @@ pub use self::on_tokio::{AsyncListener, connect_async};
 
 #[cfg(feature = "async")]
 mod on_tokio {
+    use std::collections::VecDeque;
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-    use tokio::sync::{Semaphore, mpsc};
-    use tokio::task::JoinSet;
+    use tokio::sync::{Semaphore, TryAcquireError, mpsc};
+    use tokio::task::{AbortHandle, JoinSet};
 
     use super::*;
     use crate::soft::bootstrap::{AsyncSoftIncoming, AsyncSoftListener};
@@ -611,9 +612,11 @@ mod on_tokio {
     /// [`bind`](Self::bind) starts a task (on the current tokio runtime) that takes
     /// requests and runs each handshake as a task of its own, within
     /// [`CmOptions::timeout`]: a client that sends nothing, or trickles, is dropped when its
-    /// time is up and holds no other. At most `max_handshakes` run at once (further
-    /// requests wait in the kernel's backlog); established connections queue (as many
-    /// again) until [`accept`](Self::accept) takes them. A handshake that fails or times out
+    /// time is up and holds no other. At most `max_handshakes` run at once; with all of
+    /// them running, a new connection takes the place of the oldest handshake whose
+    /// request has not come whole (dropped and counted as failed), and waits in the
+    /// kernel's backlog only when every handshake has its request. Established connections
+    /// queue (as many again) until [`accept`](Self::accept) takes them. A handshake that fails or times out
     /// is logged and counted ([`failed_handshakes`](Self::failed_handshakes)), not returned:
     /// one bad client is no error of the listener.
     ///
@@ -752,12 +755,57 @@ mod on_tokio {
         async fn run(self, backend: AsyncListenerBackend) {
             // Dropped with this task: aborts every handshake in progress.
             let mut running = JoinSet::new();
+            // Handshakes whose request has not come whole yet, oldest first: with every
+            // slot taken, a new connection takes the slot of the oldest of them (as the
+            // blocking listener drops its least advanced connection), so a flood of
+            // connections that say nothing drops its own instead of holding every slot for
+            // its whole budget.
+            let mut silent: VecDeque<(AbortHandle, Arc<AtomicBool>)> = VecDeque::new();
             loop {
-                let Ok(permit) = self.permits.clone().acquire_owned().await else { return };
                 while running.try_join_next().is_some() {}
+                silent.retain(|(h, spoke)| !h.is_finished() && !spoke.load(Ordering::Acquire));
+                let free = match self.permits.clone().try_acquire_owned() {
+                    Ok(p) => Some(p),
+                    Err(TryAcquireError::Closed) => return,
+                    Err(TryAcquireError::NoPermits) => None,
+                };
+                // No slot free and none to take: wait for one.
+                let free = match free {
+                    None if silent.is_empty() => {
+                        tokio::select! {
+                            p = self.permits.clone().acquire_owned() => match p {
+                                Ok(p) => Some(p),
+                                Err(_) => return,
+                            },
+                            // A handshake ended (its slot is free now, or it spoke: look again).
+                            Some(_) = running.join_next() => continue,
+                            () = self.tx.closed() => return,
+                        }
+                    }
+                    free => free,
+                };
                 let incoming = tokio::select! {
                     r = backend.incoming() => r,
                     () = self.tx.closed() => return,
+                };
+                let permit = match free {
+                    Some(p) => p,
+                    None => {
+                        // Every slot taken: the oldest handshake still silent gives way.
+                        while let Some((h, spoke)) = silent.pop_front() {
+                            if !spoke.load(Ordering::Acquire) && !h.is_finished() {
+                                h.abort();
+                                self.failed.fetch_add(1, Ordering::Relaxed);
+                                tracing::debug!(
+                                    "handshake dropped for a newer connection: it sent no request"
+                                );
+                                break;
+                            }
+                        }
+                        // Freed when the aborted task is dropped (or by any other ending).
+                        let Ok(p) = self.permits.clone().acquire_owned().await else { return };
+                        p
+                    }
                 };
                 let incoming = match incoming {
                     Ok(i) => i,
@@ -773,8 +821,11 @@ mod on_tokio {
                 };
                 let (pd, opts, data) = (self.pd.clone(), self.opts, self.data.clone());
                 let (tx, failed) = (self.tx.clone(), self.failed.clone());
-                running.spawn(async move {
-                    let r = tokio::time::timeout(opts.timeout, incoming.accept(&pd, &opts, &data)).await;
+                let spoke = Arc::new(AtomicBool::new(false));
+                let said = spoke.clone();
+                let h = running.spawn(async move {
+                    let r =
+                        tokio::time::timeout(opts.timeout, incoming.accept(&pd, &opts, &data, &said)).await;
                     match r {
                         // The permit is held until the connection is queued: that bounds
                         // the queue too.
@@ -790,6 +841,7 @@ mod on_tokio {
                     }
                     drop(permit);
                 });
+                silent.push_back((h, spoke));
             }
         }
     }
@@ -851,11 +903,20 @@ mod on_tokio {
     }
 
     impl AsyncIncoming {
-        async fn accept(self, pd: &ProtectionDomain, opts: &CmOptions, data: &[u8]) -> Result<Connection> {
+        /// The handshake; `spoke` is set once the request has come whole (from then on the
+        /// handshake does not give way to newer connections).
+        async fn accept(
+            self,
+            pd: &ProtectionDomain,
+            opts: &CmOptions,
+            data: &[u8],
+            spoke: &AtomicBool,
+        ) -> Result<Connection> {
             match self {
                 AsyncIncoming::Soft(inc) => {
                     check_soft_pd(pd)?;
                     let mut req = inc.read_request(MAX_PRIVATE_DATA).await?;
+                    spoke.store(true, Ordering::Release);
                     let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello, req.origin()?)?;
                     let peer_data = std::mem::take(&mut req.hello.private_data);
                     let conn = req.accept(&ep, &token, data).await?;
@@ -863,6 +924,8 @@ mod on_tokio {
                 }
                 #[cfg(rdmakit_verbs)]
                 AsyncIncoming::Verbs(req) => {
+                    // rdma_cm hands over requests whole.
+                    spoke.store(true, Ordering::Release);
                     let req = check_request_device(req, pd)?;
                     let peer_data = req.private_data().to_vec();
                     let (qp, cq) = new_qp(pd, opts)?;

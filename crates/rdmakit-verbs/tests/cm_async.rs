@@ -76,7 +76,8 @@ async fn silent_client_is_dropped_after_its_budget() {
 }
 
 /// With at most 2 handshakes in progress, two silent clients hold both: a third client is
-/// only served once one of them has been dropped, which shows the bound holds.
+/// only served once one of them has been dropped (it gives way to the newer connection),
+/// which shows the bound holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshakes_in_progress_are_bounded() {
     let pd = Context::open_soft().alloc_pd().unwrap();
@@ -95,6 +96,38 @@ async fn handshakes_in_progress_are_bounded() {
     assert!(listener.failed_handshakes() >= 1, "served before a silent client was dropped");
     client.await.unwrap().unwrap();
     drop(silent);
+}
+
+/// Silent clients holding every handshake slot, with a budget of 30 s each: a real client
+/// is served at once, in the place of the oldest of them (before, it waited out their
+/// budget), and later silent connections do not drop its handshake once its request came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_clients_holding_every_slot_give_way_to_a_real_one() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let o = opts(Duration::from_secs(30));
+    let listener = AsyncListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &o, b"srv", 4).unwrap();
+    let addr = listener.local_addr();
+    let mut silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let start = Instant::now();
+    let client = tokio::spawn({
+        let pd = pd.clone();
+        let o = o.with_timeout(Duration::from_secs(10));
+        async move { connect_async(&pd, addr, &o, b"real").await }
+    });
+    // More silent ones behind it: they take the places of silent ones, not its.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    silent.extend((0..8).map(|_| TcpStream::connect(addr).unwrap()));
+    let conn =
+        tokio::time::timeout(Duration::from_secs(10), listener.accept()).await.expect("served").unwrap();
+    let took = start.elapsed();
+    assert_eq!(conn.peer_private_data(), b"real");
+    client.await.unwrap().expect("the real client connects");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(listener.failed_handshakes() >= 1, "a silent handshake gave way");
+    // The first silent client was dropped: it reads end-of-file.
+    silent[0].set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(silent[0].read(&mut [0u8; 8]).unwrap(), 0, "the oldest silent client was closed");
 }
 
 /// A request whose length byte claims more private data than the CM limit is refused
