@@ -788,10 +788,23 @@ mod on_tokio {
                     r = backend.incoming() => r,
                     () = self.tx.closed() => return,
                 };
-                let permit = match free {
-                    Some(p) => p,
-                    None => {
-                        // Every slot taken: the oldest handshake still silent gives way.
+                let incoming = match incoming {
+                    Ok(i) => i,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "async listener");
+                        if self.tx.send(Err(e)).await.is_err() {
+                            return;
+                        }
+                        // Out of fds, say: do not spin.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let permit = match free.map_or_else(|| self.permits.clone().try_acquire_owned(), Ok) {
+                    Ok(p) => p,
+                    Err(TryAcquireError::Closed) => return,
+                    Err(TryAcquireError::NoPermits) => {
+                        // Every slot still taken: the oldest handshake still silent gives way.
                         while let Some((h, spoke)) = silent.pop_front() {
                             if !spoke.load(Ordering::Acquire) && !h.is_finished() {
                                 h.abort();
@@ -805,18 +818,6 @@ mod on_tokio {
                         // Freed when the aborted task is dropped (or by any other ending).
                         let Ok(p) = self.permits.clone().acquire_owned().await else { return };
                         p
-                    }
-                };
-                let incoming = match incoming {
-                    Ok(i) => i,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "async listener");
-                        if self.tx.send(Err(e)).await.is_err() {
-                            return;
-                        }
-                        // Out of fds, say: do not spin.
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
                     }
                 };
                 let (pd, opts, data) = (self.pd.clone(), self.opts, self.data.clone());
