@@ -7,24 +7,18 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::task::Waker;
 
 use crate::error::{Error, Result};
 use crate::wc::WorkCompletion;
 
-/// A thread finding soft queues empty this many times in a row yields the CPU once: the
+/// A thread finding the queue empty this many times in a row yields the CPU once: the
 /// soft NIC's work is done by threads of this process (its wire's loop, the timer), which
 /// a hardware NIC does not need, and on a host with fewer cores than busy threads a
 /// poller that never yields keeps them waiting for its time slice to end.
 const YIELD_EVERY: u32 = 64;
-
-thread_local! {
-    /// This thread's empty polls in a row (see [`YIELD_EVERY`]): counted per thread, not
-    /// per queue, so that an empty poll writes no memory the queue's producer touches.
-    static EMPTY_POLLS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
 
 pub(crate) struct SoftCq {
     capacity: u32,
@@ -33,6 +27,8 @@ pub(crate) struct SoftCq {
     /// lock, read without it, so that a thread busy-polling an empty queue does not take
     /// the lock the NIC's thread needs to add completions.
     ready: AtomicBool,
+    /// Empty polls in a row (see [`YIELD_EVERY`]).
+    empty_polls: AtomicU32,
     /// Created on first use: polling-only users never pay for an fd.
     event_fd: OnceLock<std::io::Result<OwnedFd>>,
 }
@@ -66,6 +62,7 @@ impl SoftCq {
                 next_wait: 0,
             }),
             ready: AtomicBool::new(false),
+            empty_polls: AtomicU32::new(0),
             event_fd: OnceLock::new(),
         }
     }
@@ -172,14 +169,12 @@ impl SoftCq {
         // seen by the next poll; a thread arming the queue takes the lock, after which
         // either it sees the flag or the completion's producer sees it armed).
         if !self.ready.load(Ordering::Acquire) {
-            let n = EMPTY_POLLS.get().wrapping_add(1);
-            EMPTY_POLLS.set(n);
-            if n.is_multiple_of(YIELD_EVERY) {
+            if self.empty_polls.fetch_add(1, Ordering::Relaxed) % YIELD_EVERY == YIELD_EVERY - 1 {
                 std::thread::yield_now();
             }
             return Ok(0);
         }
-        EMPTY_POLLS.set(0);
+        self.empty_polls.store(0, Ordering::Relaxed);
         let mut st = self.state.lock().expect("cq lock");
         if st.overrun {
             return Err(Error::CqOverrun { capacity: self.capacity });
