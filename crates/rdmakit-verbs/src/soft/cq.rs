@@ -14,7 +14,9 @@ use std::task::Waker;
 use crate::error::{Error, Result};
 use crate::wc::WorkCompletion;
 
-/// A thread finding the queue empty this many times in a row yields the CPU once: the
+/// A queue found empty this many times in a row (by any thread: the count is the queue's,
+/// so a thread that polls many queues once each is not taken for a spinning one) makes the
+/// poller yield the CPU once: the
 /// soft NIC's work is done by threads of this process (its wire's loop, the timer), which
 /// a hardware NIC does not need, and on a host with fewer cores than busy threads a
 /// poller that never yields keeps them waiting for its time slice to end.
@@ -27,7 +29,7 @@ pub(crate) struct SoftCq {
     /// lock, read without it, so that a thread busy-polling an empty queue does not take
     /// the lock the NIC's thread needs to add completions.
     ready: AtomicBool,
-    /// Empty polls in a row (see [`YIELD_EVERY`]).
+    /// Empty polls in a row, by any thread (see [`YIELD_EVERY`]).
     empty_polls: AtomicU32,
     /// Created on first use: polling-only users never pay for an fd.
     event_fd: OnceLock<std::io::Result<OwnedFd>>,
