@@ -16,10 +16,10 @@ use crate::wc::WorkCompletion;
 
 /// A queue found empty this many times in a row (by any thread: the count is the queue's,
 /// so a thread that polls many queues once each is not taken for a spinning one) makes the
-/// poller yield the CPU once: the
-/// soft NIC's work is done by threads of this process (its wire's loop, the timer), which
-/// a hardware NIC does not need, and on a host with fewer cores than busy threads a
-/// poller that never yields keeps them waiting for its time slice to end.
+/// poller yield the CPU once: the soft NIC's work is done by threads of this process (its
+/// wire's loop, the timer), which a hardware NIC does not need, and on a host with fewer
+/// cores than busy threads a poller that never yields keeps them waiting for its time
+/// slice to end.
 const YIELD_EVERY: u32 = 64;
 
 pub(crate) struct SoftCq {
