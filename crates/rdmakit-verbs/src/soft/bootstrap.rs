@@ -673,6 +673,7 @@ mod tests {
     /// that has begun its request (it has shown it talks; the flood's connections have
     /// not), even when that client is older than all of them.
     #[test]
+    #[cfg_attr(miri, ignore = "sockets and threads: Miri has no sockets; the native test run covers it")]
     fn a_flood_of_silent_connections_does_not_evict_a_client_that_has_begun_its_request() {
         let l = SoftListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = l.local_addr().unwrap();
