@@ -3047,23 +3047,24 @@ impl FrameReader {
             }
         }
         let is_data = matches!(wire::data_offset(b.kind), Some(f) if b.fixed_len == f);
+        // A frame with no data has nothing to place and fits any limit: neither is asked for
+        // (a limit may take a lock the QP holds while it posts, and most answers carry none).
         if is_data && !b.checked {
             b.checked = true;
-            match if b.data_len > 0 { place(b.kind, &b.fixed, b.data_len) } else { None } {
-                Some(p) if p.len() == b.data_len => b.place = Some((p, 0)),
-                // No data fits any limit: the limit is not asked for (it may take a lock the
-                // QP holds while it posts, and most answers carry none).
-                _ if b.data_len == 0 => {}
-                _ => {
-                    let limit = data_limit(b.kind, &b.fixed);
-                    if b.data_len > limit {
-                        if !discard {
-                            return Err(format!(
-                                "frame kind {} with {} data bytes where at most {limit} fit",
-                                b.kind, b.data_len
-                            ));
+            if b.data_len > 0 {
+                match place(b.kind, &b.fixed, b.data_len) {
+                    Some(p) if p.len() == b.data_len => b.place = Some((p, 0)),
+                    _ => {
+                        let limit = data_limit(b.kind, &b.fixed);
+                        if b.data_len > limit {
+                            if !discard {
+                                return Err(format!(
+                                    "frame kind {} with {} data bytes where at most {limit} fit",
+                                    b.kind, b.data_len
+                                ));
+                            }
+                            b.discard = Some(b.data_len);
                         }
-                        b.discard = Some(b.data_len);
                     }
                 }
             }
