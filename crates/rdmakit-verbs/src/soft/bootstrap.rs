@@ -677,14 +677,7 @@ mod tests {
     fn a_flood_of_silent_connections_does_not_evict_a_client_that_has_begun_its_request() {
         let l = SoftListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = l.local_addr().unwrap();
-        let ep = QpAddress {
-            provider: ProviderKind::Soft,
-            lid: 0,
-            gid: [1; 16],
-            qp_num: 7,
-            psn: 9,
-            token: [2; 16],
-        };
+        let ep = QpAddress::new(ProviderKind::Soft, 0, [1; 16], 7, 9);
         let req = encode(None, &ep, &[3; TOKEN_LEN], b"cli").unwrap();
         std::thread::scope(|s| {
             let got = s.spawn(|| l.next_request(Some(Duration::from_secs(20)), 64, Duration::from_secs(30)));
