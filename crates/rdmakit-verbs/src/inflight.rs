@@ -12,6 +12,12 @@
 //! reaped first (the soft NIC publishes it while an earlier receive is still being filled)
 //! leaves the earlier one's region held until its own completion.
 //!
+//! A request prepared once and posted many times ([`crate::PreparedSend`]) holds its region
+//! itself, and its slots hold none: no reference count is taken and released per post (two
+//! atomic read-modify-writes on a counter every thread posting from that region shares).
+//! Dropped with posts outstanding, it hands its region to the table ([`Queues::keep`]),
+//! which keeps it until the send queue has retired the last of those posts.
+//!
 //! A slot can hold a region's last handle (the caller moved its region into the request),
 //! and dropping that deregisters it: a system call on verbs (unpinning a large region takes
 //! milliseconds), and on the soft NIC possibly a wait for its accesses to end. So a slot
@@ -76,6 +82,13 @@ pub(crate) struct Queues {
     /// Regions whose last handle a released slot held: deregistered once the lock is let
     /// go (empty, and unallocated, unless a caller gave its region up to a request).
     graves: Vec<MrInner>,
+    /// Send requests accepted since the table was made (a post's number; a `u64` does
+    /// not wrap), and how many of them the send queue has retired, in the same order.
+    posted: u64,
+    retired: u64,
+    /// Regions of dropped prepared requests, each with the number of its last post: kept
+    /// until `retired` reaches it. Sorted by that number.
+    kept: VecDeque<(u64, MemoryRegion)>,
 }
 
 /// The in-flight lock, held: releasing it deregisters the regions buried meanwhile, after
@@ -124,6 +137,9 @@ impl Inflight {
                 max_send,
                 max_recv,
                 graves: Vec::new(),
+                posted: 0,
+                retired: 0,
+                kept: VecDeque::new(),
             }),
         }
     }
@@ -217,7 +233,28 @@ impl Queues {
         wc.wr_id = slot.user_wr_id;
         self.bury(slot.mr);
         self.send_len.store(self.send.len(), Ordering::Relaxed);
+        self.retired += at as u64 + 1;
+        while self.kept.front().is_some_and(|(last, _)| *last <= self.retired) {
+            let (_, mr) = self.kept.pop_front().expect("a kept region");
+            self.bury(Some(mr));
+        }
         true
+    }
+
+    /// The number of the last send request accepted ([`Queues::keep`] takes it).
+    pub fn posted(&self) -> u64 {
+        self.posted
+    }
+
+    /// Keeps `mr`, the region of a dropped prepared request whose last post was numbered
+    /// `last`, until the send queue has retired that post; lets it go now if it has.
+    pub fn keep(&mut self, last: u64, mr: MemoryRegion) {
+        if last <= self.retired {
+            self.bury(Some(mr));
+        } else {
+            let at = self.kept.partition_point(|(l, _)| *l <= last);
+            self.kept.insert(at, (last, mr));
+        }
     }
 
     /// Lets go of a released slot's region; one whose last handle this was is kept for
@@ -247,6 +284,7 @@ impl Queues {
         let seq = self.next_seq;
         self.next_seq = (seq + 1) & SEQ_MASK;
         self.send.push_back(Slot { seq, user_wr_id, mr });
+        self.posted += 1;
         self.send_len.store(self.send.len(), Ordering::Relaxed);
         Ok(seq | self.tag)
     }
@@ -268,6 +306,7 @@ impl Queues {
         for _ in 0..n.min(self.send.len()) {
             let slot = self.send.pop_back().expect("a slot");
             self.bury(slot.mr);
+            self.posted -= 1;
         }
         self.send_len.store(self.send.len(), Ordering::Relaxed);
     }
@@ -342,6 +381,36 @@ mod tests {
         let mut wc = WorkCompletion { wr_id: ids[2], ..Default::default() };
         assert!(inf.lock().complete(&mut wc));
         assert_eq!((wc.wr_id, inf.outstanding()), (102, (0, 0)));
+    }
+
+    /// Regions of dropped prepared requests are kept until the send queue has retired
+    /// their last posts, whatever order the requests were dropped in; a post already
+    /// retired lets its region go at once.
+    #[test]
+    fn kept_regions_go_as_their_last_posts_retire() {
+        let pd = crate::Context::open_soft().alloc_pd().unwrap();
+        let mr = || pd.alloc_mr(8, crate::AccessFlags::LOCAL_WRITE).unwrap();
+        let inf = Inflight::new(8, 8);
+        let mut q = inf.lock();
+        let ids: Vec<u64> = (0..4).map(|i| q.push_send(i, None).unwrap()).collect();
+        assert_eq!(q.posted(), 4);
+        q.keep(4, mr());
+        q.keep(2, mr());
+        q.keep(3, mr());
+        assert_eq!(q.kept.iter().map(|k| k.0).collect::<Vec<_>>(), [2, 3, 4]);
+        // Posts 1 and 2 retire (the first unsignalled): the region kept for post 2 goes.
+        let mut wc = WorkCompletion { wr_id: ids[1], ..Default::default() };
+        assert!(q.complete(&mut wc));
+        assert_eq!(q.kept.iter().map(|k| k.0).collect::<Vec<_>>(), [3, 4]);
+        let mut wc = WorkCompletion { wr_id: ids[3], ..Default::default() };
+        assert!(q.complete(&mut wc));
+        assert!(q.kept.is_empty());
+        q.keep(1, mr());
+        assert!(q.kept.is_empty(), "a post already retired keeps nothing");
+        // A refused post gives its number back.
+        q.push_send(9, None).unwrap();
+        q.unpush_send(1);
+        assert_eq!((q.posted(), q.retired), (4, 4));
     }
 
     /// A later receive's completion (a flush) reaped before an earlier one's leaves the

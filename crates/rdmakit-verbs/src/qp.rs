@@ -401,16 +401,35 @@ impl QueuePair {
         self.inner.backend.prepare_send(raw)
     }
 
-    /// Posts a prepared request: its in-flight slot (with its own clone of the region) and
-    /// the provider call, under the in-flight lock as [`post_send`](Self::post_send) does.
+    /// Posts a prepared request: its in-flight slot and the provider call, under the
+    /// in-flight lock as [`post_send`](Self::post_send) does. The slot holds no region: the
+    /// `PreparedSend` holds it, and hands it to the table if dropped before the post
+    /// retires ([`keep_prepared_region`](Self::keep_prepared_region)); the post's number
+    /// goes to `last_post`.
     pub(crate) fn post_prepared(&self, p: &PreparedSend, inline: Option<&[u8]>) -> Result<()> {
-        let (wr_id, mr, raw, prepared) = p.parts();
+        let (wr_id, raw, prepared, last_post) = p.parts();
         let mut q = self.inner.inflight.lock();
-        let seq = q.push_send(wr_id, mr.cloned())?;
-        self.inner.backend.post_prepared(raw, prepared, seq, inline).map_err(|(posted, e)| {
-            q.unpush_send(1 - posted);
-            post_error(posted, e)
-        })
+        let seq = q.push_send(wr_id, None)?;
+        match self.inner.backend.post_prepared(raw, prepared, seq, inline) {
+            Ok(()) => {
+                if let Some(last) = last_post {
+                    // Under the lock: posts of one request from several threads store
+                    // growing numbers.
+                    last.store(q.posted(), std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            Err((posted, e)) => {
+                q.unpush_send(1 - posted);
+                Err(post_error(posted, e))
+            }
+        }
+    }
+
+    /// Keeps `mr`, the region of a dropped [`PreparedSend`] whose last post was numbered
+    /// `last`, until the send queue has retired that post.
+    pub(crate) fn keep_prepared_region(&self, last: u64, mr: MemoryRegion) {
+        self.inner.inflight.lock().keep(last, mr);
     }
 
     /// Posts several send-queue requests with one provider call.
@@ -660,6 +679,62 @@ mod tests {
         assert_eq!(*seen.borrow(), [(true, true); 4]);
         ON_RELEASE.set(None);
         assert_eq!(dst.read_u64(0).unwrap(), u64::from_ne_bytes([3; 8]), "the accepted writes landed");
+    }
+
+    /// A prepared request holds its region for its posts (their slots take no handle of
+    /// their own). Dropped with posts outstanding, it leaves the region to the QP until the
+    /// last of them is reaped, an unsignalled one included (retired by a later signalled
+    /// completion); then the region is deregistered after the locks, as a slot's last handle
+    /// is. Dropped with none outstanding, or never posted, it lets the region go at once.
+    #[test]
+    fn a_dropped_prepared_requests_region_lives_until_its_posts_are_reaped() {
+        let (pd, cq, a, _b) = shallow_pair(QpCaps::default().with_max_send_wr(8));
+        let dst = pd.alloc_mr(64, AccessFlags::ALL_REMOTE).unwrap();
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let (registry, table, log) = (cq.inner.clone(), a.inner.inflight.clone(), seen.clone());
+        ON_RELEASE.set(Some(Box::new(move || {
+            log.borrow_mut().push((registry.qps.try_lock().is_ok(), table.q.try_lock().is_ok()));
+        })));
+        // A request holding its region's last handle.
+        let prepared = |n: u8, signaled: bool| {
+            let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+            src.write_at(0, &[n; 64]).unwrap();
+            let wr = SendWr::write(src.local().unwrap(), dst.remote().slice(0, 64).unwrap());
+            a.prepare_send(if signaled { wr } else { wr.unsignaled() }).unwrap()
+        };
+        let reap = || cq.spin(Duration::from_secs(5)).unwrap().ok().unwrap();
+        let released = || seen.borrow().len();
+
+        // Two posts outstanding when it is dropped: kept through the first one's reaping.
+        let twice = prepared(1, true);
+        twice.post().unwrap();
+        twice.post().unwrap();
+        drop(twice);
+        assert_eq!(released(), 0, "dropped with two posts outstanding");
+        reap();
+        assert_eq!(released(), 0, "one post still outstanding");
+        reap();
+        assert_eq!(*seen.borrow(), [(true, true)], "released after the last post, after the locks");
+
+        // An unsignalled post, retired by another request's signalled completion.
+        let quiet = prepared(2, false);
+        quiet.post().unwrap();
+        drop(quiet);
+        let loud = prepared(3, true);
+        loud.post().unwrap();
+        assert_eq!(released(), 1, "the unsignalled post is outstanding");
+        reap();
+        assert_eq!(released(), 2, "retired with the signalled completion after it");
+
+        // Reaped before the drop, and never posted: released at the drop.
+        drop(loud);
+        assert_eq!(released(), 3);
+        drop(prepared(4, true));
+        assert_eq!(released(), 4);
+        ON_RELEASE.set(None);
+        assert_eq!(*seen.borrow(), [(true, true); 4]);
+        assert_eq!(a.inner.inflight.outstanding(), (0, 0));
+        assert_eq!(dst.read_u64(0).unwrap(), u64::from_ne_bytes([3; 8]), "the writes landed");
     }
 
     /// A batch refused part-way: the requests after the refused one were never pushed, and
