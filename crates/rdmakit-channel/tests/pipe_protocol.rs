@@ -292,6 +292,58 @@ async fn growth_requests_are_bounded_by_max_ring_len() {
     assert!(matches!(pipe.recv_timeout(Duration::from_millis(20)).await, Err(ChannelError::Timeout(_))));
 }
 
+/// A reader that answers the writer's growth request with a segment smaller than asked
+/// (8 bytes, again and again) once made one `rwrite` ask without end, each grant adding a
+/// row to the writer's allocator: the first short grant is a protocol error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_segment_smaller_than_asked_is_a_protocol_error() {
+    use rdmakit_memory::heap::HeapId;
+    let (qa, ca, raw) = setup();
+    let mailbox = raw.pd.alloc_mr(4 * 24, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let ring = raw.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let connecting = tokio::spawn(Pipe::connect(qa.clone(), ca, config()));
+    pipe_hello(&raw).await;
+    let hello = Message::PipeHello {
+        ring: ring.remote(),
+        mailbox: mailbox.remote(),
+        notify: NotifyMode::WriteImm,
+        slots: 4,
+        max_ring: 1 << 20,
+    };
+    send(&raw, &hello.encode());
+    let pipe = connecting.await.unwrap().unwrap();
+    // 256 bytes do not fit the 64-byte ring: the writer asks it to grow.
+    let src = qa.pd().alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let writing = tokio::spawn(async move {
+        let (r, _) = pipe.rwrite(src.local().unwrap()).await;
+        r
+    });
+    let mut grants = 0u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !writing.is_finished() && grants < 100 {
+        assert!(std::time::Instant::now() < deadline, "neither a request nor an end");
+        let Some(wc) = raw.cq.poll_one().unwrap() else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        };
+        if wc.opcode != WcOpcode::RECV {
+            continue;
+        }
+        let mut m = vec![0u8; wc.byte_len as usize];
+        raw.rx.read_at(wc.wr_id * 64, &mut m).unwrap();
+        raw.qp.post_recv(RecvWr::new(raw.rx.slice(wc.wr_id * 64, 64).unwrap()).wr_id(wc.wr_id)).unwrap();
+        if let Message::HeapGrow { len, .. } = Message::decode(&m).unwrap() {
+            assert!(len >= 256, "asked for {len} bytes");
+            let segment = RemoteRegion::new(0x10_0000 + grants * 4096, 8, 5);
+            send(&raw, &Message::HeapGrant { heap: HeapId(0), segment }.encode());
+            grants += 1;
+        }
+    }
+    let r = tokio::time::timeout(Duration::from_secs(5), writing).await.expect("the rwrite ended").unwrap();
+    assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+    assert_eq!(grants, 1, "the writer asked again after a short grant");
+}
+
 /// A ring segment nobody asked for is a protocol error, not a change of the writer's
 /// allocator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
