@@ -120,6 +120,9 @@ const MAX_ANSWERS: usize = 1024;
 /// Growth requests one `rmalloc` may send while the owner keeps answering with frees
 /// (rounds after which the heap is still full) before it reports a protocol error.
 const GROW_ROUNDS: usize = 16;
+/// The most segments a peer's heap may have here: beyond, `rmalloc` does not ask it to grow
+/// ([`HeapError::GrowthRefused`]).
+const MAX_PEER_SEGMENTS: usize = 4096;
 
 /// How an owner grows its heaps, and what one peer may make it hold.
 ///
@@ -448,10 +451,23 @@ impl HeapEndpoint {
         // frees several times in a row, each round making room that may still be too small
         // or too scattered: a run of rounds, not one. The bound keeps an owner that answers
         // `Freed` forever from holding us: each round is one request and one answer.
+        // Each grant is a row in the allocator and a step of its searches: past
+        // `MAX_PEER_SEGMENTS` the heap does not grow, as if the owner had refused.
+        if self.allocator(heap)?.segments().len() >= MAX_PEER_SEGMENTS {
+            return Err(HeapError::GrowthRefused { requested }.into());
+        }
         for _ in 0..GROW_ROUNDS {
             self.ctl.send(&Message::HeapGrow { heap, len: requested })?;
             match self.wait_answer(heap, Owed::Grow)? {
                 Answer::Grant(_, seg) => {
+                    // Smaller than asked, it would not hold the block, and each rmalloc
+                    // would leave a useless segment behind.
+                    if seg.len < requested {
+                        return Err(ChannelError::Protocol(format!(
+                            "a heap segment of {} bytes where {requested} were asked for",
+                            seg.len
+                        )));
+                    }
                     self.allocator(heap)?.add_segment(seg)?;
                     return Ok(self.allocator(heap)?.alloc(size)?);
                 }

@@ -454,6 +454,50 @@ fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
     assert_eq!(grows, 16, "growth requests sent before giving up");
 }
 
+/// A hostile owner that answers every growth request with a segment far smaller than asked
+/// (8 bytes) once left a useless segment in the allocator per `rmalloc`, without bound: the
+/// short grant is a protocol error, and the allocator keeps only the segments it can use.
+#[test]
+fn a_heap_segment_smaller_than_asked_is_a_protocol_error() {
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
+    let raw = pd.create_qp(&cb, &cb, QpCaps::default().with_max_inline_data(64)).unwrap();
+    a.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
+    raw.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut alloc = HeapEndpoint::new(a, ca, OwnerLimits::default(), T).unwrap();
+    let heap = HeapId(5);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // The fake owner: grants the first segment, then 8 bytes for every growth request.
+        let owner = s.spawn(|| {
+            let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
+            let inbox = RawInbox::new(&pd, &raw, 8);
+            let mut grants = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let Some(m) = inbox.next(&cb) else { continue };
+                let reply = match m {
+                    Message::HeapCreate { .. } => Message::HeapGrant { heap, segment: segment.remote() },
+                    Message::HeapGrow { .. } => {
+                        grants += 1;
+                        let tiny = RemoteRegion::new(0x4000_0000 + grants * 4096, 8, 9);
+                        Message::HeapGrant { heap, segment: tiny }
+                    }
+                    _ => continue, // keep-alives and notices
+                };
+                raw.post_send(SendWr::send_inline(&reply.encode())).unwrap();
+            }
+        });
+        alloc.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
+        alloc.rmalloc(heap, 64 << 10).unwrap(); // the heap is full
+        let err = alloc.rmalloc(heap, 64).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        owner.join().unwrap();
+        assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("asked for")), "{err}");
+    });
+}
+
 /// A peer that sends a burst of requests fills this endpoint's send queue with answers (its
 /// QP is the application's, shallower than the burst): a `write` right after must wait for
 /// room, not fail with a full send queue.
