@@ -758,6 +758,19 @@ impl ControlSlots {
         self.backlog.len() < self.cfg.backlog
     }
 
+    /// [`can_send`](Self::can_send) as a result: the error a send would give now. Asked
+    /// before a change of state that a message must carry, so that no room means no change.
+    pub fn ensure_room(&self) -> Result<()> {
+        if self.can_send() {
+            return Ok(());
+        }
+        Err(ChannelError::TooLarge {
+            what: "control backlog",
+            len: self.backlog.len() as u64 + 1,
+            limit: self.cfg.backlog as u64,
+        })
+    }
+
     /// Signalled requests completed so far (tickets at or below are done).
     pub fn done(&self) -> u64 {
         self.done

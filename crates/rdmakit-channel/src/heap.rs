@@ -850,6 +850,9 @@ impl HeapEndpoint {
                 if owned.owner.pending_free_blocks() > MAX_BATCH_RANGES {
                     self.flush_frees_nowait(n.heap)?;
                 }
+                // The acknowledgement registers the block and takes frees: only with room
+                // to send it.
+                self.ctl.ensure_room()?;
                 let owned = self.owned.get_mut(&n.heap).ok_or(ChannelError::UnknownHeap(n.heap))?;
                 let ack = owned.owner.acknowledge(n)?;
                 self.ctl.send(&Message::HeapSync(ack.into()))
@@ -890,10 +893,13 @@ impl HeapEndpoint {
         self.grant(heap, len)
     }
 
+    /// Sends the frees pending in `heap` in batches, as long as the control channel has room:
+    /// a batch is taken (its blocks, its sequence number) only to be sent, and the rest wait
+    /// for a later flush.
     fn flush_frees_nowait(&mut self, heap: HeapId) -> Result<()> {
         loop {
             let Some(o) = self.owned.get_mut(&heap) else { return Ok(()) };
-            if o.owner.pending_free_blocks() == 0 {
+            if o.owner.pending_free_blocks() == 0 || !self.ctl.can_send() {
                 return Ok(());
             }
             let batch = o.owner.take_free_batch(MAX_BATCH_RANGES);
@@ -911,6 +917,9 @@ impl HeapEndpoint {
     }
 
     fn grant(&mut self, heap: HeapId, min_len: u64) -> Result<()> {
+        // The segment is registered with the owner before the grant goes: only with room to
+        // send it, or the two sides' segment numbers would part.
+        self.ctl.ensure_room()?;
         let limits = self.limits;
         let heap_bytes = self.owned.get(&heap).ok_or(ChannelError::UnknownHeap(heap))?.bytes;
         if !self.may_register(heap_bytes, min_len) {

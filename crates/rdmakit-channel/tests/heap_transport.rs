@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use rdmakit_channel::ChannelError;
 use rdmakit_channel::control::Message;
-use rdmakit_channel::heap::{HeapEndpoint, LandedBlock, OwnerLimits};
+use rdmakit_channel::heap::{FREE_BATCH_BLOCKS, HeapEndpoint, LandedBlock, OwnerLimits};
+
+const FREE: u64 = FREE_BATCH_BLOCKS as u64;
 use rdmakit_memory::heap::{AllocPolicy, HeapConfig, HeapError, HeapId};
 use rdmakit_verbs::cm::{CmOptions, Listener, connect};
 use rdmakit_verbs::*;
@@ -496,6 +498,77 @@ fn a_heap_segment_smaller_than_asked_is_a_protocol_error() {
         owner.join().unwrap();
         assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("asked for")), "{err}");
     });
+}
+
+/// A peer that stops taking messages in (no receives posted: every answer waits behind
+/// receiver-not-ready) while it sends requests fills the owner's control backlog. Frees the
+/// owner's consumer makes then must stay pending until there is room (`rfree` reports the
+/// peer's silence as a timeout), not be taken into a batch whose send fails: such a batch
+/// was lost (its blocks neither held nor returned, its sequence number spent, so every
+/// later batch out of order at the allocator: the peer's heap leaked).
+#[test]
+fn frees_made_while_the_control_backlog_is_full_are_kept_not_lost() {
+    use rdmakit_memory::heap::{AllocNotice, RemoteBlock};
+    let ctx = Context::open_soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
+    let raw = pd.create_qp(&ca, &ca, QpCaps::default().with_max_inline_data(64)).unwrap();
+    let b = pd.create_qp(&cb, &cb, QpCaps::default()).unwrap();
+    raw.connect(&b.address().unwrap(), &ConnectOptions::default()).unwrap();
+    b.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
+    let mut owner = HeapEndpoint::new(b, cb, OwnerLimits::default(), Duration::from_millis(50)).unwrap();
+    let heap = HeapId(7);
+    // One receive, for the grant: the owner's answers after it find none.
+    let inbox = pd.alloc_mr(16 << 10, AccessFlags::LOCAL_WRITE).unwrap();
+    raw.post_recv(RecvWr::new(inbox.local().unwrap())).unwrap();
+    let send = |m: Message, owner: &mut HeapEndpoint| {
+        raw.post_send(SendWr::send_inline(&m.encode())).unwrap();
+        loop {
+            let _ = owner.poll_messages(); // refusals beyond the backlog are errors
+            if let Some(wc) = ca.poll_one().unwrap() {
+                if wc.opcode == WcOpcode::RECV {
+                    return Some(wc);
+                }
+                assert!(wc.status.is_success(), "{wc:?}");
+                return None;
+            }
+        }
+    };
+    send(
+        Message::HeapCreate { config: HeapConfig::new(heap, AllocPolicy::NextFit), len: 64 << 10 },
+        &mut owner,
+    );
+    let granted = loop {
+        let _ = owner.poll_messages();
+        if let Some(wc) = ca.poll_one().unwrap()
+            && wc.opcode == WcOpcode::RECV
+        {
+            let mut m = vec![0u8; wc.byte_len as usize];
+            inbox.read_at(0, &mut m).unwrap();
+            match Message::decode(&m).unwrap() {
+                Message::HeapGrant { segment, .. } => break segment,
+                other => panic!("expected the grant, got {other:?}"),
+            }
+        }
+    };
+    // Requests the owner must answer, more than its send queue and backlog (4096) hold.
+    for _ in 0..4400 {
+        send(Message::HeapGrow { heap, len: 1 << 40 }, &mut owner);
+    }
+    // Blocks the peer wrote, and the owner's consumer frees: a batch's worth and more.
+    for i in 0..(2 * FREE) {
+        let block = RemoteBlock { addr: granted.addr + i * 64, len: 64, rkey: granted.rkey, segment: 0 };
+        send(Message::HeapSync(AllocNotice::new(heap, block).into()), &mut owner);
+    }
+    for _ in 0..(2 * FREE) {
+        let landed = owner.try_recv_block(heap).ok().flatten().expect("a landed block");
+        // A due batch cannot go out: the free stays pending, the wait for room times out.
+        if let Err(e) = owner.rfree(landed) {
+            assert!(matches!(e, ChannelError::Timeout(_)), "{e}");
+        }
+    }
+    let stats = owner.owner_stats(heap).unwrap();
+    assert_eq!((stats.held_blocks, stats.freed_blocks), (0, 2 * FREE as usize), "the frees were lost");
 }
 
 /// A peer that sends a burst of requests fills this endpoint's send queue with answers (its
