@@ -767,13 +767,18 @@ struct Received {
     truncated: bool,
 }
 
-/// One non-blocking `recvmsg` into `buf`, with room for 20 descriptors (a peer sending
-/// more gets them closed, and `truncated` says so). A Unix stream socket never returns the
+/// One non-blocking `recvmsg` into `buf`, with room for every descriptor one message can
+/// carry (`SCM_MAX_FD`, 253: the kernel never closes extras on this thread; `truncated` is
+/// kept for a kernel with a larger limit). A Unix stream socket never returns the
 /// descriptors of two sends in one call.
+///
+/// Every descriptor received is defused ([`defuse`]) before anything else: whoever drops
+/// one the peer should not have passed (this is the wire's loop, mostly) must not wait in
+/// its `close`.
 fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // A header (16 bytes) and 20 descriptors.
-    const CBUF_WORDS: usize = 12;
+    // A header (16 bytes) and 253 descriptors (1012 bytes), rounded up to words.
+    const CBUF_WORDS: usize = 130;
     let mut cbuf = [0u64; CBUF_WORDS];
     // SAFETY: zeroed `msghdr` is a valid empty header; its pointers are set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -797,13 +802,36 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
                 let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
                 for k in 0..count {
-                    fds.push(OwnedFd::from_raw_fd(data.add(k).read_unaligned()));
+                    let fd = OwnedFd::from_raw_fd(data.add(k).read_unaligned());
+                    defuse(&fd);
+                    fds.push(fd);
                 }
             }
             c = libc::CMSG_NXTHDR(&raw const msg, c);
         }
     }
     Ok(Received { bytes: n as usize, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
+}
+
+/// Makes closing `fd` quick if it is a socket: a peer can pass a TCP socket with unsent
+/// data and a long `SO_LINGER` (up to `INT_MAX` seconds), whose last `close` waits that long
+/// (measured: 21.7 s for a linger of 20 s, on the thread that refused it). Lingering 0 s
+/// makes that close abortive. Anything else (`ENOTSOCK`, the memfds expected) is left
+/// alone. (A file on a FUSE mount the peer serves can still hold its `close` until the
+/// peer answers; that needs a peer able to mount one, which the same user is.)
+fn defuse(fd: &OwnedFd) {
+    let now = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt on a descriptor we own, with a `linger` of the size given; on a
+    // descriptor that is not a socket it fails with ENOTSOCK and changes nothing.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const now).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
 }
 
 /// Accepts only shared memory sealed against shrinking (so the mapping can never fault
@@ -1134,6 +1162,48 @@ mod tests {
         let fd = page.fd_for(AccessFlags::REMOTE_WRITE).unwrap();
         let e = super::super::flags::accept(fd, 0).err().expect("our region as a flag page");
         assert!(e.to_string().contains("own"), "{e}");
+    }
+
+    /// A descriptor the peer passes that is not a memfd is closed by the thread that took it
+    /// in: the wire's loop, which serves every connection. A TCP socket with unsent data and
+    /// a long `SO_LINGER` made that close wait for the linger time (up to `INT_MAX`
+    /// seconds): one hostile same-host peer froze the loop. The refused descriptor is now
+    /// closed at once.
+    #[test]
+    fn a_lingering_socket_passed_as_rings_does_not_hold_the_loop() {
+        use std::io::Write;
+        use std::net::{TcpListener, TcpStream};
+        const LINGER_S: i32 = 20;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_server, _) = listener.accept().unwrap(); // never reads
+        let linger = libc::linger { l_onoff: 1, l_linger: LINGER_S };
+        // SAFETY: setsockopt on a socket we own, with a `linger` of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                client.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&raw const linger).cast(),
+                size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "SO_LINGER: {}", io::Error::last_os_error());
+        // Unsent data: the send buffer and the peer's receive buffer full.
+        client.set_nonblocking(true).unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        while client.write(&chunk).is_ok() {}
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        send_fds(theirs.as_raw_fd(), &[client.as_raw_fd()]).unwrap();
+        drop(client); // the passed copy is now the socket's last descriptor
+        let started = std::time::Instant::now();
+        let e = accept_rings(&ours, MAX_RING).err().expect("a socket is not rings");
+        let took = started.elapsed();
+        assert!(e.to_string().contains("not a memfd"), "{e}");
+        assert!(
+            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
+            "refusing the descriptor took {took:?} (the linger time is {LINGER_S} s)"
+        );
     }
 
     #[test]
