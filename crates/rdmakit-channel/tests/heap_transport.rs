@@ -409,58 +409,14 @@ impl<'a> RawInbox<'a> {
     }
 }
 
-/// A hostile (or broken) owner that answers every growth request with `HeapFreed` ("the
-/// frees I just sent may suffice, try again") but never frees anything: `rmalloc` gives up
-/// after a bounded number of rounds with a protocol error, instead of asking forever.
-#[test]
-fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
-    let ctx = Context::open_soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
-    let a = pd.create_qp(&ca, &ca, QpCaps::default()).unwrap();
-    let raw = pd.create_qp(&cb, &cb, QpCaps::default().with_max_inline_data(64)).unwrap();
-    a.connect(&raw.address().unwrap(), &ConnectOptions::default()).unwrap();
-    raw.connect(&a.address().unwrap(), &ConnectOptions::default()).unwrap();
-    let mut alloc = HeapEndpoint::new(a, ca, OwnerLimits::default(), T).unwrap();
-    let heap = HeapId(5);
-    let stop = AtomicBool::new(false);
-    let grows = std::thread::scope(|s| {
-        // The fake owner: grants the first segment, then answers each growth request with
-        // `HeapFreed` and nothing else.
-        let owner = s.spawn(|| {
-            let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
-            let inbox = RawInbox::new(&pd, &raw, 8);
-            let mut grows = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let Some(m) = inbox.next(&cb) else { continue };
-                let reply = match m {
-                    Message::HeapCreate { .. } => Message::HeapGrant { heap, segment: segment.remote() },
-                    Message::HeapGrow { .. } => {
-                        grows += 1;
-                        Message::HeapFreed { heap }
-                    }
-                    _ => continue, // keep-alives and notices
-                };
-                raw.post_send(SendWr::send_inline(&reply.encode())).unwrap();
-            }
-            grows
-        });
-        alloc.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
-        alloc.rmalloc(heap, 64 << 10).unwrap(); // the heap is full
-        let err = alloc.rmalloc(heap, 8).unwrap_err();
-        stop.store(true, Ordering::Relaxed);
-        assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("frees")), "{err}");
-        owner.join().unwrap()
-    });
-    // rdmakit-channel's GROW_ROUNDS: enough for a consumer still freeing, and a bound.
-    assert_eq!(grows, 16, "growth requests sent before giving up");
-}
-
-/// A hostile owner that answers every growth request with a segment far smaller than asked
-/// (8 bytes) once left a useless segment in the allocator per `rmalloc`, without bound: the
-/// short grant is a protocol error, and the allocator keeps only the segments it can use.
-#[test]
-fn a_heap_segment_smaller_than_asked_is_a_protocol_error() {
+/// An allocating endpoint facing a fake owner on a raw QP, which grants a first segment of
+/// 64 KiB when the heap is created and answers the `n`-th growth request (from 1) with
+/// `grow(n)`. Runs `f` on the endpoint and heap 5; returns its result and the number of
+/// growth requests the owner saw.
+fn against_a_fake_owner<R>(
+    grow: impl Fn(u64) -> Message + Sync,
+    f: impl FnOnce(&mut HeapEndpoint, HeapId) -> R,
+) -> (R, u64) {
     let ctx = Context::open_soft();
     let pd = ctx.alloc_pd().unwrap();
     let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
@@ -472,32 +428,64 @@ fn a_heap_segment_smaller_than_asked_is_a_protocol_error() {
     let heap = HeapId(5);
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
-        // The fake owner: grants the first segment, then 8 bytes for every growth request.
         let owner = s.spawn(|| {
             let segment = pd.alloc_mr(64 << 10, AccessFlags::ALL_REMOTE).unwrap();
             let inbox = RawInbox::new(&pd, &raw, 8);
-            let mut grants = 0u64;
+            let mut grows = 0;
             while !stop.load(Ordering::Relaxed) {
                 let Some(m) = inbox.next(&cb) else { continue };
                 let reply = match m {
                     Message::HeapCreate { .. } => Message::HeapGrant { heap, segment: segment.remote() },
                     Message::HeapGrow { .. } => {
-                        grants += 1;
-                        let tiny = RemoteRegion::new(0x4000_0000 + grants * 4096, 8, 9);
-                        Message::HeapGrant { heap, segment: tiny }
+                        grows += 1;
+                        grow(grows)
                     }
                     _ => continue, // keep-alives and notices
                 };
                 raw.post_send(SendWr::send_inline(&reply.encode())).unwrap();
             }
+            grows
         });
+        let r = f(&mut alloc, heap);
+        stop.store(true, Ordering::Relaxed);
+        (r, owner.join().unwrap())
+    })
+}
+
+/// A hostile (or broken) owner that answers every growth request with `HeapFreed` ("the
+/// frees I just sent may suffice, try again") but never frees anything: `rmalloc` gives up
+/// after a bounded number of rounds with a protocol error, instead of asking forever.
+#[test]
+fn an_owner_answering_freed_forever_is_left_after_a_bounded_number_of_rounds() {
+    let (err, grows) = against_a_fake_owner(
+        |_| Message::HeapFreed { heap: HeapId(5) },
+        |alloc, heap| {
+            alloc.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
+            alloc.rmalloc(heap, 64 << 10).unwrap(); // the heap is full
+            alloc.rmalloc(heap, 8).unwrap_err()
+        },
+    );
+    assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("frees")), "{err}");
+    // rdmakit-channel's GROW_ROUNDS: enough for a consumer still freeing, and a bound.
+    assert_eq!(grows, 16, "growth requests sent before giving up");
+}
+
+/// A hostile owner that answers every growth request with a segment far smaller than asked
+/// (8 bytes) once left a useless segment in the allocator per `rmalloc`, without bound: the
+/// short grant is a protocol error.
+#[test]
+fn a_heap_segment_smaller_than_asked_is_a_protocol_error() {
+    let tiny = |n: u64| Message::HeapGrant {
+        heap: HeapId(5),
+        segment: RemoteRegion::new(0x4000_0000 + n * 4096, 8, 9),
+    };
+    let (err, grows) = against_a_fake_owner(tiny, |alloc, heap| {
         alloc.create_heap(HeapConfig::new(heap, AllocPolicy::NextFit), 64 << 10).unwrap();
         alloc.rmalloc(heap, 64 << 10).unwrap(); // the heap is full
-        let err = alloc.rmalloc(heap, 64).unwrap_err();
-        stop.store(true, Ordering::Relaxed);
-        owner.join().unwrap();
-        assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("asked for")), "{err}");
+        alloc.rmalloc(heap, 64).unwrap_err()
     });
+    assert!(matches!(&err, ChannelError::Protocol(m) if m.contains("asked for")), "{err}");
+    assert_eq!(grows, 1);
 }
 
 /// A peer that stops taking messages in (no receives posted: every answer waits behind

@@ -820,18 +820,24 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
 /// alone. (A file on a FUSE mount the peer serves can still hold its `close` until the
 /// peer answers; that needs a peer able to mount one, which the same user is.)
 fn defuse(fd: &OwnedFd) {
-    let now = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: setsockopt on a descriptor we own, with a `linger` of the size given; on a
-    // descriptor that is not a socket it fails with ENOTSOCK and changes nothing.
-    unsafe {
+    let _ = set_linger(fd.as_raw_fd(), 0); // ENOTSOCK: nothing to defuse
+}
+
+/// `SO_LINGER` on, for `secs` seconds, on socket `fd`.
+fn set_linger(fd: RawFd, secs: i32) -> io::Result<()> {
+    let linger = libc::linger { l_onoff: 1, l_linger: secs };
+    // SAFETY: setsockopt with a `linger` of the size given; on a descriptor that is not a
+    // socket (or not open) it fails and changes nothing.
+    let rc = unsafe {
         libc::setsockopt(
-            fd.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
             libc::SO_LINGER,
-            (&raw const now).cast(),
+            (&raw const linger).cast(),
             size_of::<libc::linger>() as libc::socklen_t,
-        );
-    }
+        )
+    };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Accepts only shared memory sealed against shrinking (so the mapping can never fault
@@ -1177,18 +1183,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (_server, _) = listener.accept().unwrap(); // never reads
-        let linger = libc::linger { l_onoff: 1, l_linger: LINGER_S };
-        // SAFETY: setsockopt on a socket we own, with a `linger` of the size given.
-        let rc = unsafe {
-            libc::setsockopt(
-                client.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&raw const linger).cast(),
-                size_of::<libc::linger>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(rc, 0, "SO_LINGER: {}", io::Error::last_os_error());
+        set_linger(client.as_raw_fd(), LINGER_S).unwrap();
         // Unsent data: the send buffer and the peer's receive buffer full.
         client.set_nonblocking(true).unwrap();
         let chunk = vec![0u8; 64 << 10];
