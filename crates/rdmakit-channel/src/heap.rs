@@ -120,9 +120,10 @@ const MAX_ANSWERS: usize = 1024;
 /// Growth requests one `rmalloc` may send while the owner keeps answering with frees
 /// (rounds after which the heap is still full) before it reports a protocol error.
 const GROW_ROUNDS: usize = 16;
-/// The most segments a peer's heap may have here: beyond, `rmalloc` does not ask it to grow
-/// ([`HeapError::GrowthRefused`]).
-const MAX_PEER_SEGMENTS: usize = 4096;
+/// The most segments a peer's heap (or a pipe reader's ring) may have here: beyond, this
+/// side does not ask it to grow (`rmalloc` gives [`HeapError::GrowthRefused`]; a pipe writer
+/// waits for frees). A segment is a row in the allocator and a step of its searches.
+pub(crate) const MAX_PEER_SEGMENTS: usize = 4096;
 
 /// How an owner grows its heaps, and what one peer may make it hold.
 ///

@@ -107,9 +107,6 @@ const MAX_QUEUED: usize = 1024;
 const CONTROL_BACKLOG: usize = 2 * MAX_QUEUED + 4 * RECV_SLOTS as usize;
 /// Most bytes of a ring, all segments: an immediate names a block by its offset / 8 in 32 bits.
 const MAX_RING: u64 = 8 << 32;
-/// The most segments a peer's ring may have: the writer stops asking it to grow there (a
-/// segment costs the writer's allocator a row and its searches a step).
-const MAX_PEER_SEGMENTS: usize = 4096;
 /// The longest message an rwrite copies into its request (inline) instead of having the
 /// NIC read it: such an rwrite resolves once posted, with no wait for its completion.
 const INLINE_MAX: u32 = 256;
@@ -261,10 +258,9 @@ struct State {
     peer_ring_bytes: u64,
     /// The peer's largest ring segment: no larger message fits.
     largest_seg: u64,
-    /// A growth request is on its way (cleared by the answer).
-    grow_sent: bool,
-    /// The bytes that request asked for: a smaller grant is a protocol error.
-    grow_len: u64,
+    /// A growth request is on its way, for this many bytes (cleared by the answer; a smaller
+    /// grant is a protocol error).
+    grow_sent: Option<u64>,
     /// The peer refused to grow its ring: wait for frees from now on.
     growth_refused: bool,
     notes_sent: u64,
@@ -441,8 +437,7 @@ impl Pipe {
             seg_starts: Vec::new(),
             peer_ring_bytes: 0,
             largest_seg: 0,
-            grow_sent: false,
-            grow_len: 0,
+            grow_sent: None,
             growth_refused: false,
             ring_bytes: segs.first().map_or(0, |(_, r)| r.len() as u64),
             segs,
@@ -999,9 +994,8 @@ impl Inner {
     /// No room in the peer's ring: asks the reader once to grow it (it returns its frees
     /// first), then waits for the answer.
     fn ask_to_grow<R>(&self, st: &mut State, len: u64) -> Option<Result<R>> {
-        if !st.grow_sent && st.ctl.can_send() {
-            st.grow_sent = true;
-            st.grow_len = len;
+        if st.grow_sent.is_none() && st.ctl.can_send() {
+            st.grow_sent = Some(len);
             if let Err(e) = st.ctl.send(&Message::HeapGrow { heap: HEAP, len }) {
                 return Some(Err(e));
             }
@@ -1257,20 +1251,17 @@ impl Inner {
                 self.on_grow(st, len)
             }
             Message::HeapGrant { heap: HEAP, segment } => {
-                if !std::mem::take(&mut st.grow_sent) {
+                let Some(asked) = st.grow_sent.take() else {
                     return Err("a ring segment nobody asked for".into());
-                }
+                };
                 // A segment smaller than the request leaves the write that asked without room,
                 // to ask again: a reader granting a few bytes at a time would grow this
                 // end's segment table by a row per round, without end.
-                if segment.len < st.grow_len {
+                if segment.len < asked {
                     return Err(format!(
-                        "a ring segment of {} bytes where {} were asked for",
-                        segment.len, st.grow_len
+                        "a ring segment of {} bytes where {asked} were asked for",
+                        segment.len
                     ));
-                }
-                if st.seg_starts.len() >= MAX_PEER_SEGMENTS {
-                    return Err(format!("a ring of more than {MAX_PEER_SEGMENTS} segments"));
                 }
                 let alloc = st.alloc.as_mut().ok_or("a ring segment, but the peer has no ring")?;
                 let end = st.peer_ring_bytes.checked_add(segment.len).filter(|&e| e <= MAX_RING);
@@ -1279,19 +1270,20 @@ impl Inner {
                 st.seg_starts.push(st.peer_ring_bytes);
                 st.peer_ring_bytes = end;
                 st.largest_seg = st.largest_seg.max(segment.len);
-                if st.seg_starts.len() >= MAX_PEER_SEGMENTS {
+                // Nothing is asked past the cap, so no grant can go beyond it.
+                if st.seg_starts.len() >= crate::heap::MAX_PEER_SEGMENTS {
                     st.growth_refused = true; // from now on, wait for frees
                 }
                 Ok(())
             }
             Message::HeapRefuse { heap: HEAP, .. } => {
-                st.grow_sent = false;
+                st.grow_sent = None;
                 st.growth_refused = true;
                 Ok(())
             }
             // The frees went first (on the same QP): try the allocation again.
             Message::HeapFreed { heap: HEAP } => {
-                st.grow_sent = false;
+                st.grow_sent = None;
                 Ok(())
             }
             Message::ReadDone { id, ok } => {

@@ -83,11 +83,10 @@ pub(crate) struct Queues {
     /// go (empty, and unallocated, unless a caller gave its region up to a request).
     graves: Vec<MrInner>,
     /// Send requests accepted since the table was made (a post's number; a `u64` does
-    /// not wrap), and how many of them the send queue has retired, in the same order.
+    /// not wrap). Those retired are the first `posted - send.len()` ([`Queues::retired`]).
     posted: u64,
-    retired: u64,
     /// Regions of dropped prepared requests, each with the number of its last post: kept
-    /// until `retired` reaches it. Sorted by that number.
+    /// until that post has retired. Sorted by that number.
     kept: VecDeque<(u64, MemoryRegion)>,
 }
 
@@ -138,7 +137,6 @@ impl Inflight {
                 max_recv,
                 graves: Vec::new(),
                 posted: 0,
-                retired: 0,
                 kept: VecDeque::new(),
             }),
         }
@@ -233,12 +231,17 @@ impl Queues {
         wc.wr_id = slot.user_wr_id;
         self.bury(slot.mr);
         self.send_len.store(self.send.len(), Ordering::Relaxed);
-        self.retired += at as u64 + 1;
-        while self.kept.front().is_some_and(|(last, _)| *last <= self.retired) {
+        let retired = self.retired();
+        while self.kept.front().is_some_and(|(last, _)| *last <= retired) {
             let (_, mr) = self.kept.pop_front().expect("a kept region");
             self.bury(Some(mr));
         }
         true
+    }
+
+    /// How many send requests have retired: the slots in order, all but those still held.
+    fn retired(&self) -> u64 {
+        self.posted - self.send.len() as u64
     }
 
     /// The number of the last send request accepted ([`Queues::keep`] takes it).
@@ -249,7 +252,7 @@ impl Queues {
     /// Keeps `mr`, the region of a dropped prepared request whose last post was numbered
     /// `last`, until the send queue has retired that post; lets it go now if it has.
     pub fn keep(&mut self, last: u64, mr: MemoryRegion) {
-        if last <= self.retired {
+        if last <= self.retired() {
             self.bury(Some(mr));
         } else {
             let at = self.kept.partition_point(|(l, _)| *l <= last);
@@ -410,7 +413,7 @@ mod tests {
         // A refused post gives its number back.
         q.push_send(9, None).unwrap();
         q.unpush_send(1);
-        assert_eq!((q.posted(), q.retired), (4, 4));
+        assert_eq!((q.posted(), q.retired()), (4, 4));
     }
 
     /// A later receive's completion (a flush) reaped before an earlier one's leaves the
