@@ -17,7 +17,8 @@
 //! memory of the exact size, not one of its own) and the bit against the page's size.
 //! Everything on the page is a hint: the loop reads each named ring with all its checks, a
 //! bit naming no connection of the page (or a connection the page does not own) costs a
-//! look at most, and a connection is never left without a way to be woken: its producer
+//! look at most, a bit with no input behind it does not keep the loop from sleeping (only
+//! a turn given does), and a connection is never left without a way to be woken: its producer
 //! still honours the ring's own doorbell request. A hostile peer holding the page can
 //! delay or hurry only connections it is the other end of.
 

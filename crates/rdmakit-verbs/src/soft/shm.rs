@@ -1130,6 +1130,12 @@ impl ShmConn {
         Arc::get_mut(&mut self.map).expect("unshared").flag = Some(flag);
     }
 
+    /// Sets this end's bit in its flag page with nothing published behind it, as a hostile
+    /// peer may (ringing the consumer if it said it sleeps, as a publish would).
+    pub(crate) fn raise_flag_without_input(&self) {
+        self.flag().expect("a flagged connection").raise(1 - self.rx, self.sock.as_raw_fd());
+    }
+
     /// Doorbell bytes waiting on this side's socket (not taken); -1 for none.
     pub(crate) fn bells_waiting(&self) -> isize {
         let mut peek = [0u8; 16];

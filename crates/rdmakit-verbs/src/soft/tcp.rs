@@ -1720,10 +1720,18 @@ impl EventLoop {
     /// meanwhile (the loop then stays awake and goes on polling).
     fn arm_polled(&mut self) -> bool {
         // The flag pages first: one word each says the loop sleeps.
-        let mut input = false;
+        let mut flagged = false;
         for s in &self.scans {
-            input |= s.page.sleep(s.ring, &s.words);
+            flagged |= s.page.sleep(s.ring, &s.words);
         }
+        // A set bit is a hint, and a peer may set its own again after every take, with
+        // nothing behind it: only a turn given keeps the loop awake. Sleeping after a
+        // look that gave none misses nothing: the sleep words were set before the bits
+        // were taken, so a publish the look did not see finds them set and rings.
+        let mut input = flagged && {
+            self.poll_flags();
+            self.polled_input
+        };
         for j in 0..self.polled.len() {
             let i = self.polled[j].0;
             if let Some((c, takes)) = self.rings(i)
@@ -3552,12 +3560,45 @@ mod tests {
         pj.write(&garbage).unwrap();
         assert_eq!(ring(&mut lp, j).bells_waiting(), 1, "one doorbell per sleep");
         lp.resume_polling();
-        assert!(lp.arm_polled(), "a set bit keeps the loop awake");
+        assert!(lp.arm_polled(), "input with its bit keeps the loop awake");
         lp.resume_polling();
         lp.poll_flags();
         assert!(lp.slab[j].is_none(), "link j had its turn");
         assert!(lp.scans.is_empty(), "no page left to read");
         drop((pi, pj));
+    }
+
+    /// A peer that sets its bit with nothing behind it, again after every take (one store
+    /// each time), does not keep the loop from sleeping: only a bit that gives a
+    /// connection a turn does. Before, every set bit the loop saw as it went to sleep kept
+    /// it awake, and the peer made it spin a core for the price of a store.
+    #[test]
+    #[cfg(not(miri))]
+    fn a_bit_set_with_nothing_behind_it_does_not_keep_the_loop_awake() {
+        const PID: u32 = u32::MAX - 10;
+        let mut lp = test_loop();
+        let (i, pi) = add_flagged_link(&mut lp, shm::test_pair_flagged(PID));
+        let (j, mut pj) = add_flagged_link(&mut lp, shm::test_pair_flagged(PID));
+        for round in 0..3 {
+            pi.raise_flag_without_input();
+            assert!(!lp.arm_polled(), "round {round}: a bare bit kept the loop awake");
+            // The bit was read for it: the loop's next look does not find it again.
+            lp.resume_polling();
+            lp.poll_flags();
+            assert!(!std::mem::take(&mut lp.polled_input));
+        }
+        // A bare bit raised while the loop sleeps rings it, as a publish would: a spurious
+        // wake-up, which costs the peer a system call per doorbell.
+        assert!(!lp.arm_polled());
+        pi.raise_flag_without_input();
+        assert_eq!(ring(&mut lp, i).bells_waiting(), 1);
+        lp.resume_polling();
+        // Input with its bit still keeps the loop awake, and its link has its turn there.
+        pj.write(&[0xffu8; 16]).unwrap();
+        assert!(lp.arm_polled(), "input came: the loop stays awake");
+        assert!(lp.slab[j].is_none(), "link j had its turn (its garbage ended it)");
+        assert!(lp.slab[i].is_some());
+        drop(pi);
     }
 
     /// A peer naming the page's last bit: the loop reads that word only, not the 127 below
