@@ -213,9 +213,88 @@ pub(crate) struct Tx {
     loop_pending: bool,
 }
 
+/// A same-host peer's socket as this process holds it. Dropping it shuts it down both
+/// ways and takes, defused ([`defuse`]), every descriptor the peer left queued on it:
+/// the kernel releases the descriptors still queued on a socket when its last descriptor
+/// closes, in the closing thread (the wire's loop), and one of them may take long to close
+/// (a TCP socket with unsent data and a long linger held the loop for the linger time).
+/// This covers peers refused before they attach (another user's, one passing no memfd) as
+/// well as attached ones.
+pub(crate) struct PeerSock(UnixStream);
+
+/// Reads a dropped [`PeerSock`] makes at most, with those of the Unix sockets found in it
+/// ([`defuse`]). A peer queues at most its send buffer (`wmem_max`, 208 KiB by default,
+/// for a process that is not privileged) on a socket, and each read takes at least one of
+/// its messages, of several hundred bytes of buffer each; past this many, the kernel
+/// releases what is left as before.
+const DRAIN_READS: usize = 1024;
+
+impl From<UnixStream> for PeerSock {
+    fn from(s: UnixStream) -> PeerSock {
+        PeerSock(s)
+    }
+}
+
+impl std::ops::Deref for PeerSock {
+    type Target = UnixStream;
+    fn deref(&self) -> &UnixStream {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for PeerSock {
+    fn deref_mut(&mut self) -> &mut UnixStream {
+        &mut self.0
+    }
+}
+
+impl Drop for PeerSock {
+    fn drop(&mut self) {
+        let mut budget = DRAIN_READS;
+        empty(self.0.as_raw_fd(), 0, &mut budget);
+    }
+}
+
+/// Shuts the Unix socket `sock` down both ways and takes what is queued on it, its
+/// descriptors defused, in at most `budget` reads (shared with the sockets nested in it,
+/// `depth` levels down from the peer's own).
+fn empty(sock: RawFd, depth: u32, budget: &mut usize) {
+    // SAFETY: shutdown(2) on a descriptor we hold; on one that is not a socket it fails and
+    // changes nothing. The peer's sends fail from now on (the kernel checks the shutdown
+    // under the lock it queues with), so what is queued is all there will be.
+    unsafe { libc::shutdown(sock, libc::SHUT_RDWR) };
+    let mut b = [0u8; 4096];
+    while *budget > 0 {
+        *budget -= 1;
+        match recv_nested(sock, &mut b, depth, budget) {
+            Ok(got) if got.bytes > 0 => {} // its descriptors were defused, and go here
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // A listening socket (`EINVAL`): the connections in its backlog go with it, and
+            // with them what their clients queued on them.
+            Err(_) if socket_option(sock, libc::SO_ACCEPTCONN) == Some(1) => {
+                // SAFETY: accept4(2) without an address; a descriptor it returns is ours.
+                let fd = unsafe {
+                    libc::accept4(
+                        sock,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                    )
+                };
+                if fd < 0 {
+                    break;
+                }
+                // SAFETY: a fresh descriptor, owned from here.
+                defuse(&unsafe { OwnedFd::from_raw_fd(fd) }, depth, budget);
+            }
+            _ => break, // the end (shut down and empty), or an error
+        }
+    }
+}
+
 /// One side of a same-host connection: the rings and the doorbell socket.
 pub(crate) struct ShmConn {
-    sock: UnixStream,
+    sock: PeerSock,
     map: Arc<Map>,
     /// The ring this side writes and the one it reads.
     tx_ring: usize,
@@ -377,11 +456,11 @@ pub(crate) fn ring_bell(sock: RawFd) {
 
 impl ShmConn {
     /// The device's side of an accepted connection whose rings are `map`.
-    pub(crate) fn served(sock: UnixStream, map: Map) -> ShmConn {
+    pub(crate) fn served(sock: PeerSock, map: Map) -> ShmConn {
         ShmConn::new(sock, map, false)
     }
 
-    fn new(sock: UnixStream, map: Map, requester: bool) -> ShmConn {
+    fn new(sock: PeerSock, map: Map, requester: bool) -> ShmConn {
         let (tx_ring, rx) = if requester { (REQUESTS, RESPONSES) } else { (RESPONSES, REQUESTS) };
         let tx = Arc::new(Mutex::new(Tx { head: 0, loop_pending: false }));
         ShmConn {
@@ -776,6 +855,13 @@ struct Received {
 /// one the peer should not have passed (this is the wire's loop, mostly) must not wait in
 /// its `close`.
 fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
+    let mut budget = DRAIN_READS;
+    recv_nested(sock, buf, 0, &mut budget)
+}
+
+/// [`recv_with_fds`] on a socket `depth` levels down from a peer's own; Unix sockets among
+/// the descriptors are emptied within `budget` reads.
+fn recv_nested(sock: RawFd, buf: &mut [u8], depth: u32, budget: &mut usize) -> io::Result<Received> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // A header (16 bytes) and 253 descriptors (1012 bytes), rounded up to words.
     const CBUF_WORDS: usize = 130;
@@ -803,7 +889,7 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
                 let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
                 for k in 0..count {
                     let fd = OwnedFd::from_raw_fd(data.add(k).read_unaligned());
-                    defuse(&fd);
+                    defuse(&fd, depth, budget);
                     fds.push(fd);
                 }
             }
@@ -819,8 +905,31 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
 /// makes that close abortive. Anything else (`ENOTSOCK`, the memfds expected) is left
 /// alone. (A file on a FUSE mount the peer serves can still hold its `close` until the
 /// peer answers; that needs a peer able to mount one, which the same user is.)
-fn defuse(fd: &OwnedFd) {
-    let _ = set_linger(fd.as_raw_fd(), 0); // ENOTSOCK: nothing to defuse
+///
+/// A Unix socket is emptied the same way ([`empty`]): descriptors queued on it would be
+/// released by whoever closes it last, and may linger in turn. Nesting is followed
+/// [`NEST_MAX`] levels down, within the reads a dropped peer socket makes
+/// ([`DRAIN_READS`]).
+fn defuse(fd: &OwnedFd, depth: u32, budget: &mut usize) {
+    if set_linger(fd.as_raw_fd(), 0).is_err() {
+        return; // ENOTSOCK: nothing to defuse
+    }
+    if depth < NEST_MAX && socket_option(fd.as_raw_fd(), libc::SO_DOMAIN) == Some(libc::AF_UNIX) {
+        empty(fd.as_raw_fd(), depth + 1, budget);
+    }
+}
+
+/// Levels of Unix sockets passed inside Unix sockets that [`defuse`] empties.
+const NEST_MAX: u32 = 4;
+
+/// An integer option of socket `fd` at `SOL_SOCKET` (`SO_DOMAIN`: its address family;
+/// `SO_ACCEPTCONN`: 1 if it listens).
+fn socket_option(fd: RawFd, option: libc::c_int) -> Option<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into a live `c_int` of the size given.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, option, (&raw mut value).cast(), &raw mut len) };
+    (rc == 0).then_some(value)
 }
 
 /// `SO_LINGER` on, for `secs` seconds, on socket `fd`.
@@ -1040,7 +1149,7 @@ pub(crate) fn connect(gid: &[u8; 16], hello: &[u8], ring: usize) -> Option<ShmCo
     };
     let addr = abstract_addr(gid).ok()?;
     // Non-blocking: a full backlog is an error here (then TCP), not a wait.
-    let sock = UnixStream::connect_addr(&addr).ok()?;
+    let sock = PeerSock::from(UnixStream::connect_addr(&addr).ok()?);
     let owner = u32::from_be_bytes([gid[8], gid[9], gid[10], gid[11]]);
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
@@ -1103,8 +1212,8 @@ pub(crate) fn test_pair() -> (ShmConn, ShmConn) {
     a.set_nonblocking(true).unwrap();
     b.set_nonblocking(true).unwrap();
     let fd = ring_memfd(MIN_RING).unwrap();
-    let req = ShmConn::new(UnixStream::from_std(a), Map::new(&fd, MIN_RING).unwrap(), true);
-    let b = UnixStream::from_std(b);
+    let req = ShmConn::new(UnixStream::from_std(a).into(), Map::new(&fd, MIN_RING).unwrap(), true);
+    let b = PeerSock::from(UnixStream::from_std(b));
     send_fd(req.sock.as_raw_fd(), &fd).unwrap();
     let map = accept_rings(&b, MAX_RING).unwrap();
     let resp = ShmConn::served(b, map);
@@ -1181,19 +1290,26 @@ mod tests {
     /// a long `SO_LINGER` made that close wait for the linger time (up to `INT_MAX`
     /// seconds): one hostile same-host peer froze the loop. The refused descriptor is now
     /// closed at once.
-    #[test]
-    fn a_lingering_socket_passed_as_rings_does_not_hold_the_loop() {
+    /// A TCP socket whose `close` waits `secs` seconds: `SO_LINGER` on, with unsent data
+    /// (its send buffer and the peer's receive buffer full), and the peer's end, which must
+    /// stay open (it never reads) for the close to wait.
+    fn lingering_socket(secs: i32) -> (std::net::TcpStream, std::net::TcpStream) {
         use std::io::Write;
         use std::net::{TcpListener, TcpStream};
-        const LINGER_S: i32 = 20;
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (_server, _) = listener.accept().unwrap(); // never reads
-        set_linger(client.as_raw_fd(), LINGER_S).unwrap();
-        // Unsent data: the send buffer and the peer's receive buffer full.
+        let (server, _) = listener.accept().unwrap();
+        set_linger(client.as_raw_fd(), secs).unwrap();
         client.set_nonblocking(true).unwrap();
         let chunk = vec![0u8; 64 << 10];
         while client.write(&chunk).is_ok() {}
+        (client, server)
+    }
+
+    #[test]
+    fn a_lingering_socket_passed_as_rings_does_not_hold_the_loop() {
+        const LINGER_S: i32 = 20;
+        let (client, _server) = lingering_socket(LINGER_S);
         let (ours, theirs) = UnixStream::pair().unwrap();
         send_fds(theirs.as_raw_fd(), &[client.as_raw_fd()]).unwrap();
         drop(client); // the passed copy is now the socket's last descriptor
@@ -1205,6 +1321,80 @@ mod tests {
             took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
             "refusing the descriptor took {took:?} (the linger time is {LINGER_S} s)"
         );
+    }
+
+    /// Descriptors still queued on a peer's socket when its connection is dropped were
+    /// closed by the thread that dropped it (the kernel releases them with the socket):
+    /// the wire's loop. A peer that queued a lingering socket behind the message the device
+    /// refused (or behind any doorbell) froze the loop for the linger time.
+    #[test]
+    fn descriptors_queued_behind_a_dropped_connection_do_not_hold_the_loop() {
+        const LINGER_S: i32 = 10;
+        let (first, _s1) = lingering_socket(LINGER_S);
+        let (queued, _s2) = lingering_socket(LINGER_S);
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let ours = PeerSock::from(ours);
+        // Two messages: the one read as rings, and one behind it.
+        send_fds(theirs.as_raw_fd(), &[first.as_raw_fd()]).unwrap();
+        send_fds(theirs.as_raw_fd(), &[queued.as_raw_fd()]).unwrap();
+        drop((first, queued));
+        assert!(accept_rings(&ours, MAX_RING).is_err(), "a socket is not rings");
+        let started = std::time::Instant::now();
+        drop(ours);
+        let took = started.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
+            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
+        );
+        drop(theirs);
+    }
+
+    /// The same one level down: the peer passes a Unix socket with a lingering socket
+    /// queued on it. Defusing that Unix socket empties it, as dropping a peer's does.
+    #[test]
+    fn descriptors_queued_on_a_passed_unix_socket_do_not_hold_the_loop() {
+        const LINGER_S: i32 = 10;
+        let (lingering, _s) = lingering_socket(LINGER_S);
+        let (inner, inner_peer) = UnixStream::pair().unwrap();
+        send_fds(inner_peer.as_raw_fd(), &[lingering.as_raw_fd()]).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let ours = PeerSock::from(ours);
+        send_fds(theirs.as_raw_fd(), &[inner.as_raw_fd()]).unwrap();
+        drop((lingering, inner));
+        let started = std::time::Instant::now();
+        drop(ours);
+        let took = started.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
+            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
+        );
+        drop((theirs, inner_peer));
+    }
+
+    /// And through a passed listening Unix socket: the connections waiting in its backlog
+    /// are released with it, and with them what their clients queued.
+    #[test]
+    fn descriptors_queued_behind_a_passed_listeners_backlog_do_not_hold_the_loop() {
+        use std::os::linux::net::SocketAddrExt;
+        const LINGER_S: i32 = 10;
+        let (lingering, _s) = lingering_socket(LINGER_S);
+        let name = format!("rdmakit-test-backlog-{}", std::process::id());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        let client = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        send_fds(client.as_raw_fd(), &[lingering.as_raw_fd()]).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let ours = PeerSock::from(ours);
+        send_fds(theirs.as_raw_fd(), &[listener.as_raw_fd()]).unwrap();
+        drop((lingering, listener));
+        let started = std::time::Instant::now();
+        drop(ours);
+        let took = started.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
+            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
+        );
+        drop((theirs, client));
     }
 
     #[test]

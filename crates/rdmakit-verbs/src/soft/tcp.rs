@@ -66,7 +66,7 @@ use super::qp::{Auth, Deferred, Placement, Requester, ResponseData, SharedTail, 
 use super::shm::{self, ShmConn};
 use super::wire::{self, Frame, WireError};
 use crate::shared_mem::Src;
-use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener, UnixStream};
+use mio::net::{TcpListener as MioListener, TcpStream as MioStream, UnixListener};
 use mio::{Events, Interest, Poll, Token, Waker};
 
 /// Environment variable, for tests only: a device waits this many milliseconds before
@@ -260,7 +260,7 @@ impl Listening {
                 Ok((Conn::Tcp(s), PeerKey::Ip(addr.ip())))
             }
             Listening::Local(l, max_ring) => {
-                let (s, _) = l.accept()?;
+                let s = shm::PeerSock::from(l.accept()?.0);
                 // Only processes of this user attach (see `peer_pid_of_this_user`); any
                 // other is closed here, before it can pass a descriptor or a Hello.
                 match shm::peer_pid_of_this_user(s.as_raw_fd()) {
@@ -304,7 +304,7 @@ enum Conn {
     Tcp(MioStream),
     /// A same-host connection whose memfd has not arrived yet, and the largest rings the
     /// device maps.
-    Unattached(UnixStream, usize),
+    Unattached(shm::PeerSock, usize),
     Shm(Box<ShmConn>),
     /// Left behind for an instant while a connection changes form.
     Moving,
@@ -401,7 +401,7 @@ impl Conn {
     fn source(&mut self, interest: Interest) -> Option<(&mut dyn mio::event::Source, Interest)> {
         match self {
             Conn::Tcp(s) => Some((s, interest)),
-            Conn::Unattached(s, _) => Some((s, Interest::READABLE)),
+            Conn::Unattached(s, _) => Some((&mut **s, Interest::READABLE)),
             Conn::Shm(c) => Some((c.sock(), Interest::READABLE)),
             Conn::Moving => None,
         }
