@@ -618,6 +618,13 @@ impl HeapEndpoint {
 
     /// rfree: the consumer is done with the block; it returns to the allocating side in a
     /// batch (see the module docs for when).
+    ///
+    /// # Errors
+    /// `UnknownHeap`, or the owner's refusal (a block not landed or already freed): nothing
+    /// changed. An error from sending a batch that became due (`Timeout` while the peer
+    /// takes no control messages, or the connection's failure) comes after the free was
+    /// recorded: the block is free on this side either way, and its batch goes with a later
+    /// flush ([`flush_frees`](Self::flush_frees), or the next due `rfree`).
     pub fn rfree(&mut self, landed: LandedBlock) -> Result<()> {
         let owned = self.owned.get_mut(&landed.heap).ok_or(ChannelError::UnknownHeap(landed.heap))?;
         owned.owner.rfree(landed.block.addr)?;
