@@ -64,8 +64,8 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                 let mut lat = crate::measure::samples_vec(p.iters as usize)?;
                 for i in 0..p.iters {
                     let t = Instant::now();
-                    pipe.rwrite(src.clone()).await.0.map_err(chan)?;
-                    drop(pipe.recv().await.map_err(chan)?);
+                    rwrite(&pipe, src.clone()).await?;
+                    drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
                     lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                     tick(bar, i);
                 }
@@ -83,9 +83,9 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                 while done < p.iters {
                     let n = (p.iters - done).min(slots as u32) as usize;
                     let t = Instant::now();
-                    let writes: Vec<_> = slices[..n].iter().map(|s| pipe.rwrite(s.clone())).collect();
-                    for (r, _) in join_all(writes).await {
-                        r.map_err(chan)?;
+                    let writes: Vec<_> = slices[..n].iter().map(|s| rwrite(&pipe, s.clone())).collect();
+                    for r in join_all(writes).await {
+                        r?;
                     }
                     let secs = t.elapsed().as_secs_f64().max(1e-9);
                     peak = peak.max(n as f64 * f64::from(p.size) / secs);
@@ -93,7 +93,7 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                     tick(bar, done);
                 }
                 // The reader acknowledges the last message: everything has landed.
-                drop(pipe.recv().await.map_err(chan)?);
+                drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
                 let secs = start.elapsed().as_secs_f64();
                 let bytes = u64::from(p.iters) * u64::from(p.size);
                 let avg = bytes as f64 / secs.max(1e-9);
@@ -110,19 +110,28 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     })
 }
 
+/// An rwrite that waits `STUCK` at most (for credit from a peer that takes nothing, or for
+/// its completion): the peer of a pipe test may be alive and never release.
+async fn rwrite(pipe: &Pipe, src: rdmakit_verbs::LocalSlice) -> Result<()> {
+    match tokio::time::timeout(crate::measure::STUCK, pipe.rwrite(src)).await {
+        Ok((r, _)) => r.map_err(chan),
+        Err(_) => Err(Error::Timeout(crate::measure::STUCK)),
+    }
+}
+
 /// The server's side of a pipe test.
 pub fn serve(side: &Side, p: &Params) -> Result<()> {
     runtime()?.block_on(async {
         let pipe = pipe(side, p).await?;
         match p.test {
-            // A live client that stops sending (its pipe still answers keep-alives) would
-            // hold the server for ever: each message is waited for `STUCK` at most, as the
-            // verbs tests' servers wait.
+            // A live client that stops sending, or stops taking what it is sent (its pipe
+            // still answers keep-alives), would hold the server for ever: each message is
+            // waited for `STUCK` at most, as the verbs tests' servers wait.
             Test::PipeLat => {
                 let src = side.buf.slice(0, p.size)?;
                 for _ in 0..p.iters {
                     drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
-                    pipe.rwrite(src.clone()).await.0.map_err(chan)?;
+                    rwrite(&pipe, src.clone()).await?;
                 }
             }
             Test::PipeBw => {
@@ -130,7 +139,7 @@ pub fn serve(side: &Side, p: &Params) -> Result<()> {
                     drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
                 }
                 let ack = side.buf.slice(0, 1)?;
-                pipe.rwrite(ack).await.0.map_err(chan)?;
+                rwrite(&pipe, ack).await?;
             }
             _ => return Err(Error::InvalidArgument(format!("{} is not a pipe test", p.test.name()))),
         }

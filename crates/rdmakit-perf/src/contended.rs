@@ -147,7 +147,12 @@ pub fn coordinate(
 pub fn work(ctx: &Context, addr: SocketAddr, iters: u64, connect: ConnectOptions, sleep: bool) -> Result<()> {
     let pd = ctx.alloc_pd()?;
     let conn = cm::connect(&pd, addr, &options(connect), &[])?;
-    let target = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN])?.slice(0, 8)?;
+    let d = conn.peer_private_data();
+    let desc = d.get(..RemoteRegion::ENCODED_LEN).ok_or_else(|| Error::Malformed {
+        what: "the coordinator's counter descriptor",
+        reason: format!("{} bytes", d.len()),
+    })?;
+    let target = RemoteRegion::decode(desc)?.slice(0, 8)?;
     let result = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE)?;
     let local = result.local()?;
     let mut out = std::io::stdout();

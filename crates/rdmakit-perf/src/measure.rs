@@ -59,7 +59,8 @@ impl Bw {
             bytes_per_sec: self.bytes_per_sec + o.bytes_per_sec,
             peak_bytes_per_sec: self.peak_bytes_per_sec.zip(o.peak_bytes_per_sec).map(|(a, b)| a + b),
             msgs_per_sec: self.msgs_per_sec + o.msgs_per_sec,
-            iters: if sum_iters { self.iters + o.iters } else { self.iters.max(o.iters) },
+            // Saturating: one side's count may be a peer's report.
+            iters: if sum_iters { self.iters.saturating_add(o.iters) } else { self.iters.max(o.iters) },
             cq_mod: self.cq_mod.max(o.cq_mod),
         }
     }
@@ -77,20 +78,27 @@ impl Bw {
         b
     }
 
-    fn decode(b: &[u8; 40]) -> Option<Bw> {
+    /// `None` until the report is there (its magic word); then the report, or what is
+    /// wrong with it (a rate that is not a finite, non-negative number).
+    fn decode(b: &[u8; 40]) -> Option<std::result::Result<Bw, String>> {
         let w = |i: usize| <[u8; 8]>::try_from(&b[i..i + 8]).expect("8");
         if u64::from_le_bytes(w(0)) != Bw::MAGIC {
             return None;
         }
         let f = |i: usize| f64::from_le_bytes(w(i));
         let peak = f(16);
-        Some(Bw {
-            bytes_per_sec: f(8),
+        let (bytes, msgs) = (f(8), f(24));
+        let rate = |x: f64| x.is_finite() && x >= 0.0;
+        if !rate(bytes) || !rate(msgs) || !(peak.is_nan() || rate(peak)) {
+            return Some(Err(format!("rates {bytes} B/s, {msgs} msgs/s, peak {peak} B/s")));
+        }
+        Some(Ok(Bw {
+            bytes_per_sec: bytes,
             peak_bytes_per_sec: (!peak.is_nan()).then_some(peak),
-            msgs_per_sec: f(24),
+            msgs_per_sec: msgs,
             iters: u64::from_le_bytes(w(32)),
             cq_mod: 0, // the peer's own: not reported
-        })
+        }))
     }
 }
 
@@ -483,6 +491,15 @@ fn send_wr<'a>(inline: &'a Option<Vec<u8>>, src: &LocalSlice) -> SendWr<'a> {
     }
 }
 
+/// A receive completion of another kind than a send's (a peer writing with immediate into
+/// the buffer) in a test whose peer only sends.
+fn only_sends(opcode: WcOpcode) -> Error {
+    Error::Malformed {
+        what: "the peer's traffic",
+        reason: format!("a {opcode:?} completion where only sends come"),
+    }
+}
+
 fn send_stop(side: &Side) -> Result<()> {
     side.qp.post_send(SendWr::send_empty().with_imm(STOP_IMM).wr_id(STOP_WR))
 }
@@ -502,7 +519,10 @@ impl Banked {
     fn wait(&mut self, side: &Side, recvs: u32, sends: u32) -> Result<bool> {
         while self.recvs < recvs || self.sends < sends {
             let wc = reap(&side.cq)?;
-            if wc.opcode == WcOpcode::RECV {
+            if wc.opcode.is_recv() {
+                if wc.opcode != WcOpcode::RECV {
+                    return Err(only_sends(wc.opcode));
+                }
                 self.stopped |= received(side, &wc);
                 self.recvs += 1;
             } else {
@@ -664,7 +684,12 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
         (empty_polls, stalled_since) = (0, None);
         for wc in &wcs[..n] {
             let wc = wc.ok()?;
-            if wc.opcode == WcOpcode::RECV {
+            if wc.opcode.is_recv() {
+                // Only sends are this test's to take: a peer writing with immediate into
+                // the buffer consumes a receive too.
+                if wc.opcode != WcOpcode::RECV {
+                    return Err(only_sends(wc.opcode));
+                }
                 if received(side, &wc) {
                     recv_done = true;
                 } else {
@@ -674,7 +699,10 @@ fn bandwidth(side: &Side, p: &Params, bar: &ProgressBar, wait: CqWait, send: boo
                 stop_done = true;
             } else {
                 // Operations this completion retires (set when posting; at least one).
-                let n = wc.wr_id.clamp(1, posted - done);
+                let n = wc.wr_id.max(1);
+                if n > posted - done {
+                    return Err(err("a completion retires more operations than are in flight"));
+                }
                 done += n;
                 if peak_wanted {
                     let at = Instant::now();
@@ -753,7 +781,7 @@ fn peer_report(side: &Side) -> Result<Bw> {
         side.buf.read_at(at, &mut b)?;
         if let Some(bw) = Bw::decode(&b) {
             side.buf.write_at(at, &[0; 40])?;
-            return Ok(bw);
+            return bw.map_err(|reason| Error::Malformed { what: "the peer's report", reason });
         }
         if start.elapsed() > STUCK * 4 {
             return Err(Error::Timeout(STUCK * 4));
@@ -882,5 +910,30 @@ mod peak_tests {
         let (fast, slow) = (peak_rate(&posted, &completed, 64), by_definition(&posted, &completed, 64));
         assert!((fast - slow).abs() <= slow * 1e-9, "{fast} vs {slow}");
         assert_eq!(peak_rate(&[], &[], 8), 0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's report is its word: rates that are not finite non-negative numbers are an
+    /// error, not figures printed (and its count, added to ours, saturates).
+    #[test]
+    fn a_peers_report_with_impossible_figures_is_refused() {
+        let good =
+            Bw { bytes_per_sec: 1e9, peak_bytes_per_sec: None, msgs_per_sec: 1e6, iters: 5, cq_mod: 0 };
+        assert!(
+            matches!(Bw::decode(&good.encode()), Some(Ok(b)) if b.iters == 5 && b.peak_bytes_per_sec.is_none())
+        );
+        assert!(Bw::decode(&[0; 40]).is_none(), "no magic: not there yet");
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            let b = Bw { bytes_per_sec: bad, ..good };
+            assert!(matches!(Bw::decode(&b.encode()), Some(Err(_))), "{bad} B/s");
+            let b = Bw { peak_bytes_per_sec: Some(bad).filter(|x| !x.is_nan()), msgs_per_sec: bad, ..good };
+            assert!(matches!(Bw::decode(&b.encode()), Some(Err(_))), "{bad} msgs/s");
+        }
+        let huge = Bw { iters: u64::MAX, ..good };
+        assert_eq!(good.add(huge, true).iters, u64::MAX);
     }
 }

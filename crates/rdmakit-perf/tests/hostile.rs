@@ -372,3 +372,76 @@ fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
     assert!(status.is_some(), "the server still waits for a silent client after 60 s:\n{said}");
     assert!(said.contains("timed out") || said.contains("Timeout"), "{said}");
 }
+
+const SEND_BW: u8 = 4;
+
+/// A send-bw client that writes with immediate into the server's buffer (its descriptor
+/// comes with the answer) instead of sending: the completion is a receive's, not a send's,
+/// and the server, which posts no sends, took it for one and panicked (`clamp(1, 0)`). It
+/// must say what the client did instead.
+#[test]
+fn a_write_with_immediate_into_a_send_test_is_an_error_not_a_panic() {
+    use rdmakit_verbs::SendWr;
+    let (mut srv, addr, err) = server(&["send-bw", "--server", "127.0.0.1:0"]);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let buf = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
+    let conn = cm::connect(&pd, addr, &cm_opts(), &request(SEND_BW, 8, 1000, 16, 1, 0, 0, 0, &buf.remote()))
+        .expect("the client connects");
+    let theirs = RemoteRegion::decode(&conn.peer_private_data()[..RemoteRegion::ENCODED_LEN]).unwrap();
+    let wr = SendWr::write(buf.slice(0, 8).unwrap(), theirs.slice(0, 8).unwrap()).with_imm(7);
+    conn.qp().post_send(wr).unwrap();
+    assert!(conn.cq().wait(Some(Duration::from_secs(10))).unwrap().status.is_success());
+    let status = exits_within(&mut srv, Duration::from_secs(60));
+    drop(conn);
+    let said = err.join().unwrap();
+    assert!(!said.contains("panicked"), "the server panicked:\n{said}");
+    assert!(status.is_some(), "the server still runs 60 s later:\n{said}");
+    assert!(said.contains("RECV_RDMA_WITH_IMM"), "the server did not say what came:\n{said}");
+}
+
+/// A pipe-lat client that sends its pings but never takes the server's answers (its process
+/// alive, its pipe answering keep-alives): the server's answers run out of credit, and it
+/// waited for credit for ever, busy polling. It gives up after 30 s, as its other waits do.
+#[test]
+fn a_pipe_client_that_never_takes_its_answers_does_not_hold_the_server_for_ever() {
+    use rdmakit_channel::{NotifyMode, Pipe, PipeConfig};
+    let (mut srv, addr, err) = server(&["pipe-lat", "--server", "127.0.0.1:0"]);
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let buf = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
+    let caps = rdmakit_verbs::QpCaps::default()
+        .with_max_send_wr(256)
+        .with_max_recv_wr(168)
+        .with_max_inline_data(256);
+    let opts = cm_opts().with_caps(caps);
+    let conn =
+        cm::connect(&pd, addr, &opts, &request(PIPE_LAT, 8, 100_000, 1, 1, 0, 0, 0, &buf.remote())).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let config = PipeConfig::default().with_notify(NotifyMode::WriteImm);
+    let pipe =
+        rt.block_on(Pipe::connect(conn.qp().clone(), conn.cq().clone(), config)).expect("the pipe's hello");
+    let status = rt.block_on(async {
+        // More pings than the server has credit for answers; none of its answers taken.
+        for _ in 0..1000 {
+            let ping = buf.slice(0, 8).unwrap();
+            if tokio::time::timeout(Duration::from_secs(5), pipe.rwrite(ping)).await.is_err() {
+                break; // the server stopped taking pings: it waits for credit
+            }
+        }
+        let started = Instant::now();
+        loop {
+            if let Some(s) = srv.try_wait().unwrap() {
+                break Some(s);
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                let _ = srv.kill();
+                let _ = srv.wait();
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    drop((pipe, conn));
+    let said = err.join().unwrap();
+    assert!(status.is_some(), "the server still waits for credit 60 s later:\n{said}");
+    assert!(said.contains("timed out") || said.contains("Timeout"), "{said}");
+}

@@ -221,9 +221,9 @@ pub fn datagen_main(a: &DatagenArgs) -> ExitCode {
     }
 }
 
-fn input(a: &TransferArgs) -> Result<Input, Error> {
+fn input(a: &TransferArgs, stuck: Duration) -> Result<Input, Error> {
     Ok(match &a.input {
-        Some(url) => Input::Tcp(source::connect_input(url)?, a.bytes),
+        Some(url) => Input::Tcp(source::connect_input(url, stuck)?, a.bytes),
         None => Input::Pattern(source::Pattern::new(), a.bytes.unwrap_or(DEFAULT_BYTES)),
     })
 }
@@ -351,7 +351,7 @@ fn loopback(
     let pd = ctx.alloc_pd()?;
     let ring::Loopback { rcq, rqp, rmem, scq, sqp, smem } =
         ring::Loopback::new(&pd, chunk, a.slots, window, &opts)?;
-    let input = input(a)?;
+    let input = input(a, stuck)?;
     let sender =
         Sender { qp: &sqp, cq: &scq, ring: rmem.info(), chunk, window, stuck, corrupt: a.inject_corruption };
     // The gauge follows the receiver: bytes that arrived and were checksummed.
@@ -447,7 +447,7 @@ fn send(
     let window = window.min(info.slots);
     let mem = SenderMem::new(&pd, chunk, window, info.slots)?;
     mem.post_receive(conn.qp())?;
-    let input = input(a)?;
+    let input = input(a, stuck)?;
     let sender = Sender {
         qp: conn.qp(),
         cq: conn.cq(),

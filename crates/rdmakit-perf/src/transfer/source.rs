@@ -60,8 +60,9 @@ impl Pattern {
     }
 }
 
-/// Parses `tcp://HOST:PORT` and connects.
-pub fn connect_input(url: &str) -> Result<TcpStream, Error> {
+/// Parses `tcp://HOST:PORT` and connects. A read then waits `stuck` at most (a source that
+/// stalls, or whose host is gone without closing, is an error, not a wait for ever).
+pub fn connect_input(url: &str, stuck: Duration) -> Result<TcpStream, Error> {
     let Some(rest) = url.strip_prefix("tcp://") else {
         return Err(Error::InvalidArgument(format!("--input {url}: expected tcp://HOST:PORT")));
     };
@@ -72,7 +73,11 @@ pub fn connect_input(url: &str) -> Result<TcpStream, Error> {
     let mut last = None;
     for a in addrs {
         match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
-            Ok(s) => return Ok(s),
+            Ok(s) => {
+                s.set_read_timeout(Some(stuck.max(Duration::from_millis(1))))
+                    .map_err(|source| Error::Input { what: format!("set a read timeout on {a}"), source })?;
+                return Ok(s);
+            }
             Err(e) => last = Some((a, e)),
         }
     }
@@ -90,6 +95,12 @@ pub fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize, Error> 
             Ok(0) => break,
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source)
+                if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+            {
+                let what = "read the input stream (no data within --timeout)".into();
+                return Err(Error::Input { what, source });
+            }
             Err(source) => return Err(Error::Input { what: "read the input stream".into(), source }),
         }
     }
@@ -259,9 +270,26 @@ mod tests {
         assert_eq!(s.crc32, crc32fast::hash(&out));
     }
 
+    /// A source that accepts and then sends nothing (stalled, or its host gone without a
+    /// close): the read is an error after the stuck time, where it waited for ever.
+    #[test]
+    fn a_stalled_input_stream_is_an_error_after_the_stuck_time() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("tcp://{}", l.local_addr().unwrap());
+        let mut input = connect_input(&url, Duration::from_millis(300)).unwrap();
+        let (_silent, _) = l.accept().unwrap();
+        let started = std::time::Instant::now();
+        let e = read_full(&mut input, &mut [0u8; 64]).expect_err("nothing came");
+        assert!(e.to_string().contains("no data within --timeout"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
     #[test]
     fn bad_input_urls_are_errors() {
-        assert!(matches!(connect_input("udp://1.2.3.4:5"), Err(Error::InvalidArgument(_))));
-        assert!(connect_input("tcp://no-port").is_err());
+        assert!(matches!(
+            connect_input("udp://1.2.3.4:5", Duration::from_secs(1)),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(connect_input("tcp://no-port", Duration::from_secs(1)).is_err());
     }
 }
