@@ -331,18 +331,26 @@ fn check_soft_pd(pd: &ProtectionDomain) -> Result<()> {
 }
 
 /// A soft peer's declared endpoint is connected to only if it lies where the handshake
-/// came from: a device of this process (whose QPs the soft NIC serves only once they took
-/// the exchanged token), a device at the IP address the bootstrap connection's other end
-/// has, or any address when that connection is within this host (a peer on this host can
-/// reach what this side's NIC would dial by itself; its device may be at one of the host's
-/// addresses while it connects through loopback). Otherwise a peer of another host could
-/// make this side's NIC dial, and send Hellos to, any address it names.
+/// came from: a device at the IP address the bootstrap connection's other end has, or any
+/// address when that connection is within this host (a peer on this host can reach what
+/// this side's NIC would dial by itself; its device may be at one of the host's addresses
+/// while it connects through loopback, or be a device of this process, whose QPs the soft
+/// NIC serves only once they took the exchanged token). Otherwise a peer of another host
+/// could make this side's NIC dial, and send Hellos to, any address it names; and, naming
+/// a device of this process, link a connection of its own to another of this process's
+/// QPs, whose token it learnt from that QP's handshake.
 fn check_declared(ep: &QpAddress, origin: Origin, who: &str) -> Result<()> {
+    let same_host = origin.peer == origin.local || origin.peer.is_loopback();
     if crate::soft::SoftDevice::by_gid(&ep.gid).is_some() {
-        return Ok(());
+        if same_host {
+            return Ok(());
+        }
+        return Err(Error::PermissionDenied(format!(
+            "the {who}'s soft endpoint names a device of this process, but its connection came              from another host ({})",
+            origin.peer
+        )));
     }
     let declared = IpAddr::V4(Ipv4Addr::new(ep.gid[4], ep.gid[5], ep.gid[6], ep.gid[7]));
-    let same_host = origin.peer == origin.local || origin.peer.is_loopback();
     if declared == origin.peer || same_host {
         return Ok(());
     }
@@ -999,5 +1007,25 @@ mod tests {
         // Within this host.
         assert!(check_declared(&at(server), origin([127, 0, 0, 1], [127, 0, 0, 1]), "listener").is_ok());
         assert!(check_declared(&at([127, 0, 0, 1]), origin(server, server), "requester").is_ok());
+    }
+
+    /// An endpoint of a device of this process, declared by a peer of another host: forged
+    /// (a remote peer's QP is on its own device), and the way to link a connection of its
+    /// own to another QP of this process whose token the peer learnt from its replies (QP
+    /// numbers are sequential). Taken from within this host only.
+    #[test]
+    fn an_endpoint_of_this_process_declared_from_another_host_is_refused() {
+        let ctx = crate::Context::open_soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4).unwrap();
+        let qp = pd.create_qp(&cq, &cq, crate::QpCaps::default()).unwrap();
+        let ours = qp.address().unwrap();
+        let (client, server) = ([10, 0, 0, 2], [10, 0, 0, 1]);
+        assert!(matches!(
+            check_declared(&ours, origin(client, server), "requester"),
+            Err(Error::PermissionDenied(_))
+        ));
+        assert!(check_declared(&ours, origin([127, 0, 0, 1], [127, 0, 0, 1]), "requester").is_ok());
+        assert!(check_declared(&ours, origin(server, server), "listener").is_ok());
     }
 }

@@ -162,7 +162,9 @@ fn read_reply(s: &mut TcpStream, max_data: usize, deadline: Instant, budget: Dur
 /// dropped ([`Pending::keep_rank`]): the one whose request has come least far, and of
 /// those the one accepted first (a request arrives one round trip after its connection, so
 /// the oldest one still silent is the likeliest to stay so). A flood of connections that
-/// say nothing thus drops each other, not a client that has begun its request.
+/// say nothing thus drops each other, not a client that has begun its request. What a
+/// connection sent is read as it is accepted: a request already whole is served at once,
+/// where holders that each sent a byte outranked it unread and dropped it.
 pub(crate) const MAX_PENDING: usize = 64;
 
 /// A bootstrap listener (blocking).
@@ -329,19 +331,28 @@ impl SoftListener {
                     }
                 }
             }
-            if fds[0].revents != 0 {
-                self.take_connections(&mut mine.v, budget)?;
+            if fds[0].revents != 0
+                && let Some(done) = self.take_connections(&mut mine.v, budget, max_data)?
+            {
+                return done.into_request(max_data);
             }
         }
     }
 
-    /// Accepts what the listening socket holds, up to [`MAX_PENDING`] a round.
-    fn take_connections(&self, v: &mut Vec<Pending>, budget: Duration) -> Result<()> {
+    /// Accepts what the listening socket holds, up to [`MAX_PENDING`] a round, and reads
+    /// what each has sent before it is ranked: a request already complete is returned, not
+    /// ranked (holders of a byte each would outrank it while unread).
+    fn take_connections(
+        &self,
+        v: &mut Vec<Pending>,
+        budget: Duration,
+        max_data: usize,
+    ) -> Result<Option<Pending>> {
         for _ in 0..MAX_PENDING {
             let s = match self.l.accept() {
                 Ok((s, _)) => s,
                 Err(e) => match e.kind() {
-                    std::io::ErrorKind::WouldBlock => return Ok(()),
+                    std::io::ErrorKind::WouldBlock => return Ok(None),
                     // Gone before it was taken: not this listener's error.
                     std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted => continue,
                     _ => return Err(Error::Os { call: "accept", source: e }),
@@ -350,7 +361,19 @@ impl SoftListener {
             if s.set_nonblocking(true).is_err() {
                 continue;
             }
+            let mut p =
+                Pending { s, got: Vec::new(), need: REQUEST_HEAD, deadline: deadline_after(budget), budget };
+            match p.advance(max_data) {
+                Ok(true) => return Ok(Some(p)),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "soft CM: a connection's request failed");
+                    continue;
+                }
+            }
             if v.len() >= MAX_PENDING {
+                // Among those taken before: a newcomer whose request is on its way has until
+                // the next connection comes, ranked then by what it has sent.
                 let last = v.iter().enumerate().min_by_key(|(_, p)| p.keep_rank()).map(|(i, _)| i);
                 if let Some(i) = last {
                     tracing::debug!(
@@ -359,15 +382,9 @@ impl SoftListener {
                     v.swap_remove(i);
                 }
             }
-            v.push(Pending {
-                s,
-                got: Vec::new(),
-                need: REQUEST_HEAD,
-                deadline: deadline_after(budget),
-                budget,
-            });
+            v.push(p);
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -695,5 +712,35 @@ mod tests {
             assert_eq!(r.hello.endpoint, ep);
             drop(flood);
         });
+    }
+
+    /// Holders that each sent one byte outrank a newcomer not read yet: a client whose whole
+    /// request sat in its socket when a later connection made room was the one dropped, and
+    /// a stream of holders and newcomers kept every client out. A newcomer's bytes are read
+    /// as it is accepted, so a complete request is served, not ranked.
+    #[test]
+    #[cfg_attr(miri, ignore = "sockets and threads: Miri has no sockets; the native test run covers it")]
+    fn holders_of_one_byte_do_not_evict_a_client_whose_request_has_come() {
+        let l = SoftListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let ep = QpAddress::new(ProviderKind::Soft, 0, [1; 16], 7, 9);
+        let req = encode(None, &ep, &[3; TOKEN_LEN], b"cli").unwrap();
+        // Every slot a call keeps, held by a connection with one byte read.
+        let mut holders: Vec<TcpStream> =
+            (0..MAX_PENDING).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        for h in &mut holders {
+            h.write_all(&req[..1]).unwrap();
+        }
+        let r = l.next_request(Some(Duration::from_millis(500)), 64, Duration::from_secs(30));
+        assert!(matches!(r, Err(Error::Timeout(_))), "the holders are taken in, their byte read");
+        // The client's whole request, then one more connection, both in the backlog.
+        let mut real = TcpStream::connect(addr).unwrap();
+        real.write_all(&req).unwrap();
+        let _late = TcpStream::connect(addr).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let r = l.next_request(Some(Duration::from_secs(5)), 64, Duration::from_secs(30));
+        let r = r.expect("the client whose request came is served");
+        assert_eq!(r.hello.private_data, b"cli");
+        drop(holders);
     }
 }

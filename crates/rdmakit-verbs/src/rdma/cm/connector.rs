@@ -129,12 +129,17 @@ impl CmConnector {
         cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })
     }
 
-    /// After the CONNECT_RESPONSE: RTR, RTS and `rdma_establish`.
+    /// After the CONNECT_RESPONSE: RTR, RTS and `rdma_establish`. The reply's read and
+    /// atomic depths are the peer's word: held to what this side asked for (as the passive
+    /// side holds a request's), not taken up to the device's maximum.
     fn establish(self, qp: &Qp, opts: &ConnectOptions, response: Event) -> Result<(CmConn, Vec<u8>)> {
         let cm = self.cm;
         let established = (|| {
-            cm.qp_to_rtr(qp, opts, None)?;
-            cm.qp_to_rts(qp, opts, None)?;
+            let (max_rd, max_init) = cm.rd_atomic_limits()?;
+            let resp = opts.max_rd_atomic.min(response.initiator_depth).max(1).min(max_rd);
+            let init = opts.max_rd_atomic.min(response.responder_resources).max(1).min(max_init);
+            cm.qp_to_rtr(qp, opts, Some(resp))?;
+            cm.qp_to_rts(qp, opts, Some(init))?;
             // SAFETY: live id that received a connect response; sends the RTU.
             cm_ret("rdma_establish", unsafe { sys::rdma_establish(cm.ptr()) })
         })();
