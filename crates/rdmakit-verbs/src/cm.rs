@@ -607,7 +607,7 @@ pub use self::on_tokio::{AsyncListener, connect_async};
 mod on_tokio {
     use std::collections::VecDeque;
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
     use tokio::sync::{Semaphore, TryAcquireError, mpsc};
     use tokio::task::{AbortHandle, JoinSet};
@@ -622,8 +622,11 @@ mod on_tokio {
     /// [`CmOptions::timeout`]: a client that sends nothing, or trickles, is dropped when its
     /// time is up and holds no other. At most `max_handshakes` run at once; with all of
     /// them running, a new connection takes the place of the oldest handshake whose
-    /// request has not come whole (dropped and counted as failed), and waits in the
-    /// kernel's backlog only when every handshake has its request. Established connections
+    /// request has not come whole (dropped and counted as failed), else of the oldest
+    /// whose request came an eighth of the budget ago (250 ms to 4 s) and that has not
+    /// finished (a client answers within a round trip: one withholding its READY or RTU
+    /// would hold its slot for the whole budget), and waits until one has stalled so or a
+    /// slot is free. Established connections
     /// queue (as many again) until [`accept`](Self::accept) takes them. A handshake that fails or times out
     /// is logged and counted ([`failed_handshakes`](Self::failed_handshakes)), not returned:
     /// one bad client is no error of the listener.
@@ -759,27 +762,70 @@ mod on_tokio {
         failed: Arc<AtomicU64>,
     }
 
+    /// Where a handshake stands (see [`Handshakes::run`]).
+    const SILENT: u8 = 0;
+    const SPOKE: u8 = 1;
+    /// Established, waiting for [`AsyncListener::accept`] (the application's backpressure:
+    /// never dropped for a newer connection).
+    const DONE: u8 = 2;
+
+    /// A handshake in progress, as the listener's task tracks it.
+    struct InFlight {
+        h: AbortHandle,
+        state: Arc<AtomicU8>,
+        /// When its connection was taken.
+        at: tokio::time::Instant,
+    }
+
     impl Handshakes {
+        /// How long a handshake whose request came may take before a newer connection may
+        /// take its place when every slot is held: an eighth of the budget, from 250 ms to
+        /// 4 s. A client answers its reply within a round trip; one that has not by then
+        /// is stalling (a request sent and the READY or RTU withheld holds its slot for
+        /// the whole budget, so a peer renewing such handshakes held every slot).
+        fn stall_age(&self) -> Duration {
+            (self.opts.timeout / 8).clamp(Duration::from_millis(250), Duration::from_secs(4))
+        }
+
+        /// The handshake to drop for a newer connection, if one may go (its index): the
+        /// oldest still silent; else the oldest that spoke and has stalled past
+        /// [`stall_age`](Self::stall_age).
+        fn victim(&self, inflight: &VecDeque<InFlight>, now: tokio::time::Instant) -> Option<usize> {
+            let state = |x: &InFlight| x.state.load(Ordering::Acquire);
+            inflight.iter().position(|x| state(x) == SILENT && !x.h.is_finished()).or_else(|| {
+                inflight
+                    .iter()
+                    .position(|x| state(x) == SPOKE && !x.h.is_finished() && now >= x.at + self.stall_age())
+            })
+        }
+
+        /// When the oldest handshake that spoke will have stalled, if one is in progress.
+        fn next_stall(&self, inflight: &VecDeque<InFlight>) -> Option<tokio::time::Instant> {
+            let spoke = inflight.iter().find(|x| x.state.load(Ordering::Acquire) == SPOKE)?;
+            Some(spoke.at + self.stall_age())
+        }
+
         async fn run(self, backend: AsyncListenerBackend) {
             // Dropped with this task: aborts every handshake in progress.
             let mut running = JoinSet::new();
-            // Handshakes whose request has not come whole yet, oldest first: with every
-            // slot taken, a new connection takes the slot of the oldest of them (as the
+            // Handshakes in progress, oldest first. With every slot taken, a new connection
+            // takes the slot of the oldest one whose request has not come whole (as the
             // blocking listener drops its least advanced connection), so a flood of
             // connections that say nothing drops its own instead of holding every slot for
-            // its whole budget.
-            let mut silent: VecDeque<(AbortHandle, Arc<AtomicBool>)> = VecDeque::new();
+            // its whole budget; failing that, of the oldest that spoke and then stalled.
+            let mut inflight: VecDeque<InFlight> = VecDeque::new();
             loop {
                 while running.try_join_next().is_some() {}
-                silent.retain(|(h, spoke)| !h.is_finished() && !spoke.load(Ordering::Acquire));
+                inflight.retain(|x| !x.h.is_finished() && x.state.load(Ordering::Acquire) != DONE);
                 let free = match self.permits.clone().try_acquire_owned() {
                     Ok(p) => Some(p),
                     Err(TryAcquireError::Closed) => return,
                     Err(TryAcquireError::NoPermits) => None,
                 };
-                // No slot free and none to take: wait for one.
+                // No slot free and none to take: wait for one (or for a handshake to stall).
                 let free = match free {
-                    None if silent.is_empty() => {
+                    None if self.victim(&inflight, tokio::time::Instant::now()).is_none() => {
+                        let stalls = self.next_stall(&inflight);
                         tokio::select! {
                             p = self.permits.clone().acquire_owned() => match p {
                                 Ok(p) => Some(p),
@@ -787,6 +833,12 @@ mod on_tokio {
                             },
                             // A handshake ended (its slot is free now, or it spoke: look again).
                             Some(_) = running.join_next() => continue,
+                            () = async {
+                                match stalls {
+                                    Some(t) => tokio::time::sleep_until(t).await,
+                                    None => std::future::pending().await,
+                                }
+                            } => continue,
                             () = self.tx.closed() => return,
                         }
                     }
@@ -811,34 +863,52 @@ mod on_tokio {
                 let permit = match free.map_or_else(|| self.permits.clone().try_acquire_owned(), Ok) {
                     Ok(p) => p,
                     Err(TryAcquireError::Closed) => return,
-                    Err(TryAcquireError::NoPermits) => {
-                        // Every slot still taken: the oldest handshake still silent gives way.
-                        while let Some((h, spoke)) = silent.pop_front() {
-                            if !spoke.load(Ordering::Acquire) && !h.is_finished() {
-                                h.abort();
-                                self.failed.fetch_add(1, Ordering::Relaxed);
-                                tracing::debug!(
-                                    "handshake dropped for a newer connection: it sent no request"
-                                );
-                                break;
-                            }
+                    // Every slot still taken: the oldest silent (or stalled) handshake gives
+                    // way, now or once one has stalled, unless a slot frees first.
+                    Err(TryAcquireError::NoPermits) => loop {
+                        inflight.retain(|x| !x.h.is_finished() && x.state.load(Ordering::Acquire) != DONE);
+                        if let Some(i) = self.victim(&inflight, tokio::time::Instant::now()) {
+                            let x = inflight.remove(i).expect("a victim's index");
+                            x.h.abort();
+                            self.failed.fetch_add(1, Ordering::Relaxed);
+                            let why = if x.state.load(Ordering::Acquire) == SILENT {
+                                "it sent no request"
+                            } else {
+                                "it stalled after its request"
+                            };
+                            tracing::debug!("handshake dropped for a newer connection: {why}");
                         }
-                        // Freed when the aborted task is dropped (or by any other ending).
-                        let Ok(p) = self.permits.clone().acquire_owned().await else { return };
-                        p
-                    }
+                        let stalls = self.next_stall(&inflight);
+                        // Freed when an aborted task is dropped (or by any other ending).
+                        tokio::select! {
+                            p = self.permits.clone().acquire_owned() => match p {
+                                Ok(p) => break p,
+                                Err(_) => return,
+                            },
+                            () = async {
+                                match stalls {
+                                    Some(t) => tokio::time::sleep_until(t).await,
+                                    None => std::future::pending().await,
+                                }
+                            } => {}
+                            () = self.tx.closed() => return,
+                        }
+                    },
                 };
                 let (pd, opts, data) = (self.pd.clone(), self.opts, self.data.clone());
                 let (tx, failed) = (self.tx.clone(), self.failed.clone());
-                let spoke = Arc::new(AtomicBool::new(false));
-                let said = spoke.clone();
+                let state = Arc::new(AtomicU8::new(SILENT));
+                let said = state.clone();
                 let h = running.spawn(async move {
                     let r =
                         tokio::time::timeout(opts.timeout, incoming.accept(&pd, &opts, &data, &said)).await;
                     match r {
                         // The permit is held until the connection is queued: that bounds
                         // the queue too.
-                        Ok(Ok(conn)) => drop(tx.send(Ok(conn)).await),
+                        Ok(Ok(conn)) => {
+                            said.store(DONE, Ordering::Release);
+                            drop(tx.send(Ok(conn)).await);
+                        }
                         Ok(Err(e)) => {
                             failed.fetch_add(1, Ordering::Relaxed);
                             tracing::debug!(error = %e, "handshake failed");
@@ -850,7 +920,7 @@ mod on_tokio {
                     }
                     drop(permit);
                 });
-                silent.push_back((h, spoke));
+                inflight.push_back(InFlight { h, state, at: tokio::time::Instant::now() });
             }
         }
     }
@@ -912,20 +982,20 @@ mod on_tokio {
     }
 
     impl AsyncIncoming {
-        /// The handshake; `spoke` is set once the request has come whole (from then on the
-        /// handshake does not give way to newer connections).
+        /// The handshake; `state` becomes [`SPOKE`] once the request has come whole (from
+        /// then on the handshake gives way to newer connections only once it stalls).
         async fn accept(
             self,
             pd: &ProtectionDomain,
             opts: &CmOptions,
             data: &[u8],
-            spoke: &AtomicBool,
+            state: &AtomicU8,
         ) -> Result<Connection> {
             match self {
                 AsyncIncoming::Soft(inc) => {
                     check_soft_pd(pd)?;
                     let mut req = inc.read_request(MAX_PRIVATE_DATA).await?;
-                    spoke.store(true, Ordering::Release);
+                    state.store(SPOKE, Ordering::Release);
                     let (qp, cq, ep, token) = soft_accepting_qp(pd, opts, &req.hello, req.origin()?)?;
                     let peer_data = std::mem::take(&mut req.hello.private_data);
                     let conn = req.accept(&ep, &token, data).await?;
@@ -934,7 +1004,7 @@ mod on_tokio {
                 #[cfg(rdmakit_verbs)]
                 AsyncIncoming::Verbs(req) => {
                     // rdma_cm hands over requests whole.
-                    spoke.store(true, Ordering::Release);
+                    state.store(SPOKE, Ordering::Release);
                     let req = check_request_device(req, pd)?;
                     let peer_data = req.private_data().to_vec();
                     let (qp, cq) = new_qp(pd, opts)?;

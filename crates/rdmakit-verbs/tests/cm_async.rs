@@ -6,6 +6,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use rdmakit_verbs::cm::{AsyncListener, CmOptions, connect_async};
 use rdmakit_verbs::{AccessFlags, Context, SendWr};
 
@@ -292,4 +294,41 @@ async fn a_declared_endpoint_that_never_answers_blocks_nothing() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     let took = start.elapsed();
     assert!(took < Duration::from_millis(900), "one hostile request blocked the runtime for {took:?}");
+}
+
+/// One source that completes its requests and then never finishes the handshake (no
+/// READY) held a slot per connection for the whole budget: with every slot so held, a
+/// client from anywhere else waited in the backlog until it gave up. A handshake that has
+/// not finished an eighth of the budget after its request (here 3.75 s; a client answers
+/// within a round trip) now gives way to a newer connection when every slot is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_stalling_after_its_requests_does_not_hold_every_slot() {
+    let pd = Context::open_soft().alloc_pd().unwrap();
+    let o = opts(Duration::from_secs(30));
+    // No private data in the reply: `cm_reply` reads one without.
+    let listener = AsyncListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &o, b"", 2).unwrap();
+    let addr = listener.local_addr();
+    let cq = pd.context().create_cq(4).unwrap();
+    let decoy = pd.create_qp(&cq, &cq, Default::default()).unwrap();
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = common::tcp_from(2, addr.port());
+        s.write_all(&cm_request(&decoy.address().unwrap())).unwrap();
+        cm_reply(&mut s); // answered: the handshake waits for its READY, which never comes
+        stalled.push(s);
+    }
+    let start = Instant::now();
+    let client = tokio::spawn({
+        let pd = pd.clone();
+        let o = o.with_timeout(Duration::from_secs(10));
+        async move { connect_async(&pd, addr, &o, b"real").await }
+    });
+    let conn =
+        tokio::time::timeout(Duration::from_secs(10), listener.accept()).await.expect("served").unwrap();
+    assert_eq!(conn.peer_private_data(), b"real");
+    client.await.unwrap().expect("the real client connects");
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    // The stalled source's oldest handshake gave way: it reads end-of-file.
+    stalled[0].set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(stalled[0].read(&mut [0u8; 8]).unwrap(), 0, "the oldest stalled handshake was closed");
 }

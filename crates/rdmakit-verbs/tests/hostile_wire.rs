@@ -140,40 +140,8 @@ impl Legit {
     }
 }
 
-/// A TCP connection from loopback address `127.0.0.<host>` to `port`.
-fn attacker_from(host: u8, port: u16) -> TcpStream {
-    // SAFETY: plain socket calls on a descriptor this function owns until it hands it to
-    // `TcpStream` (which then owns and closes it); the sockaddr structs live on the stack.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-        let sa = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
-            sin_zero: [0; 8],
-        };
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let me = sa(Ipv4Addr::new(127, 0, 0, host), 0);
-        assert_eq!(
-            libc::bind(fd, (&raw const me).cast(), len),
-            0,
-            "bind: {}",
-            std::io::Error::last_os_error()
-        );
-        let to = sa(Ipv4Addr::LOCALHOST, port);
-        assert_eq!(
-            libc::connect(fd, (&raw const to).cast(), len),
-            0,
-            "connect: {}",
-            std::io::Error::last_os_error()
-        );
-        TcpStream::from_raw_fd(fd)
-    }
-}
-
 fn attacker(port: u16) -> TcpStream {
-    attacker_from(2, port)
+    common::tcp_from(2, port)
 }
 
 fn frame(f: &Frame) -> Vec<u8> {
@@ -349,7 +317,7 @@ fn connection_flood_is_bounded() {
     // 240 silent connections from 8 addresses.
     for host in 2..10u8 {
         for _ in 0..30 {
-            conns.push(attacker_from(host, port));
+            conns.push(common::tcp_from(host, port));
         }
     }
     std::thread::sleep(Duration::from_millis(1000));
@@ -950,7 +918,7 @@ fn hellos_waiting_for_one_qp_are_bounded() {
     let me = far(&eps[0]);
     let mut conns: Vec<TcpStream> = (0..10u8)
         .map(|i| {
-            let mut s = attacker_from(2 + i, eps[0].lid);
+            let mut s = common::tcp_from(2 + i, eps[0].lid);
             s.write_all(&true_hello(&me, &eps[0])).unwrap();
             std::thread::sleep(Duration::from_millis(20)); // in order
             s
@@ -2549,7 +2517,7 @@ fn hellos_without_the_token_cannot_crowd_out_a_qp_not_yet_connected() {
     });
     let mut squatters: Vec<TcpStream> = (0..4u8)
         .map(|i| {
-            let mut s = attacker_from(30 + i, vep.lid);
+            let mut s = common::tcp_from(30 + i, vep.lid);
             s.write_all(&guessed).unwrap();
             s
         })
