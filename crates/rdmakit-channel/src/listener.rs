@@ -19,17 +19,21 @@
 //! hello exchange on it (within [`PipeConfig::connect_timeout`]). A client that is silent
 //! or slow at either step holds only its own task, and is dropped when its time is up; at
 //! most `max_handshakes` clients are in either step at once, and as many set-up pipes
-//! queue for [`PipeListener::accept`].
+//! queue for [`PipeListener::accept`]. With every slot of a step held, a client that has
+//! not finished that step an eighth of its time after it began (250 ms to 4 s: each step
+//! is a round trip or two) gives way to a newer connection, so clients that stall on
+//! purpose cannot keep the others out.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use rdmakit_verbs::cm::{AsyncListener, CmOptions, connect_async};
 use rdmakit_verbs::{ProtectionDomain, QpCaps};
-use tokio::sync::{Semaphore, mpsc};
-use tokio::task::JoinSet;
+use tokio::sync::{Semaphore, TryAcquireError, mpsc};
+use tokio::task::{AbortHandle, JoinSet};
 
 use crate::error::{ChannelError, Result};
 use crate::pipe::{MSG_LEN, Pipe, PipeConfig, RECV_SLOTS};
@@ -119,6 +123,15 @@ impl Drop for PipeListener {
     }
 }
 
+/// A pipe set-up in progress, as the listener's task tracks it.
+struct SetUp {
+    h: AbortHandle,
+    /// Set up, waiting for [`PipeListener::accept`] (never dropped for a newer client).
+    done: Arc<AtomicBool>,
+    /// When its connection was taken.
+    at: tokio::time::Instant,
+}
+
 async fn run(
     cm: Arc<AsyncListener>,
     config: PipeConfig,
@@ -128,8 +141,13 @@ async fn run(
 ) {
     // Dropped with this task: aborts every pipe set-up in progress.
     let mut running = JoinSet::new();
+    // Set-ups in progress, oldest first. The hello is one message each way: a set-up that
+    // has not finished an eighth of `connect_timeout` after its connection (250 ms to 4 s)
+    // is a client withholding its hello, and with every slot held it gives way to a newer
+    // connection (such clients, renewed, held every slot).
+    let mut setups: VecDeque<SetUp> = VecDeque::new();
+    let stall = (config.connect_timeout / 8).clamp(Duration::from_millis(250), Duration::from_secs(4));
     loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else { return };
         while running.try_join_next().is_some() {}
         let conn = tokio::select! {
             c = cm.accept() => c,
@@ -145,11 +163,47 @@ async fn run(
                 continue;
             }
         };
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(TryAcquireError::Closed) => return,
+            // Every slot held: the oldest set-up gives way once it has stalled, unless a
+            // slot frees first.
+            Err(TryAcquireError::NoPermits) => loop {
+                setups.retain(|x| !x.h.is_finished() && !x.done.load(Ordering::Acquire));
+                let now = tokio::time::Instant::now();
+                if setups.front().is_some_and(|x| now >= x.at + stall) {
+                    let x = setups.pop_front().expect("just looked");
+                    x.h.abort();
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("pipe set-up dropped for a newer connection: it sent no hello");
+                }
+                let next = setups.front().map(|x| x.at + stall);
+                // Freed when an aborted task is dropped (or by any other ending).
+                tokio::select! {
+                    p = permits.clone().acquire_owned() => match p {
+                        Ok(p) => break p,
+                        Err(_) => return,
+                    },
+                    () = async {
+                        match next {
+                            Some(t) => tokio::time::sleep_until(t).await,
+                            None => std::future::pending().await,
+                        }
+                    } => {}
+                    () = tx.closed() => return,
+                }
+            },
+        };
         let (tx, failed) = (tx.clone(), failed.clone());
-        running.spawn(async move {
+        let done = Arc::new(AtomicBool::new(false));
+        let set = done.clone();
+        let h = running.spawn(async move {
             // `from_connection` bounds its wait for the peer's hello by `connect_timeout`.
             match Pipe::from_connection(conn, config).await {
-                Ok(pipe) => drop(tx.send(Ok(pipe)).await),
+                Ok(pipe) => {
+                    set.store(true, Ordering::Release);
+                    drop(tx.send(Ok(pipe)).await);
+                }
                 Err(e) => {
                     failed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(error = %e, "pipe set-up failed");
@@ -157,6 +211,7 @@ async fn run(
             }
             drop(permit);
         });
+        setups.push_back(SetUp { h, done, at: tokio::time::Instant::now() });
     }
 }
 

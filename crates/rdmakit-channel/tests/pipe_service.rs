@@ -446,3 +446,42 @@ fn silent_pipe_clients_do_not_delay_another() {
         assert_eq!(listener.failed_handshakes(), 0, "the silent ones are still within their budget");
     });
 }
+
+/// Clients that complete the connection handshake and never send their pipe hello, as
+/// many as the listener sets up at once: each held its set-up slot for the whole
+/// `connect_timeout`, so a peer renewing them kept every client out. A set-up that has
+/// not finished an eighth of that time (250 ms to 4 s; the hello is one message each way)
+/// now gives way to a newer connection when every slot is held.
+#[test]
+fn clients_stalling_before_their_pipe_hello_do_not_hold_every_slot() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let pd = Context::open_soft().alloc_pd().unwrap();
+        let mut cm = cm_options();
+        cm.timeout = Duration::from_secs(30);
+        let config = pipe_config().with_connect_timeout(Duration::from_secs(30));
+        let listener = PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, 2).unwrap();
+        let addr = listener.local_addr();
+        let mut stalled = Vec::new();
+        for _ in 0..2 {
+            stalled.push(rdmakit_verbs::cm::connect_async(&pd, addr, &cm, b"").await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let start = Instant::now();
+        let client =
+            Pipe::connect_to_with(&pd, addr, &cm, config.with_connect_timeout(Duration::from_secs(10)));
+        let (server, client) =
+            tokio::join!(tokio::time::timeout(Duration::from_secs(15), listener.accept()), client);
+        let took = start.elapsed();
+        let client = client.expect("the client behind the stalled ones");
+        let server = server.expect("the listener set the pipe up").unwrap();
+        eprintln!("a pipe behind clients stalled before their hello in {took:?}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let src = pd.alloc_mr(5, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write_at(0, b"hello").unwrap();
+        client.rwrite(src.local().unwrap()).await.0.unwrap();
+        assert_eq!(server.recv().await.unwrap().to_vec().unwrap(), b"hello");
+        assert!(listener.failed_handshakes() >= 1, "a stalled set-up gave way");
+        drop(stalled);
+    });
+}
