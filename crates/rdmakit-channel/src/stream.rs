@@ -48,6 +48,8 @@ use crate::pipe::{Pipe, RecvGuard};
 
 const KIND_DATA: u8 = 0;
 const KIND_EOF: u8 = 1;
+/// Data messages without data one `poll_read` takes before it yields (see `poll_read`).
+const EMPTY_PER_POLL: usize = 16;
 
 type WriteFut = Pin<Box<dyn Future<Output = BufResult<(), LocalSlice>> + Send>>;
 type RecvFut = Pin<Box<dyn Future<Output = Result<RecvGuard>> + Send>>;
@@ -168,7 +170,15 @@ impl AsyncRead for PipeStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        // A peer's data messages without data, taken in this call: past a few, the call
+        // yields (woken at once), so that a peer sending them as fast as it gets credit
+        // cannot keep this task from returning to its runtime.
+        let mut empty = 0;
         loop {
+            if empty == EMPTY_PER_POLL {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
             if self.eof || buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
@@ -195,7 +205,7 @@ impl AsyncRead for PipeStream {
             match kind[0] {
                 KIND_EOF => self.eof = true,
                 KIND_DATA if guard.len() > 1 => self.current = Some((guard, 1)),
-                KIND_DATA => {}
+                KIND_DATA => empty += 1,
                 k => {
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::InvalidData,
@@ -204,5 +214,53 @@ impl AsyncRead for PipeStream {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PipeConfig;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A peer that sends data messages with no data (its kind byte only), as fast as it
+    /// gets credit: each was taken and the next awaited within the same `poll_read`, so a
+    /// reader whose messages kept coming never returned to its runtime. After
+    /// [`EMPTY_PER_POLL`] of them it yields (woken at once, to go on).
+    #[test]
+    #[cfg_attr(miri, ignore = "tokio's runtime and the soft NIC's timer thread")]
+    fn empty_data_messages_make_a_read_yield_not_spin() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let pd = rdmakit_verbs::Context::open_soft().alloc_pd().unwrap();
+            let cfg = PipeConfig::default();
+            let (w, r) = Pipe::pair(&pd, cfg, cfg).await.unwrap();
+            let empties = (EMPTY_PER_POLL + 8).min(cfg.slots as usize - 1);
+            assert!(empties > EMPTY_PER_POLL, "the test needs more queued than a poll takes");
+            let kind = pd.alloc_mr(1, AccessFlags::LOCAL_WRITE).unwrap();
+            for _ in 0..empties {
+                w.rwrite(kind.local().unwrap()).await.0.unwrap(); // KIND_DATA (0), no data
+            }
+            w.flush().await.unwrap();
+            let mut s = PipeStream::new(r, 4096).unwrap();
+            let count = Arc::new(Count(AtomicUsize::new(0)));
+            let waker = Waker::from(count.clone());
+            let mut cx = Context::from_waker(&waker);
+            let mut b = [0u8; 16];
+            let mut buf = ReadBuf::new(&mut b);
+            let first = Pin::new(&mut s).poll_read(&mut cx, &mut buf);
+            assert!(first.is_pending(), "nothing to read yet: {first:?}");
+            assert_eq!(count.0.load(Ordering::Relaxed), 1, "it yielded, woken to go on");
+            assert_eq!(buf.filled().len(), 0);
+        });
     }
 }
