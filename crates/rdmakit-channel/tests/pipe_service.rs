@@ -417,34 +417,55 @@ fn service_with_64_clients_some_killed() {
     server.abort();
 }
 
-/// A client that completes the connection handshake but never sends its pipe hello, and
-/// one that opens the bootstrap socket and sends nothing, both with 30 s to go: a real
-/// client behind them gets its pipe at once, and its data through.
-#[test]
-fn silent_pipe_clients_do_not_delay_another() {
+/// A listener with `slots` set-up slots at each step and 30 s budgets; `hold` plays the
+/// clients that get there first (kept until the end). A real client behind them must get
+/// its pipe within 10 s, and its data through; returns the listener's failed handshakes.
+fn a_client_behind<H>(
+    slots: usize,
+    hold: impl AsyncFnOnce(&ProtectionDomain, std::net::SocketAddr, &rdmakit_verbs::cm::CmOptions) -> H,
+) -> u64 {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         let pd = Context::open_soft().alloc_pd().unwrap();
         let mut cm = cm_options();
         cm.timeout = Duration::from_secs(30);
         let config = pipe_config().with_connect_timeout(Duration::from_secs(30));
-        let listener = PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, 8).unwrap();
+        let listener =
+            PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, slots).unwrap();
         let addr = listener.local_addr();
-        let _silent_tcp = std::net::TcpStream::connect(addr).unwrap();
-        let _silent_conn = rdmakit_verbs::cm::connect_async(&pd, addr, &cm, b"").await.unwrap();
+        let held = hold(&pd, addr, &cm).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let start = Instant::now();
-        let (server, client) = tokio::join!(listener.accept(), Pipe::connect_to_with(&pd, addr, &cm, config));
+        let client =
+            Pipe::connect_to_with(&pd, addr, &cm, config.with_connect_timeout(Duration::from_secs(10)));
+        let (server, client) =
+            tokio::join!(tokio::time::timeout(Duration::from_secs(15), listener.accept()), client);
         let took = start.elapsed();
-        let (server, client) = (server.unwrap(), client.unwrap());
-        eprintln!("a pipe behind two silent clients in {took:?}");
+        let client = client.expect("the client behind the others");
+        let server = server.expect("the listener set the pipe up").unwrap();
+        eprintln!("a pipe behind the first clients in {took:?}");
         assert!(took < Duration::from_secs(10), "took {took:?}");
         let src = pd.alloc_mr(5, AccessFlags::LOCAL_WRITE).unwrap();
         src.write_at(0, b"hello").unwrap();
         client.rwrite(src.local().unwrap()).await.0.unwrap();
         assert_eq!(server.recv().await.unwrap().to_vec().unwrap(), b"hello");
-        assert_eq!(listener.failed_handshakes(), 0, "the silent ones are still within their budget");
+        let failed = listener.failed_handshakes();
+        drop(held);
+        failed
+    })
+}
+
+/// A client that completes the connection handshake but never sends its pipe hello, and
+/// one that opens the bootstrap socket and sends nothing, both with 30 s to go: a real
+/// client behind them gets its pipe at once, and its data through.
+#[test]
+fn silent_pipe_clients_do_not_delay_another() {
+    let failed = a_client_behind(8, async |pd, addr, cm| {
+        let silent_tcp = std::net::TcpStream::connect(addr).unwrap();
+        let silent_conn = rdmakit_verbs::cm::connect_async(pd, addr, cm, b"").await.unwrap();
+        (silent_tcp, silent_conn)
     });
+    assert_eq!(failed, 0, "the silent ones are still within their budget");
 }
 
 /// Clients that complete the connection handshake and never send their pipe hello, as
@@ -454,34 +475,12 @@ fn silent_pipe_clients_do_not_delay_another() {
 /// now gives way to a newer connection when every slot is held.
 #[test]
 fn clients_stalling_before_their_pipe_hello_do_not_hold_every_slot() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    rt.block_on(async {
-        let pd = Context::open_soft().alloc_pd().unwrap();
-        let mut cm = cm_options();
-        cm.timeout = Duration::from_secs(30);
-        let config = pipe_config().with_connect_timeout(Duration::from_secs(30));
-        let listener = PipeListener::bind_with(&pd, "127.0.0.1:0".parse().unwrap(), &cm, config, 2).unwrap();
-        let addr = listener.local_addr();
+    let failed = a_client_behind(2, async |pd, addr, cm| {
         let mut stalled = Vec::new();
         for _ in 0..2 {
-            stalled.push(rdmakit_verbs::cm::connect_async(&pd, addr, &cm, b"").await.unwrap());
+            stalled.push(rdmakit_verbs::cm::connect_async(pd, addr, cm, b"").await.unwrap());
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let start = Instant::now();
-        let client =
-            Pipe::connect_to_with(&pd, addr, &cm, config.with_connect_timeout(Duration::from_secs(10)));
-        let (server, client) =
-            tokio::join!(tokio::time::timeout(Duration::from_secs(15), listener.accept()), client);
-        let took = start.elapsed();
-        let client = client.expect("the client behind the stalled ones");
-        let server = server.expect("the listener set the pipe up").unwrap();
-        eprintln!("a pipe behind clients stalled before their hello in {took:?}");
-        assert!(took < Duration::from_secs(10), "took {took:?}");
-        let src = pd.alloc_mr(5, AccessFlags::LOCAL_WRITE).unwrap();
-        src.write_at(0, b"hello").unwrap();
-        client.rwrite(src.local().unwrap()).await.0.unwrap();
-        assert_eq!(server.recv().await.unwrap().to_vec().unwrap(), b"hello");
-        assert!(listener.failed_handshakes() >= 1, "a stalled set-up gave way");
-        drop(stalled);
+        stalled
     });
+    assert!(failed >= 1, "a stalled set-up gave way");
 }

@@ -332,11 +332,13 @@ fn a_second_qp_with_other_parameters_than_the_first_is_refused() {
     assert!(said.contains("other parameters than QP 1"), "{said}");
 }
 
-/// A pipe-lat client that completes the pipe's hello and then sends nothing, its process
-/// alive (its pipe answers keep-alives): the server gives up after 30 s, as every other
-/// server loop does, instead of waiting for ever.
-#[test]
-fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
+/// A pipe-lat client against a fresh `pipe-lat` server: runs `behave` on its pipe and
+/// buffer, then waits up to 60 s, its runtime (and so its pipe's keep-alives) running, for
+/// the server to end; returns whether it did, and what it said.
+fn pipe_lat_client(
+    iters: u32,
+    behave: impl AsyncFnOnce(&rdmakit_channel::Pipe, &rdmakit_verbs::MemoryRegion),
+) -> (Option<std::process::ExitStatus>, String) {
     use rdmakit_channel::{NotifyMode, Pipe, PipeConfig};
     let (mut srv, addr, err) = server(&["pipe-lat", "--server", "127.0.0.1:0"]);
     let pd = Context::open_soft().alloc_pd().unwrap();
@@ -347,13 +349,13 @@ fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
         .with_max_inline_data(256);
     let opts = cm_opts().with_caps(caps);
     let conn =
-        cm::connect(&pd, addr, &opts, &request(PIPE_LAT, 8, 1000, 1, 1, 0, 0, 0, &buf.remote())).unwrap();
+        cm::connect(&pd, addr, &opts, &request(PIPE_LAT, 8, iters, 1, 1, 0, 0, 0, &buf.remote())).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let config = PipeConfig::default().with_notify(NotifyMode::WriteImm);
     let pipe =
         rt.block_on(Pipe::connect(conn.qp().clone(), conn.cq().clone(), config)).expect("the pipe's hello");
-    // Silent, alive: the runtime keeps the pipe answering while the server waits.
     let status = rt.block_on(async {
+        behave(&pipe, &buf).await;
         let started = Instant::now();
         loop {
             if let Some(s) = srv.try_wait().unwrap() {
@@ -368,7 +370,15 @@ fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
         }
     });
     drop((pipe, conn));
-    let said = err.join().unwrap();
+    (status, err.join().unwrap())
+}
+
+/// A pipe-lat client that completes the pipe's hello and then sends nothing, its process
+/// alive (its pipe answers keep-alives): the server gives up after 30 s, as every other
+/// server loop does, instead of waiting for ever.
+#[test]
+fn a_silent_pipe_client_does_not_hold_the_server_for_ever() {
+    let (status, said) = pipe_lat_client(1000, async |_, _| {});
     assert!(status.is_some(), "the server still waits for a silent client after 60 s:\n{said}");
     assert!(said.contains("timed out") || said.contains("Timeout"), "{said}");
 }
@@ -404,22 +414,7 @@ fn a_write_with_immediate_into_a_send_test_is_an_error_not_a_panic() {
 /// waited for credit for ever, busy polling. It gives up after 30 s, as its other waits do.
 #[test]
 fn a_pipe_client_that_never_takes_its_answers_does_not_hold_the_server_for_ever() {
-    use rdmakit_channel::{NotifyMode, Pipe, PipeConfig};
-    let (mut srv, addr, err) = server(&["pipe-lat", "--server", "127.0.0.1:0"]);
-    let pd = Context::open_soft().alloc_pd().unwrap();
-    let buf = pd.alloc_mr(1 << 16, AccessFlags::ALL_REMOTE).unwrap();
-    let caps = rdmakit_verbs::QpCaps::default()
-        .with_max_send_wr(256)
-        .with_max_recv_wr(168)
-        .with_max_inline_data(256);
-    let opts = cm_opts().with_caps(caps);
-    let conn =
-        cm::connect(&pd, addr, &opts, &request(PIPE_LAT, 8, 100_000, 1, 1, 0, 0, 0, &buf.remote())).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let config = PipeConfig::default().with_notify(NotifyMode::WriteImm);
-    let pipe =
-        rt.block_on(Pipe::connect(conn.qp().clone(), conn.cq().clone(), config)).expect("the pipe's hello");
-    let status = rt.block_on(async {
+    let (status, said) = pipe_lat_client(100_000, async |pipe, buf| {
         // More pings than the server has credit for answers; none of its answers taken.
         for _ in 0..1000 {
             let ping = buf.slice(0, 8).unwrap();
@@ -427,21 +422,7 @@ fn a_pipe_client_that_never_takes_its_answers_does_not_hold_the_server_for_ever(
                 break; // the server stopped taking pings: it waits for credit
             }
         }
-        let started = Instant::now();
-        loop {
-            if let Some(s) = srv.try_wait().unwrap() {
-                break Some(s);
-            }
-            if started.elapsed() > Duration::from_secs(60) {
-                let _ = srv.kill();
-                let _ = srv.wait();
-                break None;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
     });
-    drop((pipe, conn));
-    let said = err.join().unwrap();
     assert!(status.is_some(), "the server still waits for credit 60 s later:\n{said}");
     assert!(said.contains("timed out") || said.contains("Timeout"), "{said}");
 }

@@ -1306,6 +1306,17 @@ mod tests {
         (client, server)
     }
 
+    /// Drops a peer's socket, and checks that took far less than `linger` seconds.
+    fn dropped_quickly(sock: PeerSock, linger: i32) {
+        let started = std::time::Instant::now();
+        drop(sock);
+        let took = started.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(linger as u64 / 4),
+            "dropping the connection took {took:?} (the linger time is {linger} s)"
+        );
+    }
+
     #[test]
     fn a_lingering_socket_passed_as_rings_does_not_hold_the_loop() {
         const LINGER_S: i32 = 20;
@@ -1339,13 +1350,7 @@ mod tests {
         send_fds(theirs.as_raw_fd(), &[queued.as_raw_fd()]).unwrap();
         drop((first, queued));
         assert!(accept_rings(&ours, MAX_RING).is_err(), "a socket is not rings");
-        let started = std::time::Instant::now();
-        drop(ours);
-        let took = started.elapsed();
-        assert!(
-            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
-            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
-        );
+        dropped_quickly(ours, LINGER_S);
         drop(theirs);
     }
 
@@ -1361,13 +1366,7 @@ mod tests {
         let ours = PeerSock::from(ours);
         send_fds(theirs.as_raw_fd(), &[inner.as_raw_fd()]).unwrap();
         drop((lingering, inner));
-        let started = std::time::Instant::now();
-        drop(ours);
-        let took = started.elapsed();
-        assert!(
-            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
-            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
-        );
+        dropped_quickly(ours, LINGER_S);
         drop((theirs, inner_peer));
     }
 
@@ -1387,13 +1386,7 @@ mod tests {
         let ours = PeerSock::from(ours);
         send_fds(theirs.as_raw_fd(), &[listener.as_raw_fd()]).unwrap();
         drop((lingering, listener));
-        let started = std::time::Instant::now();
-        drop(ours);
-        let took = started.elapsed();
-        assert!(
-            took < std::time::Duration::from_secs(LINGER_S as u64 / 4),
-            "dropping the connection took {took:?} (the linger time is {LINGER_S} s)"
-        );
+        dropped_quickly(ours, LINGER_S);
         drop((theirs, client));
     }
 
