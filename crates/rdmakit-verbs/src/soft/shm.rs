@@ -839,7 +839,9 @@ fn recv_fds(sock: &UnixStream) -> io::Result<Vec<OwnedFd>> {
 }
 
 /// What one `recvmsg` gave: bytes, the descriptors that came with them (now ours), and
-/// whether some were dropped for want of room (`MSG_CTRUNC`).
+/// whether some of them are not among those: dropped for want of room (`MSG_CTRUNC`), or
+/// files of a FUSE mount, which go to be closed elsewhere ([`close_elsewhere`]). Either way
+/// the message's descriptors are not what the peer should have sent.
 struct Received {
     bytes: usize,
     fds: Vec<OwnedFd>,
@@ -879,6 +881,7 @@ fn recv_nested(sock: RawFd, buf: &mut [u8], depth: u32, budget: &mut usize) -> i
         return Err(io::Error::last_os_error());
     }
     let mut fds: Vec<OwnedFd> = Vec::new();
+    let mut withheld = false;
     // SAFETY: walks the control messages the kernel wrote into `cbuf`, within
     // `msg_controllen`; each SCM_RIGHTS payload is an array of descriptors now ours.
     unsafe {
@@ -889,6 +892,11 @@ fn recv_nested(sock: RawFd, buf: &mut [u8], depth: u32, budget: &mut usize) -> i
                 let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
                 for k in 0..count {
                     let fd = OwnedFd::from_raw_fd(data.add(k).read_unaligned());
+                    if is_fuse(&fd) {
+                        close_elsewhere(fd);
+                        withheld = true;
+                        continue;
+                    }
                     defuse(&fd, depth, budget);
                     fds.push(fd);
                 }
@@ -896,15 +904,61 @@ fn recv_nested(sock: RawFd, buf: &mut [u8], depth: u32, budget: &mut usize) -> i
             c = libc::CMSG_NXTHDR(&raw const msg, c);
         }
     }
-    Ok(Received { bytes: n as usize, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
+    Ok(Received { bytes: n as usize, fds, truncated: withheld || msg.msg_flags & libc::MSG_CTRUNC != 0 })
+}
+
+/// `statfs.f_type` of a FUSE mount.
+const FUSE_SUPER_MAGIC: u64 = 0x6573_5546;
+
+/// Whether `fd` is a file of a FUSE mount (whose daemon answers for its `close`).
+fn is_fuse(fd: &OwnedFd) -> bool {
+    // SAFETY: fstatfs into a zeroed local of the right type.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is ours; `st` is a live local.
+    let ok = unsafe { libc::fstatfs(fd.as_raw_fd(), &raw mut st) } == 0;
+    ok && st.f_type as u64 == FUSE_SUPER_MAGIC
+}
+
+/// Files of a FUSE mount a peer passed queue for this thread to close, at most this many.
+const CLOSE_QUEUE: usize = 1024;
+
+/// Closes `fd` on a thread of its own (one for the process), not this one. `close(2)` of
+/// a FUSE file asks the mount's daemon to flush it and waits for the answer: a peer that
+/// serves the mount itself (any user may mount one) never answers, and whoever closes
+/// waits with it, the wire's loop otherwise. (The kernel releasing a file it holds in
+/// flight does not flush; a descriptor received does.) With [`CLOSE_QUEUE`] files waiting
+/// already, or no thread to be had, it is closed here after all.
+fn close_elsewhere(fd: OwnedFd) {
+    static CLOSER: std::sync::OnceLock<Option<std::sync::mpsc::SyncSender<OwnedFd>>> =
+        std::sync::OnceLock::new();
+    let tx = CLOSER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<OwnedFd>(CLOSE_QUEUE);
+        let spawned = std::thread::Builder::new().name("rdmakit-fd-close".into()).spawn(move || {
+            for fd in rx {
+                drop(fd);
+            }
+        });
+        spawned.ok().map(|_| tx)
+    });
+    match tx {
+        Some(tx) => {
+            if let Err(e) = tx.try_send(fd) {
+                crate::warn_limited!(
+                    "soft NIC: FUSE files from same-host peers wait to be closed; closing one here"
+                );
+                drop(e); // it holds the descriptor: closed here
+            }
+        }
+        None => drop(fd),
+    }
 }
 
 /// Makes closing `fd` quick if it is a socket: a peer can pass a TCP socket with unsent
 /// data and a long `SO_LINGER` (up to `INT_MAX` seconds), whose last `close` waits that long
 /// (measured: 21.7 s for a linger of 20 s, on the thread that refused it). Lingering 0 s
 /// makes that close abortive. Anything else (`ENOTSOCK`, the memfds expected) is left
-/// alone. (A file on a FUSE mount the peer serves can still hold its `close` until the
-/// peer answers; that needs a peer able to mount one, which the same user is.)
+/// alone. (A file of a FUSE mount never gets here: [`recv_nested`] hands it to
+/// [`close_elsewhere`].)
 ///
 /// A Unix socket is emptied the same way ([`empty`]): descriptors queued on it would be
 /// released by whoever closes it last, and may linger in turn. Nesting is followed
@@ -1388,6 +1442,23 @@ mod tests {
         drop((lingering, listener));
         dropped_quickly(ours, LINGER_S);
         drop((theirs, client));
+    }
+
+    /// Only files of a FUSE mount go to the closing thread (memfds, sockets and devices
+    /// close where they are dropped), and what goes there is closed: the far end of a pipe
+    /// handed to it reads end-of-file. (A FUSE mount whose daemon withholds its answer to
+    /// the flush is not made here: that needs a FUSE server in the test.)
+    #[test]
+    fn only_fuse_files_are_closed_elsewhere_and_they_are_closed() {
+        let memfd = ring_memfd(MIN_RING).unwrap();
+        let (a, _b) = UnixStream::pair().unwrap();
+        let null = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        assert!(!is_fuse(&memfd) && !is_fuse(&OwnedFd::from(a)) && !is_fuse(&null));
+        let (r, w) = std::io::pipe().unwrap();
+        close_elsewhere(OwnedFd::from(w));
+        let mut r = r;
+        let mut b = [0u8; 1];
+        assert_eq!(std::io::Read::read(&mut r, &mut b).unwrap(), 0, "the write end was closed");
     }
 
     #[test]
