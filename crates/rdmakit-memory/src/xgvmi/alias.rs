@@ -107,11 +107,13 @@ struct Table<A> {
     /// Keys whose idle alias was evicted: what was seen of each, so that a late export of
     /// one stays refused (at most `capacity * FORGOTTEN_PER_ALIAS`).
     evicted: HashMap<u64, Seen>,
-    /// The newest generation among evicted keys forgotten to keep `evicted` bounded: an
-    /// export no newer than this, of a key the cache knows nothing of, is refused (it may
-    /// be a late export of a forgotten one; the host exports it again, with a new
-    /// generation).
-    floor: u64,
+    /// By vHCA: the newest generation among its evicted keys forgotten to keep `evicted`
+    /// bounded: an export of that vHCA no newer than this, of a key the cache knows
+    /// nothing of, is refused (it may be a late export of a forgotten one; the host exports
+    /// it again, with a new generation). Each vHCA's own: generations are what each host
+    /// declares, and one declaring the highest must not raise another's floor. At most one
+    /// entry per vHCA whose aliases the device created.
+    floors: HashMap<u32, u64>,
     /// Counts imports (for `last_used`).
     tick: u64,
     stats: AliasStats,
@@ -124,8 +126,10 @@ impl<A> Table<A> {
         let latest = match self.evicted.get(&key.map_key()) {
             Some(seen) if seen.is_newer_than(key) => seen.latest_gen,
             Some(_) => return Ok(()),
-            None if key.export_gen <= self.floor => self.floor,
-            None => return Ok(()),
+            None => match self.floors.get(&key.vhca_id) {
+                Some(&floor) if key.export_gen <= floor => floor,
+                _ => return Ok(()),
+            },
         };
         self.stats.refused_stale += 1;
         Err(stale_export(key, latest))
@@ -154,15 +158,22 @@ impl<A> Table<A> {
             }
         }
         self.stats.evicted += out.len() as u64;
-        // What is remembered is bounded too: the oldest half goes, and the floor rises to
-        // the newest generation forgotten.
+        // What is remembered is bounded too: the oldest half goes, and each vHCA's floor
+        // rises to the newest generation of its own forgotten.
         let bound = capacity.saturating_mul(FORGOTTEN_PER_ALIAS);
         if self.evicted.len() > bound {
             let mut gens: Vec<u64> = self.evicted.values().map(|s| s.latest_gen).collect();
             let mid = gens.len() / 2;
             let (_, &mut cut, _) = gens.select_nth_unstable(mid);
-            self.evicted.retain(|_, s| s.latest_gen > cut);
-            self.floor = self.floor.max(cut);
+            let floors = &mut self.floors;
+            self.evicted.retain(|&k, s| {
+                if s.latest_gen > cut {
+                    return true;
+                }
+                let floor = floors.entry((k >> 32) as u32).or_insert(0); // `PackedKey::map_key`
+                *floor = (*floor).max(s.latest_gen);
+                false
+            });
         }
         out
     }
@@ -180,8 +191,8 @@ impl<A> Table<A> {
 /// that finds every alias held is refused ([`Error::LimitReached`]). What the cache had
 /// seen of an evicted key stays (about 24 bytes, up to 16 per alias of capacity), so that
 /// a late export of it is still refused; beyond that the oldest are forgotten, and an
-/// export older than the newest forgotten one, of a key the cache knows nothing of, is
-/// refused too (the host exports it again).
+/// export older than the newest forgotten one of its vHCA, of a key the cache knows
+/// nothing of, is refused too (the host exports it again).
 pub struct AliasCache<O: AliasOps> {
     ops: O,
     capacity: usize,
@@ -199,7 +210,7 @@ impl<O: AliasOps> AliasCache<O> {
         let table = Table {
             live: HashMap::new(),
             evicted: HashMap::new(),
-            floor: 0,
+            floors: HashMap::new(),
             tick: 0,
             stats: AliasStats::default(),
         };

@@ -325,6 +325,31 @@ fn forgotten_keys_raise_a_floor_under_unknown_exports() {
     cache.import(&again.packed()).unwrap();
 }
 
+/// The floor under unknown exports is each vHCA's own. A host (vHCA 9) declaring the
+/// highest generation on keys of its own filled what the cache remembers with them, and
+/// when the oldest half was forgotten, the floor it raised for everyone was that
+/// generation: every later import of a key the cache did not hold, of any vHCA, was refused
+/// for good. (Found by review.)
+#[test]
+fn one_host_declaring_huge_generations_raises_only_its_own_floor() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(64, SECRET)).unwrap();
+    let cache = AliasCache::with_capacity(Dpu { host: model.clone(), created: Rc::default() }, 1);
+    let own_vhca = pool.export(&region(99)).unwrap().packed().vhca_id;
+    assert_ne!(own_vhca, 9);
+    let hostile: Vec<_> = (0..40).map(|i| pool.export(&region(i)).unwrap()).collect();
+    for e in &hostile {
+        let forged = PackedKey { vhca_id: 9, export_gen: u64::MAX, ..e.packed() };
+        // Each evicts the one before; some are forgotten, and once vHCA 9's floor is the
+        // highest generation its next ones are refused: its own doing.
+        let _ = cache.import(&forged);
+    }
+    drop(hostile);
+    let genuine = pool.export(&region(100)).unwrap();
+    assert_eq!(genuine.packed().vhca_id, own_vhca);
+    cache.import(&genuine.packed()).expect("another vHCA's fresh export is not under vHCA 9's floor");
+}
+
 /// Every bind of a pool key is a new export generation: once the DPU has imported the newer
 /// export, the older one (whose buffer the host has taken back) is refused, and an import
 /// held across the re-bind reports itself stale instead of writing into the new buffer.
