@@ -305,7 +305,34 @@ struct Owned {
     segments: Vec<MemoryRegion>,
     bytes: u64,
     /// Blocks whose data has landed, oldest first, not yet taken by the consumer.
-    ready: VecDeque<RemoteBlock>,
+    ready: Ready,
+}
+
+/// Landed blocks in order, and their addresses for a look-up in constant time: a peer's
+/// ready announcements are checked against the queue, which holds up to
+/// `OwnerLimits::max_blocks` (a scan of it per announcement was quadratic in the peer's
+/// blocks).
+#[derive(Default)]
+struct Ready {
+    order: VecDeque<RemoteBlock>,
+    addrs: std::collections::HashSet<u64>,
+}
+
+impl Ready {
+    fn push_back(&mut self, b: RemoteBlock) {
+        self.addrs.insert(b.addr);
+        self.order.push_back(b);
+    }
+
+    fn pop_front(&mut self) -> Option<RemoteBlock> {
+        let b = self.order.pop_front()?;
+        self.addrs.remove(&b.addr);
+        Some(b)
+    }
+
+    fn contains(&self, addr: u64) -> bool {
+        self.addrs.contains(&addr)
+    }
 }
 
 #[derive(Debug)]
@@ -822,7 +849,7 @@ impl HeapEndpoint {
                 // Only a block handed out and not announced yet: one the consumer took
                 // (in use) or freed must not be delivered again, nor one already queued.
                 let (block, state) = owned.owner.block(addr).ok_or(HeapError::UnknownBlock { addr })?;
-                if state != OwnerBlockState::HandedOut || owned.ready.iter().any(|b| b.addr == addr) {
+                if state != OwnerBlockState::HandedOut || owned.ready.contains(addr) {
                     return Err(ChannelError::Protocol(format!(
                         "block {addr:#x} announced again ({state:?} on this side)"
                     )));
@@ -880,7 +907,7 @@ impl HeapEndpoint {
                 sync: config.sync(),
                 segments: Vec::new(),
                 bytes: 0,
-                ready: VecDeque::new(),
+                ready: Ready::default(),
             },
         );
         let r = self.grant(heap, len);
