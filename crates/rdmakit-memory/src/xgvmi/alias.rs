@@ -158,8 +158,24 @@ impl<A> Table<A> {
             }
         }
         self.stats.evicted += out.len() as u64;
-        // What is remembered is bounded too: the oldest half goes, and each vHCA's floor
-        // rises to the newest generation of its own forgotten.
+        self.trim(capacity);
+        out
+    }
+
+    /// Remembers what was seen of a key with no cached alias (a plain key's), unless
+    /// something newer of it is remembered already.
+    fn remember(&mut self, k: u64, seen: Seen, capacity: usize) {
+        let e = self.evicted.entry(k).or_insert(seen);
+        if seen.latest_gen > e.latest_gen {
+            *e = seen;
+        }
+        self.trim(capacity);
+    }
+
+    /// Keeps what is remembered of keys bounded.
+    fn trim(&mut self, capacity: usize) {
+        // The oldest half goes, and each vHCA's floor rises to the newest generation of
+        // its own forgotten.
         let bound = capacity.saturating_mul(FORGOTTEN_PER_ALIAS);
         if self.evicted.len() > bound {
             let mut gens: Vec<u64> = self.evicted.values().map(|s| s.latest_gen).collect();
@@ -175,7 +191,6 @@ impl<A> Table<A> {
                 false
             });
         }
-        out
     }
 }
 
@@ -192,7 +207,9 @@ impl<A> Table<A> {
 /// seen of an evicted key stays (about 24 bytes, up to 16 per alias of capacity), so that
 /// a late export of it is still refused; beyond that the oldest are forgotten, and an
 /// export older than the newest forgotten one of its vHCA, of a key the cache knows
-/// nothing of, is refused too (the host exports it again).
+/// nothing of, is refused too (the host exports it again). A plain key's alias is not
+/// cached, but what was seen of the key is remembered the same way: a late export of an
+/// older incarnation of its number is refused.
 pub struct AliasCache<O: AliasOps> {
     ops: O,
     capacity: usize,
@@ -240,8 +257,14 @@ impl<O: AliasOps> AliasCache<O> {
             return Err(Error::InvalidArgument("packed key of an empty region".into()));
         }
         if !key.pooled {
+            // Not cached, but remembered as an evicted key is: a late export of an older
+            // incarnation of the number (destroyed since, the number given to another key)
+            // would alias that other key's buffer.
+            self.lock().refuse_forgotten(key)?;
             let alias = Arc::new(self.ops.create_alias(key)?);
-            self.lock().stats.uncached += 1;
+            let mut g = self.lock();
+            g.stats.uncached += 1;
+            g.remember(key.map_key(), Seen { uuid: key.uuid, latest_gen: key.export_gen }, self.capacity);
             return Ok(ImportedAlias { alias, key: *key, hit: false });
         }
         let mk = key.map_key();

@@ -350,6 +350,26 @@ fn one_host_declaring_huge_generations_raises_only_its_own_floor() {
     cache.import(&genuine.packed()).expect("another vHCA's fresh export is not under vHCA 9's floor");
 }
 
+/// A plain key (made for one export, destroyed with it) is not cached, but what was seen of
+/// it is remembered: once the DPU has imported an export of a newer incarnation of the same
+/// number, a late export of the older one (whose buffer is gone, its key number now the
+/// newer key's) is refused, where it made an alias of the newer key. (Found by review.)
+#[test]
+fn a_late_export_of_an_older_plain_key_under_a_reused_number_is_refused() {
+    let model = Model::default();
+    let pool = UmrMkeyPool::new(model.clone(), PoolConfig::new(4, SECRET)).unwrap();
+    let cache = AliasCache::new(Dpu { host: model.clone(), created: Rc::default() });
+    let big = pool.export(&Region { id: 1, len: UMR_MAX + 4096 }).unwrap();
+    let old = big.packed();
+    assert!(!old.pooled, "a region past the UMR limit gets a plain key");
+    // The number's next incarnation (the model keeps the key: the device accepts it).
+    let newer = PackedKey { uuid: old.uuid ^ 1, export_gen: old.export_gen + 1, ..old };
+    cache.import(&newer).unwrap();
+    let Err(err) = cache.import(&old) else { panic!("a late export of the older incarnation") };
+    assert!(err.to_string().contains("stale export"), "{err}");
+    cache.import(&newer).expect("the newer one still imports");
+}
+
 /// Every bind of a pool key is a new export generation: once the DPU has imported the newer
 /// export, the older one (whose buffer the host has taken back) is refused, and an import
 /// held across the re-bind reports itself stale instead of writing into the new buffer.
