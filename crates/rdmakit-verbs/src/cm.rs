@@ -623,8 +623,8 @@ mod on_tokio {
     /// time is up and holds no other. At most `max_handshakes` run at once; with all of
     /// them running, a new connection takes the place of the oldest handshake whose
     /// request has not come whole (dropped and counted as failed), else of the oldest
-    /// whose request came an eighth of the budget ago (250 ms to 4 s) and that has not
-    /// finished (a client answers within a round trip: one withholding its READY or RTU
+    /// whose request came and that has not finished an eighth of the budget (250 ms to 4 s)
+    /// after its connection (a client answers within a round trip: one withholding its READY or RTU
     /// would hold its slot for the whole budget), and waits until one has stalled so or a
     /// slot is free. Established connections
     /// queue (as many again) until [`accept`](Self::accept) takes them. A handshake that fails or times out
@@ -778,8 +778,8 @@ mod on_tokio {
     }
 
     impl Handshakes {
-        /// How long a handshake whose request came may take before a newer connection may
-        /// take its place when every slot is held: an eighth of the budget, from 250 ms to
+        /// How long after its connection a handshake whose request came may take before a
+        /// newer connection may take its place when every slot is held: an eighth of the budget, from 250 ms to
         /// 4 s. A client answers its reply within a round trip; one that has not by then
         /// is stalling (a request sent and the READY or RTU withheld holds its slot for
         /// the whole budget, so a peer renewing such handshakes held every slot).

@@ -299,7 +299,7 @@ async fn a_declared_endpoint_that_never_answers_blocks_nothing() {
 /// One source that completes its requests and then never finishes the handshake (no
 /// READY) held a slot per connection for the whole budget: with every slot so held, a
 /// client from anywhere else waited in the backlog until it gave up. A handshake that has
-/// not finished an eighth of the budget after its request (here 3.75 s; a client answers
+/// not finished an eighth of the budget after its connection (here 3.75 s; a client answers
 /// within a round trip) now gives way to a newer connection when every slot is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_source_stalling_after_its_requests_does_not_hold_every_slot() {
