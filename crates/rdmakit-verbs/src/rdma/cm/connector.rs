@@ -96,9 +96,9 @@ impl CmConnector {
         timeout: Duration,
     ) -> Result<(CmConn, Vec<u8>)> {
         let deadline = Deadline::new(Some(timeout));
-        self.start_connect(qp, opts, private_data)?;
+        let limits = self.start_connect(qp, opts, private_data)?;
         let response = self.cm.wait_for(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect", &deadline)?;
-        self.establish(qp, opts, response)
+        self.establish(qp, opts, limits, response)
     }
 
     /// [`connect`](Self::connect) on tokio, without a limit of its own (the caller bounds
@@ -110,13 +110,14 @@ impl CmConnector {
         opts: &ConnectOptions,
         private_data: &[u8],
     ) -> Result<(CmConn, Vec<u8>)> {
-        self.start_connect(qp, opts, private_data)?;
+        let limits = self.start_connect(qp, opts, private_data)?;
         let response = self.cm.wait_for_async(ev::RDMA_CM_EVENT_CONNECT_RESPONSE, "rdma_connect").await?;
-        self.establish(qp, opts, response)
+        self.establish(qp, opts, limits, response)
     }
 
-    /// INIT and `rdma_connect`.
-    fn start_connect(&self, qp: &Qp, opts: &ConnectOptions, private_data: &[u8]) -> Result<()> {
+    /// INIT and `rdma_connect`; returns the device's read and atomic limits
+    /// (`CmId::rd_atomic_limits`), which the reply's depths are held to.
+    fn start_connect(&self, qp: &Qp, opts: &ConnectOptions, private_data: &[u8]) -> Result<(u8, u8)> {
         let cm = &self.cm;
         cm.check_qp(qp)?;
         let (max_rd, max_init) = cm.rd_atomic_limits()?;
@@ -126,16 +127,22 @@ impl CmConnector {
         cm.qp_to_init(qp, opts)?;
         // SAFETY: live id with a resolved route; `param` and the private data it points to
         // outlive the call, which copies them.
-        cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })
+        cm_ret("rdma_connect", unsafe { sys::rdma_connect(cm.ptr(), &mut param) })?;
+        Ok((max_rd, max_init))
     }
 
     /// After the CONNECT_RESPONSE: RTR, RTS and `rdma_establish`. The reply's read and
     /// atomic depths are the peer's word: held to what this side asked for (as the passive
     /// side holds a request's), not taken up to the device's maximum.
-    fn establish(self, qp: &Qp, opts: &ConnectOptions, response: Event) -> Result<(CmConn, Vec<u8>)> {
+    fn establish(
+        self,
+        qp: &Qp,
+        opts: &ConnectOptions,
+        (max_rd, max_init): (u8, u8),
+        response: Event,
+    ) -> Result<(CmConn, Vec<u8>)> {
         let cm = self.cm;
         let established = (|| {
-            let (max_rd, max_init) = cm.rd_atomic_limits()?;
             let resp = opts.max_rd_atomic.min(response.initiator_depth).max(1).min(max_rd);
             let init = opts.max_rd_atomic.min(response.responder_resources).max(1).min(max_init);
             cm.qp_to_rtr(qp, opts, Some(resp))?;
