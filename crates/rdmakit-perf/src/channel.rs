@@ -64,8 +64,8 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                 let mut lat = crate::measure::samples_vec(p.iters as usize)?;
                 for i in 0..p.iters {
                     let t = Instant::now();
-                    rwrite(&pipe, src.clone()).await?;
-                    drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
+                    pipe.rwrite(src.clone()).await.0.map_err(chan)?;
+                    drop(pipe.recv().await.map_err(chan)?);
                     lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                     tick(bar, i);
                 }
@@ -83,9 +83,9 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                 while done < p.iters {
                     let n = (p.iters - done).min(slots as u32) as usize;
                     let t = Instant::now();
-                    let writes: Vec<_> = slices[..n].iter().map(|s| rwrite(&pipe, s.clone())).collect();
-                    for r in join_all(writes).await {
-                        r?;
+                    let writes: Vec<_> = slices[..n].iter().map(|s| pipe.rwrite(s.clone())).collect();
+                    for (r, _) in join_all(writes).await {
+                        r.map_err(chan)?;
                     }
                     let secs = t.elapsed().as_secs_f64().max(1e-9);
                     peak = peak.max(n as f64 * f64::from(p.size) / secs);
@@ -93,7 +93,7 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
                     tick(bar, done);
                 }
                 // The reader acknowledges the last message: everything has landed.
-                drop(pipe.recv_timeout(crate::measure::STUCK).await.map_err(chan)?);
+                drop(pipe.recv().await.map_err(chan)?);
                 let secs = start.elapsed().as_secs_f64();
                 let bytes = u64::from(p.iters) * u64::from(p.size);
                 let avg = bytes as f64 / secs.max(1e-9);
@@ -110,13 +110,22 @@ pub fn run(side: &Side, p: &Params, bar: &ProgressBar) -> Result<Measured> {
     })
 }
 
-/// An rwrite that waits `STUCK` at most (for credit from a peer that takes nothing, or for
-/// its completion): the peer of a pipe test may be alive and never release.
+/// The server's rwrite, which waits `STUCK` at most (for credit from a client that takes
+/// nothing, or for its completion): a client may be alive and never release. Most rwrites
+/// resolve on their first poll (an inline one is done once posted), so the timer, a clock
+/// read and a timer-wheel entry, is made only for one that waits: the server's echo is
+/// part of what the client measures.
 async fn rwrite(pipe: &Pipe, src: rdmakit_verbs::LocalSlice) -> Result<()> {
-    match tokio::time::timeout(crate::measure::STUCK, pipe.rwrite(src)).await {
-        Ok((r, _)) => r.map_err(chan),
-        Err(_) => Err(Error::Timeout(crate::measure::STUCK)),
-    }
+    use std::task::Poll;
+    let mut w = std::pin::pin!(pipe.rwrite(src));
+    let first = std::future::poll_fn(|cx| Poll::Ready(w.as_mut().poll(cx))).await;
+    let (r, _) = match first {
+        Poll::Ready(done) => done,
+        Poll::Pending => tokio::time::timeout(crate::measure::STUCK, w)
+            .await
+            .map_err(|_| Error::Timeout(crate::measure::STUCK))?,
+    };
+    r.map_err(chan)
 }
 
 /// The server's side of a pipe test.
